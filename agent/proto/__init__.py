@@ -1,0 +1,1 @@
+"""gRPC protocol between the runtime and the agent."""

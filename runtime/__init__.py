@@ -1,0 +1,1 @@
+"""trainwarden.runtime: the in-worker library imported by training scripts."""

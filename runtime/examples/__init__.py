@@ -1,0 +1,1 @@
+"""Reference workloads that run under trainwarden."""

