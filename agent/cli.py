@@ -1,2 +1,102 @@
-def main(argv=None) -> int:
-    raise SystemExit("not yet")
+"""The `trainwarden` command line: one entry point, one small function per subcommand.
+
+Argument parsing stays here; each subcommand's work lives in the module named for it
+(`run` in agent/run.py, ...). Errors in the input print one line that says what to do and exit
+with ``EXIT_USAGE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from . import __version__, exit_codes
+
+__all__ = ["main"]
+
+RUN_EXAMPLE = """\
+example:
+  trainwarden run --nproc-per-node 8 --max-restarts 2 --job demo -- \\
+      -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps 60 --ckpt-every 10
+
+With no --etcd, an embedded etcd is started on a free loopback port and stopped on exit.
+Job state (logs, checkpoints unless --ckpt-dir is given, fault markers) goes to
+$TRAINWARDEN_STATE_HOME/jobs/JOB (default ~/.local/state/trainwarden/jobs/JOB).
+Faults for testing: TRAINWARDEN_FAULTS='crash:rank=3,step=12' (see trainwarden.runtime.faults).
+"""
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run", help="run a training script under trainwarden on this node (embedded etcd by default)",
+        description="Run SCRIPT (or -m MODULE) with torchrun under trainwarden: etcd3 rendezvous, "
+                    "restarts, fault recovery, a summary at the end.",
+        epilog=RUN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
+    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port or http://host:port) "
+                   "instead of starting an embedded one")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                   help="worker-group restarts before the job fails (default 3)")
+    p.add_argument("--job", metavar="NAME", help="job name (default: run-<time>)")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
+                   "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
+    p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between torchrun's checks of its workers (default 1)")
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
+                   help="the training script and its arguments, or -m MODULE ARGS...")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args) -> int:
+    from .run import RunOptions, run
+
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        print("trainwarden run: nothing to run; put the script after the options, e.g. "
+              "`trainwarden run --nproc-per-node 2 -- train.py --lr 0.1`", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    job = args.job or time.strftime("run-%Y%m%d-%H%M%S")
+    try:
+        opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                          etcd=args.etcd, max_restarts=args.max_restarts,
+                          monitor_interval=args.monitor_interval,
+                          state_home=args.state_home)
+    except ValueError as exc:
+        print(f"trainwarden run: {exc}", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    return run(opts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainwarden",
+        description="Fault-tolerant training runtime with monitoring for PyTorch.",
+    )
+    parser.add_argument("--version", action="version", version=f"trainwarden {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("TRAINWARDEN_LOG_LEVEL", "INFO"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_run(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s trainwarden %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return exit_codes.EXIT_USAGE
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

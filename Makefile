@@ -1,0 +1,57 @@
+# trainwarden: two commands on a fresh machine.
+#   make demo   creates .venv, installs trainwarden, runs the 3D-parallel CPU demo with a fault injected
+#   make test   creates .venv if needed, installs the test extra and the system packages, runs the suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch first, pinned to a CPU build, so pip does not pull a multi-GB CUDA build for the dependency range
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+DEMO_FAULTS ?= crash:rank=5,step=26
+DEMO_STEPS ?= 40
+
+.PHONY: demo test venv install install-test system-packages bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(BIN)/python
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# Prometheus, Alertmanager and promtool for the integration tests (Debian packages).
+system-packages:
+	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      prometheus prometheus-alertmanager >/dev/null; \
+	  else \
+	    echo "make test: prometheus/promtool missing and not root; their tests will be skipped" >&2; \
+	  fi; \
+	fi
+
+demo: $(VENV)/.installed
+	rm -rf runs/jobs/demo
+	TRAINWARDEN_STATE_HOME=$(CURDIR)/runs TRAINWARDEN_FAULTS='$(DEMO_FAULTS)' \
+	  $(BIN)/trainwarden run --nproc-per-node 8 --max-restarts 2 --job demo -- \
+	  -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps $(DEMO_STEPS) --ckpt-every 10
+
+test: $(VENV)/.installed-test system-packages
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python tests/bench/bench_checkpoint.py
+	$(BIN)/python tests/bench/bench_telemetry.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,26 @@
+"""Exit codes of the trainwarden CLI and of workers, as named constants.
+
+Shell users and supervisors (systemd, Kubernetes) act on these, so they never change meaning.
+"""
+
+__all__ = [
+    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED",
+    "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
+]
+
+EXIT_OK = 0
+"""The job (or command) completed."""
+EXIT_JOB_FAILED = 1
+"""The workers failed and the restart budget is spent."""
+EXIT_USAGE = 2
+"""Bad command line or configuration: fix the input; retrying does not help."""
+EXIT_ETCD_UNAVAILABLE = 3
+"""etcd could not be reached or started: retry once it is up."""
+EXIT_LAUNCH_FAILED = 4
+"""torchrun could not be started."""
+EXIT_ABORTED = 75
+"""A worker aborted on the agent's command (hang recovery); torchrun restarts it."""
+EXIT_INTERRUPTED = 130
+"""Stopped by Ctrl-C (SIGINT)."""
+EXIT_TERMINATED = 143
+"""Stopped by SIGTERM."""

@@ -1,0 +1,79 @@
+"""A job's lifecycle: an enum of phases and the transitions allowed between them.
+
+Every transition is checked against the table and logged; an illegal one raises, because it means
+the supervisor's picture of the job is wrong, and acting on a wrong picture (restarting a job that
+finished, say) is worse than stopping.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["IllegalTransition", "JobPhase", "JobRecord"]
+
+
+class JobPhase(str, enum.Enum):
+    PENDING = "pending"
+    """Accepted, nothing started yet."""
+    STARTING = "starting"
+    """Rendezvous and worker start-up; no step completed in this round yet."""
+    RUNNING = "running"
+    """Steps are completing."""
+    RESTARTING = "restarting"
+    """A worker failed; torchrun is restarting the worker group."""
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    """Stopped by an operator (Ctrl-C, SIGTERM, `trainwarden stop`)."""
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+_TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
+    JobPhase.PENDING: frozenset({JobPhase.STARTING, JobPhase.FAILED, JobPhase.STOPPED}),
+    JobPhase.STARTING: frozenset({JobPhase.RUNNING, JobPhase.RESTARTING, JobPhase.SUCCEEDED,
+                                  JobPhase.FAILED, JobPhase.STOPPED}),
+    JobPhase.RUNNING: frozenset({JobPhase.RESTARTING, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED}),
+    JobPhase.RESTARTING: frozenset({JobPhase.STARTING, JobPhase.RUNNING, JobPhase.SUCCEEDED,
+                                    JobPhase.FAILED, JobPhase.STOPPED}),
+    JobPhase.SUCCEEDED: frozenset(),
+    JobPhase.FAILED: frozenset(),
+    JobPhase.STOPPED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A lifecycle transition that the table does not allow: a bug, not a retryable condition."""
+
+
+@dataclass
+class JobRecord:
+    """What the supervisor knows of one job; serialised to etcd as ``jobs/<job>/state``."""
+
+    job: str
+    phase: JobPhase = JobPhase.PENDING
+    generation: int = 0
+    restarts: int = 0
+    last_change: float = field(default_factory=time.time)
+    reason: str = ""
+
+    def transition(self, to: JobPhase, reason: str = "") -> None:
+        if to == self.phase:
+            return
+        if to not in _TRANSITIONS[self.phase]:
+            raise IllegalTransition(f"job {self.job}: {self.phase.value} -> {to.value} is not allowed")
+        logger.info("job %s: %s -> %s%s", self.job, self.phase.value, to.value, f" ({reason})" if reason else "")
+        if to == JobPhase.RESTARTING:
+            self.restarts += 1
+        self.phase, self.reason, self.last_change = to, reason, time.time()
+
+    def to_json(self) -> dict:
+        return {"job": self.job, "phase": self.phase.value, "generation": self.generation,
+                "restarts": self.restarts, "last_change": self.last_change, "reason": self.reason}

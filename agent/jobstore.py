@@ -1,0 +1,85 @@
+"""The job keys in etcd (DESIGN.md "etcd keys"): spec, state and the latest checkpoint pointer.
+
+Values are JSON. The client is a constructor parameter (an ``etcd3`` client, or a fake in tests),
+and every call is wrapped so that an unreachable etcd raises ``JobStoreUnavailable`` with the
+endpoint in the message instead of a raw gRPC error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_PREFIX", "JobStore", "JobStoreUnavailable", "connect"]
+
+DEFAULT_PREFIX = "/trainwarden/v1"
+
+
+class JobStoreUnavailable(RuntimeError):
+    """etcd did not answer. Retryable once etcd is back."""
+
+
+def connect(endpoint: str, *, timeout: float = 5.0):
+    """An ``etcd3`` client for ``host:port``, checked with one read; ``JobStoreUnavailable`` if down."""
+    import etcd3
+
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:2379")
+    client = etcd3.client(host=host.strip("[]"), port=int(port), timeout=timeout)
+    try:
+        client.get(DEFAULT_PREFIX + "/_probe")
+    except Exception as exc:
+        client.close()
+        raise JobStoreUnavailable(
+            f"cannot reach etcd at {endpoint} ({type(exc).__name__}); start etcd there, "
+            "or leave out --etcd to use an embedded one"
+        ) from exc
+    return client
+
+
+class JobStore:
+    def __init__(self, client, *, prefix: str = DEFAULT_PREFIX, endpoint: str = "etcd") -> None:
+        self._client = client
+        self._prefix = prefix.rstrip("/")
+        self._endpoint = endpoint
+
+    def key(self, job: str, *parts: str) -> str:
+        return "/".join([self._prefix, "jobs", job, *parts])
+
+    def _put(self, key: str, value: dict[str, Any]) -> None:
+        try:
+            self._client.put(key, json.dumps(value, sort_keys=True))
+        except Exception as exc:
+            raise JobStoreUnavailable(f"cannot write {key} to etcd at {self._endpoint}: {exc}") from exc
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        try:
+            value, _ = self._client.get(key)
+        except Exception as exc:
+            raise JobStoreUnavailable(f"cannot read {key} from etcd at {self._endpoint}: {exc}") from exc
+        if value is None:
+            return None
+        try:
+            return json.loads(value)
+        except ValueError:
+            logger.error("etcd key %s holds invalid JSON; ignoring it", key)
+            return None
+
+    def put_spec(self, job: str, spec: dict[str, Any]) -> None:
+        self._put(self.key(job, "spec"), spec)
+
+    def put_state(self, job: str, state: dict[str, Any]) -> None:
+        self._put(self.key(job, "state"), state)
+
+    def put_checkpoint(self, job: str, info: dict[str, Any]) -> None:
+        self._put(self.key(job, "checkpoint"), info)
+
+    def get_state(self, job: str) -> dict[str, Any] | None:
+        return self._get(self.key(job, "state"))
+
+    def get_checkpoint(self, job: str) -> dict[str, Any] | None:
+        return self._get(self.key(job, "checkpoint"))

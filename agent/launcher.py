@@ -1,0 +1,241 @@
+"""The launcher: torchrun with trainwarden's defaults, and the process tree it starts.
+
+``LaunchSpec`` is the typed description of one torchrun invocation; ``torchrun_command`` and
+``worker_environment`` turn it into an argv and an environment. Defaults that differ from plain
+torchrun, and why:
+
+- rendezvous backend ``etcd3`` (the rendezvous outlives any one host, unlike ``c10d``);
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch 2.13 otherwise shares one TCP store across restart
+  rounds and restarted gloo workers fail in ``connectFullMesh`` against the previous round's keys;
+- a restart budget (``--max-restarts``) and a short monitor interval, so a crash is noticed in about
+  a second;
+- the runtime's environment: job name, state directory, agent socket, Flight Recorder on.
+
+``TorchrunProcess`` owns the running torchrun. torchrun starts every worker in a session of its own,
+so killing torchrun's process group does not reach them; and a torchrun killed hard leaves orphans.
+So the supervisor keeps a list of torchrun's descendants (refreshed while it runs) and, on stop,
+signals torchrun first (it stops its workers itself), then kills whatever it started that is still
+there, by pid and start time, never anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from .paths import validate_job_name
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaunchSpec", "TorchrunProcess", "parse_nnodes", "torchrun_command", "worker_environment"]
+
+FLIGHT_RECORDER_ENV = {
+    # keep a ring buffer of the last collectives in every process group (gloo and NCCL)
+    "TORCH_FR_BUFFER_SIZE": "20000",
+    # GPU start/end times of NCCL collectives (ignored by gloo)
+    "TORCH_NCCL_ENABLE_TIMING": "1",
+}
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> (min, max); a clear ValueError otherwise."""
+    parts = value.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with integers, e.g. 1 or 1:4") from None
+    if len(numbers) == 1:
+        numbers = numbers * 2
+    if len(numbers) != 2 or not 1 <= numbers[0] <= numbers[1]:
+        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+    return numbers[0], numbers[1]
+
+
+def validate_launch(spec) -> None:
+    """Checks shared by every description of a launch (``LaunchSpec``, ``run.RunOptions``)."""
+    validate_job_name(spec.job)
+    if not spec.script or spec.script == ["-m"]:
+        raise ValueError("nothing to run: give a script path or -m MODULE after the options")
+    if spec.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node must be >= 1, got {spec.nproc_per_node}")
+    if spec.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {spec.max_restarts}")
+    if spec.monitor_interval <= 0:
+        raise ValueError(f"--monitor-interval must be > 0, got {spec.monitor_interval}")
+    parse_nnodes(spec.nnodes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """One torchrun invocation under trainwarden."""
+
+    job: str
+    """Job name: the rendezvous id, the etcd key component and a metric label."""
+    script: list[str]
+    """What each worker runs: ``[path, args...]`` or ``["-m", module, args...]``."""
+    rdzv_endpoint: str
+    """etcd client endpoint, ``host:port``."""
+    state_dir: Path
+    """The job's state directory (checkpoints, logs, fault markers, incidents)."""
+    nproc_per_node: int = 1
+    """Workers on this node."""
+    nnodes: str = "1"
+    """``N`` or ``MIN:MAX`` nodes (elastic)."""
+    max_restarts: int = 3
+    """Worker-group restarts torchrun may do before the job fails."""
+    monitor_interval: float = 1.0
+    """Seconds between torchrun's checks of its workers."""
+    agent_socket: str | None = None
+    """Unix socket of the node agent, passed to workers as ``TRAINWARDEN_AGENT_SOCKET``."""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Extra ``--rdzv-conf`` options (TLS, auth, timeouts)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for torchrun and the workers."""
+
+    def __post_init__(self) -> None:
+        validate_launch(self)
+
+
+def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str]:
+    cmd = [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", spec.nnodes,
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--rdzv-backend", "etcd3",
+        "--rdzv-endpoint", spec.rdzv_endpoint,
+        "--rdzv-id", spec.job,
+        "--max-restarts", str(spec.max_restarts),
+        "--monitor-interval", str(spec.monitor_interval),
+    ]
+    if spec.rdzv_conf:
+        cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in sorted(spec.rdzv_conf.items()))]
+    script = list(spec.script)
+    if script[0] == "-m":
+        cmd += ["-m", *script[1:]]
+    else:
+        cmd += script
+    return cmd
+
+
+def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for key, value in FLIGHT_RECORDER_ENV.items():
+        env.setdefault(key, value)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TRAINWARDEN_JOB"] = spec.job
+    env["TRAINWARDEN_STATE_DIR"] = str(spec.state_dir)
+    env.setdefault("TRAINWARDEN_CHECKPOINT_DIR", str(spec.state_dir / "checkpoints"))
+    env["TRAINWARDEN_ETCD_ENDPOINT"] = spec.rdzv_endpoint
+    if spec.agent_socket:
+        env["TRAINWARDEN_AGENT_SOCKET"] = spec.agent_socket
+    env.update(spec.extra_env)
+    return env
+
+
+class TorchrunProcess:
+    """A running torchrun and every process it started; ``stop()`` leaves none of them behind."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], *, stdout=None, cwd: str | None = None) -> None:
+        self.cmd = cmd
+        self._proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            start_new_session=True,
+        )
+        self._known: dict[int, float] = {}  # pid -> create_time of every descendant seen
+        logger.info("started torchrun pid=%d: %s", self._proc.pid, " ".join(cmd))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def stdout(self):
+        return self._proc.stdout
+
+    def poll(self) -> int | None:
+        self.refresh()
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._proc.wait(timeout)
+
+    def refresh(self) -> None:
+        """Remember torchrun's current descendants (workers come and go with restarts)."""
+        try:
+            children = psutil.Process(self._proc.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                self._known.setdefault(child.pid, child.create_time())
+            except psutil.Error:
+                continue
+
+    def _survivors(self) -> list[psutil.Process]:
+        alive = []
+        for pid, created in self._known.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        return alive
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever it started that remains."""
+        self.refresh()
+        if self._proc.poll() is None:
+            logger.info("stopping torchrun pid=%d", self._proc.pid)
+            self._signal_group(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("torchrun did not stop within %.0fs; killing it", grace)
+        self._signal_group(self._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + grace
+        survivors = self._survivors()
+        for proc in survivors:
+            self._kill_tree(proc)
+        while survivors and time.monotonic() < deadline:
+            survivors = self._survivors()
+            time.sleep(0.05)
+        if survivors:
+            logger.error("processes still alive after stop: %s", [p.pid for p in survivors])
+        try:
+            return self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _kill_tree(self, proc: psutil.Process) -> None:
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            return
+        # a worker leads its own session (torchrun starts it so): kill its group, which holds its children
+        if pgid == proc.pid:
+            self._signal_group(pgid, signal.SIGCONT)
+            self._signal_group(pgid, signal.SIGKILL)
+        else:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass

@@ -1,0 +1,269 @@
+"""`trainwarden run`: the all-in-one single-node default.
+
+It starts (or connects to) etcd, records the job in it, launches torchrun with the etcd3
+rendezvous and trainwarden's defaults, echoes and logs the job's output while tracking its
+progress, and exits with the job's status after printing a summary (steps, restarts, time lost to
+failures, where the checkpoints are).
+
+Ctrl-C and SIGTERM stop everything this command started: torchrun is asked to stop its workers,
+then anything it started that is still there is killed, then the embedded etcd is stopped. The
+command exits 130 (SIGINT) or 143 (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from . import exit_codes
+from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
+from .job import JobPhase, JobRecord
+from .jobstore import JobStore, JobStoreUnavailable, connect
+from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
+from .paths import job_state_dir
+from .progress import ProgressTracker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunOptions", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What `trainwarden run` was asked to do."""
+
+    script: list[str]
+    """The worker command: ``[path, args...]`` or ``["-m", module, args...]``."""
+    job: str
+    """Job name."""
+    nproc_per_node: int = 1
+    """Workers on this node."""
+    nnodes: str = "1"
+    """``N`` or ``MIN:MAX``."""
+    etcd: str | None = None
+    """``host:port`` (or ``http://host:port``) of a running etcd; None starts an embedded one."""
+    max_restarts: int = 3
+    """Worker-group restarts before the job fails."""
+    monitor_interval: float = 1.0
+    """Seconds between torchrun's health checks of its workers."""
+    state_home: Path | None = None
+    """Root of job state directories (default: see ``paths.default_state_home``)."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for the workers."""
+
+    def __post_init__(self) -> None:
+        validate_launch(self)
+
+
+def _endpoint(url: str) -> str:
+    for scheme in ("http://", "https://"):
+        if url.startswith(scheme):
+            url = url[len(scheme):]
+    return url.rstrip("/")
+
+
+def _checkpoint_dir(script: list[str], env: dict[str, str]) -> Path:
+    for i, arg in enumerate(script):
+        if arg == "--ckpt-dir" and i + 1 < len(script):
+            return Path(script[i + 1])
+        if arg.startswith("--ckpt-dir="):
+            return Path(arg.split("=", 1)[1])
+    return Path(env["TRAINWARDEN_CHECKPOINT_DIR"])
+
+
+class _Signals:
+    """Turns SIGINT/SIGTERM into an event the main loop waits on; restores handlers on exit."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Signals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            print(f"\ntrainwarden: {signal.Signals(signum).name} received; stopping the job", file=sys.stderr, flush=True)
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _OutputPump(threading.Thread):
+    """Copies torchrun's output to our stdout and the run log, feeding the progress tracker."""
+
+    def __init__(self, source, sink: TextIO, log: TextIO, tracker: ProgressTracker, on_line) -> None:
+        super().__init__(name="trainwarden-output", daemon=True)
+        self._source, self._sink, self._log = source, sink, log
+        self._tracker, self._on_line = tracker, on_line
+        self.quiet = False
+        """Set while stopping: torchrun's shutdown tracebacks go to the log, not the terminal."""
+
+    def run(self) -> None:
+        for raw in iter(self._source.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            try:
+                self._log.write(line)
+                if not self.quiet:
+                    self._sink.write(line)
+                    self._sink.flush()
+                self._tracker.feed(line)
+                self._on_line(line)
+            except Exception:  # a broken terminal must not stop the job's log or the tracker
+                logger.exception("error while handling job output")
+
+
+def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
+    state_dir = job_state_dir(opts.job, opts.state_home)
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    record = JobRecord(job=opts.job)
+    tracker = ProgressTracker()
+    lock = threading.Lock()
+
+    with ExitStack() as stack, _Signals() as signals:
+        # etcd: embedded unless told otherwise
+        if opts.etcd is None:
+            etcd = EmbeddedEtcd(log_path=logs / "etcd.log")
+            try:
+                etcd.start()
+            except (EtcdNotFoundError, EtcdStartError) as exc:
+                print(f"trainwarden: {exc}", file=sys.stderr)
+                return exit_codes.EXIT_ETCD_UNAVAILABLE
+            stack.callback(etcd.stop)
+            endpoint = etcd.endpoint
+            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=out, flush=True)
+        else:
+            endpoint = _endpoint(opts.etcd)
+        try:
+            client = connect(endpoint)
+        except (JobStoreUnavailable, ValueError) as exc:
+            print(f"trainwarden: {exc}", file=sys.stderr)
+            return exit_codes.EXIT_ETCD_UNAVAILABLE
+        stack.callback(client.close)
+        store = JobStore(client, endpoint=endpoint)
+
+        spec = LaunchSpec(
+            job=opts.job, script=opts.script, rdzv_endpoint=endpoint, state_dir=state_dir,
+            nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
+            monitor_interval=opts.monitor_interval, extra_env=opts.extra_env,
+        )
+        env = worker_environment(spec)
+        cmd = torchrun_command(spec)
+
+        def publish() -> None:
+            try:
+                store.put_state(opts.job, record.to_json())
+            except JobStoreUnavailable as exc:
+                logger.warning("%s", exc)
+
+        def transition(to: JobPhase, reason: str = "") -> None:
+            with lock:
+                if record.phase.terminal or record.phase == to:
+                    return
+                record.transition(to, reason)
+            publish()
+
+        def on_line(line: str) -> None:
+            if tracker.restarts > record.restarts:
+                transition(JobPhase.RESTARTING, "worker group failed")
+            elif tracker.steps_seen and record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
+                if record.phase == JobPhase.RESTARTING or tracker.restarts == record.restarts:
+                    transition(JobPhase.RUNNING)
+
+        try:
+            store.put_spec(opts.job, {
+                "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
+                "max_restarts": opts.max_restarts, "state_dir": str(state_dir),
+                "checkpoint_dir": str(_checkpoint_dir(opts.script, env)),
+            })
+        except JobStoreUnavailable as exc:
+            print(f"trainwarden: {exc}", file=sys.stderr)
+            return exit_codes.EXIT_ETCD_UNAVAILABLE
+        transition(JobPhase.STARTING)
+
+        log_file = stack.enter_context(open(logs / "run.log", "a", buffering=1))
+        try:
+            torchrun = TorchrunProcess(cmd, env, stdout=subprocess.PIPE)
+        except OSError as exc:
+            print(f"trainwarden: cannot start torchrun: {exc}", file=sys.stderr)
+            transition(JobPhase.FAILED, str(exc))
+            return exit_codes.EXIT_LAUNCH_FAILED
+        stack.callback(torchrun.stop)
+        pump = _OutputPump(torchrun.stdout, out, log_file, tracker, on_line)
+        pump.start()
+
+        while torchrun.poll() is None and not signals.event.wait(0.5):
+            pass
+
+        if signals.received is not None:
+            pump.quiet = True
+            torchrun.stop(grace=10.0)
+            pump.join(5)
+            transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
+            rc = exit_codes.EXIT_INTERRUPTED if signals.received == signal.SIGINT else exit_codes.EXIT_TERMINATED
+        else:
+            torchrun_rc = torchrun.wait()
+            pump.join(10)
+            if torchrun_rc == 0:
+                transition(JobPhase.SUCCEEDED)
+                rc = exit_codes.EXIT_OK
+            else:
+                transition(JobPhase.FAILED, f"torchrun exited with {torchrun_rc}")
+                rc = exit_codes.EXIT_JOB_FAILED
+        _summary(out, opts, record, tracker, time.monotonic() - started,
+                 _checkpoint_dir(opts.script, env), logs / "run.log")
+    return rc
+
+
+def _latest_checkpoint(directory: Path) -> str:
+    pointer = directory / "latest"
+    try:
+        info = json.loads(pointer.read_text())
+        return f"latest complete: step {info['step']}"
+    except FileNotFoundError:
+        return "none committed"
+    except (ValueError, KeyError, OSError) as exc:
+        return f"unreadable pointer {pointer}: {exc}"
+
+
+def _summary(out: TextIO, opts: RunOptions, record: JobRecord, tracker: ProgressTracker,
+             elapsed: float, ckpt_dir: Path, log_path: Path) -> None:
+    lines = [f"trainwarden: job {opts.job} {record.phase.value} after {elapsed:.1f}s"]
+    if tracker.max_step is not None:
+        median = tracker.median_step_seconds()
+        lines.append(f"  steps        last step {tracker.max_step}, last loss {tracker.last_loss}, "
+                     f"median step {median:.3f}s")
+    else:
+        lines.append("  steps        none reported (the script prints no 'step N loss X time Ys' lines)")
+    if tracker.failures:
+        parts = []
+        for f in tracker.failures:
+            lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
+            where = f"failed after step {f.last_step}" if f.last_step is not None else "failed before any step"
+            resumed = f", resumed at step {f.resumed_from}" if f.resumed_from is not None else ""
+            parts.append(f"{where}{resumed}, {lost}")
+        lines.append(f"  restarts     {tracker.restarts} ({'; '.join(parts)})")
+        lines.append(f"  time lost    {tracker.lost_seconds:.1f}s to failures")
+    else:
+        lines.append("  restarts     0")
+    lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")
+    lines.append(f"  log          {log_path}")
+    print("\n".join(lines), file=out, flush=True)

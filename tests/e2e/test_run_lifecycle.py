@@ -1,0 +1,79 @@
+"""`trainwarden run` end to end: embedded etcd, torchrun with etcd3, signals, no leftovers."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from procs import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HERE = Path(__file__).parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything(tmp_path, procs, sig):
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = dict(os.environ, PIDS_DIR=str(pids_dir), TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "2", "--job", "sig",
+         "--", str(HERE / "idle_worker.py")],
+        log=tmp_path / "run.log", env=env,
+    )
+    wait_for(lambda: "step 3 " in (tmp_path / "run.log").read_text(), 90, what="three steps")
+    tree = [run.pid] + [c.pid for c in psutil.Process(run.pid).children(recursive=True)]
+    workers = [int(p.read_text()) for p in pids_dir.glob("rank*.pid")]
+    assert len(workers) == 2 and all(w in tree for w in workers)
+    etcd = [p for p in psutil.Process(run.pid).children(recursive=True) if p.name() == "etcd"]
+    assert etcd, "the embedded etcd should be a child of trainwarden run"
+
+    # Ctrl-C in a terminal reaches the whole foreground group; SIGTERM (systemd, kubelet) only the leader
+    if sig == signal.SIGINT:
+        os.killpg(run.pid, sig)
+    else:
+        os.kill(run.pid, sig)
+    rc = run.wait(60)
+    assert rc == (130 if sig == signal.SIGINT else 143)
+    wait_for(lambda: not any(_alive(p) for p in tree), 15, what="every process of the run to exit")
+    log = (tmp_path / "run.log").read_text()
+    assert "job sig stopped" in log
+
+
+def test_failing_job_exits_nonzero_after_budget(tmp_path, procs):
+    script = tmp_path / "boom.py"
+    script.write_text("import sys\nprint('boom', flush=True)\nsys.exit(3)\n")
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--max-restarts", "1", "--job", "boom",
+         "--monitor-interval", "0.2", "--", str(script)],
+        log=tmp_path / "run.log", env=env,
+    )
+    assert run.wait(120) == 1
+    log = (tmp_path / "run.log").read_text()
+    assert log.count("boom\n") == 2, log  # first try + one restart
+    assert "job boom failed" in log
+
+
+def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
+    from trainwarden.agent.etcd_server import free_port
+
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--etcd", f"127.0.0.1:{free_port()}",
+         "--job", "noetcd", "--", "x.py"],
+        log=tmp_path / "run.log", env=env,
+    )
+    assert run.wait(60) == 3
+    assert "cannot reach etcd at 127.0.0.1:" in (tmp_path / "run.log").read_text()

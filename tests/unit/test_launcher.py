@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from trainwarden.agent.launcher import LaunchSpec, parse_nnodes, torchrun_command, worker_environment
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def spec(**kw):
+    base = dict(job="demo", script=["-m", "trainwarden.runtime.examples.gpt", "--steps", "3"],
+                rdzv_endpoint="127.0.0.1:2379", state_dir=Path("/tmp/state"), nproc_per_node=8)
+    base.update(kw)
+    return LaunchSpec(**base)
+
+
+def test_command_uses_etcd3_rendezvous_and_module():
+    cmd = torchrun_command(spec(rdzv_conf={"join_timeout": "60"}), python="python")
+    assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+    joined = " ".join(cmd)
+    assert "--rdzv-backend etcd3" in joined
+    assert "--rdzv-endpoint 127.0.0.1:2379" in joined
+    assert "--rdzv-id demo" in joined
+    assert "--rdzv-conf join_timeout=60" in joined
+    assert cmd[-4:] == ["-m", "trainwarden.runtime.examples.gpt", "--steps", "3"]
+
+
+def test_environment_for_workers():
+    env = worker_environment(spec(agent_socket="/run/tw.sock", extra_env={"X": "1"}), base={"PATH": "/bin"})
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TRAINWARDEN_JOB"] == "demo"
+    assert env["TRAINWARDEN_STATE_DIR"] == "/tmp/state"
+    assert env["TRAINWARDEN_CHECKPOINT_DIR"] == "/tmp/state/checkpoints"
+    assert env["TRAINWARDEN_AGENT_SOCKET"] == "/run/tw.sock"
+    assert env["TORCH_FR_BUFFER_SIZE"]
+    assert env["X"] == "1" and env["PATH"] == "/bin"
+
+
+def test_user_flight_recorder_settings_win():
+    env = worker_environment(spec(), base={"TORCH_FR_BUFFER_SIZE": "5"})
+    assert env["TORCH_FR_BUFFER_SIZE"] == "5"
+
+
+@pytest.mark.parametrize("value, expected", [("1", (1, 1)), ("2:4", (2, 4))])
+def test_parse_nnodes(value, expected):
+    assert parse_nnodes(value) == expected
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"nnodes": "4:2"}, "1 <= MIN <= MAX"),
+    ({"nnodes": "a"}, "expected N or MIN:MAX"),
+    ({"job": "Demo!"}, "job name 'Demo!' is invalid"),
+    ({"script": []}, "nothing to run"),
+    ({"nproc_per_node": 0}, "--nproc-per-node must be >= 1"),
+    ({"max_restarts": -1}, "--max-restarts must be >= 0"),
+])
+def test_bad_launch_specs(kw, words):
+    with pytest.raises(ValueError) as err:
+        spec(**kw)
+    assert words in str(err.value)
