@@ -1,0 +1,141 @@
+"""The agent's Prometheus endpoint: one registry of collectors served on ``/metrics``.
+
+Design
+------
+The agent builds one ``CollectorRegistry`` (``build_registry``) from its collectors (GPU health, host
+health, the watchdog's and telemetry's own, and ``AgentInfoCollector`` for the agent itself) and serves it
+with ``MetricsExporter``. Collectors yield metric families at scrape time from state their own threads keep
+up to date, so a scrape is cheap and never blocks on a device. There is no global registry: tests and the
+all-in-one ``trainwarden run`` each build their own, so nothing leaks between them.
+
+``MetricsExporter`` wraps prometheus_client's ``start_http_server``, which returns the server and its
+thread: the exporter keeps both, so ``stop()`` shuts the server down, closes the socket and joins the
+thread. Port 0 picks a free port (``.port`` then tells which).
+
+Default port: ``DEFAULT_METRICS_PORT = 9478``. Prometheus's wiki of default exporter ports has handed
+out all of 9100-9999, so no number there is unclaimed; 9478 keeps clear of what runs on a GPU training
+node: Prometheus 9090, Pushgateway 9091, Alertmanager 9093, node_exporter 9100, dcgm-exporter 9400, the
+OpenTelemetry Prometheus exporter 9464, nvidia_gpu_exporter 9835, etcd 2379/2380 and torchrun
+29400/29500. Override it with the agent's metrics-port setting where it collides.
+
+The default bind address is loopback: exposing metrics to the network is an explicit choice
+(``host="0.0.0.0"``) for the deployment to make.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from trainwarden.agent import __version__
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_METRICS_PORT",
+    "AgentInfoCollector",
+    "ExporterError",
+    "MetricsExporter",
+    "build_registry",
+]
+
+DEFAULT_METRICS_PORT = 9478
+
+
+class ExporterError(RuntimeError):
+    """The metrics endpoint could not be served (e.g. its port is taken); retrying the same port won't help."""
+
+
+class AgentInfoCollector:
+    """The agent's own identity: ``trainwarden_agent_info{node,version} 1`` and its start time."""
+
+    def __init__(self, *, node: str, version: str = __version__, wall_clock: Callable[[], float] = time.time) -> None:
+        self._node = node
+        self._version = version
+        self._started_at = wall_clock()  # wall clock: a timestamp for people, not a duration
+
+    def collect(self) -> Iterator[Metric]:
+        info = InfoMetricFamily("trainwarden_agent", "The trainwarden agent serving these metrics.", labels=["node"])
+        info.add_metric([self._node], {"version": self._version})
+        yield info
+        started = GaugeMetricFamily(
+            "trainwarden_agent_start_time_seconds", "Unix time the agent started.", labels=["node"]
+        )
+        started.add_metric([self._node], self._started_at)
+        yield started
+
+
+def build_registry(collectors: Iterable[Collector]) -> CollectorRegistry:
+    """A fresh registry holding exactly ``collectors`` (anything with ``collect()``)."""
+    registry = CollectorRegistry()
+    for collector in collectors:
+        registry.register(collector)
+    return registry
+
+
+class MetricsExporter:
+    """Serves ``registry`` on ``http://host:port/metrics`` from a daemon thread until ``stop()``."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = DEFAULT_METRICS_PORT) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be 0..65535 (0 picks a free one), got {port!r}")
+        self._registry = registry
+        self._host = host
+        self._requested_port = port
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port being served (the one picked when 0 was asked for); the requested one before start."""
+        if self._server is None:
+            return self._requested_port
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self.port}/metrics"
+
+    def start(self) -> "MetricsExporter":
+        """Bind and serve. Raises ExporterError if the address cannot be bound."""
+        if self._server is not None:
+            raise ExporterError(f"metrics exporter already serving {self.url}")
+        try:
+            self._server, self._thread = start_http_server(
+                self._requested_port, addr=self._host, registry=self._registry
+            )
+        except OSError as err:
+            hint = (
+                "another process holds it: stop it or choose another metrics port"
+                if err.errno == errno.EADDRINUSE
+                else "check the metrics host setting"
+            )
+            where = f"{self._host}:{self._requested_port}"
+            raise ExporterError(f"cannot serve metrics on {where}: {err.strerror}; {hint}") from err
+        logger.info("serving Prometheus metrics on %s", self.url)
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving, close the socket and join the server thread. Safe to call twice."""
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout_s)
+        self._server = self._thread = None
+
+    def __enter__(self) -> "MetricsExporter":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,188 @@
+"""A stand-in for the ``pynvml`` module (nvidia-ml-py), for tests of the GPU health sampler.
+
+It mirrors the parts of pynvml the sampler uses: ``NVMLError`` carrying ``.value`` (an NVML_ERROR_*
+code), the constants, per-device query functions and an event set whose ``nvmlEventSetWait_v2`` blocks on
+a queue and raises ``NVMLError(NVML_ERROR_TIMEOUT)`` when nothing arrives in time. Each ``FakeGpu`` holds
+its readings and can make any function raise a given error code (``errors={"nvmlDeviceGetPowerUsage":
+NVML_ERROR_NOT_SUPPORTED}``). ``calls`` counts calls per function name.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return f"fake NVML error {self.value}"
+
+
+@dataclass
+class FakeGpu:
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    name: str = "NVIDIA H100 80GB HBM3"
+    util_gpu: int = 87
+    util_memory: int = 40
+    mem_used: int = 30 * 2**30
+    mem_total: int = 80 * 2**30
+    temperature: int = 71
+    power_mw: int = 250_000
+    sm_mhz: int = 1410
+    clock_reasons: int = 0x40 | 0x4  # hw_thermal_slowdown + sw_power_cap
+    ecc_corrected: int = 3
+    ecc_uncorrected: int = 0
+    remapped_rows: tuple[int, int, int, int] = (2, 0, 0, 0)
+    pcie_replays: int = 5
+    errors: dict[str, object] = field(default_factory=dict)
+    """function name -> NVML error code to raise, or an exception instance to raise."""
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    index: int
+
+
+class FakeNvml:
+    """Use an instance where the sampler expects the ``pynvml`` module."""
+
+    NVMLError = NVMLError
+    NVML_ERROR_UNINITIALIZED = NVML_ERROR_UNINITIALIZED
+    NVML_ERROR_NOT_SUPPORTED = NVML_ERROR_NOT_SUPPORTED
+    NVML_ERROR_DRIVER_NOT_LOADED = NVML_ERROR_DRIVER_NOT_LOADED
+    NVML_ERROR_TIMEOUT = NVML_ERROR_TIMEOUT
+    NVML_ERROR_LIBRARY_NOT_FOUND = NVML_ERROR_LIBRARY_NOT_FOUND
+    NVML_ERROR_FUNCTION_NOT_FOUND = NVML_ERROR_FUNCTION_NOT_FOUND
+    NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+    NVML_VOLATILE_ECC = 0
+    NVML_AGGREGATE_ECC = 1
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    nvmlEventTypeXidCriticalError = 0x8
+
+    def __init__(self, gpus: list[FakeGpu], *, init_error: int | None = None, module_errors: dict | None = None):
+        self.gpus = gpus
+        self.init_error = init_error
+        self.module_errors = dict(module_errors or {})
+        self.calls: Counter[str] = Counter()
+        self.events: queue.Queue = queue.Queue()
+        self.registered: list[int] = []
+        self.freed = False
+        self.shut_down = False
+        self._lock = threading.Lock()
+
+    def push_xid(self, index: int, xid: int) -> None:
+        self.events.put(SimpleNamespace(device=FakeHandle(index), eventType=0x8, eventData=xid))
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _enter(self, fn: str, handle: FakeHandle | None = None) -> FakeGpu | None:
+        with self._lock:
+            self.calls[fn] += 1
+        error = self.module_errors.get(fn)
+        gpu = self.gpus[handle.index] if handle is not None else None
+        if gpu is not None and fn in gpu.errors:
+            error = gpu.errors[fn]
+        if isinstance(error, BaseException):
+            raise error
+        if error is not None:
+            raise NVMLError(error)
+        return gpu
+
+    # ---- library ---------------------------------------------------------------------------------
+    def nvmlInit(self):
+        self._enter("nvmlInit")
+        if self.init_error is not None:
+            raise NVMLError(self.init_error)
+
+    def nvmlShutdown(self):
+        self._enter("nvmlShutdown")
+        self.shut_down = True
+
+    def nvmlDeviceGetCount(self):
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self._enter("nvmlDeviceGetHandleByIndex")
+        return FakeHandle(index)
+
+    def nvmlDeviceGetIndex(self, handle):
+        self._enter("nvmlDeviceGetIndex", handle)
+        return handle.index
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self._enter("nvmlDeviceGetUUID", handle).uuid
+
+    def nvmlDeviceGetName(self, handle):
+        return self._enter("nvmlDeviceGetName", handle).name
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        gpu = self._enter("nvmlDeviceGetUtilizationRates", handle)
+        return SimpleNamespace(gpu=gpu.util_gpu, memory=gpu.util_memory)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        gpu = self._enter("nvmlDeviceGetMemoryInfo", handle)
+        return SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used)
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return self._enter("nvmlDeviceGetTemperature", handle).temperature
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._enter("nvmlDeviceGetPowerUsage", handle).power_mw
+
+    def nvmlDeviceGetClockInfo(self, handle, clock_type):
+        return self._enter("nvmlDeviceGetClockInfo", handle).sm_mhz
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle).clock_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        return self._enter("nvmlDeviceGetCurrentClocksThrottleReasons", handle).clock_reasons
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, error_type, counter_type):
+        gpu = self._enter("nvmlDeviceGetTotalEccErrors", handle)
+        return gpu.ecc_uncorrected if error_type == self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else gpu.ecc_corrected
+
+    def nvmlDeviceGetRemappedRows(self, handle):
+        return self._enter("nvmlDeviceGetRemappedRows", handle).remapped_rows
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle):
+        return self._enter("nvmlDeviceGetPcieReplayCounter", handle).pcie_replays
+
+    # ---- events ----------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self):
+        self._enter("nvmlEventSetCreate")
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, handle, event_types, event_set):
+        self._enter("nvmlDeviceRegisterEvents", handle)
+        self.registered.append(handle.index)
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms):
+        self._enter("nvmlEventSetWait_v2")
+        try:
+            return self.events.get(timeout=timeout_ms / 1000.0)
+        except queue.Empty:
+            raise NVMLError(NVML_ERROR_TIMEOUT) from None
+
+    def nvmlEventSetFree(self, event_set):
+        self._enter("nvmlEventSetFree")
+        self.freed = True
