@@ -1,0 +1,436 @@
+"""The ``etcd3`` torchrun rendezvous backend: torch's dynamic rendezvous, kept in etcd over the v3 API.
+
+``torchrun --rdzv-backend etcd3 --rdzv-endpoint HOST:PORT --rdzv-id JOB`` finds this module through the
+``torchrun.handlers`` entry point (``handler_factory``). torch's own ``etcd``/``etcd-v2`` backends speak the
+v2 API, which etcd 3.5 disables by default and 3.6 removed; ``c10d`` keeps the state in a TCPStore that
+dies with its host. This backend keeps it in etcd, which survives any node.
+
+What it is made of:
+
+* ``Etcd3RendezvousBackend`` implements torch's ``RendezvousBackend``: the pickled rendezvous state at
+  ``<key_prefix>/jobs/<run_id>/rdzv`` (DESIGN.md's key contract; ``key_prefix`` defaults to
+  ``/trainwarden/v1``), with the key's ``mod_revision`` as the fencing token. ``set_state`` is one etcd
+  transaction: compare the revision (or "key absent" for token ``None``), put and read back on success,
+  read the current value on failure, so every answer is a consistent snapshot. The state is wrapped in
+  a small envelope (magic, version, CRC-32) so a value that was not written by this backend, or was
+  truncated, is reported as ``RendezvousStateError`` instead of being unpickled.
+* ``Etcd3Store`` (``etcd_store.py``) is the c10d store the handler uses for round data and agent barriers.
+* ``torch.distributed.elastic.rendezvous.dynamic_rendezvous.create_handler`` does the rest: joining,
+  heartbeats, last call, closing. Nothing of its logic is copied here.
+
+The client (``connect``) is ``python3-etcd3`` with two deliberate differences from ``etcd3.client()``:
+a 2 s connect probe (``grpc.channel_ready_future``) so a wrong endpoint fails at start-up with
+``RendezvousConnectionError`` instead of on the first read after ``read_timeout``; and an endpoint that is
+never blacklisted after an error (``time_retry=0``) and reconnects within a second: the stock client
+refuses to use a single endpoint for 300 s after one failed call, and gRPC's reconnect back-off grows to
+two minutes; either would turn a short etcd restart into minutes of errors.
+
+Restarts. With torch >= 2.4 the dynamic handler shares one agent-hosted TCPStore with the workers across
+all restart rounds (``use_agent_store``). Workers of a restarted round then find the previous round's
+keys in that store, and gloo's ``connectFullMesh`` dials the dead workers' ports ("Connection refused");
+NCCL's unique-id exchange goes through the same store and has the same hazard. The only switch torch
+offers is the environment variable ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, which
+``DynamicRendezvousHandler.next_rendezvous`` reads directly (and ``use_agent_store`` reports to the agent,
+which tells the workers). So the creator sets it to ``1`` in torchrun's own process before it creates the
+handler: every round, rank 0 then picks a fresh free port for the workers' TCPStore and publishes it through
+``Etcd3Store``. Setting it once, up front, keeps the handler and the agent consistent; a subclass could
+only override ``use_agent_store`` and would disagree with ``next_rendezvous``. The cost (one TCPStore per
+round instead of one per job) is negligible.
+
+rdzv-conf options: ``key_prefix``, ``read_timeout`` (s, default 60), ``protocol`` (http|https; https when
+a certificate is given), ``ca_cert``, ``cert_key`` (alias ``ssl_cert_key``), ``cert_cert`` (alias
+``ssl_cert``), ``user``, ``password`` (or ``$TRAINWARDEN_ETCD_PASSWORD``, kept out of torchrun's launch
+log), and the dynamic rendezvous' own ``join_timeout``,
+``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
+``keep_alive_max_attempt``. torchrun adds ``timeout`` itself (unused by the dynamic handler, as with c10d).
+Anything else is rejected with ``ValueError``.
+
+A run id is single-use: after the job ends its rendezvous is closed, and a new torchrun with the same id
+gets ``RendezvousClosedError``. Use a new id (``trainwarden launch`` derives one per job generation) or
+delete ``<key_prefix>/jobs/<run_id>/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass, field
+from collections.abc import Mapping
+from typing import Any
+
+
+def handler_factory():
+    """Entry point of ``torchrun.handlers``: torch calls it with no arguments and registers the creator.
+
+    Defined before the torch imports below on purpose: importing ``torch.distributed.elastic.rendezvous``
+    loads every ``torchrun.handlers`` entry point, this one included. When this module is imported first
+    (by ``trainwarden launch`` or a test), torch then finds it half-initialised; the factory must already
+    exist, and the creator it returns resolves ``create_rdzv_handler`` only when called.
+    """
+    return _create_rdzv_handler_lazy
+
+
+def _create_rdzv_handler_lazy(params):
+    return create_rdzv_handler(params)
+
+
+import etcd3  # noqa: E402
+import grpc  # noqa: E402
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
+
+from .etcd_store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BACKEND_NAME",
+    "DEFAULT_KEY_PREFIX",
+    "Etcd3RendezvousBackend",
+    "Etcd3RendezvousConfig",
+    "connect",
+    "create_rdzv_handler",
+    "handler_factory",
+]
+
+BACKEND_NAME = "etcd3"
+DEFAULT_KEY_PREFIX = "/trainwarden/v1"
+DEFAULT_PORT = 2379
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+PASSWORD_ENV = "TRAINWARDEN_ETCD_PASSWORD"
+
+_ALIASES = {"ssl_cert_key": "cert_key", "ssl_cert": "cert_cert"}
+_ETCD_KEYS = frozenset(
+    {"key_prefix", "read_timeout", "protocol", "ca_cert", "cert_key", "cert_cert", "user", "password"}
+)
+_HANDLER_INT_KEYS = frozenset({
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+    "keep_alive_interval", "keep_alive_max_attempt",
+})
+_TORCHRUN_KEYS = frozenset({"timeout"})  # added by torchrun itself; the dynamic handler ignores it
+_KNOWN_KEYS = _ETCD_KEYS | _HANDLER_INT_KEYS | _TORCHRUN_KEYS | frozenset(_ALIASES)
+
+# gRPC's default reconnect back-off grows to 120 s: after an etcd restart the channel could stay down
+# for minutes. Cap it at 1 s so the client is back within a second of etcd.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_MAGIC = b"trainwarden-rdzv/1 "  # envelope: MAGIC + crc32 as 8 hex digits + b"\n" + pickled state
+_HEADER_LEN = len(_MAGIC) + 9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Etcd3RendezvousConfig:
+    """How to reach etcd and where to keep a job's rendezvous in it."""
+
+    host: str
+    """etcd host name or address (from ``--rdzv-endpoint``)."""
+    port: int = DEFAULT_PORT
+    """etcd client port."""
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    """Root of trainwarden's keys; the job's keys go under ``<key_prefix>/jobs/<run_id>/``."""
+    read_timeout: float = 60.0
+    """Deadline of each etcd request, in seconds."""
+    connect_timeout: float = 2.0
+    """How long the start-up probe waits for a connection before failing."""
+    protocol: str = "http"
+    """``http`` (plain gRPC) or ``https`` (TLS)."""
+    ca_cert: str | None = None
+    """CA bundle for TLS; the system roots when ``None``."""
+    cert_key: str | None = None
+    """Client private key for mutual TLS (with ``cert_cert``)."""
+    cert_cert: str | None = None
+    """Client certificate for mutual TLS (with ``cert_key``)."""
+    user: str | None = None
+    """etcd user for authentication (with ``password``)."""
+    password: str | None = field(default=None, repr=False)
+    """etcd password for ``user``."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("the etcd3 rendezvous needs --rdzv-endpoint HOST[:PORT]")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"etcd port {self.port} is not a TCP port (1-65535)")
+        if not self.key_prefix.startswith("/") or self.key_prefix.endswith("/"):
+            raise ValueError(
+                f"rdzv-conf key_prefix={self.key_prefix!r} must start with '/' and not end with one, "
+                f"e.g. {DEFAULT_KEY_PREFIX}"
+            )
+        for name in ("read_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rdzv-conf {name}={getattr(self, name)!r} must be a positive number of seconds")
+        if self.protocol not in ("http", "https"):
+            raise ValueError(f"rdzv-conf protocol={self.protocol!r} must be http or https")
+        tls_files = {n: getattr(self, n) for n in ("ca_cert", "cert_key", "cert_cert") if getattr(self, n)}
+        if self.protocol == "http" and tls_files:
+            raise ValueError(
+                f"rdzv-conf {', '.join(tls_files)} given with protocol=http; set protocol=https or drop them"
+            )
+        if bool(self.cert_key) != bool(self.cert_cert):
+            raise ValueError("rdzv-conf cert_key and cert_cert (client key and certificate) go together; give both")
+        for name, path in tls_files.items():
+            if not os.path.isfile(path):
+                raise ValueError(f"rdzv-conf {name}={path!r}: no such file")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("rdzv-conf user and password go together; give both or neither")
+
+    @property
+    def netloc(self) -> str:
+        """``host:port`` as gRPC dials it (IPv6 addresses in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @classmethod
+    def from_params(
+        cls, params: RendezvousParameters, environ: Mapping[str, str] = os.environ
+    ) -> "Etcd3RendezvousConfig":
+        """Build from torchrun's parameters (``--rdzv-endpoint``, ``--rdzv-conf``); ``ValueError`` if invalid.
+
+        The password may come from ``$TRAINWARDEN_ETCD_PASSWORD`` instead of rdzv-conf, which torchrun
+        prints in its launch log.
+        """
+        conf = _canonical_conf(params.config)
+        if not conf.get("password") and environ.get(PASSWORD_ENV):
+            conf["password"] = environ[PASSWORD_ENV]
+        endpoint = (params.endpoint or "").strip()
+        scheme = None
+        for prefix in ("http://", "https://"):
+            if endpoint.startswith(prefix):
+                scheme, endpoint = prefix[:-3], endpoint[len(prefix):].rstrip("/")
+        if not endpoint:
+            raise ValueError("the etcd3 rendezvous needs --rdzv-endpoint HOST[:PORT] (etcd's client URL)")
+        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+        tls_given = any(conf.get(k) for k in ("ca_cert", "cert_key", "cert_cert"))
+        protocol = str(conf.get("protocol", scheme or ("https" if tls_given else "http"))).strip().lower()
+        kwargs: dict[str, Any] = {"host": host, "port": port, "protocol": protocol}
+        if "key_prefix" in conf:
+            kwargs["key_prefix"] = str(conf["key_prefix"]).strip()
+        if "read_timeout" in conf:
+            kwargs["read_timeout"] = _as_float("read_timeout", conf["read_timeout"])
+        for name in ("ca_cert", "cert_key", "cert_cert", "user", "password"):
+            if conf.get(name):
+                kwargs[name] = str(conf[name])
+        return cls(**kwargs)
+
+
+def _canonical_conf(config: dict[str, Any]) -> dict[str, Any]:
+    """Reject unknown keys, fold aliases, and check the dynamic handler's integer options."""
+    unknown = sorted(set(config) - _KNOWN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown rdzv-conf option(s) for the etcd3 rendezvous: {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(_KNOWN_KEYS))}"
+        )
+    conf = {k: v for k, v in config.items() if k not in _ALIASES}
+    for alias, name in _ALIASES.items():
+        if alias in config:
+            if name in conf and str(conf[name]) != str(config[alias]):
+                raise ValueError(f"rdzv-conf {alias} and {name} name the same option with different values; give one")
+            conf[name] = config[alias]
+    for name in _HANDLER_INT_KEYS & set(conf):
+        try:
+            value = int(str(conf[name]).strip())
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ValueError(f"rdzv-conf {name}={conf[name]!r} must be a positive integer (seconds or count)")
+    return conf
+
+
+def _as_float(name: str, value: Any) -> float:
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"rdzv-conf {name}={value!r} must be a number of seconds") from None
+
+
+def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
+    """A client for ``config``'s etcd, after checking within ``connect_timeout`` that it answers.
+
+    Raises ``RendezvousConnectionError`` when etcd cannot be reached or refuses the credentials.
+    """
+    creds = None
+    if config.protocol == "https":
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read_file(config.ca_cert),
+            private_key=_read_file(config.cert_key),
+            certificate_chain=_read_file(config.cert_cert),
+        )
+    host = config.netloc.rsplit(":", 1)[0]
+    endpoint = etcd3.Endpoint(
+        host, config.port, secure=creds is not None, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
+    )
+    ready = grpc.channel_ready_future(endpoint.channel)
+    try:
+        ready.result(timeout=config.connect_timeout)
+    except grpc.FutureTimeoutError:
+        ready.cancel()
+        endpoint.close()
+        raise RendezvousConnectionError(
+            f"cannot reach etcd at {config.netloc}: no {config.protocol} connection within "
+            f"{config.connect_timeout:.1f}s; start etcd or pass the right --rdzv-endpoint"
+        ) from None
+    try:
+        return etcd3.MultiEndpointEtcd3Client(
+            endpoints=[endpoint], timeout=config.read_timeout, user=config.user, password=config.password
+        )
+    except ETCD_CLIENT_ERRORS as exc:
+        endpoint.close()
+        raise RendezvousConnectionError(
+            f"etcd at {config.netloc} refused the session: {describe_etcd_error(exc)}; "
+            "check rdzv-conf user/password"
+        ) from exc
+
+
+def _read_file(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class Etcd3RendezvousBackend(RendezvousBackend):
+    """torch's ``RendezvousBackend`` on etcd v3: the state at ``<key_prefix>/jobs/<run_id>/rdzv``.
+
+    The fencing token is the key's ``mod_revision`` (an ``int``). See the module docstring.
+    """
+
+    def __init__(
+        self,
+        client: etcd3.MultiEndpointEtcd3Client,
+        run_id: str,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        endpoint: str = "etcd",
+    ) -> None:
+        _check_run_id(run_id)
+        self._client = client
+        self._endpoint = endpoint
+        self.key = f"{key_prefix.rstrip('/')}/jobs/{run_id}/rdzv"
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        try:
+            value, meta = self._client.get(self.key)
+        except ETCD_CLIENT_ERRORS as exc:
+            raise self._connection_error("read", exc) from exc
+        if value is None:
+            return None
+        return self._decode(value), meta.mod_revision
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        tx = self._client.transactions
+        if token is None:
+            guard = tx.version(self.key) == 0  # create only
+        else:
+            revision = _parse_token(token)
+            if revision is None:  # not a token this backend handed out: nothing can match it
+                current = self.get_state()
+                return None if current is None else (*current, False)
+            guard = tx.mod(self.key) == revision
+        try:
+            ok, responses = self._client.transaction(
+                compare=[guard],
+                success=[tx.put(self.key, _encode(state)), tx.get(self.key)],
+                failure=[tx.get(self.key)],
+            )
+        except ETCD_CLIENT_ERRORS as exc:
+            raise self._connection_error("write", exc) from exc
+        kvs = responses[-1]
+        if not kvs:  # stale token and the key is gone: like v2, report "no state"
+            return None
+        value, meta = kvs[0]
+        return self._decode(value), meta.mod_revision, bool(ok)
+
+    def _decode(self, value: bytes) -> bytes:
+        try:
+            return _decode(value)
+        except ValueError as exc:
+            raise RendezvousStateError(
+                f"the rendezvous state at {self.key} in etcd {self._endpoint} is corrupt ({exc}); "
+                f"delete the key (etcdctl del {self.key}) or use a new --rdzv-id"
+            ) from None
+
+    def _connection_error(self, what: str, exc: BaseException) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"cannot {what} the rendezvous state {self.key} at etcd {self._endpoint}: "
+            f"{describe_etcd_error(exc)}; check that etcd is running and reachable from this node"
+        )
+
+
+def _encode(state: bytes) -> bytes:
+    return _MAGIC + b"%08x\n" % zlib.crc32(state) + state
+
+
+def _decode(value: bytes) -> bytes:
+    if not value.startswith(_MAGIC) or len(value) < _HEADER_LEN or value[_HEADER_LEN - 1 : _HEADER_LEN] != b"\n":
+        raise ValueError("not written by the trainwarden etcd3 rendezvous backend, version 1")
+    try:
+        crc = int(value[len(_MAGIC) : _HEADER_LEN - 1], 16)
+    except ValueError:
+        raise ValueError("unreadable checksum") from None
+    state = value[_HEADER_LEN:]
+    if zlib.crc32(state) != crc:
+        raise ValueError("checksum mismatch: the value was truncated or altered")
+    return state
+
+
+def _parse_token(token: Token) -> int | None:
+    """The revision in ``token``, or ``None`` if it is not one (wrong type, not an integer, not positive)."""
+    if isinstance(token, bool) or not isinstance(token, (int, str)):
+        return None
+    try:
+        revision = int(token)
+    except ValueError:
+        return None
+    return revision if revision > 0 else None
+
+
+def _check_run_id(run_id: str) -> None:
+    if not run_id or "/" in run_id or run_id.strip() != run_id:
+        raise ValueError(
+            f"rendezvous id {run_id!r} must be a non-empty name without '/' or surrounding spaces; "
+            "pass --rdzv-id JOB"
+        )
+
+
+def _disable_shared_tcp_store() -> None:
+    """Make torchrun give each round's workers their own TCPStore (see the module docstring)."""
+    previous = os.environ.get(SHARE_STORE_ENV)
+    if previous == "1":
+        return
+    if previous is not None:
+        logger.warning(
+            "%s=%s overridden to 1: a TCPStore shared across restart rounds breaks gloo/NCCL "
+            "re-initialisation after a restart", SHARE_STORE_ENV, previous,
+        )
+    os.environ[SHARE_STORE_ENV] = "1"
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun's creator for ``--rdzv-backend etcd3``: validate, connect, and build the dynamic handler."""
+    config = Etcd3RendezvousConfig.from_params(params)
+    _check_run_id(params.run_id)
+    client = connect(config)
+    job_prefix = f"{config.key_prefix}/jobs/{params.run_id}"
+    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, endpoint=config.netloc)
+    store = Etcd3Store(client, f"{job_prefix}/store", endpoint=config.netloc)
+    _disable_shared_tcp_store()
+    logger.info("etcd3 rendezvous for %r at %s under %s", params.run_id, config.netloc, job_prefix)
+    return create_handler(store, backend, params)

@@ -1,0 +1,347 @@
+"""The etcd3 rendezvous backend against a real etcd 3.5 (v2 API off) and real torchrun on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from trainwarden.agent.etcd_server import EmbeddedEtcd, free_port
+from trainwarden.agent.etcd_store import Etcd3Store
+from trainwarden.agent.rendezvous import (
+    DEFAULT_KEY_PREFIX,
+    Etcd3RendezvousBackend,
+    Etcd3RendezvousConfig,
+    connect,
+)
+
+pytestmark = pytest.mark.integration
+
+WORKER = Path(__file__).with_name("rdzv_worker.py")
+RESULT = re.compile(r"RESULT rank=(\d+) world=(\d+) restart=(\d+) sum=([-\d.e+]+) ok=(True|False)")
+
+
+@pytest.fixture(scope="module")
+def shared_etcd(tmp_path_factory):
+    """One etcd for the contract tests, each under its own run id; tests that kill etcd use ``etcd_server``."""
+    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def run_id(request) -> str:
+    return re.sub(r"[^\w.-]", "_", request.node.name)
+
+
+def _connect(server, read_timeout: float = 10):
+    host, port = server.endpoint.rsplit(":", 1)
+    return connect(Etcd3RendezvousConfig(host=host, port=int(port), read_timeout=read_timeout))
+
+
+@pytest.fixture
+def client(shared_etcd):
+    c = _connect(shared_etcd)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def backend(client, shared_etcd, run_id):
+    return Etcd3RendezvousBackend(client, run_id, endpoint=shared_etcd.endpoint)
+
+
+# -- backend contract -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_absent_state_is_none(backend, run_id):
+    assert backend.name == "etcd3"
+    assert backend.key == f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/rdzv"
+    assert backend.get_state() is None
+
+
+@pytest.mark.timeout(30)
+def test_create_with_token_none(backend):
+    state, token, ok = backend.set_state(b"s1", None)
+    assert (state, ok) == (b"s1", True)
+    assert isinstance(token, int) and token > 0
+    assert backend.get_state() == (b"s1", token)
+
+
+@pytest.mark.timeout(30)
+def test_second_create_returns_current_state(backend):
+    _, token, _ = backend.set_state(b"first", None)
+    assert backend.set_state(b"second", None) == (b"first", token, False)
+
+
+@pytest.mark.timeout(30)
+def test_cas_with_current_token_succeeds_and_advances_token(backend):
+    _, token, _ = backend.set_state(b"v1", None)
+    state, new_token, ok = backend.set_state(b"v2", token)
+    assert (state, ok) == (b"v2", True)
+    assert new_token > token
+    assert backend.get_state() == (b"v2", new_token)
+
+
+@pytest.mark.timeout(30)
+def test_stale_token_returns_current_state(backend):
+    _, t1, _ = backend.set_state(b"v1", None)
+    _, t2, _ = backend.set_state(b"v2", t1)
+    assert backend.set_state(b"v3", t1) == (b"v2", t2, False)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad_token", ["abc", b"x", 0, -5, 1.5])
+def test_invalid_token_returns_current_state(backend, bad_token):
+    _, token, _ = backend.set_state(b"v1", None)
+    assert backend.set_state(b"v2", bad_token) == (b"v1", token, False)
+
+
+@pytest.mark.timeout(30)
+def test_token_as_decimal_string_is_accepted(backend):
+    _, token, _ = backend.set_state(b"v1", None)
+    assert backend.set_state(b"v2", str(token))[2] is True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not an envelope", b"trainwarden-rdzv/1 00000000\nstate", b"trainwarden-rdzv/1 zzzz"],
+    ids=["foreign", "bad-checksum", "truncated"],
+)
+def test_corrupt_state_raises_state_error(backend, client, garbage):
+    client.put(backend.key, garbage)
+    with pytest.raises(RendezvousStateError, match="corrupt"):
+        backend.get_state()
+    with pytest.raises(RendezvousStateError):
+        backend.set_state(b"v", None)  # fails the create, then reads the corrupt value back
+
+
+@pytest.mark.timeout(30)
+def test_key_prefix_and_run_ids_are_separate(client, backend):
+    a = Etcd3RendezvousBackend(client, "job-a", key_prefix="/other")
+    b = Etcd3RendezvousBackend(client, "job-b", key_prefix="/other")
+    a.set_state(b"a", None)
+    assert a.key == "/other/jobs/job-a/rdzv"
+    assert b.get_state() is None
+    assert backend.get_state() is None
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_etcd_fails_fast_at_connect():
+    port = free_port()  # nothing listens there
+    with pytest.raises(RendezvousConnectionError, match=rf"cannot reach etcd at 127\.0\.0\.1:{port}.*--rdzv-endpoint"):
+        connect(Etcd3RendezvousConfig(host="127.0.0.1", port=port, read_timeout=600))
+
+
+@pytest.mark.timeout(30)
+def test_etcd_gone_after_connect_raises_connection_error(etcd_server):
+    c = _connect(etcd_server, read_timeout=600)
+    backend = Etcd3RendezvousBackend(c, "job-a", endpoint=etcd_server.endpoint)
+    etcd_server.kill()
+    with pytest.raises(RendezvousConnectionError, match=re.escape(etcd_server.endpoint)):
+        backend.get_state()
+    with pytest.raises(RendezvousConnectionError):
+        backend.set_state(b"v", None)
+    etcd_server.restart()  # the client recovers: the endpoint is not blacklisted after a failure
+    assert backend.set_state(b"v", None)[2] is True
+    c.close()
+
+
+# -- store --------------------------------------------------------------------------------------
+
+
+def _store(client, server, run_id: str) -> Etcd3Store:
+    return Etcd3Store(client, f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/store", endpoint=server.endpoint,
+                      timeout=timedelta(seconds=10))
+
+
+@pytest.fixture
+def store(client, shared_etcd, run_id):
+    return _store(client, shared_etcd, run_id)
+
+
+@pytest.mark.timeout(30)
+def test_store_set_get_and_key_layout(store, client, run_id):
+    store.set("k", "v")
+    store.set(b"bin", b"\x00\xff")
+    assert store.get("k") == b"v"
+    assert store.get("bin") == b"\x00\xff"
+    assert client.get(f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/store/k")[0] == b"v"
+    assert store.num_keys() == 2
+    assert store.delete_key("k") is True
+    assert store.check(["k"]) is False
+
+
+@pytest.mark.timeout(30)
+def test_store_get_blocks_until_set(store):
+    timer = threading.Timer(0.3, store.set, ("late", "here"))
+    timer.start()
+    try:
+        assert store.get("late") == b"here"
+    finally:
+        timer.cancel()
+
+
+@pytest.mark.timeout(30)
+def test_store_get_and_wait_time_out(store):
+    store.set_timeout(timedelta(milliseconds=200))
+    with pytest.raises(dist.DistStoreError, match="'missing'"):
+        store.get("missing")
+    store.set("a", "1")
+    with pytest.raises(dist.DistStoreError, match=r"\['b'\]"):
+        store.wait(["a", "b"], timedelta(milliseconds=100))
+    store.set("b", "2")
+    store.wait(["a", "b"])
+    assert store.check(["a", "b"]) is True
+
+
+@pytest.mark.timeout(60)
+def test_store_wait_rides_out_an_etcd_restart(etcd_server):
+    c = _connect(etcd_server)
+    store = _store(c, etcd_server, "job-a")
+    store.set("before", "1")
+    etcd_server.kill()
+    store.set_timeout(timedelta(milliseconds=300))
+    with pytest.raises(dist.DistNetworkError, match=re.escape(etcd_server.endpoint)):
+        store.get("before")  # still down at the deadline: the network error, naming the endpoint
+    store.set_timeout(timedelta(seconds=30))
+    timer = threading.Timer(0.5, etcd_server.restart)
+    timer.start()
+    try:
+        assert store.get("before") == b"1"  # down when the wait starts, back before its deadline
+    finally:
+        timer.join()
+        c.close()
+
+
+@pytest.mark.timeout(60)
+def test_store_add_is_atomic_under_contention(store):
+    assert store.add("n", 5) == 5
+
+    def worker():
+        for _ in range(10):
+            store.add("n", 1)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.get("n") == b"45"
+    assert store.add("n", -45) == 0
+
+
+@pytest.mark.timeout(30)
+def test_store_compare_set_semantics(store):
+    assert store.compare_set("c", "x", "y") == b"x"  # absent, expected non-empty: no write
+    assert store.check(["c"]) is False
+    assert store.compare_set("c", "", "first") == b"first"  # absent, expected empty: create
+    assert store.compare_set("c", "wrong", "z") == b"first"  # mismatch: current value
+    assert store.compare_set("c", "first", "second") == b"second"
+    assert store.get("c") == b"second"
+
+
+@pytest.mark.timeout(30)
+def test_store_through_prefix_store_as_the_handler_uses_it(store):
+    prefixed = dist.PrefixStore("torch.rendezvous.job.0", store)
+    prefixed.set("MASTER_ADDR", "127.0.0.1")
+    assert prefixed.get("MASTER_ADDR") == b"127.0.0.1"
+    assert prefixed.add("barrier", 1) == 1
+    prefixed.wait(["MASTER_ADDR"])
+    prefixed.multi_set(["x", "y"], ["1", "2"])
+    assert prefixed.multi_get(["x", "y"]) == [b"1", b"2"]
+    assert store.get("torch.rendezvous.job.0/MASTER_ADDR") == b"127.0.0.1"
+
+
+# -- handler and torchrun -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_registry_creates_etcd3_handler_that_does_not_share_the_tcp_store(shared_etcd, monkeypatch):
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    params = RendezvousParameters(
+        backend="etcd3", endpoint=shared_etcd.endpoint, run_id="job-h", min_nodes=1, max_nodes=1,
+        local_addr="127.0.0.1", join_timeout="30",
+    )
+    handler = get_rendezvous_handler(params)
+    assert handler.get_backend() == "etcd3"
+    assert handler.use_agent_store is False
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1"
+    handler.shutdown()
+
+
+def _torchrun(procs, tmp_path: Path, name: str, endpoint: str, run_id: str, *extra: str, env=None):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--rdzv-backend", "etcd3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", *extra,
+    ]
+    return procs.spawn(cmd, log=tmp_path / f"{name}.log", env=env)
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # the backend must cope without it
+    return env
+
+
+def _finish(proc, timeout: float) -> str:
+    rc = proc.wait(timeout)
+    log = proc.log_path.read_text(errors="replace")
+    assert rc == 0, f"torchrun exited {rc}; log:\n{log[-4000:]}"
+    return log
+
+
+def _results(log: str) -> dict[int, tuple[int, int, float, bool]]:
+    return {int(r): (int(w), int(n), float(s), ok == "True") for r, w, n, s, ok in RESULT.findall(log)}
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_single_node_two_workers(etcd_server, procs, tmp_path):
+    proc = _torchrun(procs, tmp_path, "node0", etcd_server.endpoint, "job-single",
+                     "--nnodes", "1", "--nproc-per-node", "2", str(WORKER), env=_clean_env())
+    results = _results(_finish(proc, 150))
+    assert results == {0: (2, 0, 3.0, True), 1: (2, 0, 3.0, True)}
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_two_agents_form_world_of_four(etcd_server, procs, tmp_path):
+    nodes = [
+        _torchrun(procs, tmp_path, f"node{i}", etcd_server.endpoint, "job-two",
+                  "--nnodes", "2", "--nproc-per-node", "2", str(WORKER), env=_clean_env())
+        for i in range(2)
+    ]
+    results = {}
+    for proc in nodes:
+        results.update(_results(_finish(proc, 200)))
+    assert results == {rank: (4, 0, 10.0, True) for rank in range(4)}
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restart_after_worker_crash_on_gloo(etcd_server, procs, tmp_path):
+    proc = _torchrun(procs, tmp_path, "node0", etcd_server.endpoint, "job-restart",
+                     "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+                     str(WORKER), "--crash-rank-1-first-round", env=_clean_env())
+    log = _finish(proc, 200)
+    assert _results(log) == {0: (2, 1, 3.0, True), 1: (2, 1, 3.0, True)}  # both ranks done in round 1
