@@ -45,6 +45,8 @@ def _add_run(sub) -> None:
     p.add_argument("--job", metavar="NAME", help="job name (default: run-<time>)")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
+    p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "
+                   "(default: 127.0.0.1 for a one-node job, the host name otherwise)")
     p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
                    help="seconds between torchrun's checks of its workers (default 1)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
@@ -67,7 +69,7 @@ def _cmd_run(args) -> int:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           etcd=args.etcd, max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
-                          state_home=args.state_home)
+                          state_home=args.state_home, local_addr=args.local_addr)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

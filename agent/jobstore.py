@@ -78,6 +78,18 @@ class JobStore:
     def put_checkpoint(self, job: str, info: dict[str, Any]) -> None:
         self._put(self.key(job, "checkpoint"), info)
 
+    def reset_rendezvous(self, job: str) -> None:
+        """Delete a finished generation's rendezvous and store keys: a closed rendezvous cannot be rejoined."""
+        try:
+            for part in ("rdzv", "store/"):
+                key = self.key(job, part)
+                if part.endswith("/"):
+                    self._client.delete_prefix(key)
+                else:
+                    self._client.delete(key)
+        except Exception as exc:
+            raise JobStoreUnavailable(f"cannot reset the rendezvous of {job} in etcd at {self._endpoint}: {exc}") from exc
+
     def get_state(self, job: str) -> dict[str, Any] | None:
         return self._get(self.key(job, "state"))
 

@@ -99,6 +99,9 @@ class LaunchSpec:
     """Extra ``--rdzv-conf`` options (TLS, auth, timeouts)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for torchrun and the workers."""
+    local_addr: str | None = None
+    """Address advertised in the rendezvous (and for the workers' store); None: loopback when the job
+    has one node, torchrun's default (the host name) otherwise."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -115,6 +118,11 @@ def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str
         "--max-restarts", str(spec.max_restarts),
         "--monitor-interval", str(spec.monitor_interval),
     ]
+    local_addr = spec.local_addr
+    if local_addr is None and parse_nnodes(spec.nnodes)[1] == 1:
+        local_addr = "127.0.0.1"
+    if local_addr:
+        cmd += ["--local-addr", local_addr]
     if spec.rdzv_conf:
         cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in sorted(spec.rdzv_conf.items()))]
     script = list(spec.script)

@@ -60,6 +60,8 @@ class RunOptions:
     """Root of job state directories (default: see ``paths.default_state_home``)."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for the workers."""
+    local_addr: str | None = None
+    """Address this node advertises in the rendezvous; None: loopback for a one-node job, else the hostname."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -164,6 +166,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             job=opts.job, script=opts.script, rdzv_endpoint=endpoint, state_dir=state_dir,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, extra_env=opts.extra_env,
+            local_addr=opts.local_addr,
         )
         env = worker_environment(spec)
         cmd = torchrun_command(spec)
@@ -194,6 +197,18 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 "max_restarts": opts.max_restarts, "state_dir": str(state_dir),
                 "checkpoint_dir": str(_checkpoint_dir(opts.script, env)),
             })
+        except JobStoreUnavailable as exc:
+            print(f"trainwarden: {exc}", file=sys.stderr)
+            return exit_codes.EXIT_ETCD_UNAVAILABLE
+        try:
+            previous = store.get_state(opts.job)
+            if previous is not None:
+                if previous.get("phase") not in (p.value for p in JobPhase if p.terminal):
+                    print(f"trainwarden: job {opts.job} is already {previous.get('phase')} in etcd at {endpoint}; "
+                          "stop it first or choose another --job", file=sys.stderr)
+                    return exit_codes.EXIT_USAGE
+                record.generation = int(previous.get("generation", 0)) + 1
+                store.reset_rendezvous(opts.job)
         except JobStoreUnavailable as exc:
             print(f"trainwarden: {exc}", file=sys.stderr)
             return exit_codes.EXIT_ETCD_UNAVAILABLE

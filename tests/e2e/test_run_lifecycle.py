@@ -77,3 +77,31 @@ def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
     )
     assert run.wait(60) == 3
     assert "cannot reach etcd at 127.0.0.1:" in (tmp_path / "run.log").read_text()
+
+
+def test_same_job_runs_again_on_external_etcd(tmp_path, procs, etcd_server):
+    """A closed rendezvous cannot be rejoined: the second run must start a new generation."""
+    import json
+
+    import etcd3
+
+    script = tmp_path / "once.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "x = torch.ones(1); dist.all_reduce(x)\n"
+        "print(f'step 1 loss {x.item():.6f} time 0.001s', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    for attempt in range(2):
+        run = procs.spawn(
+            [sys.executable, "-m", "trainwarden.agent.cli", "run", "--etcd", etcd_server.url,
+             "--nproc-per-node", "2", "--job", "again", "--", str(script)],
+            log=tmp_path / f"run{attempt}.log", env=env,
+        )
+        assert run.wait(120) == 0, (tmp_path / f"run{attempt}.log").read_text()
+    client = etcd3.client(host="127.0.0.1", port=etcd_server.client_port)
+    state = json.loads(client.get("/trainwarden/v1/jobs/again/state")[0])
+    client.close()
+    assert state["phase"] == "succeeded" and state["generation"] == 1
