@@ -1,0 +1,253 @@
+"""Naming the culprit of a hang from the ranks' collective positions and stacks.
+
+When a job hangs, every rank that is inside a collective waits for a peer that never entered it. The
+Flight Recorder counts collectives per process group (the sequence id), so the culprit is the rank whose
+sequence id lags the others' in some process group: the others entered collective N, it is still at N-1.
+
+The input is one `RankEvidence` per rank, read from the diagnostics the ranks wrote on request
+(`read_diagnostics`: ``rank<R>.fr``, the Flight Recorder dump, and ``rank<R>.stacks``, faulthandler's
+stacks of every thread). Ranks that could not answer (stopped, dead, disconnected) carry that status and
+no positions. `name_culprit` is a pure function of that evidence:
+
+- For each process group (keyed by its c10d name, which is the same on every member; point-to-point
+  sequences are a separate key ``<name>/p2p``), a member that answered and whose last sequence id is below
+  the group's highest lags. The collective the others wait in is the one at the highest id.
+- A lagging rank that is itself waiting inside an unfinished collective of another group is blocked, not
+  the cause (pipeline and tensor-parallel groups chain waits). The culprits are the lagging ranks that are
+  not inside any collective: they stopped outside, in compute, I/O or a deadlock of their own.
+- If no rank lags, the verdict says so ("every rank is inside the same collective") and lists the ranks
+  that did not answer. It never guesses.
+
+`process_state(pid)` tells why a local rank did not answer (stopped, dead, or alive but silent).
+
+Dumps are parsed with an unpickler that refuses every global: a Flight Recorder trace holds only dicts,
+lists, strings and numbers, and the agent must not run code from files that workers wrote.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import psutil
+
+__all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "main_thread_frames",
+           "name_culprit", "positions_from_trace", "process_state", "read_diagnostics"]
+
+ANSWERED = "answered"
+_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.*)$')
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPosition:
+    """Where one rank stands in one process group."""
+
+    group: str
+    """Process group key: the c10d group name (same on every member), "/p2p" appended for send/recv."""
+    desc: str
+    """The group's description, e.g. "tp" or "default_pg"."""
+    seq: int
+    """Sequence id of the last collective the rank entered in the group."""
+    op: str
+    """That collective's op, e.g. "all_reduce"."""
+    in_flight: bool
+    """The rank is inside that collective (entered, not finished)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEvidence:
+    """What is known about one rank at the time of a hang."""
+
+    rank: int
+    status: str = ANSWERED
+    """"answered", or why not: "stopped", "dead", "disconnected", "no_answer"."""
+    positions: Mapping[str, GroupPosition] = field(default_factory=dict)
+    stack: tuple[str, ...] = ()
+    """Top frames of the training thread, most recent first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lag:
+    """A rank behind its peers in one process group."""
+
+    rank: int
+    group: str
+    desc: str
+    seq: int
+    """The lagging rank's last sequence id in the group."""
+    peer_seq: int
+    """The highest sequence id in the group: the collective the others are in."""
+    op: str
+    """The op of that collective."""
+    waiting: tuple[int, ...]
+    """Ranks inside that collective."""
+    blocked: bool
+    """The lagging rank is itself inside an unfinished collective elsewhere (a consequence, not the cause)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The culprit(s) of a hang, or why none can be named."""
+
+    culprits: tuple[int, ...]
+    summary: str
+    lags: tuple[Lag, ...] = ()
+    unresponsive: Mapping[int, str] = field(default_factory=dict)
+    stacks: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    """Top frames of the culprits (when they answered)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "culprits": list(self.culprits), "summary": self.summary,
+            "lags": [{"rank": g.rank, "group": g.group, "desc": g.desc, "seq": g.seq, "peer_seq": g.peer_seq,
+                      "op": g.op, "waiting": list(g.waiting), "blocked": g.blocked} for g in self.lags],
+            "unresponsive": {str(r): s for r, s in sorted(self.unresponsive.items())},
+            "stacks": {str(r): list(s) for r, s in sorted(self.stacks.items())},
+        }
+
+
+def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
+    """Name the rank(s) whose collective sequence lags their peers' (see the module docstring)."""
+    answered = {r: e for r, e in evidence.items() if e.status == ANSWERED}
+    unresponsive = {r: e.status for r, e in sorted(evidence.items()) if e.status != ANSWERED}
+    silent = f"; ranks that did not answer: {_describe(unresponsive)}" if unresponsive else ""
+    if not any(e.positions for e in answered.values()):
+        return Verdict(culprits=(), unresponsive=unresponsive, summary=(
+            f"no collective positions: no Flight Recorder dump arrived from the {len(answered)} answering ranks "
+            f"(recorder off, i.e. no TORCH_FR_BUFFER_SIZE, or the dump took longer than the wait){silent}"))
+    in_flight = {r for r, e in answered.items() if any(p.in_flight for p in e.positions.values())}
+    groups: dict[str, dict[int, GroupPosition]] = {}
+    for rank, e in answered.items():
+        for key, pos in e.positions.items():
+            groups.setdefault(key, {})[rank] = pos
+    lags: list[Lag] = []
+    for key, members in sorted(groups.items()):
+        top = max(p.seq for p in members.values())
+        leaders = [r for r, p in sorted(members.items()) if p.seq == top]
+        lead = members[leaders[0]]
+        waiting = tuple(r for r in leaders if members[r].in_flight)
+        for rank, pos in sorted(members.items()):
+            if pos.seq < top:
+                lags.append(Lag(rank=rank, group=key, desc=lead.desc, seq=pos.seq, peer_seq=top, op=lead.op,
+                                waiting=waiting, blocked=rank in in_flight))
+    culprits = tuple(sorted({g.rank for g in lags if not g.blocked}))
+    stacks = {r: answered[r].stack for r in culprits if answered[r].stack}
+    if culprits:
+        parts = []
+        for rank in culprits:
+            g = next(g for g in lags if g.rank == rank and not g.blocked)
+            where = f" at {answered[rank].stack[0]}" if answered[rank].stack else ""
+            parts.append(f"rank {rank} never entered {g.op} #{g.peer_seq} of group {g.desc or g.group} "
+                         f"(its last is #{g.seq}; ranks {_ranks(g.waiting)} wait in it){where}")
+        summary = "; ".join(parts) + silent
+    elif lags:
+        summary = (f"ranks {_ranks(sorted({g.rank for g in lags}))} lag but each waits inside another "
+                   f"collective: the cause is outside the answering ranks{silent}")
+    elif in_flight == set(answered):
+        summary = f"no lagging rank: every rank is inside the same collective{silent}"
+    else:
+        summary = (f"no lagging rank: all answering ranks are at the same collective positions, "
+                   f"ranks {_ranks(sorted(set(answered) - in_flight))} outside any collective{silent}")
+    return Verdict(culprits=culprits, summary=summary, lags=tuple(lags), unresponsive=unresponsive,
+                   stacks=stacks)
+
+
+def positions_from_trace(trace: Mapping) -> dict[str, GroupPosition]:
+    """Per process group, the last collective a rank entered, from a Flight Recorder trace dict."""
+    best: dict[str, GroupPosition] = {}
+    names: dict[str, tuple[str, str]] = {}  # pg_id (a per-process ordinal) -> (name, desc)
+    for entry in trace.get("entries") or ():
+        pg = entry.get("process_group") or (str(entry.get("pg_id", "?")), "")
+        name, desc = str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+        names[str(entry.get("pg_id"))] = (name, desc)
+        p2p = bool(entry.get("is_p2p"))
+        key = f"{name}/p2p" if p2p else name
+        seq = int(entry.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
+        op = str(entry.get("profiling_name") or "unknown").split(":", 1)[-1]
+        in_flight = not entry.get("retired") and entry.get("state") != "completed"
+        if key not in best or seq >= best[key].seq:
+            best[key] = GroupPosition(group=key, desc=desc, seq=seq, op=op, in_flight=in_flight)
+    # pg_status is keyed by pg_id; it can only be used for groups whose id an entry maps to a name
+    for pg_id, status in (trace.get("pg_status") or {}).items():
+        enqueued = int(status.get("last_enqueued_collective", -1))
+        if str(pg_id) not in names:
+            continue
+        name, desc = names[str(pg_id)]
+        if name not in best or best[name].seq < enqueued:
+            best[name] = GroupPosition(group=name, desc=desc, seq=enqueued, op="unknown",
+                                       in_flight=enqueued > int(status.get("last_completed_collective", -1)))
+    return best
+
+
+def main_thread_frames(stacks_text: str, limit: int = 8) -> tuple[str, ...]:
+    """Top frames of the training thread from faulthandler's all-threads dump.
+
+    faulthandler lists threads newest first, so the main thread comes last; the thread that wrote the
+    dump (the telemetry client answering the request) is marked "Current thread" and skipped.
+    """
+    blocks: list[tuple[bool, list[str]]] = []
+    for line in stacks_text.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            blocks.append((line.startswith("Current"), []))
+            continue
+        m = _FRAME_RE.match(line)
+        if m and blocks:
+            blocks[-1][1].append(f"{m['func']} ({m['file']}:{m['line']})")
+    candidates = [frames for current, frames in blocks if not current and frames]
+    return tuple(candidates[-1][:limit]) if candidates else ()
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: a Flight Recorder dump holds plain data only")
+
+
+def read_diagnostics(directory: str | Path, ranks: Iterable[int]) -> dict[int, RankEvidence]:
+    """Evidence of the ranks whose diagnostics are in `directory` (ranks without any file are left out).
+
+    A rank answered when its ``.fr`` dump parses, or when only ``.stacks`` exist (no Flight Recorder).
+    """
+    directory = Path(directory)
+    found: dict[int, RankEvidence] = {}
+    for rank in ranks:
+        stacks_path, fr_path = directory / f"rank{rank}.stacks", directory / f"rank{rank}.fr"
+        positions: dict[str, GroupPosition] = {}
+        try:
+            trace = _NoGlobals(io.BytesIO(fr_path.read_bytes())).load()
+            positions = positions_from_trace(trace) if isinstance(trace, dict) else {}
+            fr_ok = True
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError):
+            fr_ok = False
+        try:
+            stack = main_thread_frames(stacks_path.read_text(errors="replace"))
+        except OSError:
+            if not fr_ok:
+                continue
+            stack = ()
+        found[rank] = RankEvidence(rank=rank, positions=positions, stack=stack)
+    return found
+
+
+def process_state(pid: int) -> str:
+    """Why a local worker did not answer: "stopped", "dead" or "no_answer" (alive but silent)."""
+    try:
+        status = psutil.Process(pid).status()
+    except (psutil.NoSuchProcess, ValueError):
+        return "dead"
+    except psutil.AccessDenied:
+        return "no_answer"
+    if status == psutil.STATUS_STOPPED or status == psutil.STATUS_TRACING_STOP:
+        return "stopped"
+    return "dead" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "no_answer"
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in ranks) or "none"
+
+
+def _describe(statuses: Mapping[int, str]) -> str:
+    return ", ".join(f"{r} ({s})" for r, s in sorted(statuses.items()))

@@ -1,0 +1,149 @@
+"""Hang detection: the adaptive deadline and per-job progress tracking.
+
+A job is hung when no rank of it completed a step for longer than its deadline. In synchronous training
+one stuck rank stops every rank within a step (they all wait for it in the next collective), so "no rank
+progressed" is the signal, and "some ranks progress while one does not" cannot last long enough to matter:
+we do not look for it. Progress means a rank's count of completed steps grew; the step index is not used,
+because a job resumed from a checkpoint repeats indices it already reported.
+
+The deadline adapts to the job:
+
+- steady state: ``multiplier`` x the p99 of recent step times, clamped to [``floor_s``, ``ceiling_s``].
+  The defaults (5x, 5 s, 300 s) detect a hang of a job with 0.3 s steps in about 5 s (plus the watchdog's
+  period and the diagnostics wait: under 10 s to the abort), and give a job with 60 s steps 300 s.
+- start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
+  pids), the deadline is at least ``startup_s``. Rendezvous, process-group creation, compilation and the
+  checkpoint restore all happen before the first steps, and the first steps are slow.
+- checkpoint: while any rank is inside a blocking checkpoint stage (``save_start`` until ``staged``,
+  ``restore_start`` until ``restored``; see BLOCKING_CHECKPOINT_STAGES) the deadline is at least
+  ``checkpoint_s``. After ``staged`` the write continues in the background and steps go on.
+
+Work between steps that the runtime does not report (a long evaluation pass, say) looks like a hang:
+raise ``floor_s`` for such jobs.
+
+After firing, a job is not judged again until it progresses or a new worker round starts (the restart
+that the abort causes), so one hang gives one incident. A job none of whose ranks is connected is not
+running (finished, or between rounds); its clock is paused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping
+
+__all__ = ["BLOCKING_CHECKPOINT_STAGES", "HangCheck", "HangConfig", "HangDetector"]
+
+BLOCKING_CHECKPOINT_STAGES = frozenset({"save_start", "restore_start"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangConfig:
+    """How long a job may go without progress before it is declared hung."""
+
+    multiplier: float = 5.0
+    """Deadline = multiplier x p99 of recent step times (then clamped)."""
+    floor_s: float = 5.0
+    """Shortest deadline in steady state."""
+    ceiling_s: float = 300.0
+    """Longest deadline in steady state."""
+    startup_s: float = 300.0
+    """Deadline until `warmup_steps` steps completed since the (re)start."""
+    warmup_steps: int = 3
+    """Steps that must complete after a (re)start before the steady-state deadline applies."""
+    checkpoint_s: float = 600.0
+    """Deadline while a rank is inside a blocking checkpoint stage."""
+
+    def __post_init__(self) -> None:
+        if not self.multiplier >= 1.0:
+            raise ValueError(f"multiplier must be at least 1 (a deadline shorter than a step), got {self.multiplier}")
+        if not 0 < self.floor_s <= self.ceiling_s:
+            raise ValueError(f"need 0 < floor_s <= ceiling_s, got floor_s={self.floor_s} ceiling_s={self.ceiling_s}")
+        if self.startup_s < self.floor_s or self.checkpoint_s < self.floor_s:
+            raise ValueError(f"startup_s ({self.startup_s}) and checkpoint_s ({self.checkpoint_s}) must not be "
+                             f"below floor_s ({self.floor_s}): they extend the deadline")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be 0 or more, got {self.warmup_steps}")
+
+    def steady_timeout(self, step_p99_s: float) -> float:
+        """The steady-state deadline for a job whose recent step p99 is `step_p99_s` (0: unknown)."""
+        return min(self.ceiling_s, max(self.floor_s, self.multiplier * max(0.0, step_p99_s)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangCheck:
+    """The outcome of one observation of a job."""
+
+    job: str
+    hung: bool
+    """True exactly once per hang: the deadline passed and the job was armed."""
+    stalled_s: float
+    """Seconds since the job last progressed (or since its round started)."""
+    timeout_s: float
+    """The deadline that applied."""
+    reason: str
+    """Which deadline applied: "steady", "startup" or "checkpoint"."""
+    steps_since_start: int
+    """Steps completed since the current worker round started (max over ranks)."""
+    progressed: bool
+    """The job progressed in this observation."""
+
+
+@dataclass
+class _JobProgress:
+    round_id: Hashable
+    round_start: float
+    baseline: dict[int, int] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+    last_progress: float = 0.0
+    armed: bool = True
+
+
+class HangDetector:
+    """Tracks every job's progress and applies the deadline; not thread-safe (one watchdog thread)."""
+
+    def __init__(self, config: HangConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or HangConfig()
+        self._clock = clock
+        self._jobs: dict[str, _JobProgress] = {}
+
+    def observe(self, job: str, *, round_id: Hashable, step_counts: Mapping[int, int], step_p99_s: float,
+                in_checkpoint: bool, running: bool) -> HangCheck:
+        """Feed the job's current state and learn whether it is hung.
+
+        `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
+        its cumulative count of completed steps; `running` is False while no rank is connected.
+        """
+        now = self._clock()
+        state = self._jobs.get(job)
+        if state is None or state.round_id != round_id:
+            state = self._jobs[job] = _JobProgress(round_id=round_id, round_start=now, last_progress=now)
+        progressed = False
+        for rank, count in step_counts.items():
+            state.baseline.setdefault(rank, count)
+            if count > state.counts.get(rank, state.baseline[rank]):
+                progressed = True
+            state.counts[rank] = count
+        if progressed or not running:
+            state.last_progress = now  # not running: the clock is paused
+        if progressed:
+            state.armed = True
+        steps = max((state.counts[r] - state.baseline[r] for r in state.counts), default=0)
+        timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
+        if steps < self.config.warmup_steps and self.config.startup_s > timeout:
+            timeout, reason = self.config.startup_s, "startup"
+        if in_checkpoint and self.config.checkpoint_s > timeout:
+            timeout, reason = self.config.checkpoint_s, "checkpoint"
+        stalled = now - state.last_progress
+        hung = running and state.armed and stalled >= timeout
+        if hung:
+            state.armed = False
+        return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
+                         steps_since_start=steps, progressed=progressed)
+
+    def forget(self, job: str) -> None:
+        """Drop a job that disappeared."""
+        self._jobs.pop(job, None)
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)

@@ -1,0 +1,103 @@
+"""`trainwarden incidents [--job J] [--json]` and `trainwarden incidents show ID`.
+
+Reads the incident files under the state home (agent/incidents.py), so it works after the run ended and
+without an agent. The list is a table (or a JSON array); `show` prints one incident as a readable report:
+what happened, the verdict on a hang's culprit with its stack, the action taken and the outcome. The
+argument parsing lives in agent/cli.py; these functions return exit codes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import TextIO
+
+from . import exit_codes
+from .incidents import Incident, list_incidents
+
+__all__ = ["format_incident", "format_table", "incidents_list", "incidents_show"]
+
+_COLUMNS = ("ID", "KIND", "STATE", "JOB", "RANKS", "DETECTED", "ACTION", "OUTCOME")
+
+
+def _when(ts: float) -> str:
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(incidents: list[Incident]) -> str:
+    """One line per incident, aligned columns."""
+    rows = [_COLUMNS] + [(i.id, i.kind.value, i.state.value, i.job, ",".join(map(str, i.ranks)) or "-",
+                          _when(i.detected_at), _clip(i.action or "-", 40), _clip(i.outcome or "-", 50))
+                         for i in incidents]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(_COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def format_incident(incident: Incident) -> str:
+    """A readable report of one incident."""
+    i = incident
+    lines = [f"incident {i.id}: {i.kind.value} in job {i.job} on {i.node}",
+             f"  state:     {i.state.value}",
+             f"  detected:  {_when(i.detected_at)}   updated: {_when(i.updated_at)}",
+             f"  ranks:     {','.join(map(str, i.ranks)) or '-'}",
+             f"  action:    {i.action or '-'}",
+             f"  outcome:   {i.outcome or '-'}"]
+    evidence = dict(i.evidence)
+    verdict = evidence.pop("verdict", None)
+    if verdict:
+        lines.append(f"  verdict:   {verdict.get('summary', '')}")
+        for lag in verdict.get("lags", ()):
+            kind = "blocked elsewhere" if lag.get("blocked") else "never entered it"
+            lines.append(f"    rank {lag['rank']}: group {lag.get('desc') or lag['group']} at #{lag['seq']}, peers in "
+                         f"{lag['op']} #{lag['peer_seq']} ({kind})")
+        for rank, status in verdict.get("unresponsive", {}).items():
+            lines.append(f"    rank {rank}: did not answer ({status})")
+        for rank, frames in verdict.get("stacks", {}).items():
+            lines.append(f"  stack of rank {rank} (most recent call first):")
+            lines.extend(f"    {frame}" for frame in frames)
+    if evidence:
+        lines.append("  evidence:")
+        for key, value in sorted(evidence.items()):
+            shown = json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+            lines.append(f"    {key}: {shown}")
+    return "\n".join(lines)
+
+
+def incidents_list(out: TextIO, *, root: str | os.PathLike | None = None, job: str | None = None,
+                   as_json: bool = False) -> int:
+    """Print the incidents (oldest first) of every job under `root`, or of `job`."""
+    incidents = list_incidents(root, job)
+    if as_json:
+        json.dump([i.to_json() for i in incidents], out, indent=1, sort_keys=True)
+        out.write("\n")
+    elif not incidents:
+        out.write(f"no incidents{f' for job {job}' if job else ''}\n")
+    else:
+        out.write(format_table(incidents) + "\n")
+    return exit_codes.EXIT_OK
+
+
+def incidents_show(out: TextIO, incident_id: str, *, root: str | os.PathLike | None = None,
+                   as_json: bool = False, err: TextIO | None = None) -> int:
+    """Print one incident, found by its id or a unique prefix of it."""
+    err = err or out
+    incidents = list_incidents(root)
+    matches = [i for i in incidents if i.id == incident_id] or [i for i in incidents if i.id.startswith(incident_id)]
+    if len(matches) != 1:
+        problem = "no incident" if not matches else f"{len(matches)} incidents"
+        err.write(f"trainwarden: {problem} matching {incident_id!r}; run `trainwarden incidents` to list them\n")
+        return exit_codes.EXIT_USAGE
+    if as_json:
+        json.dump(matches[0].to_json(), out, indent=1, sort_keys=True)
+        out.write("\n")
+    else:
+        out.write(format_incident(matches[0]) + "\n")
+    return exit_codes.EXIT_OK

@@ -1,0 +1,315 @@
+"""The watchdog: a loop over the node's jobs that detects hangs and stragglers and acts through `actions`.
+
+Every `interval_s` it takes one `JobState.snapshot()` and, per job:
+
+- feeds the ranks' completed-step counts to `HangDetector` (agent/hang.py). On a hang it asks every
+  connected local rank for diagnostics (`actions.request_diagnostics`), waits up to `diagnostics_wait_s`
+  for their dumps, names the culprit (agent/culprit.py; ranks that did not answer are probed: stopped,
+  dead, disconnected), records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the
+  incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
+  `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
+- feeds per-rank (steps, step seconds, wait seconds) to `StragglerDetector` (agent/straggler.py) with the
+  pipeline stage as the peer group. A start event records a `straggler_start` incident and raises the
+  rank's "straggler" flag in the JobState; an end event records `straggler_end`, resolves the start
+  incident and clears the flag.
+
+Evidence first, one decision, recorded: the incident is written before the abort. The loop survives a bad
+iteration (logged, counted in trainwarden_watchdog_errors_total), stops with an Event and `join(timeout)`.
+The hang path blocks the loop for up to `diagnostics_wait_s`; other jobs are checked after it.
+
+`actions` is the outside world (see `WatchdogActions`); tests pass a fake, the agent the real one. Metric
+families come from `collector()`: straggler score and flag per rank, the hang deadline and the seconds
+since progress per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Protocol, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .culprit import RankEvidence, name_culprit, process_state, read_diagnostics
+from .hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
+from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
+from .jobstate import JobSnapshot, RankSnapshot
+from .paths import job_state_dir
+from .straggler import RankSample, StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
+
+__all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.1
+
+
+class WatchdogActions(Protocol):
+    """What the watchdog asks of the agent."""
+
+    def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
+        """Ask `ranks` to write stacks and a Flight Recorder dump into `directory` (it exists); return the
+        ranks the request reached."""
+
+    def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
+        """Make the local workers of `ranks` exit (torchrun restarts the group); True when done."""
+
+    def record(self, incident: Incident) -> Incident:
+        """Store this version of the incident (same id = same incident, newer state)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchdogConfig:
+    """How the watchdog runs."""
+
+    interval_s: float = 0.5
+    """Seconds between checks."""
+    diagnostics_wait_s: float = 3.0
+    """How long to wait for the ranks' diagnostics after a hang."""
+    abort_on_hang: bool = True
+    """Abort the local workers after a hang (False: record only)."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """The hang deadline policy."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """The straggler scoring policy."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
+        if not self.diagnostics_wait_s >= 0:
+            raise ValueError(f"diagnostics_wait_s must be 0 or more, got {self.diagnostics_wait_s}")
+
+
+class Watchdog:
+    """Runs hang and straggler policies over `jobstate` in a daemon thread; see the module docstring."""
+
+    def __init__(self, jobstate, actions: WatchdogActions, *, node: str, config: WatchdogConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 sleep: Callable[[float], object] | None = None,
+                 probe: Callable[[int], str] = process_state,
+                 diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics") -> None:
+        self.config = config or WatchdogConfig()
+        self._jobstate, self._actions, self._node = jobstate, actions, node
+        self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
+        self._stop = threading.Event()
+        self._sleep = sleep or self._stop.wait
+        self._hang = HangDetector(self.config.hang, clock=clock)
+        self._straggler = StragglerDetector(self.config.straggler)
+        self._acting: dict[str, tuple[Incident, float]] = {}  # job -> hang incident waiting for progress
+        self._stragglers: dict[tuple[str, int], Incident] = {}
+        self._lock = threading.Lock()
+        self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
+        self.errors = 0
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("watchdog already started")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the loop; True when the thread ended within `timeout`."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.check_once()
+            except Exception:
+                self.errors += 1
+                log.exception("watchdog iteration failed; continuing")
+            self._stop.wait(self.config.interval_s)
+
+    # ---- one iteration -------------------------------------------------------------------------------
+
+    def check_once(self) -> None:
+        """Check every job once (the loop's body; tests call it directly)."""
+        checks: dict[str, HangCheck] = {}
+        for snap in self._jobstate.snapshot():
+            try:
+                checks[snap.job] = self._check_job(snap)
+            except Exception:
+                self.errors += 1
+                log.exception("watchdog check of job %s failed; continuing", snap.job, extra={"job": snap.job})
+        for job in set(self._hang.jobs()) - set(checks):
+            self._hang.forget(job)
+            self._straggler.forget(job)
+            self._acting.pop(job, None)
+        with self._lock:
+            self._published = (checks, self._straggler.scores())
+
+    def _check_job(self, snap: JobSnapshot) -> HangCheck:
+        connected = [r for r in snap.ranks if r.connected]
+        check = self._hang.observe(
+            snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
+            step_counts={r.rank: r.step_count for r in snap.ranks},
+            step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
+            in_checkpoint=any(_checkpoint_stage(r) in BLOCKING_CHECKPOINT_STAGES for r in connected),
+            running=bool(connected))
+        if check.progressed and snap.job in self._acting:
+            self._resolve_hang(snap)
+        if check.hung:
+            self._on_hang(snap, check)
+        samples = {r.rank: _sample(r) for r in connected}
+        for event in self._straggler.update(snap.job, samples, _stage_groups(snap)):
+            self._on_straggler(snap, event)
+        return check
+
+    # ---- hang ----------------------------------------------------------------------------------------
+
+    def _on_hang(self, snap: JobSnapshot, check: HangCheck) -> None:
+        job, detected = snap.job, self._wall()
+        incident_id = new_incident_id(detected)
+        directory = Path(self._diagnostics_dir(job)) / incident_id
+        connected = [r.rank for r in snap.ranks if r.connected]
+        log.error("job %s hung: no step for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
+                  check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            reached = list(self._actions.request_diagnostics(job, connected, directory))
+        except Exception:
+            log.exception("requesting diagnostics for job %s failed", job, extra={"job": job})
+            reached = []
+        evidence = self._collect(directory, reached)
+        for r in snap.ranks:
+            if r.rank not in evidence:
+                status = "disconnected" if not r.connected else self._probe(r.pid)
+                evidence[r.rank] = RankEvidence(rank=r.rank, status=status)
+        verdict = name_culprit(evidence)
+        ranks = [r.rank for r in snap.ranks]
+        incident = self._actions.record(Incident(  # ranks: the culprits, else those that did not answer
+            id=incident_id, kind=IncidentKind.HANG, job=job, node=self._node,
+            ranks=verdict.culprits or tuple(verdict.unresponsive),
+            detected_at=detected, updated_at=detected, evidence={
+                "stalled_seconds": round(check.stalled_s, 3), "timeout_seconds": round(check.timeout_s, 3),
+                "deadline": check.reason, "steps_since_start": check.steps_since_start,
+                "last_steps": {str(r.rank): r.last_step for r in snap.ranks},
+                "diagnostics_dir": str(directory), "verdict": verdict.to_dict()}))
+        for rank in verdict.culprits:
+            self._jobstate.set_flag(job, rank, "hung", True)
+        if not self.config.abort_on_hang:
+            return
+        incident = self._actions.record(incident.transition(
+            IncidentState.ACTING, action=f"abort local workers (ranks {','.join(map(str, ranks))})",
+            outcome="waiting for the job to progress after the restart", now=self._wall()))
+        reason = f"hang: no step for {check.stalled_s:.0f} s; {verdict.summary}"
+        failure = "aborting the workers failed"
+        try:
+            aborted = self._actions.abort(job, ranks, reason)
+        except Exception as exc:
+            log.exception("aborting the workers of job %s failed", job, extra={"job": job})
+            aborted, failure = False, f"{failure}: {exc!r}"
+        if aborted:
+            self._acting[job] = (incident, self._clock())
+        else:
+            self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure, now=self._wall()))
+
+    def _collect(self, directory: Path, ranks: list[int]) -> dict[int, RankEvidence]:
+        deadline = self._clock() + self.config.diagnostics_wait_s
+        while ranks and self._clock() < deadline and not self._stop.is_set():
+            if all((directory / f"rank{r}.fr").exists() for r in ranks):
+                self._sleep(_POLL_S)  # let the last writes finish
+                break
+            self._sleep(_POLL_S)
+        return read_diagnostics(directory, ranks)
+
+    def _resolve_hang(self, snap: JobSnapshot) -> None:
+        incident, aborted_at = self._acting.pop(snap.job)
+        for rank in incident.ranks:
+            self._jobstate.set_flag(snap.job, rank, "hung", False)
+        self._actions.record(incident.transition(
+            IncidentState.RESOLVED, now=self._wall(),
+            outcome=f"job progressed again {self._clock() - aborted_at:.1f} s after the abort"))
+
+    # ---- stragglers ----------------------------------------------------------------------------------
+
+    def _on_straggler(self, snap: JobSnapshot, event: StragglerEvent) -> None:
+        job, rank, s = snap.job, event.rank, event.score
+        now = self._wall()
+        evidence = {"score": round(s.score, 4), "compute_per_step_seconds": s.compute_per_step_s,
+                    "peer_compute_per_step_seconds": s.peer_compute_per_step_s,
+                    "wait_per_step_seconds": s.wait_per_step_s, "peer_wait_per_step_seconds": s.peer_wait_per_step_s,
+                    "evaluations": event.evaluations, "policy": event.policy.value,
+                    "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
+        self._jobstate.set_flag(job, rank, "straggler", event.started)
+        if event.started:
+            action = "alert" if event.policy == StragglerPolicy.ALERT else \
+                f"exclude node {evidence['hostname'] or self._node} at the next restart (requested)"
+            self._stragglers[(job, rank)] = self._actions.record(Incident(
+                id=new_incident_id(now), kind=IncidentKind.STRAGGLER_START, job=job, node=self._node,
+                ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action=action,
+                outcome="straggling"))
+            return
+        end = Incident(id=new_incident_id(now), kind=IncidentKind.STRAGGLER_END, job=job, node=self._node,
+                       ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action="clear flag")
+        self._actions.record(end.transition(IncidentState.RESOLVED, outcome="rank back in line", now=now))
+        start = self._stragglers.pop((job, rank), None)
+        if start is not None:
+            self._actions.record(start.transition(
+                IncidentState.RESOLVED, outcome=f"cleared ({end.id}) after {now - start.detected_at:.0f} s", now=now))
+
+    # ---- metrics -------------------------------------------------------------------------------------
+
+    def collector(self) -> Collector:
+        return _WatchdogCollector(self)
+
+
+class _WatchdogCollector(Collector):
+    def __init__(self, watchdog: Watchdog) -> None:
+        self._w = watchdog
+
+    def collect(self) -> Iterator[Metric]:
+        w = self._w
+        with w._lock:
+            checks, scores = w._published
+        rank_labels, job_labels = ["job", "node", "rank"], ["job", "node"]
+        score = GaugeMetricFamily("trainwarden_straggler_score", "Rank compute per step / its peers' median "
+                                  "(1 = typical).", labels=rank_labels)
+        flag = GaugeMetricFamily("trainwarden_straggler", "1 while the rank is flagged as a straggler.",
+                                 labels=rank_labels)
+        timeout = GaugeMetricFamily("trainwarden_hang_timeout_seconds", "The job's current hang deadline.",
+                                    labels=job_labels)
+        stalled = GaugeMetricFamily("trainwarden_seconds_since_progress",
+                                    "Seconds since any rank of the job completed a step.", labels=job_labels)
+        errors = CounterMetricFamily("trainwarden_watchdog_errors", "Watchdog iterations that failed.",
+                                     labels=["node"])
+        for job, ranks in scores.items():
+            for rank, s in ranks.items():
+                score.add_metric([job, w._node, str(rank)], s.score)
+                flag.add_metric([job, w._node, str(rank)], 1.0 if s.flagged else 0.0)
+        for job, check in checks.items():
+            timeout.add_metric([job, w._node], check.timeout_s)
+            stalled.add_metric([job, w._node], check.stalled_s)
+        errors.add_metric([w._node], w.errors)
+        yield from (score, flag, timeout, stalled, errors)
+
+
+def _sample(r: RankSnapshot) -> RankSample:
+    return RankSample(r.step_count, r.step_seconds_total, sum(r.wait_seconds_by_op.values()))
+
+
+def _checkpoint_stage(r: RankSnapshot) -> str:
+    # RankSnapshot.checkpoint_stage (the last stage reported, "" for none) is requested from jobstate;
+    # until it exists no rank counts as inside a checkpoint.
+    return getattr(r, "checkpoint_stage", "") or ""
+
+
+def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
+    """Rank -> pipeline stage: runtime/parallel.py builds the ("pp", "dp", "tp") mesh, pp outermost."""
+    pp = int(snap.mesh.get("pp", 1) or 1)
+    if pp <= 1 or snap.world_size % pp:
+        return {r.rank: 0 for r in snap.ranks}
+    per_stage = snap.world_size // pp
+    return {r.rank: r.rank // per_stage for r in snap.ranks}

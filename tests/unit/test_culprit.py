@@ -1,0 +1,165 @@
+import faulthandler
+import os
+import pickle
+import threading
+import time
+
+import pytest
+
+from trainwarden.agent.culprit import (GroupPosition, RankEvidence, main_thread_frames, name_culprit,
+                                       positions_from_trace, read_diagnostics)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _pos(group, seq, op="all_reduce", in_flight=False, desc=None):
+    return GroupPosition(group=group, desc=desc or group, seq=seq, op=op,
+                         in_flight=in_flight)
+
+
+def _ev(rank, *positions, stack=(), status="answered"):
+    return RankEvidence(rank=rank, status=status, positions={p.group: p for p in positions}, stack=stack)
+
+
+def _mesh_3d_hang():
+    """pp=2 x dp=2 x tp=2 (pp outermost). Rank 5 stopped outside any collective at the start of a step:
+    its tp peer 4, its dp peer 7 and its pp peer 1 wait for it; rank 4's pp peer 0 and dp peer 6 wait for
+    rank 4 (blocked in tp2), and so on."""
+    return {
+        0: _ev(0, _pos("tp0", 11), _pos("dp0", 31), _pos("pp0/p2p", 21, "send", True)),
+        1: _ev(1, _pos("tp0", 11), _pos("dp1", 31), _pos("pp1/p2p", 21, "send", True)),
+        2: _ev(2, _pos("tp1", 11), _pos("dp0", 31), _pos("pp2/p2p", 21, "send", False)),
+        3: _ev(3, _pos("tp1", 11), _pos("dp1", 31), _pos("pp3/p2p", 21, "send", False)),
+        4: _ev(4, _pos("tp2", 11, in_flight=True), _pos("dp2", 30), _pos("pp0/p2p", 20, "recv")),
+        5: _ev(5, _pos("tp2", 10), _pos("dp3", 30), _pos("pp1/p2p", 20, "recv"),
+               stack=("hang (runtime/faults.py:120)", "train (train.py:40)")),
+        6: _ev(6, _pos("tp3", 11), _pos("dp2", 31, in_flight=True), _pos("pp2/p2p", 21, "recv")),
+        7: _ev(7, _pos("tp3", 11), _pos("dp3", 31, in_flight=True), _pos("pp3/p2p", 21, "recv")),
+    }
+
+
+def test_names_the_rank_that_never_entered_the_collective_in_a_3d_mesh():
+    verdict = name_culprit(_mesh_3d_hang())
+    assert verdict.culprits == (5,)
+    culprit_lags = {g.group: g for g in verdict.lags if g.rank == 5}
+    assert set(culprit_lags) == {"tp2", "dp3", "pp1/p2p"}
+    tp = culprit_lags["tp2"]
+    assert (tp.seq, tp.peer_seq, tp.op, tp.waiting, tp.blocked) == (10, 11, "all_reduce", (4,), False)
+    # rank 4 lags in its pp and dp groups only because it waits for rank 5 in tp2
+    assert {g.rank for g in verdict.lags if g.blocked} == {4}
+    assert verdict.stacks == {5: ("hang (runtime/faults.py:120)", "train (train.py:40)")}
+    assert "rank 5 never entered" in verdict.summary and "hang (runtime/faults.py:120)" in verdict.summary
+    d = verdict.to_dict()
+    assert d["culprits"] == [5] and d["stacks"]["5"][0].startswith("hang")
+
+
+def test_no_lagging_rank_is_said_not_guessed():
+    evidence = {r: _ev(r, _pos("default_pg", 7, in_flight=True)) for r in range(4)}
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == () and verdict.lags == ()
+    assert verdict.summary == "no lagging rank: every rank is inside the same collective"
+
+
+def test_unresponsive_ranks_are_recorded_as_such():
+    evidence = {r: _ev(r, _pos("default_pg", 7, in_flight=True)) for r in (0, 2, 3)}
+    evidence[1] = RankEvidence(rank=1, status="stopped")
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == ()
+    assert verdict.unresponsive == {1: "stopped"}
+    assert "every rank is inside the same collective" in verdict.summary and "1 (stopped)" in verdict.summary
+
+
+def test_lagging_ranks_that_all_wait_elsewhere_are_not_named():
+    # rank 2 (the root) did not answer; rank 1 waits for it in group b and so lags in group a.
+    evidence = {0: _ev(0, _pos("a", 5, in_flight=True)),
+                1: _ev(1, _pos("a", 4), _pos("b", 9, in_flight=True)),
+                2: RankEvidence(rank=2, status="dead")}
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == ()
+    assert [(g.rank, g.blocked) for g in verdict.lags] == [(1, True)]
+    assert "cause is outside the answering ranks" in verdict.summary and "2 (dead)" in verdict.summary
+
+
+def test_without_flight_recorder_data_nothing_is_named():
+    verdict = name_culprit({0: _ev(0), 1: _ev(1)})
+    assert verdict.culprits == () and "no collective positions" in verdict.summary
+
+
+def test_all_ranks_outside_collectives_at_the_same_position():
+    verdict = name_culprit({r: _ev(r, _pos("default_pg", 7)) for r in range(2)})
+    assert verdict.culprits == () and "outside any collective" in verdict.summary
+
+
+def _entry(rid, pg, seq, *, retired=True, op="gloo:all_reduce", p2p=False):
+    # the shape of a torch 2.13 gloo Flight Recorder entry (fields trimmed)
+    return {"record_id": rid, "pg_id": int(pg[0]), "process_group": pg, "collective_seq_id": 0 if p2p else seq,
+            "p2p_seq_id": seq if p2p else 0, "profiling_name": op, "state": "scheduled", "retired": retired,
+            "is_p2p": p2p, "time_created_ns": 1_000 + rid, "frames": []}
+
+
+def test_positions_from_a_flight_recorder_trace():
+    trace = {"version": "2.10", "entries": [
+        _entry(0, ("0", "default_pg"), 1), _entry(1, ("1", "tp"), 1), _entry(2, ("0", "default_pg"), 2),
+        _entry(3, ("1", "tp"), 2), _entry(4, ("0", "default_pg"), 3, retired=False),
+        _entry(5, ("2", "pp"), 4, op="gloo:send", p2p=True), _entry(6, ("3", "dp"), 5)],
+        # keyed by pg_id, a per-process ordinal: "9" is a group no entry names (ignored)
+        "pg_status": {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2},
+                      "3": {"last_enqueued_collective": 6, "last_completed_collective": 5},
+                      "9": {"last_enqueued_collective": 7, "last_completed_collective": 7}}}
+    pos = positions_from_trace(trace)
+    assert pos["0"] == GroupPosition(group="0", desc="default_pg", seq=3, op="all_reduce", in_flight=True)
+    assert pos["1"].seq == 2 and not pos["1"].in_flight and pos["1"].desc == "tp"
+    assert pos["2/p2p"].seq == 4 and pos["2/p2p"].op == "send"
+    assert pos["3"].seq == 6 and pos["3"].in_flight and pos["3"].desc == "dp"  # newer in pg_status
+    assert set(pos) == {"0", "1", "2/p2p", "3"}
+
+
+def _training_step_that_hangs(path):
+    def answer_diagnostics():  # like the telemetry thread answering DumpDiagnostics
+        with open(path, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+
+    t = threading.Thread(target=answer_diagnostics)
+    t.start()
+    t.join()
+
+
+def test_main_thread_frames_from_real_faulthandler_output(tmp_path):
+    path = tmp_path / "rank0.stacks"
+    _training_step_that_hangs(path)
+    frames = main_thread_frames(path.read_text())
+    assert frames and "_training_step_that_hangs" in " ".join(frames[:3])
+    assert not any("answer_diagnostics" in f for f in frames)
+    assert main_thread_frames("garbage\n") == ()
+
+
+def test_read_diagnostics_parses_dumps_and_refuses_code(tmp_path):
+    trace = {"entries": [_entry(0, ("0", "default_pg"), 5, retired=False)]}
+    (tmp_path / "rank0.fr").write_bytes(pickle.dumps(trace))
+    _training_step_that_hangs(tmp_path / "rank0.stacks")
+    _training_step_that_hangs(tmp_path / "rank1.stacks")   # stacks only: Flight Recorder off
+    (tmp_path / "rank3.fr").write_bytes(pickle.dumps({"entries": [os.getpid]}))  # a global: refused
+    (tmp_path / "rank4.fr").write_bytes(pickle.dumps(trace)[:10])  # half written
+    found = read_diagnostics(tmp_path, range(5))
+    assert sorted(found) == [0, 1]
+    assert found[0].positions["0"].seq == 5 and found[0].positions["0"].in_flight
+    assert found[0].stack and found[1].positions == {}
+
+
+def test_process_state_of_a_stopped_and_a_dead_worker(procs, tmp_path):
+    import signal
+    import sys
+
+    from trainwarden.agent.culprit import process_state
+
+    proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "sleeper.log")
+    assert process_state(proc.pid) == "no_answer"
+    os.kill(proc.pid, signal.SIGSTOP)
+    for _ in range(100):
+        if process_state(proc.pid) == "stopped":
+            break
+        time.sleep(0.05)
+    assert process_state(proc.pid) == "stopped"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    assert process_state(proc.pid) == "dead"

@@ -1,0 +1,143 @@
+import pytest
+
+from trainwarden.agent.hang import HangConfig, HangDetector
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _run(det, clock, counts, *, p99=0.3, round_id=("r", 1), in_checkpoint=False, running=True, job="j"):
+    return det.observe(job, round_id=round_id, step_counts=counts, step_p99_s=p99, in_checkpoint=in_checkpoint,
+                       running=running)
+
+
+def _warm(det, clock, steps=10, dt=0.3, round_id=("r", 1)):
+    counts = {0: 0, 1: 0}
+    for _ in range(steps):
+        clock.now += dt
+        counts = {r: c + 1 for r, c in counts.items()}
+        check = _run(det, clock, counts, round_id=round_id)
+        assert not check.hung
+    return counts
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="floor_s"):
+        HangConfig(floor_s=10, ceiling_s=5)
+    with pytest.raises(ValueError, match="multiplier"):
+        HangConfig(multiplier=0.5)
+    with pytest.raises(ValueError, match="startup_s"):
+        HangConfig(floor_s=10, startup_s=5)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        HangConfig(warmup_steps=-1)
+
+
+def test_steady_timeout_is_multiple_of_p99_clamped():
+    cfg = HangConfig(multiplier=5, floor_s=5, ceiling_s=300)
+    assert cfg.steady_timeout(0.3) == 5          # floor
+    assert cfg.steady_timeout(2.0) == 10         # 5 x p99
+    assert cfg.steady_timeout(100.0) == 300      # ceiling
+    assert cfg.steady_timeout(0.0) == 5          # unknown: floor
+
+
+def test_fires_once_after_the_floor_on_a_fast_job():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 4.9
+    assert not _run(det, clock, counts).hung
+    clock.now += 0.2
+    check = _run(det, clock, counts)
+    assert check.hung and check.reason == "steady" and check.timeout_s == 5
+    assert check.stalled_s == pytest.approx(5.1)
+    clock.now += 10
+    assert not _run(det, clock, counts).hung  # disarmed until progress or a new round
+
+
+def test_one_rank_progressing_is_progress():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    for _ in range(10):
+        clock.now += 1.0
+        counts = {0: counts[0] + 1, 1: counts[1]}
+        assert not _run(det, clock, counts).hung
+
+
+def test_rearms_after_progress_and_after_a_new_round():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 6
+    assert _run(det, clock, counts).hung
+    # progress re-arms
+    counts = {r: c + 1 for r, c in counts.items()}
+    clock.now += 0.3
+    assert _run(det, clock, counts).progressed
+    clock.now += 6
+    assert _run(det, clock, counts).hung
+    # a new round (new pids) re-arms with the start-up allowance
+    clock.now += 1
+    check = _run(det, clock, counts, round_id=("r", 2))
+    assert not check.hung and check.reason == "startup" and check.steps_since_start == 0
+
+
+def test_startup_allowance_until_warmup_steps():
+    clock = Clock()
+    cfg = HangConfig(startup_s=60, warmup_steps=3)
+    det = HangDetector(cfg, clock=clock)
+    counts = {0: 0, 1: 0}
+    _run(det, clock, counts)  # the round starts
+    clock.now += 59
+    check = _run(det, clock, counts)
+    assert not check.hung and check.reason == "startup" and check.timeout_s == 60
+    clock.now += 2
+    assert _run(det, clock, counts).hung
+    # after a restart: counts are cumulative, steps since start are counted from the round's baseline
+    clock.now += 1
+    _run(det, clock, {0: 50, 1: 50}, round_id=("r", 2))
+    for i in range(1, 4):
+        clock.now += 20  # slow first steps, within the allowance
+        check = _run(det, clock, {0: 50 + i, 1: 50 + i}, round_id=("r", 2))
+        assert not check.hung
+    assert check.steps_since_start == 3 and check.reason == "steady"
+
+
+def test_checkpoint_extends_the_deadline():
+    clock = Clock()
+    det = HangDetector(HangConfig(checkpoint_s=120), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 100
+    check = _run(det, clock, counts, in_checkpoint=True)
+    assert not check.hung and check.reason == "checkpoint"
+    clock.now += 21
+    assert _run(det, clock, counts, in_checkpoint=True).hung
+
+
+def test_not_running_pauses_the_clock():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 100
+    assert not _run(det, clock, counts, running=False).hung
+    clock.now += 4
+    assert not _run(det, clock, counts).hung  # stalled 4 s since it was last seen not running
+    clock.now += 2
+    assert _run(det, clock, counts).hung
+
+
+def test_jobs_are_independent_and_forgotten():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    _run(det, clock, {0: 5}, job="a")
+    _run(det, clock, {0: 5}, job="b")
+    assert det.jobs() == ["a", "b"]
+    det.forget("a")
+    assert det.jobs() == ["b"]

@@ -1,0 +1,127 @@
+import io
+import json
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from trainwarden.agent.incidents import (IllegalIncidentTransition, Incident, IncidentCollector, IncidentKind,
+                                         IncidentState, IncidentStore, list_incidents, new_incident_id)
+from trainwarden.agent.incidents_cli import incidents_list, incidents_show
+from trainwarden.agent.paths import job_state_dir
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeEtcd:
+    def __init__(self, fail=False):
+        self.kv, self.fail = {}, fail
+
+    def put(self, key, value):
+        if self.fail:
+            raise ConnectionError("etcd is down")
+        self.kv[key] = value
+
+
+def _hang(job="demo", ts=1_790_000_000.0, **kw):
+    return Incident(id=new_incident_id(ts), kind=IncidentKind.HANG, job=job, node="n1", ranks=(5,),
+                    detected_at=ts, updated_at=ts, evidence={"verdict": {
+                        "culprits": [5], "summary": "rank 5 never entered all_reduce #11 of group tp",
+                        "lags": [{"rank": 5, "group": "3", "desc": "tp", "seq": 10, "peer_seq": 11,
+                                  "op": "all_reduce", "waiting": [4], "blocked": False}],
+                        "unresponsive": {}, "stacks": {"5": ["hang (faults.py:120)", "train (train.py:40)"]}},
+                        "stalled_seconds": 5.2}, **kw)
+
+
+def test_ids_sort_by_time_and_are_unique():
+    ids = [new_incident_id(1_790_000_000.0 + i * 0.001) for i in range(50)]
+    assert ids == sorted(ids) and len(set(ids)) == 50
+    assert len({new_incident_id(1_790_000_000.0) for _ in range(50)}) == 50
+    assert new_incident_id(0).startswith("19700101T000000000Z-")
+
+
+def test_lifecycle_transitions_follow_the_table():
+    inc = _hang()
+    acting = inc.transition(IncidentState.ACTING, action="abort", outcome="waiting", now=5.0)
+    assert (acting.state, acting.action, acting.outcome, acting.updated_at) == (IncidentState.ACTING, "abort",
+                                                                                "waiting", 5.0)
+    assert inc.state is IncidentState.OPEN  # frozen: a new version
+    done = acting.transition(IncidentState.RESOLVED, outcome="progressed")
+    assert done.action == "abort"
+    with pytest.raises(IllegalIncidentTransition, match="resolved -> acting"):
+        done.transition(IncidentState.ACTING)
+    with pytest.raises(IllegalIncidentTransition):
+        inc.transition(IncidentState.FAILED).transition(IncidentState.RESOLVED)
+    assert inc.transition(IncidentState.RESOLVED).state is IncidentState.RESOLVED
+
+
+def test_json_round_trip_and_unknown_keys():
+    inc = _hang()
+    assert Incident.from_json(json.loads(json.dumps(inc.to_json()))) == inc
+    with pytest.raises(ValueError, match="unknown keys"):
+        Incident.from_json({**inc.to_json(), "colour": "red"})
+
+
+def test_store_writes_files_mirrors_to_etcd_counts_and_logs(tmp_path, caplog):
+    registry = CollectorRegistry()
+    collector = IncidentCollector(node="n1")
+    registry.register(collector)
+    etcd = FakeEtcd()
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path), etcd=etcd, collector=collector)
+    inc = _hang()
+    with caplog.at_level(logging.WARNING, logger="trainwarden.agent.incidents"):
+        store.record(inc)
+        store.record(inc.transition(IncidentState.ACTING, action="abort"))  # same incident, newer version
+    path = tmp_path / "jobs" / "demo" / "incidents" / f"{inc.id}.json"
+    assert json.loads(path.read_text())["state"] == "acting"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left
+    key = f"/trainwarden/v1/jobs/demo/incidents/{inc.id}"
+    assert json.loads(etcd.kv[key])["state"] == "acting"
+    assert sum(inc.id in r.getMessage() for r in caplog.records) == 1  # one log line per incident
+    store.record(Incident(id=new_incident_id(), kind="straggler_start", job="demo", node="n1", ranks=(2,)))
+    text = generate_latest(registry).decode()
+    assert 'trainwarden_hangs_total{job="demo",node="n1"} 1.0' in text
+    assert 'trainwarden_incidents_total{job="demo",kind="hang",node="n1"} 1.0' in text
+    assert 'trainwarden_incidents_total{job="demo",kind="straggler_start",node="n1"} 1.0' in text
+
+
+def test_etcd_failure_keeps_the_file(tmp_path):
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path), etcd=FakeEtcd(fail=True))
+    inc = store.record(_hang())
+    assert [i.id for i in list_incidents(tmp_path)] == [inc.id]
+
+
+def test_list_incidents_by_home_job_and_job_dir(tmp_path):
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path))
+    a1 = store.record(_hang("a", ts=1_790_000_002.0))
+    a0 = store.record(_hang("a", ts=1_790_000_001.0))
+    b = store.record(_hang("b", ts=1_790_000_000.0))
+    (tmp_path / "jobs" / "b" / "incidents" / "broken.json").write_text("{not json")
+    assert [i.id for i in list_incidents(tmp_path)] == [b.id, a0.id, a1.id]
+    assert [i.id for i in list_incidents(tmp_path, job="a")] == [a0.id, a1.id]
+    assert [i.id for i in list_incidents(job_state_dir("b", tmp_path))] == [b.id]
+    assert list_incidents(tmp_path / "nothing-here") == []
+
+
+def test_cli_table_json_and_show(tmp_path):
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path))
+    inc = store.record(_hang().transition(IncidentState.ACTING, action="abort local workers (ranks 0-7)"))
+    out = io.StringIO()
+    assert incidents_list(out, root=tmp_path) == 0
+    header, row = out.getvalue().splitlines()
+    assert header.split()[:4] == ["ID", "KIND", "STATE", "JOB"] and row.split()[:5] == [inc.id, "hang", "acting",
+                                                                                     "demo", "5"]
+    out = io.StringIO()
+    incidents_list(out, root=tmp_path, job="other")
+    assert out.getvalue() == "no incidents for job other\n"
+    out = io.StringIO()
+    incidents_list(out, root=tmp_path, as_json=True)
+    assert json.loads(out.getvalue())[0]["id"] == inc.id
+    out = io.StringIO()
+    assert incidents_show(out, inc.id[:22], root=tmp_path) == 0
+    report = out.getvalue()
+    assert "rank 5 never entered all_reduce #11" in report and "hang (faults.py:120)" in report
+    assert "stalled_seconds: 5.2" in report
+    err = io.StringIO()
+    assert incidents_show(io.StringIO(), "nope", root=tmp_path, err=err) == 2
+    assert "no incident matching 'nope'" in err.getvalue()

@@ -1,0 +1,258 @@
+import pickle
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from trainwarden.agent.hang import HangConfig
+from trainwarden.agent.incidents import IncidentKind, IncidentState
+from trainwarden.agent.jobstate import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.straggler import StragglerConfig, StragglerPolicy
+from trainwarden.agent.watchdog import Watchdog, WatchdogConfig
+
+pytestmark = pytest.mark.timeout(30)
+STACKS = """Thread 0x00007f0000000002 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/app/train.py", line 12 in data_loader
+
+Current thread 0x00007f0000000003 (most recent call first):
+  File "/app/runtime/session.py", line 180 in dump_diagnostics
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/app/runtime/faults.py", line {line} in _hang
+  File "/app/train.py", line 40 in train
+"""
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+class Actions:
+    """Fake agent actions: ranks in `answer` write diagnostics (rank `lagging` one collective behind)."""
+
+    def __init__(self, answer=(), lagging=None, abort_ok=True):
+        self.answer, self.lagging, self.abort_ok = set(answer), lagging, abort_ok
+        self.requests, self.aborts, self.records = [], [], []
+
+    def request_diagnostics(self, job, ranks, directory):
+        self.requests.append((job, list(ranks), directory))
+        assert directory.is_dir()
+        for r in ranks:
+            if r not in self.answer:
+                continue
+            seq = 9 if r == self.lagging else 10
+            entry = {"process_group": ("0", "default_pg"), "collective_seq_id": seq, "p2p_seq_id": 0,
+                     "profiling_name": "gloo:all_reduce", "state": "scheduled", "retired": r == self.lagging,
+                     "is_p2p": False}
+            (directory / f"rank{r}.stacks").write_text(STACKS.format(line=100 + r))
+            (directory / f"rank{r}.fr").write_bytes(pickle.dumps({"entries": [entry]}))
+        return [r for r in ranks if r in self.answer]
+
+    def abort(self, job, ranks, reason):
+        self.aborts.append((job, list(ranks), reason))
+        return self.abort_ok
+
+    def record(self, incident):
+        self.records.append(incident)
+        return incident
+
+
+class Sim:
+    def __init__(self, ranks=4, mesh=None):
+        self.clock = Clock()
+        self.js = JobState(clock=self.clock)
+        self.ranks, self.mesh = ranks, mesh or {"dp": ranks}
+        self.step = 0
+        self.wait = {r: 0.0 for r in range(ranks)}
+        self.connect(pid_base=100)
+
+    def connect(self, pid_base):
+        self.totals = {r: 0.0 for r in range(self.ranks)}  # per-process cumulative wait
+        self.count = 0
+        for r in range(self.ranks):
+            self.js.connect(WorkerInfo(job="j", rank=r, local_rank=r, world_size=self.ranks, mesh=self.mesh,
+                                       pid=pid_base + r, hostname=f"host{r}"))
+
+    def run(self, steps, dt=0.3, compute=None):
+        compute = compute or {}
+        for _ in range(steps):
+            self.clock.now += dt
+            self.step += 1
+            self.count += 1
+            for r in range(self.ranks):
+                self.js.record_step("j", r, index=self.step, start_unix=self.clock.now - dt, duration_seconds=dt)
+                self.totals[r] += dt - compute.get(r, 0.2)
+        for r in range(self.ranks):
+            self.js.record_collectives("j", r, [CollectiveTotals(
+                process_group="default_pg", op="all_reduce", count=self.count, wait_seconds=self.totals[r],
+                last_seq_id=self.count)], has_durations=False)
+
+
+def _watchdog(sim, actions, tmp_path, **config):
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3), **config)
+    return Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=lambda: 1_790_000_000.0,
+                    sleep=sim.clock.sleep, probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / job)
+
+
+def _flags(sim):
+    return {r.rank: r.flags for r in sim.js.snapshot("j")[0].ranks}
+
+
+def test_hang_names_culprit_records_aborts_and_resolves_after_restart(tmp_path):
+    sim = Sim()
+    actions = Actions(answer={0, 1, 3}, lagging=1)
+    wd = _watchdog(sim, actions, tmp_path)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 4.5
+    wd.check_once()
+    assert actions.requests == []
+    sim.clock.now += 1.0
+    wd.check_once()
+    (job, ranks, directory), = actions.requests
+    assert (job, ranks) == ("j", [0, 1, 2, 3]) and directory.parent == tmp_path / "j"
+    opened, acting = actions.records
+    assert opened.kind is IncidentKind.HANG and opened.state is IncidentState.OPEN and opened.ranks == (1,)
+    verdict = opened.evidence["verdict"]
+    assert verdict["culprits"] == [1] and verdict["unresponsive"] == {"2": "stopped"}
+    assert verdict["stacks"]["1"][0] == "_hang (/app/runtime/faults.py:101)"
+    assert opened.evidence["timeout_seconds"] == 5 and opened.evidence["diagnostics_dir"] == str(directory)
+    assert acting.id == opened.id and acting.state is IncidentState.ACTING
+    (_, aborted, reason), = actions.aborts
+    assert aborted == [0, 1, 2, 3] and "rank 1 never entered all_reduce #10" in reason
+    assert "hung" in _flags(sim)[1]
+    # torchrun restarts the workers; nothing fires again while they start, then they progress
+    for r in range(4):
+        sim.js.disconnect("j", r, 100 + r)
+    sim.clock.now += 10
+    wd.check_once()
+    sim.connect(pid_base=200)
+    sim.clock.now += 20
+    wd.check_once()
+    sim.run(3)
+    wd.check_once()
+    assert len(actions.aborts) == 1
+    resolved = actions.records[-1]
+    assert resolved.id == opened.id and resolved.state is IncidentState.RESOLVED
+    assert "progressed again" in resolved.outcome
+    assert "hung" not in _flags(sim)[1]
+
+
+def test_failed_abort_marks_the_incident_failed(tmp_path):
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1}, abort_ok=False)
+    wd = _watchdog(sim, actions, tmp_path)
+    wd.check_once()  # the watchdog sees the round start
+    sim.run(10)
+    wd.check_once()
+    sim.clock.now += 6
+    wd.check_once()
+    assert [i.state for i in actions.records] == [IncidentState.OPEN, IncidentState.ACTING, IncidentState.FAILED]
+    assert actions.records[0].evidence["verdict"]["summary"].startswith("no lagging rank: every rank is inside")
+
+
+def test_record_only_does_not_abort(tmp_path):
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1}, lagging=0)
+    wd = _watchdog(sim, actions, tmp_path, abort_on_hang=False)
+    wd.check_once()
+    sim.run(10)
+    wd.check_once()
+    sim.clock.now += 6
+    wd.check_once()
+    assert actions.aborts == [] and [i.state for i in actions.records] == [IncidentState.OPEN]
+
+
+def test_straggler_start_and_end_flag_record_and_export(tmp_path):
+    sim = Sim(ranks=4)
+    actions = Actions()
+    cfg = StragglerConfig(window_steps=20, persist=3, clear_persist=3, policy=StragglerPolicy.EXCLUDE)
+    wd = _watchdog(sim, actions, tmp_path, straggler=cfg)
+    slow = {0: 0.2, 1: 0.2, 2: 0.2, 3: 0.25}   # rank 3 computes 1.25x; everyone's step waits for it
+    for _ in range(15):
+        sim.run(7, compute=slow)
+        wd.check_once()
+    start, = actions.records
+    assert start.kind is IncidentKind.STRAGGLER_START and start.ranks == (3,)
+    assert start.evidence["score"] == pytest.approx(1.25, rel=0.02) and start.evidence["policy"] == "exclude"
+    assert "exclude node host3" in start.action
+    assert "straggler" in _flags(sim)[3]
+    registry = CollectorRegistry()
+    registry.register(wd.collector())
+    text = generate_latest(registry).decode()
+    assert 'trainwarden_straggler{job="j",node="n1",rank="3"} 1.0' in text
+    assert 'trainwarden_straggler{job="j",node="n1",rank="0"} 0.0' in text
+    score = next(line for line in text.splitlines()
+                 if line.startswith('trainwarden_straggler_score{job="j",node="n1",rank="3"}'))
+    assert float(score.split()[-1]) == pytest.approx(1.25, rel=0.02)
+    assert 'trainwarden_hang_timeout_seconds{job="j",node="n1"} 5.0' in text
+    for _ in range(15):
+        sim.run(7)
+        wd.check_once()
+    _, end, resolved = actions.records
+    assert end.kind is IncidentKind.STRAGGLER_END and end.state is IncidentState.RESOLVED
+    assert resolved.id == start.id and resolved.state is IncidentState.RESOLVED
+    assert "straggler" not in _flags(sim)[3]
+
+
+def test_pipeline_stages_are_scored_separately(tmp_path):
+    sim = Sim(ranks=4, mesh={"pp": 2, "dp": 2})
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path, straggler=StragglerConfig(window_steps=20))
+    for _ in range(15):
+        sim.run(7, compute={0: 0.1, 1: 0.1, 2: 0.25, 3: 0.25})  # stage 1 is heavier by design
+        wd.check_once()
+    assert actions.records == []
+
+
+class FlakyJobState:
+    def __init__(self):
+        self.calls = 0
+        self.seen_after_error = threading.Event()
+
+    def snapshot(self, job=None):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("bad iteration")
+        self.seen_after_error.set()
+        return ()
+
+
+def test_loop_survives_a_bad_iteration_and_stops(tmp_path):
+    js = FlakyJobState()
+    wd = Watchdog(js, Actions(), node="n1", config=WatchdogConfig(interval_s=0.01),
+                  diagnostics_dir=lambda job: tmp_path)
+    wd.start()
+    try:
+        assert js.seen_after_error.wait(10)
+    finally:
+        assert wd.stop(timeout=5)
+    assert wd.errors == 1
+    with pytest.raises(ValueError, match="interval_s"):
+        WatchdogConfig(interval_s=0)
+
+
+def test_a_silent_stopped_rank_is_recorded_not_guessed(tmp_path):
+    sim = Sim(ranks=4)
+    actions = Actions(answer={0, 2, 3})  # rank 1 is SIGSTOPped: it cannot answer; the others wait
+    wd = _watchdog(sim, actions, tmp_path)
+    wd.check_once()
+    sim.run(10)
+    wd.check_once()
+    sim.clock.now += 6
+    wd.check_once()
+    opened = actions.records[0]
+    verdict = opened.evidence["verdict"]
+    assert verdict["culprits"] == [] and verdict["unresponsive"] == {"1": "stopped"}
+    assert verdict["summary"].startswith("no lagging rank: every rank is inside the same collective")
+    assert opened.ranks == (1,)
