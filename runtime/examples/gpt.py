@@ -1,0 +1,270 @@
+"""The reference 3-D parallel workload: a small GPT trained on synthetic data under torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 8 \\
+        -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps 20 --ckpt-dir /tmp/ckpt
+
+Every rank builds the same full model from ``--seed``, keeps its pipeline stage and shards it
+(:mod:`trainwarden.runtime.parallel`); data is a pure function of ``(seed, step, sample)``
+(:mod:`trainwarden.runtime.data`). Steps are numbered from 1. The last stage's first rank logs one line per
+step (``step S loss L time Ts tok/s R``, loss with six decimals so that runs compare exactly) and finally
+``done steps=N final_loss=L``.
+
+Checkpoints: after step ``s`` with ``s % --ckpt-every == 0`` the app state (:class:`TrainState`: model
+part, optimizer, step, data position; plus the per-rank ``RNGState``) is handed to :class:`trainwarden.runtime.checkpoint.Checkpointer`,
+which saves it asynchronously as checkpoint "step s". At start-up the newest complete checkpoint is
+restored and training resumes at ``s + 1``. Model and optimizer go through
+``torch.distributed.checkpoint.state_dict`` so they are keyed by fully-qualified parameter names and DCP
+reshards them into a different mesh. Because the data and the learning rate depend only on the step, a
+resumed run reproduces an uninterrupted one bit for bit on the same mesh.
+
+Fault injection (:mod:`trainwarden.runtime.faults`, ``TRAINWARDEN_FAULTS``) is consulted at the start of
+every step, before any collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainwarden.runtime.checkpoint import Checkpointer, RNGState
+from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
+from trainwarden.runtime.faults import FaultInjector, FaultSpecError
+from trainwarden.runtime.model import ModelConfig, ModelConfigError
+from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
+                                          build_parallel_model, pick_device)
+
+__all__ = ["EXIT_OK", "EXIT_TRAINING_FAILED", "EXIT_BAD_CONFIG", "TrainConfig", "TrainState", "parse_args", "train", "main"]
+
+log = logging.getLogger("trainwarden.runtime.examples.gpt")
+
+EXIT_OK = 0
+EXIT_TRAINING_FAILED = 1
+"""Training raised; a restart from the last checkpoint may help."""
+EXIT_BAD_CONFIG = 2
+"""Flags, mesh or fault specification are invalid: fix the command line, a restart will not help."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one run needs, from the command line."""
+
+    model: ModelConfig
+    """Transformer shape."""
+    mesh: MeshConfig
+    """Parallel layout."""
+    batch: int
+    """Global batch size (sequences per step over all data-parallel ranks)."""
+    steps: int
+    """Train until this step number (inclusive); a resumed run continues up to it."""
+    lr: float
+    """Peak AdamW learning rate."""
+    warmup: int
+    """Linear warm-up steps; the learning rate is a pure function of the step."""
+    seed: int
+    """Seed for the initial weights and the data."""
+    ckpt_dir: str | None
+    """Checkpoint directory; None disables checkpointing and resuming."""
+    ckpt_every: int
+    """Save after every step divisible by this."""
+    keep: int
+    """Complete checkpoints kept."""
+    log_every: int
+    """Log every this many steps (and always the last)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "steps", "ckpt_every", "keep", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or not self.lr > 0:
+            raise ValueError(f"need --lr > 0 and --warmup >= 0, got lr={self.lr} warmup={self.warmup}")
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * min(1.0, step / self.warmup) if self.warmup else self.lr
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainwarden.runtime.examples.gpt",
+                                description="3-D parallel GPT on synthetic data (run under torchrun)")
+    add = p.add_argument
+    add("--dp", type=int, default=1, help="data-parallel (FSDP2) degree")
+    add("--tp", type=int, default=1, help="tensor-parallel degree (divides --heads)")
+    add("--pp", type=int, default=1, help="pipeline stages (<= --layers)")
+    add("--layers", type=int, default=4)
+    add("--dim", type=int, default=64)
+    add("--heads", type=int, default=4)
+    add("--seq", type=int, default=64, help="tokens per sequence")
+    add("--vocab", type=int, default=256)
+    add("--micro-batches", type=int, default=2, help="pipeline micro-batches per dp rank and step")
+    add("--batch", type=int, default=8, help="global batch size, a multiple of dp x micro-batches")
+    add("--steps", type=int, default=20, help="last step to run (steps count from 1)")
+    add("--lr", type=float, default=3e-3)
+    add("--warmup", type=int, default=3, help="linear learning-rate warm-up steps")
+    add("--seed", type=int, default=0)
+    add("--ckpt-dir", default=os.environ.get("TRAINWARDEN_CHECKPOINT_DIR") or None,
+        help="checkpoint directory; resumes from its newest complete checkpoint "
+             "(default: $TRAINWARDEN_CHECKPOINT_DIR, which `trainwarden run` sets; none: no checkpoints)")
+    add("--ckpt-every", type=int, default=10, help="save after every N-th step")
+    add("--keep", type=int, default=3, help="complete checkpoints to keep")
+    add("--log-every", type=int, default=1)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Parse flags into a validated :class:`TrainConfig` (``ValueError`` subclasses on bad values)."""
+    a = _parser().parse_args(argv)
+    return TrainConfig(
+        model=ModelConfig(vocab=a.vocab, dim=a.dim, heads=a.heads, layers=a.layers, seq=a.seq),
+        mesh=MeshConfig(dp=a.dp, tp=a.tp, pp=a.pp, micro_batches=a.micro_batches),
+        batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
+        ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every)
+
+
+# Optimizer state keyed by parameter FQN (``param_groups.<fqn>.lr``), not by group index: pipeline stages own
+# different parameters, and index-keyed groups ("param_groups.0.params") from different stages would
+# collide in DCP's deduplication, so a stage would load another stage's groups.
+_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class TrainState(Stateful):
+    """The app state in a checkpoint: this rank's model part and optimizer, step and data position.
+
+    Model and optimizer state dicts come from ``get_state_dict`` (fully-qualified names, DTensor shards,
+    optimizer flattened per parameter), so DCP reshards them into any mesh and pipeline layout. The data position is the last completed step (the data is a pure
+    function of the step). RNG state is saved next to it as the Checkpointer's per-rank ``RNGState``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
+        return {"model": model_sd, "optim": optim_sd, "step": self.step, "data_position": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"], options=_SD_OPTIONS)
+        self.step = int(state_dict["step"])
+        if int(state_dict["data_position"]) != self.step:
+            raise ValueError(f"checkpoint data position {state_dict['data_position']} != step {self.step}")
+
+
+def train(cfg: TrainConfig, device: torch.device) -> float:
+    """Run (or resume) training up to ``cfg.steps`` in the initialised process group; the final loss
+    on the reporting rank, NaN elsewhere or if no step ran."""
+    faults = FaultInjector.from_env(rank=dist.get_rank())
+    mesh = build_mesh(cfg.mesh, device)
+    torch.manual_seed(cfg.seed)
+    pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed)
+    optimizer = torch.optim.AdamW(pm.model.parameters(), lr=cfg.lr_at(1), weight_decay=0.01)
+    data = SyntheticData(DataConfig(vocab=cfg.model.vocab, seq=cfg.model.seq, batch=cfg.batch, seed=cfg.seed))
+    train_state = TrainState(pm.model, optimizer)
+
+    ckpt_state = {"app": train_state, "rng": RNGState()}
+    ckpt = None
+    start = 1
+    if cfg.ckpt_dir is not None:
+        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep)
+        restored = ckpt.restore(ckpt_state)
+        if restored is not None:
+            if restored != train_state.step:
+                raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
+            start = restored + 1
+            log.info("resumed from checkpoint step %d in %s", restored, cfg.ckpt_dir)
+
+    tokens_per_step = cfg.batch * cfg.model.seq
+    loss_value = math.nan
+    last_seconds: float | None = None
+    for step in range(start, cfg.steps + 1):
+        faults.step_boundary(step, last_seconds)
+        began = time.monotonic()
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        optimizer.zero_grad(set_to_none=True)
+        inputs, targets = data.batch(step, pm.dp_rank, cfg.mesh.dp)
+        loss = pm.train_step(inputs, targets)
+        optimizer.step()
+        train_state.step = step
+        if loss is not None:
+            loss_value = loss.item()
+        last_seconds = time.monotonic() - began
+        if pm.is_reporter and (step % cfg.log_every == 0 or step == cfg.steps):
+            log.info("step %d loss %.6f time %.3fs tok/s %.0f", step, loss_value, last_seconds,
+                     tokens_per_step / last_seconds)
+        if ckpt is not None and step % cfg.ckpt_every == 0:
+            ckpt.save(step, ckpt_state)
+    if ckpt is not None:
+        ckpt.close()    # waits for the last save to commit
+    if pm.is_reporter:
+        log.info("done steps=%d final_loss=%.6f", cfg.steps, loss_value)
+    return loss_value if pm.is_reporter else math.nan
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: str) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def _setup_logging(rank: str) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank %(rank)s] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(str(rank))
+    try:
+        cfg = parse_args(argv)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.mesh.check(world_size=world, model=cfg.model, batch=cfg.batch)
+    except (MeshError, ModelConfigError, DataConfigError, ValueError) as exc:   # all ValueErrors
+        if rank == 0:
+            log.error("bad configuration: %s", exc)
+        return EXIT_BAD_CONFIG
+    device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend_for(device))
+    try:
+        train(cfg, device)
+    except FaultSpecError as exc:
+        _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
+    except Exception:
+        log.exception("training failed")
+        _exit_now(EXIT_TRAINING_FAILED, "exiting without a clean shutdown")
+    dist.destroy_process_group()
+    return EXIT_OK
+
+
+def _exit_now(code: int, message: str) -> None:
+    """Log and leave at once. After a failure the peers may be blocked in collectives with this rank,
+    and a clean exit (destroying process groups, joining the checkpoint threads) could wait for them
+    forever; torchrun notices the exit code and tears the group down."""
+    log.error(message)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

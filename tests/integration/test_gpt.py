@@ -1,0 +1,91 @@
+"""The reference 3-D parallel GPT under real torchrun with gloo on CPU (pp2 x tp2 x dp2 = 8 ranks).
+
+One uninterrupted run and one interrupted-and-resumed run are shared by the module's tests (each costs
+~20 s of torchrun start-up and training on two cores)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpt_helpers import final_line, run_gpt
+from procs import ProcessGroup
+
+pytestmark = pytest.mark.integration
+
+MESH_8 = ["--dp", "2", "--tp", "2", "--pp", "2"]
+STRAIGHT_STEPS = 13
+
+
+@pytest.fixture(scope="module")
+def module_procs():
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.fixture(scope="module")
+def straight(module_procs, tmp_path_factory):
+    """13 uninterrupted steps, no checkpoints."""
+    log = tmp_path_factory.mktemp("straight") / "torchrun.log"
+    return run_gpt(module_procs, log, nproc=8, args=[*MESH_8, "--steps", str(STRAIGHT_STEPS)])
+
+
+@pytest.fixture(scope="module")
+def resumed(module_procs, tmp_path_factory):
+    """Steps 1-8 checkpointing every 4, then a second run resuming to step 12. Returns (first, second, dir)."""
+    base = tmp_path_factory.mktemp("resume")
+    ckpt = base / "ckpt"
+    common = [*MESH_8, "--ckpt-dir", str(ckpt), "--ckpt-every", "4"]
+    first = run_gpt(module_procs, base / "first.log", nproc=8, args=[*common, "--steps", "8"])
+    assert first.returncode == 0, first.describe()
+    second = run_gpt(module_procs, base / "second.log", nproc=8, args=[*common, "--steps", "12"])
+    return first, second, ckpt
+
+
+@pytest.mark.timeout(300)
+def test_eight_rank_run_completes_with_decreasing_loss(straight):
+    assert straight.returncode == 0, straight.describe()
+    assert sorted(straight.losses) == list(range(1, STRAIGHT_STEPS + 1)), straight.describe()
+    losses = [float(straight.losses[s]) for s in sorted(straight.losses)]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+    assert final_line(straight.log) == (STRAIGHT_STEPS, straight.losses[STRAIGHT_STEPS])
+
+
+@pytest.mark.timeout(400)
+def test_resume_reproduces_uninterrupted_losses_exactly(straight, resumed):
+    first, second, ckpt = resumed
+    assert second.returncode == 0, second.describe()
+    assert "resumed from checkpoint step 8" in second.log, second.describe()
+    assert sorted(first.losses) == list(range(1, 9))
+    assert sorted(second.losses) == [9, 10, 11, 12], second.describe()   # no step re-run or skipped
+    for step in range(1, 13):
+        got = (first.losses | second.losses)[step]
+        assert got == straight.losses[step], f"step {step}: resumed {got} != uninterrupted {straight.losses[step]}"
+    assert (ckpt / "step-00000012").is_dir()
+
+
+@pytest.mark.timeout(300)
+def test_dp2_checkpoint_restores_into_dp1(straight, resumed, module_procs, tmp_path):
+    _, second, ckpt = resumed
+    assert second.returncode == 0, second.describe()
+    run = run_gpt(module_procs, tmp_path / "dp1.log", nproc=4,
+                  args=["--dp", "1", "--tp", "2", "--pp", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "4",
+                        "--steps", "13"])
+    assert run.returncode == 0, run.describe()
+    assert "resumed from checkpoint step 12" in run.log, run.describe()
+    assert sorted(run.losses) == [13], run.describe()
+    # same global batch, resharded weights and optimizer: equal up to reduction order
+    assert float(run.losses[13]) == pytest.approx(float(straight.losses[13]), rel=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
+    run = run_gpt(procs, tmp_path / "bad.log", nproc=4, args=[*MESH_8, "--steps", "2"], timeout=100)
+    assert run.returncode != 0
+    assert "world size 4 != dp*tp*pp = 2*2*2 = 8" in run.log, run.describe()
+    assert not run.losses
