@@ -1,0 +1,408 @@
+"""Sharded asynchronous checkpoints with a commit protocol: ``Checkpointer``.
+
+Save (``Checkpointer.save``):
+
+1. Wait for the previous save (one in flight at a time).
+2. Stage: ``dcp.async_save`` with a ``DefaultStager`` owned by the Checkpointer copies the state into host
+   buffers that are cached per source storage and reused by every later save (pinned where CUDA is
+   available). This copy is the only part the training step waits for (``last_stall_seconds``).
+3. DCP's thread executor plans and writes in the background, with its collectives on a dedicated gloo
+   process group created once in the constructor, so they never interleave with training collectives.
+   Our ``FileSystemWriter`` subclass writes, before its rank enters DCP's planning collective, the rank's RNG
+   sidecar and, on the coordinator, the manifest (and removes a stale ``.metadata`` left in the directory).
+4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_store``),
+   publishes the atomic ``latest`` pointer, calls ``on_commit(CheckpointInfo)`` and applies retention.
+
+Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and skips incomplete ones (logging
+why); the candidate list is broadcast; every rank tries to load the first candidate, and the ranks agree
+with an all_gather of their errors: if any rank failed, all of them move on to the next candidate together,
+and rank 0 quarantines the one that failed (``step-N.unloadable``). Ranks never end up on different
+checkpoints. Nothing loadable returns None (fresh start) unless ``require=True``.
+
+RNG state is per rank and cannot go through DCP (a key saved by 8 ranks does not exist for rank 8 of 16):
+``RNGState`` entries of the state dict are taken out of the DCP state and written as ``rng-rank<R>.pt``
+sidecars. They restore exactly at the same world size; at another world size they are skipped with a
+warning and the run keeps its freshly seeded generators.
+
+Failed saves never raise into the training loop: they are logged with the path, counted in
+``failed_saves`` and kept in ``last_error``; the previous committed checkpoint stays the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from trainwarden.runtime import checkpoint_store as store
+from trainwarden.runtime.checkpoint_store import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    find_complete,
+    validate,
+)
+from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, write_sidecar
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "ModelState",
+    "RNGState",
+    "find_complete",
+    "validate",
+]
+
+logger = logging.getLogger(__name__)
+
+# DCP raises CheckpointException (a BaseException) when any rank failed inside one of its collectives.
+_SAVE_LOAD_ERRORS = (Exception, CheckpointException)
+
+
+def describe(exc: BaseException) -> str:
+    """One line per distinct cause; DCP's CheckpointException carries each failed rank's exception."""
+    if isinstance(exc, CheckpointException):
+        causes = {}
+        for rank, failure in sorted(exc.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            causes.setdefault(_one_line(cause), []).append(rank)
+        return "; ".join(f"{text} (ranks {ranks})" for text, ranks in causes.items())[:1500]
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:700]
+
+
+class _Writer(FileSystemWriter):
+    """FileSystemWriter that writes trainwarden's per-rank files before its rank enters the plan collective,
+    so ``.metadata`` (written after every rank's data) implies they exist."""
+
+    def __init__(self, path: Path, *, step: int, world_size: int, rng: Mapping[str, dict], rank: int):
+        super().__init__(path, sync_files=True)
+        self._tw_dir = Path(path)
+        self._tw_step, self._tw_world, self._tw_rng, self._tw_rank = step, world_size, rng, rank
+
+    def prepare_local_plan(self, plan):
+        if self._tw_rank == 0:
+            stale = self._tw_dir / store.METADATA_NAME
+            if stale.exists():  # left by an earlier save of this step: it would make a torn save look complete
+                logger.warning("removing stale %s before re-saving step %d", stale, self._tw_step)
+                stale.unlink()
+        plan = super().prepare_local_plan(plan)  # creates the directory
+        if self._tw_rng:
+            write_sidecar(self._tw_dir / store.rng_sidecar_name(self._tw_rank), self._tw_rng)
+        if self._tw_rank == 0:
+            manifest = {"step": self._tw_step, "world_size": self._tw_world, "rng_keys": sorted(self._tw_rng),
+                        "time": time.time()}
+            store.atomic_write(self._tw_dir / store.MANIFEST_NAME, json.dumps(manifest).encode())
+        return plan
+
+
+class Checkpointer:
+    """Saves and restores sharded checkpoints under one directory. Collective: every rank constructs it,
+    calls ``save``/``restore`` at the same steps and closes it.
+
+    ``process_group``: the group DCP's collectives run on; by default one gloo group over the world,
+    created (collectively) here and destroyed by ``close``. One given must span every rank and must not
+    carry training collectives. The staging buffers are reused by the next save, which is why that save
+    first waits for this one (one save in flight). Without ``torch.distributed`` initialized it
+    works single-process. ``on_commit`` runs on rank 0 in the committer thread after a checkpoint is
+    complete and the pointer is written; exceptions it raises are logged, never propagated.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+                 process_group: dist.ProcessGroup | None = None,
+                 on_commit: Callable[[CheckpointInfo], None] | None = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.async_save = async_save
+        self._on_commit = on_commit
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._owns_pg = False
+        if self._distributed and process_group is None:
+            process_group = dist.new_group(backend="gloo")
+            self._owns_pg = True
+        self._pg = process_group
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size() if self._distributed else 1
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        cuda = torch.cuda.is_available()
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-commit")
+        self._inflight: Future | None = None
+        self._last_saved_step: int | None = None
+        self._closed = False
+        self.last_stall_seconds = 0.0
+        self.last_save_seconds = 0.0
+        self.last_bytes = 0
+        self.last_committed: CheckpointInfo | None = None
+        self.last_error: BaseException | None = None
+        self.failed_saves = 0
+
+    # -- save -----------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Checkpoint ``state`` as ``step``. Blocks for the previous save and the host copy only (unless
+        constructed with ``async_save=False``)."""
+        if self._closed:
+            raise CheckpointError("save() on a closed Checkpointer; create a new one")
+        start = time.monotonic()
+        self.wait()
+        if step == self._last_saved_step:  # e.g. an on-demand save at a scheduled step: already written
+            logger.info("step %d is already checkpointed; not saving it again", step)
+            return
+        path = store.step_dir(self.directory, step)
+        rng = {k: v.state_dict() for k, v in state.items() if isinstance(v, RNGState)}
+        dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
+        writer = _Writer(path, step=step, world_size=self.world_size, rng=rng, rank=self.rank)
+        try:
+            response = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._pg,
+                                      async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                      async_stager=self._stager, no_dist=not self._distributed)
+        except _SAVE_LOAD_ERRORS as exc:
+            self._record_failure(step, path, exc)
+            return
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        if isinstance(response, AsyncSaveResponse):
+            response.staging_completion.result()
+        self.last_stall_seconds = time.monotonic() - start
+        self._inflight = self._committer.submit(self._finish, step, path, upload, start)
+        if not self.async_save:
+            self.wait()
+            self.last_stall_seconds = time.monotonic() - start
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the in-flight save (if any) is written and committed. Returns what rank 0
+        committed (None on other ranks, when there was nothing in flight, or when the save failed)."""
+        inflight, self._inflight = self._inflight, None
+        return inflight.result() if inflight is not None else None
+
+    def _finish(self, step: int, path: Path, upload: Future, start: float) -> CheckpointInfo | None:
+        try:
+            upload.result()
+        except _SAVE_LOAD_ERRORS as exc:
+            self._record_failure(step, path, exc)
+            return None
+        self.last_save_seconds = time.monotonic() - start
+        self._last_saved_step = step  # every rank sees the same outcome: DCP's write phase is collective
+        self.last_bytes = sum(p.stat().st_size for p in path.glob(f"__{self.rank}_*"))
+        sidecar = path / store.rng_sidecar_name(self.rank)
+        if sidecar.exists():
+            self.last_bytes += sidecar.stat().st_size
+        if self.rank != 0:
+            return None
+        try:
+            return self._commit(step, path)
+        except Exception as exc:
+            self._record_failure(step, path, exc)
+            return None
+
+    def _commit(self, step: int, path: Path) -> CheckpointInfo | None:
+        problems = validate(path)
+        if problems:
+            raise CheckpointSaveError(f"checkpoint {path} is incomplete after the save finished: "
+                                      f"{'; '.join(problems)}")
+        info = store.info_for(store.CheckpointStatus(step=step, path=path, problems=()))
+        store.write_latest(self.directory, info)
+        self.last_committed = info
+        logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
+                    info.bytes, self.last_stall_seconds, self.last_save_seconds,
+                    extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
+        if self._on_commit is not None:
+            try:
+                self._on_commit(info)
+            except Exception:
+                logger.exception("on_commit callback failed for %s (the checkpoint itself is committed)", path)
+        self._apply_retention()
+        return info
+
+    def _apply_retention(self) -> None:
+        for status in store.retention_candidates(store.scan(self.directory), self.keep):
+            try:
+                store.remove_checkpoint(status.path)
+                logger.info("retention (keep=%d): removed %s checkpoint %s", self.keep,
+                            "complete" if status.complete else "incomplete", status.path)
+            except OSError as exc:
+                logger.warning("retention could not remove %s: %s; remove it by hand", status.path, exc)
+
+    def _record_failure(self, step: int, path: Path, exc: BaseException) -> None:
+        self.failed_saves += 1
+        self.last_error = exc
+        logger.error("checkpoint save of step %d to %s failed: %s. Training continues; the latest "
+                     "committed checkpoint is unchanged. Check free space and permissions of %s.", step, path,
+                     describe(exc), self.directory,
+                     extra={"event": "checkpoint_failed", "step": step})
+
+    # -- restore --------------------------------------------------------------------------------------
+
+    def restore(self, state: Mapping[str, Any], *, require: bool = False) -> int | None:
+        """Load the newest complete checkpoint in place into ``state``; its step, or None when none is
+        loadable. Raises ``CheckpointNotFoundError`` in that case only when ``require`` is true.
+
+        If every candidate failed to load and ``require`` is false, tensors in ``state`` may hold part of a
+        failed load: re-initialize them before training from scratch."""
+        if self._closed:
+            raise CheckpointError("restore() on a closed Checkpointer; create a new one")
+        self.wait()
+        # rank 0 decides; an error there must reach every rank, or they would wait in the broadcast forever
+        choice: tuple[list[tuple[int, str]], str] = ([], "")
+        if self.rank == 0:
+            try:
+                choice = (self._candidates(), "")
+            except OSError as exc:
+                choice = ([], f"cannot list checkpoints in {self.directory}: {exc}; check that it exists and "
+                              f"is readable from every node")
+        candidates, error = self._broadcast(choice)
+        if error:
+            raise CheckpointError(error)
+        for step, path in candidates:
+            errors = self._gather(self._try_load(Path(path), state))
+            failed = {r: e for r, e in enumerate(errors) if e}
+            if not failed:
+                self._restore_rng(Path(path), state)
+                self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
+                if self.rank == 0:
+                    try:
+                        self._repoint(step, Path(path))
+                    except OSError as exc:
+                        logger.warning("could not update the checkpoint pointer in %s: %s", self.directory, exc)
+                logger.info("restored checkpoint step %d from %s", step, path,
+                            extra={"event": "checkpoint_restore", "step": step})
+                return step
+            if self.rank == 0:
+                by_error: dict[str, list[int]] = {}
+                for r, e in sorted(failed.items()):
+                    by_error.setdefault(e, []).append(r)
+                detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
+                try:
+                    target = str(store.quarantine(Path(path)))
+                except OSError as exc:
+                    target = f"nowhere (could not move it: {exc}; remove it by hand)"
+                logger.error("checkpoint %s failed to load (%s); moved to %s for inspection, falling back to the "
+                             "previous checkpoint. If the model or optimizer definition changed since it was "
+                             "saved, that is the cause.", path, detail, target,
+                             extra={"event": "checkpoint_unloadable", "step": step})
+            self._barrier()
+        message = (f"no loadable checkpoint in {self.directory}; "
+                   + ("the job requires one: restore one there or run without require=True" if require
+                      else "starting fresh"))
+        if require:
+            raise CheckpointNotFoundError(message)
+        logger.warning(message)
+        return None
+
+    def _repoint(self, step: int, path: Path) -> None:
+        """After a fallback (or a crash between ``.metadata`` and the pointer) the pointer may name another
+        checkpoint: point it, and ``on_commit``, at the one the job actually continues from."""
+        latest = store.read_latest(self.directory)
+        if latest is not None and Path(latest.path) == path.resolve():
+            return
+        info = store.info_for(store.CheckpointStatus(step=step, path=path, problems=()))
+        store.write_latest(self.directory, info)
+        logger.warning("checkpoint pointer %s now names step %d (was %s)", self.directory / store.POINTER_NAME,
+                       step, latest.path if latest else "absent")
+        if self._on_commit is not None:
+            try:
+                self._on_commit(info)
+            except Exception:
+                logger.exception("on_commit callback failed for %s", path)
+
+    def _candidates(self) -> list[tuple[int, str]]:
+        statuses = store.scan(self.directory)
+        complete = [s for s in statuses if s.complete]
+        newest = complete[0].step if complete else -1
+        for status in statuses:
+            if status.complete:
+                continue
+            logger.warning("skipping incomplete checkpoint: %s", "; ".join(status.problems),
+                           extra={"event": "checkpoint_incomplete", "step": status.step})
+            if status.step > newest:  # a save that never finished; the resumed run will write this step again
+                try:
+                    store.remove_checkpoint(status.path)
+                except OSError as exc:
+                    logger.warning("could not remove incomplete checkpoint %s: %s", status.path, exc)
+        return [(s.step, str(s.path)) for s in complete]
+
+    def _try_load(self, path: Path, state: Mapping[str, Any]) -> str:
+        dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
+        try:
+            dcp.load(dcp_state, checkpoint_id=str(path), process_group=self._pg,
+                     no_dist=not self._distributed)
+        except _SAVE_LOAD_ERRORS as exc:
+            return describe(exc)
+        return ""
+
+    def _restore_rng(self, path: Path, state: Mapping[str, Any]) -> None:
+        entries = {k: v for k, v in state.items() if isinstance(v, RNGState)}
+        if not entries:
+            return
+        try:
+            saved = (store.read_manifest(path) or {}).get("world_size")
+        except (OSError, ValueError) as exc:
+            saved = f"unknown ({exc})"
+        if saved != self.world_size:
+            logger.warning("checkpoint %s was saved at world size %s, now %d: RNG states not restored, the "
+                           "generators keep their current seeds", path, saved, self.world_size)
+            return
+        load_sidecar(path / store.rng_sidecar_name(self.rank), entries)
+
+    # -- collectives on our group ---------------------------------------------------------------------
+
+    def _broadcast(self, obj):
+        if not self._distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self._pg, group_src=0)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        if not self._distributed:
+            return [obj]
+        out: list = [None] * dist.get_world_size(self._pg)
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self._pg)
+
+    def close(self) -> None:
+        """Wait for the in-flight save, then release the stager's buffers, the committer thread and the
+        process group this Checkpointer created."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._committer.shutdown(wait=True)
+            self._stager.close()
+            if self._owns_pg and self._pg is not None:
+                dist.destroy_process_group(self._pg)
+            self._pg = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,330 @@
+"""On-disk layout of trainwarden checkpoints: naming, completeness, the ``latest`` pointer, retention.
+
+Everything here works on plain directories and needs no process group, so the CLI and the agent can
+inspect a checkpoint directory from outside the job.
+
+Layout::
+
+    <dir>/step-00000200/            one DCP checkpoint per saved step
+        __0_0.distcp ...            DCP data, one file per rank (FileSystemWriter)
+        trainwarden.json            manifest written by the coordinator before any data: step, world size,
+                                    RNG keys
+        rng-rank<R>.pt              per-rank RNG sidecar (see ``checkpoint.RNGState``), one per saved rank
+        .metadata                   DCP metadata; the coordinator writes it last, after every rank's data
+    <dir>/latest                    JSON pointer to the newest committed checkpoint {step, path, time, bytes}
+    <dir>/step-00000300.unloadable  a checkpoint that validated but failed to load, moved aside by restore
+
+Completeness (``validate``): ``.metadata`` exists and unpickles, every file it references is present with at
+least the bytes it references, and, when the manifest lists RNG keys, every saved rank's sidecar is present.
+The manifest and the sidecars are written before their rank enters DCP's planning collective, and
+``.metadata`` only after every rank's data was written, so a directory with ``.metadata`` and all referenced
+bytes was finished by every rank.
+
+The pointer is written with write-tmp + fsync + rename + fsync(dir): readers see the old or the new pointer,
+never a torn one. Retention (``choose_deletions``) is a pure function so its rules can be tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointStatus",
+    "MANIFEST_NAME",
+    "METADATA_NAME",
+    "POINTER_NAME",
+    "atomic_write",
+    "choose_deletions",
+    "find_complete",
+    "info_for",
+    "quarantine",
+    "read_latest",
+    "read_manifest",
+    "remove_checkpoint",
+    "retention_candidates",
+    "rng_sidecar_name",
+    "scan",
+    "step_dir",
+    "validate",
+    "write_latest",
+]
+
+logger = logging.getLogger(__name__)
+
+POINTER_NAME = "latest"
+MANIFEST_NAME = "trainwarden.json"
+METADATA_NAME = ".metadata"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(Exception):
+    """Base class of checkpoint errors."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No complete, loadable checkpoint exists and one was required. Retrying does not help: point the job at
+    a directory that holds one, or start without ``require=True``."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, I/O error, a rank died). The next save may succeed; the previous committed
+    checkpoint is untouched."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """A complete checkpoint, as published in the ``latest`` pointer and to ``on_commit``."""
+
+    step: int
+    """Training step the checkpoint was saved at."""
+    path: str
+    """Absolute path of the checkpoint directory."""
+    time: float
+    """Wall-clock time (UNIX seconds) it was committed; for people and cross-host comparison only."""
+    bytes: int
+    """Total size of the checkpoint directory's files."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CheckpointInfo":
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        unknown = set(raw) - {"step", "path", "time", "bytes"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        return cls(step=int(raw["step"]), path=str(raw["path"]), time=float(raw["time"]),
+                   bytes=int(raw["bytes"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointStatus:
+    """One ``step-*`` directory and what ``validate`` found wrong with it (empty: complete)."""
+
+    step: int
+    """Step parsed from the directory name."""
+    path: Path
+    """The directory."""
+    problems: tuple[str, ...]
+    """Why it is incomplete; empty when complete."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+
+def step_dir(directory: str | os.PathLike, step: int) -> Path:
+    """``<directory>/step-<NNNNNNNN>``."""
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    return Path(directory) / f"step-{step:08d}"
+
+
+def rng_sidecar_name(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def _referenced_sizes(metadata) -> dict[str, int]:
+    """File -> bytes the metadata says it must hold. Reads DCP's per-item storage info (relative_path,
+    offset, length) by attribute: the class is private to torch, its fields are the documented format."""
+    need: dict[str, int] = {}
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise ValueError("metadata has no storage_data map")
+    for info in storage.values():
+        rel, off, length = info.relative_path, int(info.offset), int(info.length)
+        need[rel] = max(need.get(rel, 0), off + length)
+    return need
+
+
+def validate(path: str | os.PathLike) -> list[str]:
+    """Problems that make the checkpoint at ``path`` unusable; an empty list means complete.
+
+    Cheap: reads ``.metadata`` and the manifest, stats the data files, never reads tensor data. A complete
+    checkpoint can still fail to load (bytes corrupted in place); ``Checkpointer.restore`` handles that.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return [f"{path} is not a directory"]
+    meta_path = path / METADATA_NAME
+    if not meta_path.exists():
+        return [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes it last)"]
+    try:
+        with open(meta_path, "rb") as f:
+            metadata = pickle.load(f)
+        need = _referenced_sizes(metadata)
+    except Exception as exc:  # pickle raises many types on garbage
+        return [f"{path}: unreadable {METADATA_NAME} ({type(exc).__name__}: {exc})"]
+    problems = []
+    for rel, size in sorted(need.items()):
+        try:
+            have = (path / rel).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path}: missing data file {rel} (referenced by {METADATA_NAME})")
+            continue
+        if have < size:
+            problems.append(f"{path}: truncated data file {rel}: {have} bytes, metadata references {size}")
+    problems.extend(_manifest_problems(path))
+    return problems
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest of checkpoint ``path``; None when absent (e.g. a plain DCP checkpoint)."""
+    try:
+        text = (path / MANIFEST_NAME).read_text()
+    except FileNotFoundError:
+        return None
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or not isinstance(raw.get("world_size"), int):
+        raise ValueError("manifest is not a JSON object with an integer world_size")
+    return raw
+
+
+def _manifest_problems(path: Path) -> list[str]:
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as exc:
+        return [f"{path}: unreadable {MANIFEST_NAME} ({exc})"]
+    if manifest is None or not manifest.get("rng_keys"):
+        return []
+    problems = []
+    for rank in range(manifest["world_size"]):
+        sidecar = path / rng_sidecar_name(rank)
+        if not sidecar.exists() or sidecar.stat().st_size == 0:
+            problems.append(f"{path}: missing or empty RNG sidecar {sidecar.name} "
+                            f"(saved world size {manifest['world_size']})")
+    return problems
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for entry in path.iterdir():
+        if entry.is_file():
+            total += entry.stat().st_size
+    return total
+
+
+def scan(directory: str | os.PathLike) -> list[CheckpointStatus]:
+    """Every ``step-*`` directory under ``directory``, newest step first, validated."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    found.sort(key=lambda item: item[0], reverse=True)
+    return [CheckpointStatus(step=step, path=p, problems=tuple(validate(p))) for step, p in found]
+
+
+def info_for(status: CheckpointStatus) -> CheckpointInfo:
+    meta = status.path / METADATA_NAME
+    return CheckpointInfo(step=status.step, path=str(status.path.resolve()), time=meta.stat().st_mtime,
+                          bytes=_dir_bytes(status.path))
+
+
+def find_complete(directory: str | os.PathLike) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``directory``, newest first."""
+    return [info_for(s) for s in scan(directory) if s.complete]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_latest(directory: str | os.PathLike, info: CheckpointInfo) -> Path:
+    """Atomically point ``<directory>/latest`` at ``info``."""
+    pointer = Path(directory) / POINTER_NAME
+    atomic_write(pointer, (info.to_json() + "\n").encode())
+    return pointer
+
+
+def read_latest(directory: str | os.PathLike) -> CheckpointInfo | None:
+    """The ``latest`` pointer; None when absent or unreadable (logged: the step directories are the truth,
+    the pointer is a convenience for readers outside the job)."""
+    pointer = Path(directory) / POINTER_NAME
+    try:
+        return CheckpointInfo.from_json(pointer.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("ignoring unreadable checkpoint pointer %s (%s); find_complete() lists the real "
+                       "checkpoints", pointer, exc)
+        return None
+
+
+def choose_deletions(entries: Iterable[tuple[int, bool]], keep: int) -> list[int]:
+    """Steps to delete, given ``(step, complete)`` for each checkpoint directory.
+
+    Keeps the newest ``keep`` complete checkpoints (never fewer than one), deletes older complete ones, and
+    deletes incomplete ones older than the newest complete one. Incomplete directories newer than the newest
+    complete one are kept: they may be a save in flight.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    entries = sorted(entries, key=lambda e: e[0], reverse=True)
+    complete = [step for step, ok in entries if ok]
+    if not complete:
+        return []
+    newest = complete[0]
+    doomed = set(complete[keep:])
+    doomed.update(step for step, ok in entries if not ok and step < newest)
+    return sorted(doomed)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory: rename it out of the ``step-*`` namespace first, so a crash halfway
+    through leaves nothing that looks like a checkpoint."""
+    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def quarantine(path: Path) -> Path:
+    """Move a checkpoint that validated but failed to load out of the ``step-*`` namespace, kept for
+    inspection: ``step-N.unloadable``."""
+    target = path.with_name(f"{path.name}.unloadable")
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    os.replace(path, target)
+    return target
+
+
+def retention_candidates(statuses: Sequence[CheckpointStatus], keep: int) -> list[CheckpointStatus]:
+    doomed = set(choose_deletions(((s.step, s.complete) for s in statuses), keep))
+    return [s for s in statuses if s.step in doomed]

@@ -1,0 +1,98 @@
+"""torchrun worker for the checkpoint integration tests: a small FSDP2 MLP trained with gloo on CPU.
+
+Modes:
+  train:   restore (if any), train ``--steps`` steps, save every ``--save-every`` through ``Checkpointer`` and,
+           right after each save, dump the full state that was saved to ``<dump-dir>/dump-<step>.pt``.
+  restore: restore only, then dump the loaded state to ``<dump-dir>/restored.pt`` (with the step).
+
+A dump (written by rank 0) holds every parameter and optimizer state as full tensors (``full_tensor()``) and
+each rank's RNG fingerprint (the next torch / random / numpy draws), so two dumps compare exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainwarden.runtime.checkpoint import Checkpointer, ModelState, RNGState
+
+DIM = 32
+
+
+def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.ReLU(), torch.nn.Linear(2 * DIM, DIM))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def dump(path: Path, step: int | None, model, optim) -> None:
+    params = {name: full(p) for name, p in model.named_parameters()}
+    names = {id(p): name for name, p in model.named_parameters()}
+    opt_state = {}
+    for p in model.parameters():
+        st = optim.state.get(p, {})
+        opt_state[names[id(p)]] = {k: full(v) for k, v in sorted(st.items()) if torch.is_tensor(v)}
+    fingerprint = (torch.rand(4), random.random(), float(np.random.rand()))
+    prints = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, fingerprint)
+    if dist.get_rank() == 0:
+        torch.save({"step": step, "params": params, "optim": opt_state, "rng": prints}, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["train", "restore"])
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--dump-dir", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--keep", type=int, default=3)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    model, optim = build(world)
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    state = {"train": ModelState(model, optim), "rng": RNGState()}
+    dump_dir = Path(args.dump_dir)
+    ckpt = Checkpointer(args.dir, keep=args.keep)
+    start = ckpt.restore(state) or 0
+    if args.mode == "restore":
+        dump(dump_dir / "restored.pt", start, model, optim)
+    else:
+        for step in range(start + 1, args.steps + 1):
+            loss = model(torch.randn(8, DIM)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            if step % args.save_every == 0:
+                ckpt.save(step, state)
+                dump(dump_dir / f"dump-{step}.pt", step, model, optim)
+    ckpt.close()
+    print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
