@@ -139,6 +139,8 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
         env.setdefault(key, value)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
+    # torchrun announces restarts ("will restart worker group") at INFO; `run` reads and logs them
+    env.setdefault("LOGLEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
     env["TRAINWARDEN_JOB"] = spec.job
     env["TRAINWARDEN_STATE_DIR"] = str(spec.state_dir)

@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Failure", "ProgressTracker", "STEP_LINE"]
+__all__ = ["Failure", "ProgressTracker", "RESTART_LINE", "STEP_LINE"]
 
 STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+) time ([0-9.]+)s")
 RESTART_LINE = re.compile(r"will restart worker group")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from .job import JobPhase, JobRecord
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
 from .paths import job_state_dir
-from .progress import ProgressTracker
+from .progress import RESTART_LINE, ProgressTracker
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,10 @@ class _Signals:
             signal.signal(sig, handler)
 
 
+# torchrun's own INFO lines (glog style, "I1122 14:37:14.328000 ...") go to the log file only
+_TORCHRUN_INFO = re.compile(r"^\[?I\d{4} \d\d:\d\d:\d\d")
+
+
 class _OutputPump(threading.Thread):
     """Copies torchrun's output to our stdout and the run log, feeding the progress tracker."""
 
@@ -122,7 +127,7 @@ class _OutputPump(threading.Thread):
             line = raw.decode("utf-8", errors="replace")
             try:
                 self._log.write(line)
-                if not self.quiet:
+                if not self.quiet and (not _TORCHRUN_INFO.match(line) or RESTART_LINE.search(line)):
                     self._sink.write(line)
                     self._sink.flush()
                 self._tracker.feed(line)

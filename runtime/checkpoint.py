@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from trainwarden.runtime import checkpoint_store as store
+from trainwarden.runtime.failures import peer_failure
 from trainwarden.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointInfo,
@@ -247,6 +248,12 @@ class Checkpointer:
     def _record_failure(self, step: int, path: Path, exc: BaseException) -> None:
         self.failed_saves += 1
         self.last_error = exc
+        lost = peer_failure(exc)
+        if lost:  # another rank died mid-save: nothing is wrong with the storage
+            logger.warning("checkpoint save of step %d to %s abandoned: a peer rank is gone (%s); the latest "
+                           "committed checkpoint is unchanged", step, path, lost,
+                           extra={"event": "checkpoint_failed", "step": step})
+            return
         logger.error("checkpoint save of step %d to %s failed: %s. Training continues; the latest "
                      "committed checkpoint is unchanged. Check free space and permissions of %s.", step, path,
                      describe(exc), self.directory,

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
+from trainwarden.runtime.failures import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
@@ -248,7 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, device)
     except FaultSpecError as exc:
         _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
-    except Exception:
+    except Exception as exc:
+        lost = peer_failure(exc)
+        if lost:  # the echo of another rank's failure: one line, the failed rank has the traceback
+            _exit_now(EXIT_TRAINING_FAILED, f"a peer rank is gone ({lost}); exiting so torchrun restarts the group")
         log.exception("training failed")
         _exit_now(EXIT_TRAINING_FAILED, "exiting without a clean shutdown")
     dist.destroy_process_group()

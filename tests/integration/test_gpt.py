@@ -6,6 +6,7 @@ One uninterrupted run and one interrupted-and-resumed run are shared by the modu
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -89,3 +90,37 @@ def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
     assert run.returncode != 0
     assert "world size 4 != dp*tp*pp = 2*2*2 = 8" in run.log, run.describe()
     assert not run.losses
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path):
+    """`crash` at step 10 under `trainwarden run`: torchrun restarts the group through the etcd3
+    rendezvous, every rank restores step 8, and every printed loss equals the uninterrupted run's."""
+    import os
+    import sys
+
+    from gpt_helpers import gpt_env, parse_losses
+
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="crash:rank=5,step=10")
+    log = tmp_path / "run.log"
+    proc = module_procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "8", "--max-restarts", "1",
+         "--monitor-interval", "0.5", "--job", "crash", "--",
+         "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
+        log=log, env=env,
+    )
+    rc = proc.wait(360)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    assert straight.returncode == 0, straight.describe()
+    losses = parse_losses(text)  # asserts that steps 9 and 10, printed twice, agree
+    assert losses == straight.losses
+    assert final_line(text) == final_line(straight.log)
+    # step 8's asynchronous save may still be in flight when the crash hits: then step 4 is the newest
+    # complete checkpoint, and resuming from it must reproduce the same losses
+    assert re.search(r"resumed from checkpoint step [48] ", text)
+    assert re.search(r"restarts     1 \(failed after step 9, resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
+    ckpts = tmp_path / "state" / "jobs" / "crash" / "checkpoints"
+    assert os.path.exists(ckpts / "latest")
