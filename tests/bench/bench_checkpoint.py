@@ -3,9 +3,12 @@
 Run under torchrun (gloo on CPU works; the goal is measured at 8 ranks)::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --standalone --nproc-per-node 8 \\
-        tests/bench/bench_checkpoint.py --layers 8 --width 1024 --repeats 3
+        tests/bench/bench_checkpoint.py --model reference --layers 8 --width 512 --repeats 5
 
-The model is an FSDP2-sharded stack of ``--layers`` square Linear layers (``width``² fp32 each) with AdamW
+``--model reference`` (the default) checkpoints the reference GPT job's own state (model part, optimizer,
+step; pp2 x tp2 x dp2); ``--model stack`` an FSDP2 stack of Linear layers at any world size.
+
+The stack model is an FSDP2-sharded stack of ``--layers`` square Linear layers (``width``² fp32 each) with AdamW
 state after one step, so the checkpoint holds about 3 × the parameter bytes. In the same run it measures,
 per repetition and as the maximum over ranks (the step waits for the slowest rank):
 
@@ -51,6 +54,30 @@ def build(layers: int, width: int, world: int):
     return model, optim
 
 
+def build_reference(args, world: int):
+    """The reference job's model (runtime/examples/gpt.py) on a pp2 x tp2 x dp2 mesh, after one step,
+    wrapped in the job's own checkpoint state (TrainState)."""
+    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.gpt import TrainState
+    from trainwarden.runtime.model import ModelConfig, build_model
+    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+
+    if world != 8:
+        raise SystemExit("--model reference needs 8 ranks (pp2 x tp2 x dp2)")
+    device = pick_device(int(__import__("os").environ.get("LOCAL_RANK", "0")))
+    model_cfg = ModelConfig(vocab=args.vocab, dim=args.width, heads=8, layers=args.layers, seq=64)
+    mesh_cfg = MeshConfig(dp=2, tp=2, pp=2, micro_batches=2)
+    pm = build_parallel_model(model_cfg, mesh_cfg, build_mesh(mesh_cfg, device), device, seed=0)
+    optim = torch.optim.AdamW(pm.model.parameters(), lr=1e-3)
+    data = SyntheticData(DataConfig(vocab=args.vocab, seq=64, batch=8, seed=0))
+    inputs, targets = data.batch(1, pm.dp_rank, 2)
+    pm.train_step(inputs, targets)
+    optim.step()
+    optim.zero_grad()
+    params = sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())  # the whole model
+    return TrainState(pm.model, optim), params * 4 / 2**20
+
+
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -65,20 +92,28 @@ def per_rank(seconds: float) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["reference", "stack"], default="reference",
+                    help="reference: the reference GPT job (8 ranks, pp2 x tp2 x dp2, width = model dim); "
+                         "stack: an FSDP2 stack of square Linear layers")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary of the reference model")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, optim = build(args.layers, args.width, world)
-    state = {"train": ModelState(model, optim), "rng": RNGState()}
+    if args.model == "reference":
+        train_state, params_mb = build_reference(args, world)
+        state = {"app": train_state, "rng": RNGState()}
+    else:
+        model, optim = build(args.layers, args.width, world)
+        state = {"train": ModelState(model, optim), "rng": RNGState()}
+        params_mb = args.layers * args.width * args.width * 4 / 2**20
     root_box = [args.dir or (tempfile.mkdtemp(prefix="tw-bench-ckpt-") if rank == 0 else None)]
     dist.broadcast_object_list(root_box, src=0)
     root = Path(root_box[0])
-    params_mb = args.layers * args.width * args.width * 4 / 2**20
 
     ckpt = Checkpointer(root / "async", keep=2)
     dist.barrier()
@@ -111,7 +146,7 @@ def main() -> None:
 
     if rank == 0:
         stall, total, sync = statistics.median(stalls), statistics.median(totals), statistics.median(syncs)
-        print(f"world={world} params={params_mb:.1f}MiB checkpoint={ckpt_bytes / 2**20:.1f}MiB "
+        print(f"model={args.model} world={world} params={params_mb:.1f}MiB checkpoint={ckpt_bytes / 2**20:.1f}MiB "
               f"repeats={args.repeats} (max over ranks, median over repeats)")
         print(f"async save: blocking {stall * 1e3:.1f} ms (cold first save {cold_stall * 1e3:.1f} ms), "
               f"until committed {total * 1e3:.1f} ms; blocking of the median rank "
