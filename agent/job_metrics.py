@@ -1,0 +1,112 @@
+"""Prometheus collector for job telemetry: yields metric families from a `JobState` at scrape time.
+
+Like prometheus_client's own custom collectors, it holds no metric objects: each scrape takes one
+`JobState.snapshot()` and turns it into families, so the exposition always matches the store and a job
+that `JobState.prune()` forgot disappears from /metrics. Labels are bounded: job, node, rank, op and
+reason; never step numbers, paths or free text. The exporter (agent/exporter.py) registers this next to
+the GPU and host collectors:
+
+    registry.register(JobMetricsCollector(jobstate, node=hostname))
+
+Families (all prefixed trainwarden_):
+
+    step_duration_seconds            histogram  job, node, rank
+    last_step                        gauge      job, node, rank
+    tokens_total                     counter    job, node, rank
+    step_seconds_total               counter    job, node, rank
+    collective_wait_seconds_total    counter    job, node, rank, op
+    compute_seconds_total            counter    job, node, rank   (step seconds minus collective wait)
+    collective_last_seq_id           gauge      job, node, rank   (max over the rank's process groups)
+    checkpoint_stall_seconds         gauge      job, node, rank   (step blocked by the last checkpoint's staging)
+    checkpoint_last_step             gauge      job, node         (newest committed checkpoint)
+    checkpoint_failures_total        counter    job, node
+    worker_restarts_total            counter    job, node
+    worker_up                        gauge      job, node, rank
+    telemetry_dropped_total          counter    job, node, rank   (records the worker dropped)
+    telemetry_rejected_total         counter    node, reason      (messages the agent refused)
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from .jobstate import STEP_BUCKETS, JobState
+
+__all__ = ["JobMetricsCollector"]
+
+
+class JobMetricsCollector(Collector):
+    """Job metric families computed from `jobstate` on every scrape."""
+
+    def __init__(self, jobstate: JobState, *, node: str) -> None:
+        if not node:
+            raise ValueError("node must be a non-empty name (the host name of this agent)")
+        self._jobstate = jobstate
+        self._node = node
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._node
+        rank_labels = ["job", "node", "rank"]
+        step = HistogramMetricFamily("trainwarden_step_duration_seconds",
+                                     "Training step duration per rank.", labels=rank_labels)
+        last_step = GaugeMetricFamily("trainwarden_last_step", "Index of the rank's last finished step.",
+                                      labels=rank_labels)
+        tokens = CounterMetricFamily("trainwarden_tokens", "Tokens processed by the rank.", labels=rank_labels)
+        step_seconds = CounterMetricFamily("trainwarden_step_seconds", "Seconds spent in training steps.",
+                                           labels=rank_labels)
+        wait = CounterMetricFamily("trainwarden_collective_wait_seconds",
+                                   "Seconds in collectives (measured on NCCL, estimated on gloo).",
+                                   labels=rank_labels + ["op"])
+        compute = CounterMetricFamily("trainwarden_compute_seconds",
+                                      "Step seconds not spent waiting in collectives.", labels=rank_labels)
+        seq = GaugeMetricFamily("trainwarden_collective_last_seq_id",
+                                "Highest collective sequence id seen in any of the rank's process groups.",
+                                labels=rank_labels)
+        stall = GaugeMetricFamily("trainwarden_checkpoint_stall_seconds",
+                                  "Seconds the last checkpoint blocked the training step.", labels=rank_labels)
+        ckpt_step = GaugeMetricFamily("trainwarden_checkpoint_last_step",
+                                      "Step of the newest committed checkpoint.", labels=["job", "node"])
+        ckpt_failed = CounterMetricFamily("trainwarden_checkpoint_failures", "Checkpoints that failed.",
+                                          labels=["job", "node"])
+        restarts = CounterMetricFamily("trainwarden_worker_restarts", "Worker group restarts of the job.",
+                                       labels=["job", "node"])
+        up = GaugeMetricFamily("trainwarden_worker_up", "1 while the rank's telemetry stream is connected.",
+                               labels=rank_labels)
+        dropped = CounterMetricFamily("trainwarden_telemetry_dropped",
+                                      "Telemetry records the worker dropped (queue full, agent away).",
+                                      labels=rank_labels)
+        rejected = CounterMetricFamily("trainwarden_telemetry_rejected",
+                                       "Telemetry messages the agent refused.", labels=["node", "reason"])
+
+        for job in self._jobstate.snapshot():
+            for r in job.ranks:
+                labels = [job.job, node, str(r.rank)]
+                cumulative, buckets = 0, []
+                for bound, count in zip(STEP_BUCKETS, r.step_bucket_counts):
+                    cumulative += count
+                    buckets.append((floatToGoString(bound), cumulative))
+                buckets.append(("+Inf", r.step_count))
+                step.add_metric(labels, buckets=buckets, sum_value=r.step_seconds_total)
+                last_step.add_metric(labels, r.last_step)
+                tokens.add_metric(labels, r.tokens_total)
+                step_seconds.add_metric(labels, r.step_seconds_total)
+                for op, seconds in sorted(r.wait_seconds_by_op.items()):
+                    wait.add_metric(labels + [op], seconds)
+                compute.add_metric(labels, r.compute_seconds_total)
+                if r.collectives:
+                    seq.add_metric(labels, max(c.last_seq_id for c in r.collectives))
+                stall.add_metric(labels, r.checkpoint_stall_seconds)
+                up.add_metric(labels, 1.0 if r.connected else 0.0)
+                dropped.add_metric(labels, r.dropped_total)
+            if job.checkpoint_last_step >= 0:
+                ckpt_step.add_metric([job.job, node], job.checkpoint_last_step)
+            ckpt_failed.add_metric([job.job, node], job.checkpoint_failures_total)
+            restarts.add_metric([job.job, node], job.restarts_total)
+        for reason, count in sorted(self._jobstate.rejected().items()):
+            rejected.add_metric([node, reason], count)
+        yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed,
+                    restarts, up, dropped, rejected)

@@ -1,0 +1,371 @@
+"""Per-job, per-rank state aggregated from worker telemetry.
+
+The telemetry server feeds this store from every worker stream on the node; the job metrics collector,
+the `Status` RPC and the watchdog read it. It knows nothing about gRPC or protobuf: the server converts
+messages into the plain calls below, so tests and other readers can drive it directly.
+
+Design:
+
+- One lock guards everything. Writers hold it for a few dictionary updates; readers take a `snapshot()`
+  of frozen dataclasses and work on that, so a slow scrape never blocks ingestion for long.
+- Counters exported to Prometheus (steps, tokens, collective wait, compute) are the agent's own and only
+  ever grow. Workers send cumulative collective totals per process; the store turns them into deltas per
+  worker process (a new pid starts from zero), so a worker restart or a repeated message neither loses nor
+  double counts anything.
+- Windows (step-time percentiles, wait share, throughput) use the last `recent_steps` steps, so `top`
+  reflects the job now, not its whole history.
+- Compute seconds = step seconds − collective wait seconds. Waits arrive after the steps they belong to
+  (the runtime reads the Flight Recorder every few seconds), so compute advances only when a collectives
+  record arrives: it covers the steps sent before it (the runtime sends one, possibly empty, every
+  interval). It is kept monotonic so that Prometheus never sees a counter reset.
+- A rank's identity is (job, rank). Jobs whose ranks have all been disconnected for a while are dropped by
+  `prune()`, which keeps the label sets of the exported metrics bounded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+__all__ = [
+    "CHECKPOINT_STAGES",
+    "REJECT_REASONS",
+    "STEP_BUCKETS",
+    "CollectiveTotals",
+    "JobSnapshot",
+    "JobState",
+    "RankSnapshot",
+    "WorkerInfo",
+]
+
+# Step-duration histogram buckets (seconds): from fast CPU test steps to multi-minute pipeline steps.
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed")
+# Bounded `reason` label values for trainwarden_telemetry_rejected_total.
+REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerInfo:
+    """What a worker says about itself in its Hello."""
+
+    job: str
+    """Job name (bounded label)."""
+    rank: int
+    """Global rank."""
+    local_rank: int = 0
+    """Rank on this node."""
+    world_size: int = 1
+    """Number of ranks in the job."""
+    mesh: Mapping[str, int] = field(default_factory=dict)
+    """Parallelism shape, e.g. {"pp": 2, "tp": 2, "dp": 2}."""
+    pid: int = 0
+    """Worker process id."""
+    restart_count: int = 0
+    """torchrun's restart count when the worker started."""
+    hostname: str = ""
+    """Host the worker runs on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveTotals:
+    """Collective totals for one (process group, op)."""
+
+    process_group: str
+    """Process group name or id."""
+    op: str
+    """Collective name, e.g. "all_reduce"."""
+    count: int
+    """Collectives seen."""
+    wait_seconds: float
+    """Seconds spent in (or estimated waiting for) them."""
+    last_seq_id: int
+    """Highest collective sequence id seen in the group."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSnapshot:
+    """A rank's state at one instant (agent counters are monotonic across worker restarts)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    hostname: str
+    connected: bool
+    restart_count: int
+    last_step: int
+    last_seen_monotonic: float
+    step_count: int
+    step_seconds_total: float
+    step_bucket_counts: tuple[int, ...]
+    tokens_total: int
+    compute_seconds_total: float
+    wait_seconds_by_op: Mapping[str, float]
+    collectives: tuple[CollectiveTotals, ...]
+    collective_has_durations: bool
+    checkpoint_stall_seconds: float
+    checkpoint_stage: str
+    step_p50_seconds: float
+    step_p99_seconds: float
+    wait_share: float
+    tokens_per_second: float
+    dropped_total: int
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSnapshot:
+    """A job's state at one instant."""
+
+    job: str
+    world_size: int
+    mesh: Mapping[str, int]
+    ranks: tuple[RankSnapshot, ...]
+    restarts_total: int
+    checkpoint_last_step: int
+    checkpoint_failures_total: int
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[index]
+
+
+class _Rank:
+    def __init__(self, info: WorkerInfo, recent_steps: int, now: float) -> None:
+        self.info = info
+        self.restarts = 0  # new worker processes seen for this rank
+        self.connected = True
+        self.last_seen = now
+        self.last_step = -1
+        self.step_count = 0
+        self.step_seconds_total = 0.0
+        self.bucket_counts = [0] * (len(STEP_BUCKETS) + 1)
+        self.tokens_total = 0
+        self.recent = deque(maxlen=recent_steps)  # (start_unix, duration, tokens)
+        self.wait_by_op: dict[str, float] = {}
+        self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
+        self.prev_cumulative: dict[tuple[str, str], tuple[int, float]] = {}
+        self.has_durations = False
+        self.wait_total = 0.0
+        self.compute_total = 0.0
+        self.share_window = deque(maxlen=16)  # (step_seconds_total, wait_total)
+        self.checkpoint_stall = 0.0
+        self.checkpoint_stage = ""  # the last stage reported ("" for none); a new worker starts afresh
+        self.dropped_total = 0
+        self.prev_dropped = 0
+        self.flags: set[str] = set()
+
+    def update_compute(self) -> None:
+        self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
+
+
+class _Job:
+    def __init__(self, info: WorkerInfo) -> None:
+        self.world_size = info.world_size
+        self.mesh = dict(info.mesh)
+        self.ranks: dict[int, _Rank] = {}
+        self.restarts_seen = 0
+        self.checkpoint_last_step = -1
+        self.checkpoint_failures = 0
+
+
+class JobState:
+    """Thread-safe store of every job's and rank's telemetry on this node."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, recent_steps: int = 256) -> None:
+        if recent_steps < 2:
+            raise ValueError(f"recent_steps must be at least 2, got {recent_steps}")
+        self._clock = clock
+        self._recent_steps = recent_steps
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._rejected: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+
+    # ---- writers -------------------------------------------------------------------------------------
+
+    def connect(self, info: WorkerInfo) -> None:
+        """A worker said Hello (first start, restart, or reconnect after an agent restart)."""
+        now = self._clock()
+        with self._lock:
+            job = self._jobs.get(info.job)
+            if job is None:
+                job = self._jobs[info.job] = _Job(info)
+            job.world_size, job.mesh = info.world_size, dict(info.mesh)
+            rank = job.ranks.get(info.rank)
+            if rank is None:
+                job.ranks[info.rank] = _Rank(info, self._recent_steps, now)
+            else:
+                if rank.info.pid != info.pid:  # a new worker process for this rank: restart its deltas
+                    rank.restarts += 1
+                    job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
+                    rank.prev_cumulative.clear()
+                    rank.prev_dropped = 0
+                    rank.recent.clear()
+                    rank.checkpoint_stage = ""
+                rank.info, rank.connected, rank.last_seen = info, True, now
+            job.restarts_seen = max(job.restarts_seen, info.restart_count)
+
+    def disconnect(self, job: str, rank: int, pid: int) -> None:
+        """The stream of worker `pid` ended (ignored when a newer process already holds the rank)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is not None and state.info.pid == pid:
+                state.connected = False
+
+    def record_step(self, job: str, rank: int, *, index: int, start_unix: float, duration_seconds: float,
+                    tokens: int = 0) -> None:
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            duration = max(0.0, float(duration_seconds))
+            state.last_seen = self._clock()
+            state.last_step = max(state.last_step, int(index))
+            state.step_count += 1
+            state.step_seconds_total += duration
+            state.bucket_counts[bisect.bisect_left(STEP_BUCKETS, duration)] += 1
+            state.tokens_total += max(0, int(tokens))
+            state.recent.append((float(start_unix), duration, max(0, int(tokens))))
+
+
+    def record_collectives(self, job: str, rank: int, totals: Iterable[CollectiveTotals], *,
+                           has_durations: bool) -> None:
+        """Cumulative per-process totals from a worker; stored as monotonic agent counters."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            state.last_seen = self._clock()
+            state.has_durations = has_durations
+            for t in totals:
+                key = (t.process_group, t.op)
+                prev_count, prev_wait = state.prev_cumulative.get(key, (0, 0.0))
+                if t.count < prev_count or t.wait_seconds < prev_wait:  # counters reset: take all as new
+                    prev_count, prev_wait = 0, 0.0
+                d_count, d_wait = t.count - prev_count, max(0.0, t.wait_seconds - prev_wait)
+                state.prev_cumulative[key] = (t.count, t.wait_seconds)
+                old = state.collectives.get(key)
+                state.collectives[key] = CollectiveTotals(
+                    process_group=t.process_group, op=t.op,
+                    count=(old.count if old else 0) + d_count,
+                    wait_seconds=(old.wait_seconds if old else 0.0) + d_wait,
+                    last_seq_id=t.last_seq_id,
+                )
+                state.wait_by_op[t.op] = state.wait_by_op.get(t.op, 0.0) + d_wait
+                state.wait_total += d_wait
+            state.update_compute()
+            state.share_window.append((state.step_seconds_total, state.wait_total))
+
+    def record_checkpoint(self, job: str, rank: int, *, stage: str, step: int, seconds: float,
+                          bytes_: int = 0) -> None:
+        if stage not in CHECKPOINT_STAGES:
+            raise ValueError(f"unknown checkpoint stage {stage!r}; expected one of {CHECKPOINT_STAGES}")
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            state.last_seen = self._clock()
+            owner = self._jobs[job]
+            state.checkpoint_stage = stage
+            if stage == "staged":
+                state.checkpoint_stall = max(0.0, float(seconds))
+            elif stage == "committed":
+                owner.checkpoint_last_step = max(owner.checkpoint_last_step, int(step))
+            elif stage == "failed":
+                owner.checkpoint_failures += 1
+
+    def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
+        """The worker's cumulative count of dropped records (per process)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            delta = dropped - state.prev_dropped if dropped >= state.prev_dropped else dropped
+            state.prev_dropped = dropped
+            state.dropped_total += delta
+
+    def count_rejected(self, reason: str) -> None:
+        """A message was refused; `reason` is one of REJECT_REASONS (others count as "invalid")."""
+        with self._lock:
+            key = reason if reason in self._rejected else "invalid"
+            self._rejected[key] += 1
+
+    def set_flag(self, job: str, rank: int, flag: str, on: bool = True) -> None:
+        """Raise or clear a flag shown by `trainwarden status` (e.g. "straggler", "hung")."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is not None:
+                (state.flags.add if on else state.flags.discard)(flag)
+
+    def prune(self, idle_seconds: float) -> list[str]:
+        """Forget jobs whose ranks have all been disconnected and silent for `idle_seconds`."""
+        now = self._clock()
+        with self._lock:
+            gone = [name for name, job in self._jobs.items()
+                    if all(not r.connected and now - r.last_seen >= idle_seconds for r in job.ranks.values())]
+            for name in gone:
+                del self._jobs[name]
+        return gone
+
+    # ---- readers -------------------------------------------------------------------------------------
+
+    def rejected(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._rejected)
+
+    def snapshot(self, job: str | None = None) -> tuple[JobSnapshot, ...]:
+        with self._lock:
+            return tuple(self._job_snapshot(name, j) for name, j in sorted(self._jobs.items())
+                         if job is None or name == job)
+
+    def _rank(self, job: str, rank: int) -> _Rank | None:
+        owner = self._jobs.get(job)
+        return owner.ranks.get(rank) if owner is not None else None
+
+    def _job_snapshot(self, name: str, job: _Job) -> JobSnapshot:
+        return JobSnapshot(
+            job=name, world_size=job.world_size, mesh=dict(job.mesh),
+            ranks=tuple(self._rank_snapshot(r) for _, r in sorted(job.ranks.items())),
+            restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
+            checkpoint_failures_total=job.checkpoint_failures,
+        )
+
+    @staticmethod
+    def _rank_snapshot(r: _Rank) -> RankSnapshot:
+        durations = sorted(d for _, d, _ in r.recent)
+        tokens_per_second = 0.0
+        if len(r.recent) >= 2:
+            first, last = r.recent[0], r.recent[-1]
+            span = last[0] + last[1] - first[0]
+            if span > 0:
+                tokens_per_second = sum(t for _, _, t in r.recent) / span
+        wait_share = 0.0
+        if r.share_window:
+            (s0, w0), (s1, w1) = r.share_window[0], r.share_window[-1]
+            if len(r.share_window) == 1 or s1 <= s0:
+                s0 = w0 = 0.0
+            if s1 > s0:
+                wait_share = min(1.0, max(0.0, (w1 - w0) / (s1 - s0)))
+        flags = set(r.flags)
+        if not r.connected:
+            flags.add("disconnected")
+        return RankSnapshot(
+            rank=r.info.rank, local_rank=r.info.local_rank, pid=r.info.pid, hostname=r.info.hostname,
+            connected=r.connected, restart_count=r.info.restart_count, last_step=r.last_step,
+            last_seen_monotonic=r.last_seen, step_count=r.step_count, step_seconds_total=r.step_seconds_total,
+            step_bucket_counts=tuple(r.bucket_counts), tokens_total=r.tokens_total,
+            compute_seconds_total=r.compute_total, wait_seconds_by_op=dict(r.wait_by_op),
+            collectives=tuple(v for _, v in sorted(r.collectives.items())),
+            collective_has_durations=r.has_durations, checkpoint_stall_seconds=r.checkpoint_stall,
+            checkpoint_stage=r.checkpoint_stage,
+            step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
+            wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
+            flags=tuple(sorted(flags)),
+        )

@@ -1,0 +1,248 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_STAGE_UNSPECIFIED: _ClassVar[CheckpointStage]
+    SAVE_START: _ClassVar[CheckpointStage]
+    STAGED: _ClassVar[CheckpointStage]
+    COMMITTED: _ClassVar[CheckpointStage]
+    RESTORE_START: _ClassVar[CheckpointStage]
+    RESTORED: _ClassVar[CheckpointStage]
+    FAILED: _ClassVar[CheckpointStage]
+CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
+SAVE_START: CheckpointStage
+STAGED: CheckpointStage
+COMMITTED: CheckpointStage
+RESTORE_START: CheckpointStage
+RESTORED: CheckpointStage
+FAILED: CheckpointStage
+
+class Hello(_message.Message):
+    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname")
+    class MeshEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    mesh: _containers.ScalarMap[str, int]
+    pid: int
+    restart_count: int
+    hostname: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("index", "start_unix", "duration_seconds", "tokens", "phases")
+    class PhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    start_unix: float
+    duration_seconds: float
+    tokens: int
+    phases: _containers.ScalarMap[str, float]
+    def __init__(self, index: _Optional[int] = ..., start_unix: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class Steps(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[Step]
+    def __init__(self, steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+
+class CollectiveSummary(_message.Message):
+    __slots__ = ("process_group", "op", "count", "wait_seconds", "last_seq_id")
+    PROCESS_GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    process_group: str
+    op: str
+    count: int
+    wait_seconds: float
+    last_seq_id: int
+    def __init__(self, process_group: _Optional[str] = ..., op: _Optional[str] = ..., count: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., last_seq_id: _Optional[int] = ...) -> None: ...
+
+class Collectives(_message.Message):
+    __slots__ = ("ops", "has_durations", "entries_missed")
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    HAS_DURATIONS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_MISSED_FIELD_NUMBER: _ClassVar[int]
+    ops: _containers.RepeatedCompositeFieldContainer[CollectiveSummary]
+    has_durations: bool
+    entries_missed: int
+    def __init__(self, ops: _Optional[_Iterable[_Union[CollectiveSummary, _Mapping]]] = ..., has_durations: _Optional[bool] = ..., entries_missed: _Optional[int] = ...) -> None: ...
+
+class Checkpoint(_message.Message):
+    __slots__ = ("stage", "step", "seconds", "bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: CheckpointStage
+    step: int
+    seconds: float
+    bytes: int
+    def __init__(self, stage: _Optional[_Union[CheckpointStage, str]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class Goodbye(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ClientStats(_message.Message):
+    __slots__ = ("dropped", "reconnects")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RECONNECTS_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    reconnects: int
+    def __init__(self, dropped: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("hello", "step", "collectives", "checkpoint", "goodbye", "stats", "steps")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    GOODBYE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    step: Step
+    collectives: Collectives
+    checkpoint: Checkpoint
+    goodbye: Goodbye
+    stats: ClientStats
+    steps: Steps
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., collectives: _Optional[_Union[Collectives, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., stats: _Optional[_Union[ClientStats, _Mapping]] = ..., steps: _Optional[_Union[Steps, _Mapping]] = ...) -> None: ...
+
+class DumpDiagnostics(_message.Message):
+    __slots__ = ("dir",)
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    def __init__(self, dir: _Optional[str] = ...) -> None: ...
+
+class CheckpointNow(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class AgentCommand(_message.Message):
+    __slots__ = ("dump_diagnostics", "checkpoint_now", "abort")
+    DUMP_DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    dump_diagnostics: DumpDiagnostics
+    checkpoint_now: CheckpointNow
+    abort: Abort
+    def __init__(self, dump_diagnostics: _Optional[_Union[DumpDiagnostics, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "local_rank", "pid", "hostname", "connected", "last_step", "last_seen_seconds_ago", "step_p50_seconds", "step_p99_seconds", "wait_share", "tokens_per_second", "restart_count", "flags")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    STEP_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    local_rank: int
+    pid: int
+    hostname: str
+    connected: bool
+    last_step: int
+    last_seen_seconds_ago: float
+    step_p50_seconds: float
+    step_p99_seconds: float
+    wait_share: float
+    tokens_per_second: float
+    restart_count: int
+    flags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., connected: _Optional[bool] = ..., last_step: _Optional[int] = ..., last_seen_seconds_ago: _Optional[float] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., wait_share: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., restart_count: _Optional[int] = ..., flags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "world_size", "mesh", "last_step", "step_p50_seconds", "step_p99_seconds", "tokens_per_second", "checkpoint_last_step", "ranks", "flags")
+    class MeshEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    mesh: _containers.ScalarMap[str, int]
+    last_step: int
+    step_p50_seconds: float
+    step_p99_seconds: float
+    tokens_per_second: float
+    checkpoint_last_step: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    flags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[int] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., checkpoint_last_step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., flags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node", "jobs")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    def __init__(self, node: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,378 @@
+"""The agent's telemetry endpoint: a gRPC server on a unix socket that workers stream to.
+
+Each worker (trainwarden.runtime) holds one bidirectional `Stream`: it sends a Hello, then step,
+collective, checkpoint and statistics records; the agent sends commands back (`send_command`). A unary
+`Status` serves `trainwarden status/top`, and the standard gRPC health service answers probes.
+
+Design:
+
+- Sync grpc server. A stream occupies one pool thread (the response generator, which waits on the
+  stream's command queue) plus one reader thread of ours that feeds `JobState`. `max_streams` bounds both;
+  calls beyond it are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing forever.
+- Bad input never raises through gRPC's machinery. Our request deserializer returns a `_Rejected` marker
+  instead of raising (gRPC would otherwise abort with INTERNAL and nothing would be counted); messages over
+  `max_message_bytes` get the same treatment. The stream is then ended with INVALID_ARGUMENT or
+  RESOURCE_EXHAUSTED and the reason counted in `JobState.count_rejected` (exported as
+  trainwarden_telemetry_rejected_total{reason}). The transport limit is set well above
+  `max_message_bytes` so that oversized messages reach our check and are counted; messages beyond the
+  transport limit are refused by gRPC itself, uncounted.
+- Records with bad values inside a well-formed stream (negative durations, unknown stages) are counted as
+  "invalid" and skipped; the stream goes on.
+- The socket's parent directory is created (0770) and the socket chmod 0660 after binding. A stale socket
+  file left by a killed agent (nobody accepts on it) is removed; a live socket or any other file at the path
+  is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import socket
+import stat
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .jobstate import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobState, WorkerInfo
+from .proto import telemetry_pb2 as pb
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "trainwarden.v1.Telemetry"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
+_TRANSPORT_LIMIT_FLOOR = 4 * 1024 * 1024
+_MAX_UNIX_PATH = 107
+_STAGE_NAMES = {getattr(pb, s.upper()): s for s in CHECKPOINT_STAGES}
+
+
+class TelemetryServerError(Exception):
+    """The server cannot start (bad socket path, path taken by a non-socket). Retrying will not help."""
+
+
+class _Rejected:
+    __slots__ = ("reason", "detail")
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason, self.detail = reason, detail
+
+
+class _End:
+    """Ends a stream's response generator; carries the status to abort with, if any."""
+
+    __slots__ = ("code", "detail")
+
+    def __init__(self, code: grpc.StatusCode | None = None, detail: str = "") -> None:
+        self.code, self.detail = code, detail
+
+
+class _StreamHandle:
+    __slots__ = ("pid", "commands")
+
+    def __init__(self, pid: int, size: int) -> None:
+        self.pid = pid
+        self.commands: queue.Queue = queue.Queue(maxsize=size)
+
+
+class TelemetryServer:
+    """gRPC telemetry server on `unix:<socket_path>` that feeds `jobstate`."""
+
+    def __init__(self, socket_path: str | os.PathLike, jobstate: JobState, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_streams: int = 256,
+                 node: str | None = None, command_queue_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        path = Path(socket_path).absolute()
+        if len(os.fsencode(str(path))) > _MAX_UNIX_PATH:
+            raise TelemetryServerError(
+                f"socket path {path} is longer than {_MAX_UNIX_PATH} bytes; choose a shorter path "
+                "(e.g. under /run/trainwarden)")
+        if max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be at least 1024, got {max_message_bytes}")
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
+        self.socket_path = path
+        self._jobstate = jobstate
+        self._max_message_bytes = max_message_bytes
+        self._max_streams = max_streams
+        self._node = node or socket.gethostname()
+        self._command_queue_size = command_queue_size
+        self._clock = clock
+        self._streams: dict[tuple[str, int], _StreamHandle] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket_path}"
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise TelemetryServerError("telemetry server already started")
+        self.socket_path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+        _remove_stale_socket(self.socket_path)
+        transport_limit = max(_TRANSPORT_LIMIT_FLOOR, 4 * self._max_message_bytes)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_streams + 8, thread_name_prefix="telemetry"),
+            maximum_concurrent_rpcs=self._max_streams + 8,
+            options=[("grpc.max_receive_message_length", transport_limit),
+                     ("grpc.max_send_message_length", transport_limit)],
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Stream": grpc.stream_stream_rpc_method_handler(
+                self._stream, request_deserializer=self._deserializer(pb.WorkerMessage),
+                response_serializer=pb.AgentCommand.SerializeToString),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self._status, request_deserializer=self._deserializer(pb.StatusRequest),
+                response_serializer=pb.StatusReply.SerializeToString),
+        }),))
+        self._health = health.HealthServicer()  # a stopped one stays NOT_SERVING: a fresh one per start
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if server.add_insecure_port(self.address) == 0:
+            raise TelemetryServerError(f"cannot bind {self.address}; is another agent using it?")
+        server.start()
+        os.chmod(self.socket_path, 0o660)
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._stopping.clear()
+        self._server = server
+        log.info("telemetry server listening", extra={"address": self.address})
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving; open streams end (workers reconnect to the next server on this path)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        self._health.enter_graceful_shutdown()
+        self._stopping.set()
+        with self._lock:
+            handles = list(self._streams.values())
+        for handle in handles:
+            _offer(handle.commands, _End())
+        server.stop(grace).wait()
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        log.info("telemetry server stopped", extra={"address": self.address})
+
+    def send_command(self, job: str, rank: int, command: pb.AgentCommand) -> bool:
+        """Queue `command` on the stream of (job, rank); False when that rank is not connected or is
+        not reading its commands."""
+        with self._lock:
+            handle = self._streams.get((job, rank))
+        return handle is not None and _offer(handle.commands, command)
+
+    def connected(self) -> list[tuple[str, int]]:
+        """(job, rank) of every open stream."""
+        with self._lock:
+            return sorted(self._streams)
+
+    # ---- RPCs ----------------------------------------------------------------------------------------
+
+    def _deserializer(self, message_type):
+        limit = self._max_message_bytes
+
+        def deserialize(data: bytes):
+            if len(data) > limit:
+                return _Rejected("oversized", f"message of {len(data)} bytes exceeds the {limit}-byte limit")
+            try:
+                return message_type.FromString(data)
+            except Exception as exc:  # protobuf raises DecodeError and friends
+                return _Rejected("malformed", f"cannot decode {message_type.__name__}: {exc}")
+        return deserialize
+
+    def _reject(self, context, rejected: _Rejected):
+        self._jobstate.count_rejected(rejected.reason)
+        log.warning("telemetry message rejected: %s", rejected.detail, extra={"reason": rejected.reason})
+        code = (grpc.StatusCode.RESOURCE_EXHAUSTED if rejected.reason == "oversized"
+                else grpc.StatusCode.INVALID_ARGUMENT)
+        context.abort(code, rejected.detail)
+
+    def _stream(self, request_iterator, context):
+        try:
+            first = next(request_iterator, None)
+        except grpc.RpcError:
+            return
+        if first is None:
+            return
+        if isinstance(first, _Rejected):
+            self._reject(context, first)
+        if first.WhichOneof("record") != "hello":
+            self._reject(context, _Rejected("no_hello", "the first message on a stream must be a Hello"))
+        info = self._worker_info(first.hello)
+        if info is None:
+            self._reject(context, _Rejected("invalid", f"invalid Hello: {first.hello}".replace("\n", " ")))
+        key = (info.job, info.rank)
+        handle = _StreamHandle(info.pid, self._command_queue_size)
+        with self._lock:
+            previous = self._streams.get(key)
+            self._streams[key] = handle
+        if previous is not None:  # a reconnect or a restarted worker replaces the old stream
+            _offer(previous.commands, _End())
+        self._jobstate.connect(info)
+        log.info("worker connected", extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+        reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
+                                  name=f"telemetry-read-{info.job}-{info.rank}", daemon=True)
+        reader.start()
+        try:
+            while not self._stopping.is_set() and context.is_active():
+                try:
+                    item = handle.commands.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if isinstance(item, _End):
+                    if item.code is not None:
+                        context.abort(item.code, item.detail)
+                    break
+                yield item
+        finally:
+            with self._lock:
+                current = self._streams.get(key) is handle
+                if current:
+                    del self._streams[key]
+            if current:  # a stream that a newer one replaced leaves the rank connected
+                self._jobstate.disconnect(info.job, info.rank, info.pid)
+            log.info("worker stream ended", extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+
+    def _read(self, request_iterator, info: WorkerInfo, handle: _StreamHandle) -> None:
+        end = _End()
+        try:
+            for message in request_iterator:
+                if isinstance(message, _Rejected):
+                    self._jobstate.count_rejected(message.reason)
+                    log.warning("telemetry message rejected: %s", message.detail,
+                                extra={"reason": message.reason, "job": info.job, "rank": info.rank})
+                    end = _End(grpc.StatusCode.RESOURCE_EXHAUSTED if message.reason == "oversized"
+                               else grpc.StatusCode.INVALID_ARGUMENT, message.detail)
+                    break
+                try:
+                    self._apply(info, message)
+                except Exception:  # one bad record must not end the stream or the agent
+                    self._jobstate.count_rejected("invalid")
+                    log.exception("cannot apply telemetry record", extra={"job": info.job, "rank": info.rank})
+        except grpc.RpcError:
+            pass  # the client went away or the server is stopping
+        except Exception:
+            log.exception("telemetry reader failed", extra={"job": info.job, "rank": info.rank})
+        finally:
+            while not _offer(handle.commands, end):  # never lose the end marker behind full commands
+                try:
+                    handle.commands.get_nowait()
+                except queue.Empty:
+                    pass
+
+    def _apply(self, info: WorkerInfo, message: pb.WorkerMessage) -> None:
+        kind = message.WhichOneof("record")
+        js, job, rank = self._jobstate, info.job, info.rank
+        if kind in ("step", "steps"):
+            for s in (message.step,) if kind == "step" else message.steps.steps:
+                if not (math.isfinite(s.duration_seconds) and s.duration_seconds >= 0 and s.index >= 0):
+                    js.count_rejected("invalid")
+                    continue
+                js.record_step(job, rank, index=s.index, start_unix=s.start_unix,
+                               duration_seconds=s.duration_seconds, tokens=s.tokens)
+        elif kind == "collectives":
+            totals = [CollectiveTotals(process_group=c.process_group, op=c.op, count=c.count,
+                                       wait_seconds=c.wait_seconds, last_seq_id=c.last_seq_id)
+                      for c in message.collectives.ops
+                      if c.count >= 0 and math.isfinite(c.wait_seconds) and c.wait_seconds >= 0]
+            if len(totals) != len(message.collectives.ops):
+                js.count_rejected("invalid")
+            js.record_collectives(job, rank, totals, has_durations=message.collectives.has_durations)
+        elif kind == "checkpoint":
+            c = message.checkpoint
+            stage = _STAGE_NAMES.get(c.stage)
+            if stage is None or not math.isfinite(c.seconds):
+                js.count_rejected("invalid")
+                return
+            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes)
+        elif kind == "stats":
+            js.record_client_stats(job, rank, dropped=message.stats.dropped)
+        elif kind == "goodbye":
+            log.info("worker said goodbye: %s", message.goodbye.reason[:200], extra={"job": job, "rank": rank})
+        elif kind == "hello":
+            if (message.hello.job, message.hello.rank, message.hello.pid) != (job, rank, info.pid):
+                js.count_rejected("invalid")  # a stream speaks for one worker
+        else:
+            js.count_rejected("invalid")
+
+    @staticmethod
+    def _worker_info(hello: pb.Hello) -> WorkerInfo | None:
+        if not hello.job or len(hello.job) > 128 or hello.rank < 0 or hello.world_size < 1 \
+                or hello.rank >= hello.world_size or len(hello.mesh) > 8:
+            return None
+        return WorkerInfo(job=hello.job, rank=hello.rank, local_rank=hello.local_rank,
+                          world_size=hello.world_size, mesh=dict(hello.mesh), pid=hello.pid,
+                          restart_count=hello.restart_count, hostname=hello.hostname[:256])
+
+    def _status(self, request, context) -> pb.StatusReply:
+        if isinstance(request, _Rejected):
+            self._reject(context, request)
+        now = self._clock()
+        reply = pb.StatusReply(node=self._node)
+        for job in self._jobstate.snapshot(request.job or None):
+            reply.jobs.append(_job_status(job, now))
+        return reply
+
+
+def _job_status(job: JobSnapshot, now: float) -> pb.JobStatus:
+    status = pb.JobStatus(job=job.job, world_size=job.world_size, mesh=dict(job.mesh),
+                          checkpoint_last_step=job.checkpoint_last_step)
+    flags: set[str] = set()
+    for r in job.ranks:
+        status.ranks.append(pb.RankStatus(
+            rank=r.rank, local_rank=r.local_rank, pid=r.pid, hostname=r.hostname, connected=r.connected,
+            last_step=r.last_step, last_seen_seconds_ago=max(0.0, now - r.last_seen_monotonic),
+            step_p50_seconds=r.step_p50_seconds, step_p99_seconds=r.step_p99_seconds,
+            wait_share=r.wait_share, tokens_per_second=r.tokens_per_second,
+            restart_count=r.restart_count, flags=list(r.flags)))
+        flags.update(r.flags)
+    if job.ranks:
+        p50s = sorted(r.step_p50_seconds for r in job.ranks)
+        status.last_step = max(r.last_step for r in job.ranks)
+        status.step_p50_seconds = p50s[len(p50s) // 2]
+        status.step_p99_seconds = max(r.step_p99_seconds for r in job.ranks)
+        status.tokens_per_second = sum(r.tokens_per_second for r in job.ranks)
+    else:
+        status.last_step = -1
+    status.flags.extend(sorted(flags))
+    return status
+
+
+def _offer(q: queue.Queue, item) -> bool:
+    try:
+        q.put_nowait(item)
+        return True
+    except queue.Full:
+        return False
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise TelemetryServerError(f"{path} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: left behind by an agent that was killed
+        return
+    finally:
+        probe.close()
+    raise TelemetryServerError(f"another process is serving on {path}; stop it or choose another path")
+

@@ -1,0 +1,219 @@
+"""Collective timing from PyTorch's Flight Recorder.
+
+This is the one module that touches `torch._C._distributed_c10d._dump_fr_trace` (a private API and the
+only way to read the recorder in-process). It has two parts:
+
+- `FlightRecorder` reads the ring buffer and returns only the entries not returned before. Entries are
+  returned once they are retired (completed); a collective still in flight is returned by a later read.
+  When the ring wrapped between two reads, the overwritten entries are counted in `missed`.
+- `CollectiveReducer` folds entries into cumulative per (process_group, op) totals: count, wait seconds and
+  the last collective sequence id. It is plain Python, tested on recorded sample dicts.
+
+What "wait" means:
+
+- NCCL with TORCH_NCCL_ENABLE_TIMING=1: entries carry `duration_ms`, the measured time of the collective
+  kernel, which is dominated by waiting for the slowest peer. wait = duration.
+- gloo (and NCCL without timing): entries carry only `time_created_ns`, the wall-clock enqueue time.
+  Blocking gloo collectives return when they are complete, so the next thing the rank does (enqueue
+  another collective, or end the step) cannot start before. We estimate each collective's wait as the
+  time from its enqueue to the earlier of (the next enqueue on the same thread, the end of the step that
+  contains it). This is an upper bound: host compute between a collective's completion and the next
+  enqueue is counted as wait. It is accurate when collectives end the step or run back to back (data
+  parallel gradient sync, the slow-rank case: peers of a slow rank block in the all-reduce until it
+  arrives), and overestimates wait for tensor parallel layers that compute between collectives.
+  Asynchronous collectives (`async_op=True`) are waited for in `work.wait()`, which the recorder does not
+  see: their estimate is the gap to the next enqueue, which says little. Collectives enqueued outside any
+  step are counted with zero wait (compute = step − wait only concerns steps).
+
+Environment (tested on torch 2.13 with gloo): TORCH_FR_BUFFER_SIZE alone enables the recorder for gloo
+and NCCL alike (it is the number of entries kept; TORCH_NCCL_TRACE_BUFFER_SIZE is the older name, still
+read as a fallback). Without it the dump has no entries. TORCH_NCCL_ENABLE_TIMING=1 adds `duration_ms` on
+NCCL and is ignored by gloo. The launcher sets `FLIGHT_RECORDER_ENV` for workers.
+
+Ring size: every read dumps and unpickles the whole ring, so its cost grows with TORCH_FR_BUFFER_SIZE, not
+with the number of new entries (torch 2.13 on a busy 2-core VM: ~0.1 s for 2,000 entries, ~1-2 s for
+20,000). We keep 2,000: enough to name a hang's culprit (only the last few collectives per group
+matter) and to cover a few seconds of collectives between reads; the client stretches its read interval
+when reads get slow, and entries overwritten before a read are counted (`missed`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import pickle
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+__all__ = ["FLIGHT_RECORDER_ENV", "CollectiveReducer", "CollectiveSummary", "FlightRecorder"]
+
+log = logging.getLogger(__name__)
+
+FLIGHT_RECORDER_ENV = {
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_ENABLE_TIMING": "1",
+}
+
+_MAX_PENDING = 50_000
+_MAX_STEPS = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveSummary:
+    """Cumulative totals for one (process group, op) in this process."""
+
+    process_group: str
+    """Process group name (or its id when unnamed)."""
+    op: str
+    """Collective, without the backend prefix: "all_reduce"."""
+    count: int
+    """Collectives completed."""
+    wait_seconds: float
+    """Measured (NCCL duration) or estimated (gloo) seconds, see the module docstring."""
+    last_seq_id: int
+    """Highest collective sequence id seen in the group."""
+
+
+def _torch_dump(include_stack_traces: bool) -> bytes:
+    from torch._C._distributed_c10d import _dump_fr_trace  # private: wrapped here and nowhere else
+
+    return _dump_fr_trace(includeCollectives=True, includeStackTraces=include_stack_traces, onlyActive=False)
+
+
+class FlightRecorder:
+    """Reads new Flight Recorder entries; `dump` is injected in tests (returns the pickled trace)."""
+
+    def __init__(self, dump: Callable[[bool], bytes] | None = None) -> None:
+        if dump is None:
+            try:
+                from torch._C import _distributed_c10d as c10d
+                dump = _torch_dump if hasattr(c10d, "_dump_fr_trace") else None
+            except ImportError:
+                dump = None
+        self._dump = dump
+        self._next_id = 0          # every record id below this was returned (or missed)
+        self._returned: set[int] = set()  # ids at or above _next_id already returned
+        self.missed = 0
+
+    @property
+    def available(self) -> bool:
+        return self._dump is not None
+
+    def dump_raw(self, include_stack_traces: bool = False) -> bytes | None:
+        """The full trace (torch's pickle bytes) for diagnostics; None when unavailable.
+
+        Without stack traces by default: the agent needs sequence ids and states to name a hang's culprit
+        (faulthandler gives the stacks), and capturing the Python stack of every entry makes the dump
+        about 50x slower (torch 2.13, 2,000 entries: ~0.1 s without, ~5 s with, on a busy 2-core VM)."""
+        if self._dump is None:
+            return None
+        return self._dump(include_stack_traces)
+
+    def read_new(self) -> list[dict]:
+        """Retired entries not returned before, oldest first. Empty when the recorder is unavailable."""
+        if self._dump is None:
+            return []
+        trace = pickle.loads(self._dump(False))
+        entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
+        if not entries:
+            return []
+        first = entries[0]["record_id"]
+        if first > self._next_id:  # the ring wrapped: these were overwritten before we saw them
+            self.missed += first - self._next_id - sum(1 for i in self._returned if i < first)
+            self._returned = {i for i in self._returned if i >= first}
+            self._next_id = first
+        new = []
+        for entry in entries:
+            rid = entry["record_id"]
+            if rid < self._next_id or rid in self._returned or not _done(entry):
+                continue
+            new.append(entry)
+            self._returned.add(rid)
+        while self._next_id in self._returned:
+            self._returned.discard(self._next_id)
+            self._next_id += 1
+        return new
+
+
+def _done(entry: dict) -> bool:
+    return bool(entry.get("retired")) or entry.get("state") == "completed"
+
+
+def _group_name(entry: dict) -> str:
+    pg = entry.get("process_group")
+    if isinstance(pg, (tuple, list)) and pg:
+        name = str(pg[1]) if len(pg) > 1 and pg[1] not in ("", "undefined") else f"pg{pg[0]}"
+        return name
+    return f"pg{entry.get('pg_id', '?')}"
+
+
+def _op_name(entry: dict) -> str:
+    name = str(entry.get("profiling_name") or "unknown")
+    return name.split(":", 1)[1] if ":" in name else name
+
+
+class CollectiveReducer:
+    """Folds Flight Recorder entries and step boundaries into cumulative per (group, op) totals."""
+
+    def __init__(self) -> None:
+        self._totals: dict[tuple[str, str], list] = {}  # -> [count, wait_seconds, last_seq_id]
+        self._steps: deque[tuple[int, int]] = deque(maxlen=_MAX_STEPS)  # (start_ns, end_ns), wall clock
+        self._pending: list[dict] = []  # gloo entries whose step has not ended yet, by time_created_ns
+        self.has_durations = False
+
+    def add_step(self, start_ns: int, end_ns: int) -> None:
+        """A finished step's wall-clock bounds (steps arrive in order)."""
+        self._steps.append((int(start_ns), int(end_ns)))
+
+    def add_entries(self, entries: Iterable[dict]) -> None:
+        for entry in entries:
+            duration_ms = entry.get("duration_ms")
+            if duration_ms is not None:
+                self.has_durations = True
+                self._add(entry, max(0.0, float(duration_ms)) / 1000.0)
+            else:
+                self._pending.append(entry)
+        self._pending.sort(key=lambda e: e.get("time_created_ns") or 0)
+        self._resolve()
+
+    def summaries(self) -> list[CollectiveSummary]:
+        self._resolve()
+        return [CollectiveSummary(process_group=pg, op=op, count=c, wait_seconds=w, last_seq_id=s)
+                for (pg, op), (c, w, s) in sorted(self._totals.items())]
+
+    def _add(self, entry: dict, wait: float) -> None:
+        key = (_group_name(entry), _op_name(entry))
+        totals = self._totals.setdefault(key, [0, 0.0, -1])
+        totals[0] += 1
+        totals[1] += wait
+        totals[2] = max(totals[2], int(entry.get("collective_seq_id") or 0))
+
+    def _resolve(self) -> None:
+        if not self._pending:
+            return
+        starts = [s for s, _ in self._steps]
+        last_end = self._steps[-1][1] if self._steps else None
+        next_on_thread: dict[str, int] = {}
+        keep: list[dict] = []
+        # newest first, so each entry knows the next enqueue on its thread
+        for entry in reversed(self._pending):
+            created = int(entry.get("time_created_ns") or 0)
+            thread = str(entry.get("thread_id", ""))
+            following = next_on_thread.get(thread)
+            next_on_thread[thread] = created
+            if last_end is None or created > last_end:
+                keep.append(entry)  # its step has not finished (or no step seen yet)
+                continue
+            i = bisect.bisect_right(starts, created) - 1
+            if i < 0 or created > self._steps[i][1]:
+                self._add(entry, 0.0)  # outside every step
+                continue
+            boundary = self._steps[i][1] if following is None else min(following, self._steps[i][1])
+            self._add(entry, max(0, boundary - created) / 1e9)
+        keep.reverse()
+        if len(keep) > _MAX_PENDING:  # steps are not being recorded: count the oldest without a wait
+            for entry in keep[:-_MAX_PENDING]:
+                self._add(entry, 0.0)
+            keep = keep[-_MAX_PENDING:]
+        self._pending = keep

@@ -1,0 +1,262 @@
+"""The training script's handle on trainwarden: `init()` and `Session`.
+
+    dist.init_process_group(...)
+    rt = trainwarden.runtime.init(mesh={"pp": 2, "tp": 2, "dp": 2})
+    for step in range(start, steps):
+        with rt.step(step, tokens=batch_tokens):
+            with rt.phase("forward"):
+                ...
+        if rt.take_checkpoint_request():
+            save()
+    rt.close()
+
+`init()` reads TRAINWARDEN_AGENT_SOCKET (no socket: a no-op session with the same API), TRAINWARDEN_JOB
+(or `job=`, else torchrun's TORCHELASTIC_RUN_ID), rank and world size from torch.distributed when it is
+initialized and from torchrun's environment otherwise.
+
+The step context is the hot path: two clock reads on entry, one on exit and a tuple appended to the
+client's bounded deque. It never raises (an exception from the training step passes through untouched).
+Durations use the monotonic clock; the wall-clock start is kept to line steps up with the Flight
+Recorder's enqueue times.
+
+Agent commands arrive on the client's thread. Each is queued for `poll_command()` and handled there:
+DumpDiagnostics writes faulthandler stacks of every thread to `<dir>/rank<R>.stacks` (after a first line
+`# trainwarden main_thread=0x...` naming the training thread in faulthandler's format) and the Flight
+Recorder trace to `<dir>/rank<R>.fr`; CheckpointNow raises `checkpoint_requested`; Abort logs the reason,
+flushes telemetry and exits the process with EXIT_ABORTED.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .flight_recorder import FlightRecorder
+from .telemetry import CHECKPOINT_STAGES, EXIT_ABORTED, ClientConfig, TelemetryClient, abort_process
+
+__all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "init"]
+
+log = logging.getLogger(__name__)
+
+AGENT_SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
+JOB_ENV = "TRAINWARDEN_JOB"
+_COMMANDS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class Command:
+    """An agent command as seen by the training loop."""
+
+    kind: str
+    """"dump_diagnostics", "checkpoint_now" or "abort"."""
+    argument: str = ""
+    """The diagnostics directory or the abort reason."""
+
+
+class _NullContext:
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _NullContext()
+
+
+class _StepContext:
+    __slots__ = ("_session", "_index", "_tokens", "_wall", "_mono")
+
+    def __init__(self, session: "Session", index: int, tokens: int) -> None:
+        self._session, self._index, self._tokens = session, index, tokens
+
+    def __enter__(self):
+        self._session._phases = None
+        self._wall = time.time_ns()
+        self._mono = time.monotonic_ns()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            s = self._session
+            s._client.record(("s", self._index, self._wall, time.monotonic_ns() - self._mono,
+                              self._tokens, s._phases))
+            s._phases = None
+        except Exception:
+            pass
+        return False
+
+
+class _PhaseContext:
+    __slots__ = ("_session", "_name", "_mono")
+
+    def __init__(self, session: "Session", name: str) -> None:
+        self._session, self._name = session, name
+
+    def __enter__(self):
+        self._mono = time.monotonic_ns()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            s = self._session
+            phases = s._phases if s._phases is not None else {}
+            phases[self._name] = phases.get(self._name, 0.0) + (time.monotonic_ns() - self._mono) / 1e9
+            s._phases = phases
+        except Exception:
+            pass
+        return False
+
+
+class Session:
+    """Step timing, telemetry and agent commands for one worker; a no-op when `client` is None."""
+
+    def __init__(self, *, job: str, rank: int, world_size: int, client_config: ClientConfig | None,
+                 hello: "object | None" = None, flight_recorder: FlightRecorder | None = None) -> None:
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self._fr = flight_recorder if flight_recorder is not None else FlightRecorder()
+        self._commands: queue.Queue[Command] = queue.Queue(maxsize=_COMMANDS_KEPT)
+        self._phases: dict | None = None
+        self.checkpoint_requested = False
+        self._client: TelemetryClient | None = None
+        if client_config is not None:
+            self._client = TelemetryClient(client_config, hello, on_command=self._on_command,
+                                           flight_recorder=self._fr)
+            self._client.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        c = self._client
+        return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent} if c else \
+            {"dropped": 0, "reconnects": 0, "sent": 0}
+
+    def step(self, index: int, *, tokens: int = 0):
+        """Context manager around one training step."""
+        if self._client is None:
+            return _NULL
+        return _StepContext(self, index, tokens)
+
+    def phase(self, name: str):
+        """Context manager around a part of the step ("forward", "backward", "optimizer")."""
+        if self._client is None:
+            return _NULL
+        return _PhaseContext(self, name)
+
+    def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0) -> None:
+        """Report a checkpoint stage: save_start, staged, committed, restore_start, restored, failed."""
+        code = CHECKPOINT_STAGES.get(stage)
+        if code is None:
+            raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
+        if self._client is not None:
+            self._client.record(("c", code, int(step), float(seconds), int(bytes)))
+
+    def poll_command(self) -> Command | None:
+        """The oldest agent command not yet polled, or None (never blocks)."""
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def take_checkpoint_request(self) -> bool:
+        """True once per CheckpointNow: the loop should save at this step boundary."""
+        requested, self.checkpoint_requested = self.checkpoint_requested, False
+        return requested
+
+    def dump_diagnostics(self, directory: str | os.PathLike) -> list[Path]:
+        """Write this rank's stacks and Flight Recorder trace into `directory`; returns the files.
+
+        Each file appears complete or not at all (written under a temporary name, then renamed), stacks
+        first. The trace has no per-entry stack traces (see `FlightRecorder.dump_raw`)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        stacks = out / f"rank{self.rank}.stacks"
+        partial = stacks.with_name(stacks.name + ".partial")
+        with open(partial, "w") as f:
+            # names the training thread among faulthandler's "Thread 0x..." blocks (same format)
+            f.write(f"# trainwarden main_thread=0x{threading.main_thread().ident:016x}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        partial.replace(stacks)
+        written = [stacks]
+        try:
+            trace = self._fr.dump_raw()
+        except Exception as exc:  # the recorder failing must not stop the stacks from being useful
+            log.warning("flight recorder dump failed: %s", exc)
+            trace = None
+        if trace is not None:
+            fr = out / f"rank{self.rank}.fr"
+            partial = fr.with_name(fr.name + ".partial")
+            partial.write_bytes(trace)
+            partial.replace(fr)
+            written.append(fr)
+        return written
+
+    def close(self, reason: str = "closed") -> None:
+        if self._client is not None:
+            self._client.close(reason=reason)
+
+    def _on_command(self, message) -> None:
+        kind = message.WhichOneof("command")
+        if kind == "dump_diagnostics":
+            command = Command(kind, message.dump_diagnostics.dir)
+            if command.argument:
+                self.dump_diagnostics(command.argument)
+        elif kind == "checkpoint_now":
+            command = Command(kind)
+            self.checkpoint_requested = True
+        elif kind == "abort":
+            command = Command(kind, message.abort.reason)
+            client = self._client
+            abort_process(command.argument, lambda: client.flush(1.0) if client else None)
+        else:
+            log.warning("ignoring unknown agent command %r", kind)
+            return
+        try:
+            self._commands.put_nowait(command)
+        except queue.Full:
+            log.warning("agent command %s not kept: %d commands not polled", kind, _COMMANDS_KEPT)
+
+
+def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
+         socket_path: str | None = None, env: Mapping[str, str] | None = None,
+         **client_options) -> Session:
+    """Start telemetry for this worker (call after `init_process_group`); see the module docstring."""
+    env = os.environ if env is None else env
+    rank, world_size = _rank_and_world(env)
+    job = job or env.get(JOB_ENV) or env.get("TORCHELASTIC_RUN_ID") or "default"
+    socket_path = socket_path or env.get(AGENT_SOCKET_ENV)
+    if not socket_path:
+        return Session(job=job, rank=rank, world_size=world_size, client_config=None)
+    from trainwarden.agent.proto import telemetry_pb2 as pb
+
+    hello = pb.Hello(job=job, rank=rank, local_rank=int(env.get("LOCAL_RANK", "0")), world_size=world_size,
+                     mesh=dict(mesh or {}), pid=os.getpid(),
+                     restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     hostname=socket.gethostname())
+    config = ClientConfig(socket_path=socket_path, **client_options)
+    return Session(job=job, rank=rank, world_size=world_size, client_config=config, hello=hello)
+
+
+def _rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))

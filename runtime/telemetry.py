@@ -1,0 +1,291 @@
+"""The worker's telemetry client: a bounded queue, a background sender and reconnects with backoff.
+
+The training thread only calls `record()`: one `deque.append` of a small tuple into a deque with a
+`maxlen`, so a full queue drops its oldest record (counted in `dropped`) instead of growing or blocking.
+Nothing on that path takes a lock, does I/O or raises.
+
+A daemon thread owns the connection. It opens one bidirectional gRPC stream to the agent's unix socket and
+reads the agent's commands from it (handing each to `on_command`); gRPC pulls our request generator from
+its own thread, and that generator does the work: every `flush_interval_s` it drains the deque, turns
+records into protobuf messages (the steps of one drain go in one message) and feeds step boundaries to
+the collective reducer; every `fr_interval_s` it reads new Flight Recorder entries and sends cumulative
+collective totals (an empty Collectives record when the recorder is unavailable: the agent advances
+compute time on it). A read costs time in proportion to the ring's size, not to the new entries
+(torch 2.13: ~20-100 ms for 2,000 entries, about a second for 20,000 on a busy 2-core VM), so a slow read
+stretches the interval to keep reads under `fr_max_duty` of wall time.
+
+When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
+oldest drop), and the thread reconnects with exponential backoff capped at `backoff_max_s`, on one
+channel for the client's life; while the socket file does not exist it only polls for it (each call
+attempt costs a gRPC thread). Every new stream starts with the same Hello, so an agent that restarted
+learns who we are again. `close()` ends the stream after a final collectives record and a Goodbye.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+
+from trainwarden.agent.exit_codes import EXIT_ABORTED  # one table of exit codes for CLI and workers
+from trainwarden.agent.proto import telemetry_pb2 as pb
+
+from .flight_recorder import CollectiveReducer, FlightRecorder
+
+__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_process"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_STAGES = {
+    "save_start": pb.SAVE_START, "staged": pb.STAGED, "committed": pb.COMMITTED,
+    "restore_start": pb.RESTORE_START, "restored": pb.RESTORED, "failed": pb.FAILED,
+}
+_STREAM_METHOD = "/trainwarden.v1.Telemetry/Stream"
+_ESTABLISHED_AFTER_S = 1.0
+_STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """How the telemetry client queues, sends and reconnects."""
+
+    socket_path: str
+    """The agent's unix socket (TRAINWARDEN_AGENT_SOCKET)."""
+    queue_size: int = 4096
+    """Records kept while the agent is away; the oldest are dropped beyond this."""
+    flush_interval_s: float = 0.5
+    """How often the sender drains the queue."""
+    fr_interval_s: float = 2.0
+    """Minimum seconds between Flight Recorder reads."""
+    fr_max_duty: float = 0.001
+    """Longest share of wall time spent reading the Flight Recorder: a read costs time in proportion to
+    the ring's size (not to the new entries), so a slow read stretches the interval to the next one."""
+    backoff_initial_s: float = 0.05
+    """First reconnect delay."""
+    backoff_max_s: float = 2.0
+    """Reconnect delay cap."""
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise ValueError("socket_path must name the agent's unix socket")
+        if self.queue_size < 16:
+            raise ValueError(f"queue_size must be at least 16, got {self.queue_size}")
+        for name in ("flush_interval_s", "fr_interval_s", "fr_max_duty", "backoff_initial_s",
+                     "backoff_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+class TelemetryClient:
+    """Streams queued records to the agent from a daemon thread; see the module docstring."""
+
+    def __init__(self, config: ClientConfig, hello: pb.Hello, *,
+                 on_command: Callable[[pb.AgentCommand], None],
+                 flight_recorder: FlightRecorder | None = None) -> None:
+        self.config = config
+        self._hello = hello
+        self._on_command = on_command
+        self._fr = flight_recorder
+        self._reducer = CollectiveReducer()
+        self._queue: deque = deque(maxlen=config.queue_size)
+        self._maxlen = config.queue_size
+        self.dropped = 0
+        self.reconnects = 0
+        self.sent = 0
+        self._reported_dropped = 0
+        self._next_fr_read = 0.0
+        self._reported_missed = 0
+        self._closing = threading.Event()
+        self._goodbye = "closed"
+        self._wake = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name="trainwarden-telemetry", daemon=True)
+
+    # ---- training thread -----------------------------------------------------------------------------
+
+    def record(self, item: tuple) -> None:
+        """Queue one record (hot path: no lock, no I/O, never raises)."""
+        q = self._queue
+        if len(q) >= self._maxlen:
+            self.dropped += 1
+        q.append(item)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the queue to be handed to gRPC; True when it was."""
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        while self._queue and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue
+
+    def close(self, timeout: float = 2.0, reason: str = "closed") -> None:
+        """Send what is queued, final collective totals and a Goodbye, end the stream and stop the thread
+        (best effort within `timeout`: an absent or stuck agent gets nothing)."""
+        if self._closing.is_set():
+            return
+        self._goodbye = reason
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        call = self._call
+        if self._thread.is_alive() and call is not None:
+            call.cancel()
+            self._thread.join(0.5)
+
+    # ---- sender thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        cfg = self.config
+        # one channel for the client's life: gRPC reconnects it (to a restarted agent, too) with the same
+        # backoff bounds, and a failed call on a disconnected channel costs almost nothing
+        channel = grpc.insecure_channel(f"unix:{cfg.socket_path}", options=[
+            ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", int(cfg.backoff_initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(cfg.backoff_initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(cfg.backoff_max_s * 1000)),
+        ])
+        stream = channel.stream_stream(_STREAM_METHOD, request_serializer=pb.WorkerMessage.SerializeToString,
+                                       response_deserializer=pb.AgentCommand.FromString)
+        backoff = cfg.backoff_initial_s
+        try:
+            while not self._closing.is_set():
+                if not os.path.exists(cfg.socket_path):  # no agent: skip the (costly) call attempt
+                    self._closing.wait(backoff)
+                    backoff = min(cfg.backoff_max_s, backoff * 2)
+                    continue
+                started = time.monotonic()
+                stream_done = threading.Event()
+                try:
+                    self._call = stream(self._requests(stream_done), wait_for_ready=False)
+                    for command in self._call:
+                        self._handle(command)
+                except grpc.RpcError as exc:
+                    if not self._closing.is_set():
+                        log.debug("telemetry stream ended: %s", exc.code() if hasattr(exc, "code") else exc)
+                except Exception:  # survive one bad iteration; never kill the worker
+                    log.exception("telemetry stream failed")
+                finally:
+                    self._call = None
+                    stream_done.set()
+                if self._closing.is_set():
+                    break
+                if time.monotonic() - started > _ESTABLISHED_AFTER_S:
+                    backoff = cfg.backoff_initial_s
+                self.reconnects += 1
+                self._closing.wait(backoff)
+                backoff = min(cfg.backoff_max_s, backoff * 2)
+        finally:
+            channel.close()
+
+    def _handle(self, command: pb.AgentCommand) -> None:
+        try:
+            self._on_command(command)
+        except Exception:
+            log.exception("handling agent command %s failed", command.WhichOneof("command"))
+
+    def _requests(self, stream_done: threading.Event) -> Iterator[pb.WorkerMessage]:
+        yield pb.WorkerMessage(hello=self._hello)
+        while not stream_done.is_set():
+            closing = self._closing.is_set()
+            if not closing:
+                self._wake.wait(self.config.flush_interval_s)
+                self._wake.clear()
+                if stream_done.is_set():  # the call failed while we waited: keep the records queued
+                    return
+            try:
+                messages = self._drain(final=closing)
+            except Exception:
+                log.exception("cannot build telemetry messages")
+                messages = []
+            for message in messages:
+                self.sent += 1
+                yield message
+            if closing:  # ending the request stream ends the call once the agent has read it all
+                yield pb.WorkerMessage(goodbye=pb.Goodbye(reason=self._goodbye))
+                return
+
+    def _drain(self, final: bool = False) -> list[pb.WorkerMessage]:
+        messages: list[pb.WorkerMessage] = []
+        steps = pb.Steps()
+        q = self._queue
+        while q:
+            try:
+                item = q.popleft()
+            except IndexError:
+                break
+            kind = item[0]
+            if kind == "s":
+                _, index, start_wall_ns, duration_ns, tokens, phases = item
+                self._reducer.add_step(start_wall_ns, start_wall_ns + duration_ns)
+                steps.steps.add(index=index, start_unix=start_wall_ns / 1e9, duration_seconds=duration_ns / 1e9,
+                                tokens=tokens, phases=phases or {})
+                if len(steps.steps) >= _STEPS_PER_MESSAGE:
+                    messages.append(pb.WorkerMessage(steps=steps))
+                    steps = pb.Steps()
+            elif kind == "c":
+                _, stage, step, seconds, nbytes = item
+                if steps.steps:  # keep the order of steps and checkpoint events
+                    messages.append(pb.WorkerMessage(steps=steps))
+                    steps = pb.Steps()
+                messages.append(pb.WorkerMessage(checkpoint=pb.Checkpoint(
+                    stage=stage, step=step, seconds=seconds, bytes=nbytes)))
+        if steps.steps:
+            messages.append(pb.WorkerMessage(steps=steps))
+        now = time.monotonic()
+        if final or now >= self._next_fr_read:
+            messages.append(self._collectives())
+            cost = time.monotonic() - now
+            interval = max(self.config.fr_interval_s, cost / self.config.fr_max_duty)
+            self._next_fr_read = time.monotonic() + interval
+        if self.dropped != self._reported_dropped:
+            self._reported_dropped = self.dropped
+            messages.append(pb.WorkerMessage(stats=pb.ClientStats(dropped=self.dropped,
+                                                                  reconnects=self.reconnects)))
+        return messages
+
+    def _collectives(self) -> pb.WorkerMessage:
+        fr = self._fr
+        if fr is not None and fr.available:
+            try:
+                self._reducer.add_entries(fr.read_new())
+            except Exception as exc:  # keep sending steps when the recorder misbehaves
+                log.warning("flight recorder read failed: %s", exc)
+            if fr.missed > self._reported_missed:
+                log.warning("%d flight recorder entries were overwritten before they were read; collective "
+                            "wait is underestimated (more collectives than the ring holds between reads: raise "
+                            "fr_max_duty or TORCH_FR_BUFFER_SIZE)",
+                            fr.missed - self._reported_missed)
+                self._reported_missed = fr.missed
+        ops = [pb.CollectiveSummary(process_group=s.process_group, op=s.op, count=s.count,
+                                    wait_seconds=s.wait_seconds, last_seq_id=s.last_seq_id)
+               for s in self._reducer.summaries()]
+        return pb.WorkerMessage(collectives=pb.Collectives(
+            ops=ops, has_durations=self._reducer.has_durations, entries_missed=fr.missed if fr else 0))
+
+
+def abort_process(reason: str, flush: Callable[[], None]) -> None:
+    """Log `reason`, flush, and exit the whole process now with EXIT_ABORTED (from any thread)."""
+    log.error("aborted by the trainwarden agent: %s", reason)
+    try:
+        flush()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(EXIT_ABORTED)

@@ -1,0 +1,216 @@
+"""Telemetry end to end: a real gRPC server on a unix socket, real runtime clients, a real gloo job."""
+
+import os
+import pickle
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from procs import wait_for
+from trainwarden.agent.jobstate import JobState
+from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.proto import telemetry_pb2_grpc
+from trainwarden.agent.telemetry import SERVICE_NAME, TelemetryServer
+from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
+from trainwarden.runtime.session import init
+
+pytestmark = pytest.mark.integration
+
+
+def rank_state(js, job, rank):
+    for j in js.snapshot(job):
+        for r in j.ranks:
+            if r.rank == rank:
+                return r
+    return None
+
+
+@pytest.fixture
+def server(tmp_path):
+    js = JobState()
+    srv = TelemetryServer(tmp_path / "run" / "agent.sock", js, max_message_bytes=4096)
+    srv.start()
+    try:
+        yield srv, js
+    finally:
+        srv.stop(0.5)
+
+
+def raw_stream(address, messages):
+    """Send raw bytes on the Stream method, as a broken or hostile client would."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream("/trainwarden.v1.Telemetry/Stream")(iter(messages), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        return info.value.code()
+
+
+@pytest.mark.timeout(60)
+def test_malformed_oversized_and_helloless_streams_are_rejected_and_counted(server):
+    srv, js = server
+    hello = pb.WorkerMessage(hello=pb.Hello(job="j", rank=0, world_size=1, pid=1)).SerializeToString()
+    assert oct(os.stat(srv.socket_path).st_mode & 0o777) == "0o660"
+
+    assert raw_stream(srv.address, [hello, b"\xff\xff\xff\xff garbage"]) == grpc.StatusCode.INVALID_ARGUMENT
+    big = pb.WorkerMessage(goodbye=pb.Goodbye(reason="x" * 10_000)).SerializeToString()
+    assert raw_stream(srv.address, [hello, big]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    step = pb.WorkerMessage(step=pb.Step(index=1, duration_seconds=0.1)).SerializeToString()
+    assert raw_stream(srv.address, [step]) == grpc.StatusCode.INVALID_ARGUMENT
+    assert raw_stream(srv.address, [b"\x0a\x03\xff\xfe\xfd"]) == grpc.StatusCode.INVALID_ARGUMENT
+    rejected = js.rejected()
+    assert (rejected["malformed"], rejected["oversized"], rejected["no_hello"]) == (2, 1, 1)
+
+    # the agent keeps serving: health, status and a well-behaved worker
+    with grpc.insecure_channel(srv.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        rt = init("good", env={"RANK": "0", "WORLD_SIZE": "1"}, socket_path=str(srv.socket_path),
+                  flush_interval_s=0.05)
+        try:
+            for i in range(3):
+                with rt.step(i, tokens=8):
+                    pass
+            wait_for(lambda: (rank_state(js, "good", 0) or None) and rank_state(js, "good", 0).last_step == 2,
+                     10, what="steps from the well-behaved worker")
+            reply = telemetry_pb2_grpc.TelemetryStub(channel).Status(pb.StatusRequest(job="good"), timeout=5)
+            assert [j.job for j in reply.jobs] == ["good"] and reply.jobs[0].ranks[0].last_step == 2
+            assert reply.jobs[0].ranks[0].connected
+        finally:
+            rt.close()
+
+
+AGENT_SCRIPT = """
+import sys, time
+from trainwarden.agent.jobstate import JobState
+from trainwarden.agent.telemetry import TelemetryServer
+TelemetryServer(sys.argv[1], JobState()).start()
+print("serving", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_worker_keeps_training_through_an_agent_crash_and_reconnects(tmp_path, procs):
+    sock = tmp_path / "agent.sock"
+    agent = procs.spawn([sys.executable, "-c", AGENT_SCRIPT, str(sock)], log=tmp_path / "agent.log")
+    wait_for(lambda: "serving" in agent.log_path.read_text(), 60, what="the first agent")
+    rt = init("j", env={"RANK": "1", "WORLD_SIZE": "2"}, socket_path=str(sock), flush_interval_s=0.05,
+              backoff_max_s=0.5)
+    stop, steps = threading.Event(), [0]
+
+    def train():
+        while not stop.is_set():
+            with rt.step(steps[0], tokens=1):
+                time.sleep(0.01)
+            steps[0] += 1
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        wait_for(lambda: rt.stats["sent"] > 5, 20, what="the worker streaming to the first agent")
+        procs.kill(agent, signal.SIGKILL)  # the socket file stays behind
+        agent.wait(10)
+        at_crash = steps[0]
+        wait_for(lambda: steps[0] > at_crash + 20, 20, what="steps while the agent is down")
+        js = JobState()
+        srv = TelemetryServer(sock, js)  # removes the stale socket
+        srv.start()
+        try:
+            wait_for(lambda: rank_state(js, "j", 1) is not None and rank_state(js, "j", 1).last_step > at_crash,
+                     20, what="the worker reconnecting to the new agent")
+            assert rt.stats["reconnects"] >= 1
+            assert srv.send_command("j", 1, pb.AgentCommand(checkpoint_now=pb.CheckpointNow()))
+            wait_for(lambda: rt.checkpoint_requested, 10, what="the command to arrive")
+
+            srv.stop(0.5)  # a clean stop and a restart of the same server on the same path
+            at_stop = steps[0]
+            wait_for(lambda: not rank_state(js, "j", 1).connected, 10, what="the stream to end")
+            srv.start()
+            wait_for(lambda: rank_state(js, "j", 1).connected and rank_state(js, "j", 1).last_step > at_stop,
+                     20, what="the worker reconnecting after a clean restart")
+            with grpc.insecure_channel(srv.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            stop.set()
+            trainer.join(5)
+            rt.close()
+            srv.stop(0.5)
+    finally:
+        stop.set()
+
+
+WORKER_SCRIPT = """
+import os, sys, time, torch, torch.distributed as dist
+import trainwarden.runtime
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+rt = trainwarden.runtime.init(mesh={"dp": 2}, flush_interval_s=0.05, fr_interval_s=0.2)
+out = sys.argv[1]
+compute = 0.15 if rank == 1 else 0.005  # rank 1 is the slow one: rank 0 waits for it in all_reduce
+x = torch.ones(1000)
+for step in range(int(sys.argv[2])):
+    with rt.step(step, tokens=128):
+        with rt.phase("forward"):
+            time.sleep(compute)
+        dist.all_reduce(x)
+    if rt.take_checkpoint_request():
+        open(os.path.join(out, f"checkpoint-request-rank{rank}"), "w").write(str(step))
+rt.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_gloo_job_reports_steps_collectives_and_obeys_commands(tmp_path, procs, server):
+    srv, js = server
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER_SCRIPT))
+    env = dict(os.environ, TRAINWARDEN_AGENT_SOCKET=str(srv.socket_path), TRAINWARDEN_JOB="gloo2",
+               OMP_NUM_THREADS="1", **FLIGHT_RECORDER_ENV)
+    steps = 40
+    job = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(script), str(tmp_path), str(steps)], log=tmp_path / "torchrun.log", env=env)
+
+    def both_at(step):
+        ranks = [rank_state(js, "gloo2", r) for r in (0, 1)]
+        return all(r is not None and r.last_step >= step for r in ranks)
+
+    wait_for(lambda: both_at(5) or job.poll() is not None, 120, what="both ranks reporting steps")
+    assert job.poll() is None, job.log_path.read_text()[-3000:]
+    diag = tmp_path / "diag"
+    for rank in (0, 1):
+        assert srv.send_command("gloo2", rank, pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(diag))))
+    assert srv.send_command("gloo2", 0, pb.AgentCommand(checkpoint_now=pb.CheckpointNow()))
+    assert job.wait(120) == 0, job.log_path.read_text()[-3000:]
+
+    (snap,) = js.snapshot("gloo2")
+    assert snap.mesh == {"dp": 2} and snap.world_size == 2
+    r0, r1 = snap.ranks
+    for r in (r0, r1):
+        assert r.last_step == steps - 1 and r.step_count == steps and r.tokens_total == 128 * steps
+        (ar,) = [c for c in r.collectives if c.op == "all_reduce"]
+        assert ar.count >= steps and ar.last_seq_id >= steps
+        assert not r.connected  # the worker said goodbye and hung up
+    # rank 0 waits for slow rank 1 (estimated from gloo enqueue times). Ideally 30x apart; a busy machine
+    # adds scheduling delay to both ranks' compute, so the margin is wide.
+    wait0, wait1 = r0.wait_seconds_by_op["all_reduce"], r1.wait_seconds_by_op["all_reduce"]
+    print(f"wait rank0 {wait0:.3f}s rank1 {wait1:.3f}s; compute rank0 {r0.compute_seconds_total:.3f}s "
+          f"rank1 {r1.compute_seconds_total:.3f}s; steps {r0.step_seconds_total:.3f}s {r1.step_seconds_total:.3f}s")
+    assert wait0 > 3 * wait1, (wait0, wait1)
+    assert r1.compute_seconds_total > 2 * r0.compute_seconds_total, (r1.compute_seconds_total,
+                                                                     r0.compute_seconds_total)
+
+    for rank in (0, 1):
+        assert "Thread" in (diag / f"rank{rank}.stacks").read_text()
+        trace = pickle.loads((diag / f"rank{rank}.fr").read_bytes())
+        assert any(e["profiling_name"] == "gloo:all_reduce" for e in trace["entries"])
+    assert (tmp_path / "checkpoint-request-rank0").exists()
+    assert not (tmp_path / "checkpoint-request-rank1").exists()

@@ -1,0 +1,121 @@
+"""Flight Recorder reading and reduction, on sample dicts shaped like torch 2.13's `_dump_fr_trace()`."""
+
+import pickle
+
+import pytest
+
+from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV, CollectiveReducer, FlightRecorder
+
+MS = 1_000_000
+T0 = 1_795_356_347_000_000_000  # wall-clock ns, as the recorder stores them
+
+
+def entry(record_id, created_ms, name="gloo:all_reduce", pg=("0", "default_pg"), seq=None, retired=True,
+          thread="140588942891904", **extra):
+    e = {"record_id": record_id, "pg_id": int(pg[0]), "process_group": pg, "thread_name": "python3",
+         "thread_id": thread, "collective_seq_id": seq if seq is not None else record_id + 1, "p2p_seq_id": 0,
+         "op_id": record_id + 1, "profiling_name": name, "time_created_ns": T0 + created_ms * MS,
+         "input_sizes": [[1000]], "state": "scheduled", "time_discovered_started_ns": None,
+         "time_discovered_completed_ns": None, "retired": retired, "timeout_ms": 1800000, "is_p2p": False}
+    e.update(extra)
+    return e
+
+
+class FakeDump:
+    def __init__(self):
+        self.entries = []
+
+    def __call__(self, include_stack_traces):
+        return pickle.dumps({"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": list(self.entries)})
+
+
+def by_key(summaries):
+    return {(s.process_group, s.op): s for s in summaries}
+
+
+@pytest.mark.timeout(10)
+def test_reader_returns_each_retired_entry_once_and_counts_overwritten_ones():
+    dump = FakeDump()
+    fr = FlightRecorder(dump)
+    dump.entries = [entry(0, 0), entry(1, 5), entry(2, 9, retired=False)]
+    assert [e["record_id"] for e in fr.read_new()] == [0, 1]
+    assert fr.read_new() == []
+    dump.entries[2] = entry(2, 9)
+    dump.entries.append(entry(3, 12))
+    assert [e["record_id"] for e in fr.read_new()] == [2, 3]
+    dump.entries = [entry(i, i) for i in range(10, 14)]  # ring of 4 wrapped: ids 4..9 were overwritten
+    assert [e["record_id"] for e in fr.read_new()] == [10, 11, 12, 13]
+    assert fr.missed == 6
+
+
+@pytest.mark.timeout(10)
+def test_absent_recorder_is_harmless():
+    fr = FlightRecorder(dump=None)
+    fr._dump = None  # as when torch lacks _dump_fr_trace
+    assert not fr.available and fr.read_new() == [] and fr.dump_raw() is None
+
+
+@pytest.mark.timeout(10)
+def test_gloo_wait_is_the_gap_to_the_next_enqueue_or_the_step_end():
+    reducer = CollectiveReducer()
+    reducer.add_step(T0 + 0 * MS, T0 + 100 * MS)
+    reducer.add_entries([
+        entry(0, -50, name="gloo:barrier"),  # before the first step: counted, no wait
+        entry(1, 10),
+        entry(2, 40, name="gloo:broadcast", pg=("1", "undefined"), seq=1),
+        entry(3, 90),
+        entry(4, 120),  # in a step that has not ended yet: pending
+    ])
+    s = by_key(reducer.summaries())
+    assert s[("default_pg", "barrier")].count == 1 and s[("default_pg", "barrier")].wait_seconds == 0
+    assert s[("default_pg", "all_reduce")].count == 2
+    assert s[("default_pg", "all_reduce")].wait_seconds == pytest.approx(0.030 + 0.010)
+    assert s[("default_pg", "all_reduce")].last_seq_id == 4
+    assert s[("pg1", "broadcast")].wait_seconds == pytest.approx(0.050)
+    assert not reducer.has_durations
+
+    reducer.add_step(T0 + 100 * MS, T0 + 200 * MS)
+    s = by_key(reducer.summaries())
+    assert s[("default_pg", "all_reduce")].count == 3
+    assert s[("default_pg", "all_reduce")].wait_seconds == pytest.approx(0.040 + 0.080)
+    assert s[("default_pg", "all_reduce")].last_seq_id == 5
+
+
+@pytest.mark.timeout(10)
+def test_threads_are_separate_timelines():
+    reducer = CollectiveReducer()
+    reducer.add_step(T0, T0 + 100 * MS)
+    reducer.add_entries([entry(0, 10, thread="a"), entry(1, 20, thread="b"), entry(2, 60, thread="a")])
+    assert by_key(reducer.summaries())[("default_pg", "all_reduce")].wait_seconds == pytest.approx(
+        0.050 + 0.080 + 0.040)
+
+
+@pytest.mark.timeout(10)
+def test_slow_peer_shows_up_as_wait_on_the_fast_rank():
+    # rank 0 computes 20 ms then all-reduces and waits for rank 1, which computed 80 ms
+    fast, slow = CollectiveReducer(), CollectiveReducer()
+    for step in range(5):
+        base = step * 100
+        fast.add_step(T0 + base * MS, T0 + (base + 100) * MS)
+        slow.add_step(T0 + base * MS, T0 + (base + 100) * MS)
+        fast.add_entries([entry(step, base + 20)])
+        slow.add_entries([entry(step, base + 80)])
+    wait_fast = fast.summaries()[0].wait_seconds
+    wait_slow = slow.summaries()[0].wait_seconds
+    assert wait_fast == pytest.approx(5 * 0.080) and wait_slow == pytest.approx(5 * 0.020)
+
+
+@pytest.mark.timeout(10)
+def test_nccl_durations_are_used_when_present():
+    reducer = CollectiveReducer()
+    reducer.add_entries([entry(0, 10, name="nccl:all_reduce", duration_ms=12.5, state="completed"),
+                         entry(1, 30, name="nccl:all_gather", duration_ms=2.0, state="completed")])
+    s = by_key(reducer.summaries())
+    assert reducer.has_durations
+    assert s[("default_pg", "all_reduce")].wait_seconds == pytest.approx(0.0125)
+    assert s[("default_pg", "all_gather")].count == 1
+
+
+@pytest.mark.timeout(10)
+def test_launcher_environment_enables_the_recorder():
+    assert int(FLIGHT_RECORDER_ENV["TORCH_FR_BUFFER_SIZE"]) > 0

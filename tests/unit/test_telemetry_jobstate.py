@@ -1,0 +1,116 @@
+"""JobState: aggregation of worker telemetry into monotonic counters and recent-window statistics."""
+
+import pytest
+
+from trainwarden.agent.jobstate import CollectiveTotals, JobState, WorkerInfo
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def hello(rank=0, pid=10, restart_count=0, job="j"):
+    return WorkerInfo(job=job, rank=rank, local_rank=rank, world_size=2, mesh={"dp": 2}, pid=pid,
+                      restart_count=restart_count, hostname="h")
+
+
+def totals(count, wait, seq, op="all_reduce", pg="default_pg"):
+    return [CollectiveTotals(process_group=pg, op=op, count=count, wait_seconds=wait, last_seq_id=seq)]
+
+
+@pytest.mark.timeout(10)
+def test_steps_aggregate_into_counters_histogram_and_percentiles():
+    js = JobState(clock=FakeClock())
+    js.connect(hello())
+    for i, d in enumerate([0.1] * 98 + [1.0, 2.0]):
+        js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=d, tokens=10)
+    (job,) = js.snapshot()
+    (r,) = job.ranks
+    assert (r.last_step, r.step_count, r.tokens_total) == (99, 100, 1000)
+    assert r.step_seconds_total == pytest.approx(9.8 + 3.0)
+    assert sum(r.step_bucket_counts) == 100
+    assert r.step_p50_seconds == pytest.approx(0.1) and r.step_p99_seconds == pytest.approx(1.0)
+    assert r.tokens_per_second == pytest.approx(1000 / (99 + 2.0))
+    assert job.mesh == {"dp": 2} and job.world_size == 2
+
+
+@pytest.mark.timeout(10)
+def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restart():
+    js = JobState(clock=FakeClock())
+    js.connect(hello(pid=10))
+    js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
+    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=False)
+    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=False)  # a repeat counts nothing
+    assert js.snapshot()[0].ranks[0].compute_seconds_total == pytest.approx(8.0)
+    js.record_step("j", 0, index=1, start_unix=10, duration_seconds=2.0)
+    js.record_collectives("j", 0, totals(8, 3.0, 8), has_durations=False)
+    r = js.snapshot()[0].ranks[0]
+    assert r.collectives[0].count == 8 and r.wait_seconds_by_op == {"all_reduce": pytest.approx(3.0)}
+    assert r.compute_seconds_total == pytest.approx(9.0)
+
+    js.connect(hello(rank=1, pid=20))
+    js.connect(hello(rank=1, pid=21, restart_count=1))  # torchrun restarts every rank: one restart
+    js.connect(hello(pid=11, restart_count=1))  # new process: its totals start from zero
+    js.record_collectives("j", 0, totals(2, 0.5, 2), has_durations=False)
+    job = js.snapshot()[0]
+    r = job.ranks[0]
+    assert r.collectives[0].count == 10 and r.collectives[0].last_seq_id == 2
+    assert r.wait_seconds_by_op["all_reduce"] == pytest.approx(3.5)
+    assert r.compute_seconds_total == pytest.approx(9.0)  # 12 - 3.5 = 8.5, but it never decreases
+    assert job.restarts_total == 1
+
+
+@pytest.mark.timeout(10)
+def test_wait_share_uses_the_recent_window():
+    js = JobState(clock=FakeClock())
+    js.connect(hello())
+    js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
+    js.record_collectives("j", 0, totals(1, 1.0, 1), has_durations=False)
+    js.record_step("j", 0, index=1, start_unix=10, duration_seconds=10.0)
+    js.record_collectives("j", 0, totals(2, 6.0, 2), has_durations=False)
+    assert js.snapshot()[0].ranks[0].wait_share == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(10)
+def test_disconnect_flags_and_prune():
+    clock = FakeClock()
+    js = JobState(clock=clock)
+    js.connect(hello(rank=0, pid=10))
+    js.connect(hello(rank=1, pid=11))
+    js.set_flag("j", 1, "straggler")
+    js.disconnect("j", 0, pid=999)  # a stale stream of an older process changes nothing
+    assert js.snapshot()[0].ranks[0].connected
+    js.disconnect("j", 0, pid=10)
+    ranks = js.snapshot()[0].ranks
+    assert ranks[0].flags == ("disconnected",) and ranks[1].flags == ("straggler",)
+    assert js.prune(60) == []
+    js.disconnect("j", 1, pid=11)
+    clock.now += 61
+    assert js.prune(60) == ["j"] and js.snapshot() == ()
+
+
+@pytest.mark.timeout(10)
+def test_checkpoints_rejections_and_unknown_ranks():
+    js = JobState(clock=FakeClock())
+    js.connect(hello())
+    js.record_checkpoint("j", 0, stage="staged", step=10, seconds=0.25)
+    js.record_checkpoint("j", 0, stage="committed", step=10, seconds=3.0)
+    js.record_checkpoint("j", 0, stage="failed", step=20, seconds=1.0)
+    with pytest.raises(ValueError, match="unknown checkpoint stage"):
+        js.record_checkpoint("j", 0, stage="half-done", step=1, seconds=0)
+    js.record_step("nope", 3, index=1, start_unix=0, duration_seconds=1)  # ignored, no error
+    js.record_client_stats("j", 0, dropped=5)
+    js.record_client_stats("j", 0, dropped=7)
+    js.count_rejected("malformed")
+    js.count_rejected("something else")
+    job = js.snapshot()[0]
+    assert (job.checkpoint_last_step, job.checkpoint_failures_total) == (10, 1)
+    assert job.ranks[0].checkpoint_stall_seconds == 0.25 and job.ranks[0].dropped_total == 7
+    assert job.ranks[0].checkpoint_stage == "failed"
+    assert js.rejected()["malformed"] == 1 and js.rejected()["invalid"] == 1
+    with pytest.raises(ValueError):
+        JobState(recent_steps=1)

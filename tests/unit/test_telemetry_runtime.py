@@ -1,0 +1,106 @@
+"""Runtime side of telemetry without an agent: the no-op session, drop-oldest queueing, commands."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.runtime import EXIT_ABORTED, Session, init
+from trainwarden.runtime.flight_recorder import FlightRecorder
+from trainwarden.runtime.telemetry import ClientConfig, TelemetryClient
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.timeout(20)
+def test_without_an_agent_socket_the_session_is_a_no_op_with_the_same_api():
+    rt = init(env={"RANK": "3", "WORLD_SIZE": "4", "TRAINWARDEN_JOB": "j"})
+    assert not rt.enabled and (rt.job, rt.rank, rt.world_size) == ("j", 3, 4)
+    for i in range(3):
+        with rt.step(i, tokens=10):
+            with rt.phase("forward"):
+                pass
+    rt.checkpoint_event("committed", 2, 1.0, 100)
+    with pytest.raises(ValueError, match="unknown checkpoint stage"):
+        rt.checkpoint_event("half-written", 2)
+    with pytest.raises(Boom):  # the training step's own exception passes through
+        with rt.step(3):
+            raise Boom()
+    assert rt.poll_command() is None and not rt.take_checkpoint_request()
+    assert rt.stats == {"dropped": 0, "reconnects": 0, "sent": 0}
+    rt.close()
+
+
+@pytest.mark.timeout(20)
+def test_full_queue_drops_the_oldest_records_and_counts_them(tmp_path):
+    client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock"), queue_size=16),
+                             pb.Hello(job="j"), on_command=lambda c: None)
+    for i in range(100):  # the sender thread is not started: nothing drains
+        client.record(("s", i, 0, 1, 0, None))
+    assert client.dropped == 84
+    assert [item[1] for item in client._queue] == list(range(84, 100))
+    messages = client._drain()
+    assert [s.index for m in messages if m.WhichOneof("record") == "steps" for s in m.steps.steps] == list(range(84, 100))
+    assert [m.stats.dropped for m in messages if m.WhichOneof("record") == "stats"] == [84]
+
+
+@pytest.mark.timeout(20)
+def test_step_never_raises_when_telemetry_breaks():
+    rt = Session(job="j", rank=0, world_size=1, client_config=None)
+
+    class Broken:
+        def record(self, item):
+            raise RuntimeError("queue is gone")
+
+    rt._client = Broken()
+    with rt.step(1, tokens=5):
+        with rt.phase("forward"):
+            pass
+
+
+@pytest.mark.timeout(20)
+def test_agent_commands_are_handled_and_polled(tmp_path):
+    trace = b"\x80\x04fake-trace"
+    rt = Session(job="j", rank=2, world_size=4, client_config=None,
+                 flight_recorder=FlightRecorder(dump=lambda include_stacks: trace))
+    rt._on_command(pb.AgentCommand(checkpoint_now=pb.CheckpointNow()))
+    rt._on_command(pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(tmp_path / "diag"))))
+    assert rt.checkpoint_requested and rt.take_checkpoint_request() and not rt.checkpoint_requested
+    assert rt.poll_command().kind == "checkpoint_now"
+    command = rt.poll_command()
+    assert (command.kind, command.argument) == ("dump_diagnostics", str(tmp_path / "diag"))
+    assert rt.poll_command() is None
+    stacks = (tmp_path / "diag" / "rank2.stacks").read_text()
+    assert "test_agent_commands_are_handled_and_polled" in stacks  # every thread's stack, ours included
+    main = stacks.splitlines()[0].split("main_thread=")[1]
+    assert f"Current thread {main}" in stacks or f"Thread {main}" in stacks
+    assert (tmp_path / "diag" / "rank2.fr").read_bytes() == trace
+
+
+@pytest.mark.timeout(60)
+def test_abort_exits_the_process_with_the_named_code():
+    code = textwrap.dedent("""
+        from trainwarden.agent.proto import telemetry_pb2 as pb
+        from trainwarden.runtime.session import Session
+        rt = Session(job="j", rank=0, world_size=1, client_config=None)
+        rt._on_command(pb.AgentCommand(abort=pb.Abort(reason="hang detected in pg 0")))
+        print("not reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                          start_new_session=True)
+    assert proc.returncode == EXIT_ABORTED
+    assert "hang detected in pg 0" in proc.stderr and "not reached" not in proc.stdout
+
+
+@pytest.mark.timeout(10)
+def test_client_config_is_validated():
+    with pytest.raises(ValueError, match="socket_path"):
+        ClientConfig(socket_path="")
+    with pytest.raises(ValueError, match="queue_size"):
+        ClientConfig(socket_path="/x", queue_size=1)
+    with pytest.raises(ValueError, match="backoff_max_s"):
+        ClientConfig(socket_path="/x", backoff_max_s=0)
