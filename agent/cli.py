@@ -47,6 +47,12 @@ def _add_run(sub) -> None:
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
     p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "
                    "(default: 127.0.0.1 for a one-node job, the host name otherwise)")
+    p.add_argument("--metrics-port", type=int, default=9478, metavar="PORT",
+                   help="port of the in-process agent's Prometheus endpoint on --metrics-host (default 9478; 0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                   help="address of the Prometheus endpoint (default 127.0.0.1)")
+    p.add_argument("--no-agent", action="store_true",
+                   help="run without the in-process agent (no telemetry, metrics or watchdog)")
     p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
                    help="seconds between torchrun's checks of its workers (default 1)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
@@ -69,7 +75,8 @@ def _cmd_run(args) -> int:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           etcd=args.etcd, max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
-                          state_home=args.state_home, local_addr=args.local_addr)
+                          state_home=args.state_home, local_addr=args.local_addr, agent=not args.no_agent,
+                          metrics_host=args.metrics_host, metrics_port=args.metrics_port)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

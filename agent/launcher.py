@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["LaunchSpec", "TorchrunProcess", "parse_nnodes", "torchrun_command", "worker_environment"]
 
 FLIGHT_RECORDER_ENV = {
-    # keep a ring buffer of the last collectives in every process group (gloo and NCCL)
-    "TORCH_FR_BUFFER_SIZE": "20000",
+    # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read
+    # unpickles the whole ring, so it stays small (runtime/flight_recorder.py measures why)
+    "TORCH_FR_BUFFER_SIZE": "2000",
     # GPU start/end times of NCCL collectives (ignored by gloo)
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }

@@ -16,9 +16,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -28,11 +30,14 @@ from typing import TextIO
 
 from . import exit_codes
 from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
+from .exporter import ExporterError
 from .job import JobPhase, JobRecord
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
+from .node_agent import AgentConfig, NodeAgent
 from .paths import job_state_dir
 from .progress import RESTART_LINE, ProgressTracker
+from .telemetry import TelemetryServerError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,12 @@ class RunOptions:
     """More environment for the workers."""
     local_addr: str | None = None
     """Address this node advertises in the rendezvous; None: loopback for a one-node job, else the hostname."""
+    agent: bool = True
+    """Run a node agent in-process (telemetry, metrics, watchdog)."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the agent's Prometheus endpoint."""
+    metrics_port: int = 9478
+    """Port of the agent's Prometheus endpoint (0: a free one)."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -167,8 +178,24 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         stack.callback(client.close)
         store = JobStore(client, endpoint=endpoint)
 
+        agent_socket = None
+        if opts.agent:
+            sock_dir = Path(tempfile.mkdtemp(prefix="trainwarden-"))
+            stack.callback(shutil.rmtree, sock_dir, True)
+            try:
+                agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
+                                              metrics_port=opts.metrics_port, state_home=opts.state_home),
+                                  etcd_client=client)
+                agent.start()
+            except (ExporterError, TelemetryServerError, ValueError) as exc:
+                print(f"trainwarden: cannot start the node agent: {exc}", file=sys.stderr)
+                return exit_codes.EXIT_USAGE
+            stack.callback(agent.stop)
+            agent_socket = str(agent.config.socket_path)
+            print(f"trainwarden: agent metrics at {agent.metrics_url}", file=out, flush=True)
+
         spec = LaunchSpec(
-            job=opts.job, script=opts.script, rdzv_endpoint=endpoint, state_dir=state_dir,
+            job=opts.job, script=opts.script, rdzv_endpoint=endpoint, state_dir=state_dir, agent_socket=agent_socket,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, extra_env=opts.extra_env,
             local_addr=opts.local_addr,

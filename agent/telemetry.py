@@ -147,7 +147,7 @@ class TelemetryServer:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._stopping.clear()
         self._server = server
-        log.info("telemetry server listening", extra={"address": self.address})
+        log.info("telemetry server listening on %s", self.address, extra={"address": self.address})
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving; open streams end (workers reconnect to the next server on this path)."""
@@ -165,7 +165,7 @@ class TelemetryServer:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
-        log.info("telemetry server stopped", extra={"address": self.address})
+        log.debug("telemetry server stopped", extra={"address": self.address})
 
     def send_command(self, job: str, rank: int, command: pb.AgentCommand) -> bool:
         """Queue `command` on the stream of (job, rank); False when that rank is not connected or is
@@ -222,7 +222,8 @@ class TelemetryServer:
         if previous is not None:  # a reconnect or a restarted worker replaces the old stream
             _offer(previous.commands, _End())
         self._jobstate.connect(info)
-        log.info("worker connected", extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+        log.debug("worker connected: job %s rank %d pid %d", info.job, info.rank, info.pid,
+                  extra={"job": info.job, "rank": info.rank, "pid": info.pid})
         reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
                                   name=f"telemetry-read-{info.job}-{info.rank}", daemon=True)
         reader.start()
@@ -244,7 +245,8 @@ class TelemetryServer:
                     del self._streams[key]
             if current:  # a stream that a newer one replaced leaves the rank connected
                 self._jobstate.disconnect(info.job, info.rank, info.pid)
-            log.info("worker stream ended", extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+            log.debug("worker stream ended: job %s rank %d pid %d", info.job, info.rank, info.pid,
+                      extra={"job": info.job, "rank": info.rank, "pid": info.pid})
 
     def _read(self, request_iterator, info: WorkerInfo, handle: _StreamHandle) -> None:
         end = _End()
@@ -301,7 +303,8 @@ class TelemetryServer:
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
         elif kind == "goodbye":
-            log.info("worker said goodbye: %s", message.goodbye.reason[:200], extra={"job": job, "rank": rank})
+            log.debug("job %s rank %d said goodbye: %s", job, rank, message.goodbye.reason[:200],
+                      extra={"job": job, "rank": rank})
         elif kind == "hello":
             if (message.hello.job, message.hello.rank, message.hello.pid) != (job, rank, info.pid):
                 js.count_rejected("invalid")  # a stream speaks for one worker

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+import trainwarden.runtime
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.failures import peer_failure
@@ -44,6 +45,7 @@ from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
+from trainwarden.runtime.publish import CheckpointPublisher
 
 __all__ = ["EXIT_OK", "EXIT_TRAINING_FAILED", "EXIT_BAD_CONFIG", "TrainConfig", "TrainState", "parse_args", "train", "main"]
 
@@ -173,12 +175,22 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
     data = SyntheticData(DataConfig(vocab=cfg.model.vocab, seq=cfg.model.seq, batch=cfg.batch, seed=cfg.seed))
     train_state = TrainState(pm.model, optimizer)
 
+    rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
+    publish = CheckpointPublisher.from_env()
+
+    def on_commit(info) -> None:  # rank 0, the checkpointer's commit thread
+        rt.checkpoint_event("committed", info.step, 0.0, info.bytes)
+        publish(info)
+
     ckpt_state = {"app": train_state, "rng": RNGState()}
     ckpt = None
     start = 1
     if cfg.ckpt_dir is not None:
-        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep)
+        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, on_commit=on_commit)
+        rt.checkpoint_event("restore_start", 0)
+        restore_began = time.monotonic()
         restored = ckpt.restore(ckpt_state)
+        rt.checkpoint_event("restored", restored or 0, time.monotonic() - restore_began)
         if restored is not None:
             if restored != train_state.step:
                 raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
@@ -188,15 +200,18 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
     tokens_per_step = cfg.batch * cfg.model.seq
     loss_value = math.nan
     last_seconds: float | None = None
+    # this rank's share of the tokens: the job's throughput is the sum over ranks
+    tokens_per_rank = tokens_per_step // max(1, dist.get_world_size())
     for step in range(start, cfg.steps + 1):
         faults.step_boundary(step, last_seconds)
         began = time.monotonic()
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr_at(step)
-        optimizer.zero_grad(set_to_none=True)
-        inputs, targets = data.batch(step, pm.dp_rank, cfg.mesh.dp)
-        loss = pm.train_step(inputs, targets)
-        optimizer.step()
+        with rt.step(step, tokens=tokens_per_rank):
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr_at(step)
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets = data.batch(step, pm.dp_rank, cfg.mesh.dp)
+            loss = pm.train_step(inputs, targets)
+            optimizer.step()
         train_state.step = step
         if loss is not None:
             loss_value = loss.item()
@@ -204,10 +219,14 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
         if pm.is_reporter and (step % cfg.log_every == 0 or step == cfg.steps):
             log.info("step %d loss %.6f time %.3fs tok/s %.0f", step, loss_value, last_seconds,
                      tokens_per_step / last_seconds)
-        if ckpt is not None and step % cfg.ckpt_every == 0:
+        requested = rt.take_checkpoint_request()  # the agent's "checkpoint now"
+        if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
+            rt.checkpoint_event("save_start", step)
             ckpt.save(step, ckpt_state)
+            rt.checkpoint_event("staged", step, ckpt.last_stall_seconds, ckpt.last_bytes)
     if ckpt is not None:
         ckpt.close()    # waits for the last save to commit
+    rt.close()
     if pm.is_reporter:
         log.info("done steps=%d final_loss=%.6f", cfg.steps, loss_value)
     return loss_value if pm.is_reporter else math.nan

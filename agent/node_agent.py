@@ -1,0 +1,203 @@
+"""The node agent: telemetry ingest, metrics, GPU and host health, and the watchdog, put together.
+
+One ``NodeAgent`` per node. ``trainwarden run`` starts one in-process; ``trainwarden agent`` runs one as
+a daemon. It owns, and starts and stops in order:
+
+- ``JobState``: per-job, per-rank state fed by worker telemetry;
+- ``TelemetryServer``: the gRPC server on the node's unix socket (workers find it through
+  ``TRAINWARDEN_AGENT_SOCKET``);
+- the Prometheus exporter with every collector (jobs, GPUs, host, watchdog, incidents, the agent);
+- ``GpuHealthSampler`` and ``HostHealthSampler``, each on its own thread;
+- the ``Watchdog``, which acts through ``AgentActions`` (below): diagnostics and abort commands over the
+  telemetry stream, SIGKILL for workers that cannot obey (stopped, wedged), incidents to disk and etcd.
+
+Stopping is the reverse of starting, and every part's ``stop`` is called even if an earlier one fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import __version__
+from .exporter import AgentInfoCollector, MetricsExporter, build_registry
+from .health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
+from .incidents import Incident, IncidentCollector, IncidentStore
+from .job_metrics import JobMetricsCollector
+from .jobstate import JobState
+from .paths import job_state_dir
+from .proto import telemetry_pb2 as pb
+from .telemetry import TelemetryServer
+from .watchdog import Watchdog, WatchdogConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AgentActions", "AgentConfig", "NodeAgent"]
+
+ABORT_GRACE_S = 1.5
+"""How long workers get to obey an abort command before they are killed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How one node agent runs."""
+
+    socket_path: Path
+    """Unix socket of the telemetry server."""
+    node: str = field(default_factory=socket.gethostname)
+    """This node's name (a metric label and the incidents' node)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds."""
+    metrics_port: int | None = 9478
+    """Port of the Prometheus endpoint; 0 picks a free one; None serves no metrics."""
+    state_home: Path | None = None
+    """Root of job state directories (incidents, diagnostics)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang and straggler policy."""
+    gpu_health: bool = True
+    """Sample NVML (reports 'unavailable' cleanly where there is no GPU)."""
+    host_disk_paths: tuple[str, ...] = ("/",)
+    """Filesystems whose usage is exported."""
+
+    def __post_init__(self) -> None:
+        if len(str(self.socket_path)) > 107:
+            raise ValueError(f"socket path {self.socket_path} is longer than a unix socket allows (107); "
+                             "choose a shorter --socket")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port {self.metrics_port} is not a TCP port")
+
+
+class AgentActions:
+    """What the watchdog may do on this node: talk to workers, kill them, record incidents."""
+
+    def __init__(self, server: TelemetryServer, jobstate: JobState, incidents: IncidentStore, *,
+                 kill: Callable[[int, int], None] = os.kill, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._server, self._jobstate, self._incidents = server, jobstate, incidents
+        self._kill, self._sleep = kill, sleep
+
+    def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
+        command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
+        return [r for r in ranks if self._server.send_command(job, r, command)]
+
+    def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
+        command = pb.AgentCommand(abort=pb.Abort(reason=reason[:500]))
+        pids = self._pids(job, ranks)
+        for rank in ranks:
+            self._server.send_command(job, rank, command)
+        self._sleep(ABORT_GRACE_S)
+        for rank, pid in pids.items():
+            if _alive(pid):
+                logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, pid)
+                try:
+                    self._kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return True
+
+    def record(self, incident: Incident) -> Incident:
+        return self._incidents.record(incident)
+
+    def _pids(self, job: str, ranks: Sequence[int]) -> dict[int, int]:
+        wanted = set(ranks)
+        for snap in self._jobstate.snapshot(job):
+            return {r.rank: r.pid for r in snap.ranks if r.rank in wanted and r.pid > 0}
+        return {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by torchrun) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class NodeAgent:
+    def __init__(self, config: AgentConfig, *, etcd_client=None) -> None:
+        self.config = config
+        state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
+        self.jobstate = JobState()
+        self.server = TelemetryServer(config.socket_path, self.jobstate, node=config.node)
+        self.incident_counts = IncidentCollector(node=config.node)
+        self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd_client, collector=self.incident_counts)
+        self.actions = AgentActions(self.server, self.jobstate, self.incidents)
+        self.watchdog = Watchdog(self.jobstate, self.actions, node=config.node, config=config.watchdog,
+                                 diagnostics_dir=lambda job: state_dir(job) / "diagnostics")
+        self.gpus = GpuHealthSampler(GpuHealthConfig(node=config.node)) if config.gpu_health else None
+        self.host = HostHealthSampler(HostHealthConfig(node=config.node, disk_paths=config.host_disk_paths),
+                                      worker_pids=self._worker_pids)
+        collectors = [AgentInfoCollector(node=config.node, version=__version__),
+                      JobMetricsCollector(self.jobstate, node=config.node), self.host,
+                      self.watchdog.collector(), self.incident_counts]
+        if self.gpus is not None:
+            collectors.append(self.gpus)
+        self.registry = build_registry(collectors)
+        self.exporter = (MetricsExporter(self.registry, host=config.metrics_host, port=config.metrics_port)
+                         if config.metrics_port is not None else None)
+        self._stops: list[Callable[[], object]] = []
+        self._pruner = threading.Event()
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.exporter.url if self.exporter is not None else None
+
+    def start(self) -> "NodeAgent":
+        try:
+            self.server.start()
+            self._stops.append(lambda: self.server.stop(1.0))
+            if self.exporter is not None:
+                self.exporter.start()
+                self._stops.append(self.exporter.stop)
+            if self.gpus is not None:
+                self.gpus.start()
+                self._stops.append(self.gpus.stop)
+            self.host.start()
+            self._stops.append(self.host.stop)
+            self.watchdog.start()
+            self._stops.append(lambda: self.watchdog.stop(5.0))
+            pruner = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
+            pruner.start()
+            self._stops.append(self._pruner.set)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("agent on %s: telemetry %s, metrics %s", self.config.node, self.server.address,
+                    self.metrics_url or "off")
+        return self
+
+    def stop(self) -> None:
+        while self._stops:
+            stop = self._stops.pop()
+            try:
+                stop()
+            except Exception:
+                logger.exception("error while stopping the agent; continuing")
+
+    def _worker_pids(self) -> list[int]:
+        return [r.pid for job in self.jobstate.snapshot() for r in job.ranks if r.connected and r.pid > 0]
+
+    def _prune_loop(self) -> None:
+        while not self._pruner.wait(60.0):
+            try:
+                self.jobstate.prune(600.0)
+            except Exception:
+                logger.exception("pruning idle jobs failed")
+
+    def __enter__(self) -> "NodeAgent":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
