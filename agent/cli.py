@@ -1,7 +1,8 @@
 """The `trainwarden` command line: one entry point, one small function per subcommand.
 
 Argument parsing stays here; each subcommand's work lives in the module named for it
-(`run` in agent/run.py, ...). Errors in the input print one line that says what to do and exit
+(`run` in agent/run.py, `status` and `top` in agent/status_cli.py, `incidents` in agent/incidents_cli.py,
+`agent` in agent/daemon.py). Errors in the input print one line that says what to do and exit
 with ``EXIT_USAGE``.
 """
 
@@ -83,6 +84,149 @@ def _cmd_run(args) -> int:
     return run(opts)
 
 
+def _add_status_and_top(sub) -> None:
+    where = ("agent socket (default: $TRAINWARDEN_AGENT_SOCKET, else the socket recorded by a running "
+             "`trainwarden run` of --job, else /run/trainwarden/agent.sock)")
+    p = sub.add_parser("status", help="the node's jobs and ranks, once, from the node agent",
+                       description="Print the jobs and ranks the node agent sees: step, step-time p50/p99, "
+                                   "collective wait share, tokens/s, restarts and flags per rank.")
+    p.add_argument("--socket", metavar="PATH", help=where)
+    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("top", help="live per-rank view of the node's jobs (Ctrl-C to leave)",
+                       description="Redraw per-rank progress, step times, wait share, throughput and GPU "
+                                   "utilization/temperature every --interval seconds.")
+    p.add_argument("--socket", metavar="PATH", help=where)
+    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
+    p.add_argument("--interval", type=_positive_float, default=2.0, metavar="S",
+                   help="seconds between frames (default 2)")
+    p.add_argument("--iterations", type=_positive_int, metavar="N", help="stop after N frames (default: until Ctrl-C)")
+    p.add_argument("--metrics-url", default=None, metavar="URL",
+                   help="the agent's Prometheus endpoint, for GPU gauges (default http://127.0.0.1:9478/metrics; "
+                        "'none' to skip)")
+    p.set_defaults(func=_cmd_top)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _socket(args):
+    from .status_cli import resolve_socket
+
+    return resolve_socket(args.socket, args.job, state_home=args.state_home)
+
+
+def _cmd_status(args) -> int:
+    from .status_cli import status_command
+
+    return status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
+
+
+def _cmd_top(args) -> int:
+    from .status_cli import DEFAULT_METRICS_URL, top_command
+
+    url = args.metrics_url or DEFAULT_METRICS_URL
+    return top_command(sys.stdout, sys.stderr, _socket(args), job=args.job, interval=args.interval,
+                       iterations=args.iterations, metrics_url=None if url == "none" else url)
+
+
+def _add_incidents(sub) -> None:
+    p = sub.add_parser("incidents", help="hangs, stragglers and failures recorded on this node",
+                       description="List recorded incidents (oldest first), or `incidents show ID` for one.")
+    p.add_argument("--job", metavar="NAME", help="only this job's incidents")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
+                   "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
+    p.set_defaults(func=_cmd_incidents)
+    actions = p.add_subparsers(dest="incidents_action", metavar="show ID")
+    show = actions.add_parser("show", help="one incident in full: verdict, stacks, action, outcome")
+    show.add_argument("id", metavar="ID", help="incident id or a unique prefix of it")
+    # SUPPRESS: `incidents --json show ID` keeps the --json given before `show`
+    show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON instead of a report")
+    show.add_argument("--state-home", metavar="DIR", default=argparse.SUPPRESS, help="root of job state directories")
+    show.set_defaults(func=_cmd_incidents_show)
+
+
+def _cmd_incidents(args) -> int:
+    from .incidents_cli import incidents_list
+    from .paths import validate_job_name
+
+    if args.job:
+        try:
+            validate_job_name(args.job)
+        except ValueError as exc:
+            print(f"trainwarden incidents: {exc}", file=sys.stderr)
+            return exit_codes.EXIT_USAGE
+    return incidents_list(sys.stdout, root=args.state_home, job=args.job, as_json=args.json)
+
+
+def _cmd_incidents_show(args) -> int:
+    from .incidents_cli import incidents_show
+
+    return incidents_show(sys.stdout, args.id, root=args.state_home, as_json=args.json, err=sys.stderr)
+
+
+def _add_agent(sub) -> None:
+    from .status_cli import DEFAULT_SOCKET
+
+    p = sub.add_parser("agent", help="run the node agent daemon (telemetry socket, metrics, watchdog)",
+                       description="Run the node agent until SIGTERM/SIGINT: workers stream telemetry to --socket, "
+                                   "Prometheus scrapes --metrics-host:--metrics-port, the watchdog handles hangs.")
+    p.add_argument("--socket", default=str(DEFAULT_SOCKET), metavar="PATH",
+                   help=f"telemetry unix socket (default {DEFAULT_SOCKET})")
+    p.add_argument("--metrics-host", default="0.0.0.0", metavar="ADDR",
+                   help="address of the Prometheus endpoint (default 0.0.0.0)")
+    p.add_argument("--metrics-port", type=int, default=9478, metavar="PORT",
+                   help="port of the Prometheus endpoint (default 9478; 0: any free port)")
+    p.add_argument("--node", metavar="NAME", help="this node's name in metrics and incidents (default: host name)")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (incidents, diagnostics)")
+    p.add_argument("--etcd", metavar="HOST:PORT", help="also record incidents in this etcd")
+    p.add_argument("--check", action="store_true",
+                   help="do not start: exit 0 if an agent serves on --socket, 5 if not (for probes)")
+    p.set_defaults(func=_cmd_agent)
+
+
+def _cmd_agent(args) -> int:
+    from pathlib import Path
+
+    from .daemon import DaemonOptions, check, run_daemon
+    from .node_agent import AgentConfig
+
+    if args.check:
+        return check(Path(args.socket))
+    try:
+        config = AgentConfig(socket_path=Path(args.socket).absolute(), metrics_host=args.metrics_host,
+                             metrics_port=args.metrics_port,
+                             state_home=Path(args.state_home) if args.state_home else None,
+                             **({"node": args.node} if args.node else {}))
+        options = DaemonOptions(agent=config, etcd=args.etcd)
+    except ValueError as exc:
+        print(f"trainwarden agent: {exc}", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    return run_daemon(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainwarden",
@@ -93,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
+    _add_status_and_top(sub)
+    _add_incidents(sub)
+    _add_agent(sub)
     return parser
 
 

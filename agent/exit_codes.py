@@ -4,7 +4,7 @@ Shell users and supervisors (systemd, Kubernetes) act on these, so they never ch
 """
 
 __all__ = [
-    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED",
+    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE",
     "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
 ]
 
@@ -18,6 +18,8 @@ EXIT_ETCD_UNAVAILABLE = 3
 """etcd could not be reached or started: retry once it is up."""
 EXIT_LAUNCH_FAILED = 4
 """torchrun could not be started."""
+EXIT_AGENT_UNAVAILABLE = 5
+"""No node agent answers on the socket (`trainwarden status/top`, `agent --check`): start one, or retry."""
 EXIT_ABORTED = 75
 """A worker aborted on the agent's command (hang recovery); torchrun restarts it."""
 EXIT_INTERRUPTED = 130

@@ -97,6 +97,7 @@ class _JobProgress:
     counts: dict[int, int] = field(default_factory=dict)
     last_progress: float = 0.0
     armed: bool = True
+    in_checkpoint: bool = False
 
 
 class HangDetector:
@@ -124,7 +125,11 @@ class HangDetector:
             if count > state.counts.get(rank, state.baseline[rank]):
                 progressed = True
             state.counts[rank] = count
-        if progressed or not running:
+        # leaving a blocking checkpoint stage is progress: the next step's report is still on its way, and
+        # measuring from the last step would call a long save a hang the moment it ends
+        left_checkpoint = state.in_checkpoint and not in_checkpoint
+        state.in_checkpoint = in_checkpoint
+        if progressed or left_checkpoint or not running:
             state.last_progress = now  # not running: the clock is paused
         if progressed:
             state.armed = True

@@ -36,7 +36,9 @@ from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
 from .node_agent import AgentConfig, NodeAgent
 from .paths import job_state_dir
-from .progress import RESTART_LINE, ProgressTracker
+from .progress import RESTART_LINE, STEP_LINE, ProgressTracker
+from .restarts import RestartRecorder
+from .status_cli import AGENT_SOCKET_RECORD
 from .telemetry import TelemetryServerError
 
 logger = logging.getLogger(__name__)
@@ -178,7 +180,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         stack.callback(client.close)
         store = JobStore(client, endpoint=endpoint)
 
-        agent_socket = None
+        agent_socket, agent = None, None
         if opts.agent:
             sock_dir = Path(tempfile.mkdtemp(prefix="trainwarden-"))
             stack.callback(shutil.rmtree, sock_dir, True)
@@ -192,6 +194,10 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 return exit_codes.EXIT_USAGE
             stack.callback(agent.stop)
             agent_socket = str(agent.config.socket_path)
+            # `trainwarden status/top --job` find this run's agent through this record
+            socket_record = state_dir / AGENT_SOCKET_RECORD
+            socket_record.write_text(agent_socket + "\n")
+            stack.callback(socket_record.unlink, missing_ok=True)
             print(f"trainwarden: agent metrics at {agent.metrics_url}", file=out, flush=True)
 
         spec = LaunchSpec(
@@ -216,12 +222,17 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 record.transition(to, reason)
             publish()
 
+        restarts = RestartRecorder(opts.job, agent.incidents.record) if agent is not None else None
+
         def on_line(line: str) -> None:
-            if tracker.restarts > record.restarts:
+            restarting = bool(RESTART_LINE.search(line))
+            step = STEP_LINE.search(line)
+            if restarts is not None:
+                restarts.feed(line, restarting=restarting, step=int(step.group(1)) if step else None)
+            if restarting:
                 transition(JobPhase.RESTARTING, "worker group failed")
-            elif tracker.steps_seen and record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
-                if record.phase == JobPhase.RESTARTING or tracker.restarts == record.restarts:
-                    transition(JobPhase.RUNNING)
+            elif step and record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
+                transition(JobPhase.RUNNING)
 
         try:
             store.put_spec(opts.job, {
@@ -274,6 +285,8 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 rc = exit_codes.EXIT_OK
             else:
                 transition(JobPhase.FAILED, f"torchrun exited with {torchrun_rc}")
+                if restarts is not None:
+                    restarts.job_failed(f"torchrun exited with {torchrun_rc}")
                 rc = exit_codes.EXIT_JOB_FAILED
         _summary(out, opts, record, tracker, time.monotonic() - started,
                  _checkpoint_dir(opts.script, env), logs / "run.log")

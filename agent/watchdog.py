@@ -196,6 +196,8 @@ class Watchdog:
                 "stalled_seconds": round(check.stalled_s, 3), "timeout_seconds": round(check.timeout_s, 3),
                 "deadline": check.reason, "steps_since_start": check.steps_since_start,
                 "last_steps": {str(r.rank): r.last_step for r in snap.ranks},
+                "checkpoint_stages": {str(r.rank): _checkpoint_stage(r) for r in snap.ranks},
+                "connected": {str(r.rank): r.connected for r in snap.ranks},
                 "diagnostics_dir": str(directory), "verdict": verdict.to_dict()}))
         for rank in verdict.culprits:
             self._jobstate.set_flag(job, rank, "hung", True)

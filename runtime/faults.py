@@ -17,6 +17,9 @@ Kinds (all checked at step boundaries, before the step's first collective):
            is a sleep, not busy work, so on a CPU-only machine it slows this rank without stealing cores
            from its peers.
 ``exception`` raises ``InjectedFault`` at the start of ``step`` (a Python error in user code).
+``slow_save`` the checkpoint save after ``step`` blocks the step for ``seconds`` more (checked by
+           ``before_save``; slow storage or a stuck staging copy, which the watchdog must not take for
+           a hang).
 
 Common keys: ``rank`` (global rank; required), ``step``, ``repeat=1`` (fire again after a restart).
 
@@ -54,6 +57,7 @@ _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "hang": (frozenset({"rank", "step"}), frozenset({"repeat"})),
     "exception": (frozenset({"rank", "step"}), frozenset({"repeat"})),
     "slow": (frozenset({"rank", "from", "factor"}), frozenset({"until"})),
+    "slow_save": (frozenset({"rank", "step", "seconds"}), frozenset({"repeat"})),
 }
 
 
@@ -83,6 +87,8 @@ class Fault:
     """First step no longer slowed (``slow``); None = never ends."""
     factor: float = 1.0
     """Step-time multiplier (``slow``)."""
+    seconds: float = 0.0
+    """Extra blocking time of the save (``slow_save``)."""
     repeat: bool = False
     """Fire again after a restart."""
 
@@ -90,6 +96,8 @@ class Fault:
         if self.kind == "slow":
             end = "" if self.until is None else f",until={self.until}"
             return f"slow:rank={self.rank},from={self.start}{end},factor={self.factor}"
+        if self.kind == "slow_save":
+            return f"slow_save:rank={self.rank},step={self.step},seconds={self.seconds}"
         return f"{self.kind}:rank={self.rank},step={self.step}"
 
 
@@ -142,11 +150,20 @@ def parse_faults(spec: str) -> list[Fault]:
             faults.append(Fault(index=index, kind=kind, rank=_int(entry, "rank", values["rank"]),
                                 start=start, until=until, factor=factor))
         else:
+            seconds = 0.0
+            if kind == "slow_save":
+                try:
+                    seconds = float(values["seconds"])
+                except ValueError:
+                    raise FaultSpecError(f"fault {entry!r}: seconds={values['seconds']!r} is not a number") from None
+                if not seconds > 0:
+                    raise FaultSpecError(f"fault {entry!r}: seconds must be > 0, got {seconds}")
             repeat = values.get("repeat", "0")
             if repeat not in ("0", "1"):
                 raise FaultSpecError(f"fault {entry!r}: repeat must be 0 or 1, got {repeat!r}")
             faults.append(Fault(index=index, kind=kind, rank=_int(entry, "rank", values["rank"]),
-                                step=_int(entry, "step", values["step"]), repeat=repeat == "1"))
+                                step=_int(entry, "step", values["step"]), seconds=seconds,
+                                repeat=repeat == "1"))
     return faults
 
 
@@ -202,8 +219,15 @@ class FaultInjector:
             if fault.kind == "slow":
                 if last_step_seconds and fault.start <= step and (fault.until is None or step < fault.until):
                     self._sleep((fault.factor - 1.0) * last_step_seconds)
-            elif fault.step == step and self._claim(fault):
+            elif fault.kind != "slow_save" and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
+
+    def before_save(self, step: int) -> None:
+        """Call when the checkpoint save of ``step`` starts: a due ``slow_save`` blocks here."""
+        for fault in self._faults:
+            if fault.kind == "slow_save" and fault.step == step and self._claim(fault):
+                logger.warning("rank %d: injecting fault %s", self.rank, fault.describe())
+                self._sleep(fault.seconds)
 
     def _claim(self, fault: Fault) -> bool:
         """True if this one-shot fault may fire now; records that it has (before it fires)."""

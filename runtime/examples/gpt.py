@@ -203,9 +203,10 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
     # this rank's share of the tokens: the job's throughput is the sum over ranks
     tokens_per_rank = tokens_per_step // max(1, dist.get_world_size())
     for step in range(start, cfg.steps + 1):
-        faults.step_boundary(step, last_seconds)
         began = time.monotonic()
         with rt.step(step, tokens=tokens_per_rank):
+            # inside the step: a `slow` rank's delay is its own compute time, as a throttled GPU's would be
+            faults.step_boundary(step, last_seconds)
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr_at(step)
             optimizer.zero_grad(set_to_none=True)
@@ -222,6 +223,7 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
         requested = rt.take_checkpoint_request()  # the agent's "checkpoint now"
         if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
             rt.checkpoint_event("save_start", step)
+            faults.before_save(step)
             ckpt.save(step, ckpt_state)
             rt.checkpoint_event("staged", step, ckpt.last_stall_seconds, ckpt.last_bytes)
     if ckpt is not None:

@@ -115,3 +115,17 @@ def test_from_env_without_spec_is_disarmed():
     inj = FaultInjector.from_env(rank=0, env={})
     assert not inj.armed
     inj.step_boundary(0, 1.0)
+
+
+def test_slow_save_blocks_the_save_of_its_step_once(tmp_path):
+    inj, rec = injector("slow_save:rank=0,step=20,seconds=12", rank=0, tmp_path=tmp_path)
+    inj.step_boundary(20, 0.3)
+    inj.before_save(10)
+    inj.before_save(20)
+    inj.before_save(20)
+    assert rec.sleeps == [12.0] and rec.kills == []
+
+
+def test_slow_save_needs_positive_seconds():
+    with pytest.raises(FaultSpecError, match="seconds must be > 0"):
+        parse_faults("slow_save:rank=0,step=2,seconds=0")

@@ -141,3 +141,18 @@ def test_jobs_are_independent_and_forgotten():
     assert det.jobs() == ["a", "b"]
     det.forget("a")
     assert det.jobs() == ["b"]
+
+
+def test_the_end_of_a_long_save_is_not_a_hang():
+    """A save longer than the steady deadline ends; the next step's report is still in flight."""
+    clock = Clock()
+    det = HangDetector(HangConfig(checkpoint_s=120), clock=clock)
+    counts = _warm(det, clock)
+    for _ in range(24):  # 12 s inside the save, watched every 0.5 s
+        clock.now += 0.5
+        assert not _run(det, clock, counts, in_checkpoint=True).hung
+    clock.now += 0.5
+    check = _run(det, clock, counts, in_checkpoint=False)
+    assert not check.hung and check.reason == "steady"
+    clock.now += 10  # and then nothing: a real hang after the save is still caught
+    assert _run(det, clock, counts).hung

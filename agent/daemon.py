@@ -1,0 +1,145 @@
+"""`trainwarden agent`: the node agent as a long-running daemon (systemd unit, Kubernetes DaemonSet).
+
+It runs one ``NodeAgent`` (agent/node_agent.py: telemetry socket, Prometheus endpoint, health samplers,
+watchdog) until SIGTERM or SIGINT, then stops it (the socket file is removed) and exits 0. Jobs on the
+node find it through ``TRAINWARDEN_AGENT_SOCKET`` (default ``/run/trainwarden/agent.sock``). With ``--etcd``,
+incidents are also written to etcd; without it they go to the state directories only.
+
+Start-up problems are one line on stderr and a named exit code: a socket or port that cannot be bound, a
+socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them); etcd not
+reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service instead of
+starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise (the Kubernetes readiness probe).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from . import exit_codes
+from .node_agent import AgentConfig, NodeAgent
+from .status_cli import check_agent
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DaemonOptions", "check", "run_daemon"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonOptions:
+    """What `trainwarden agent` was asked to do, beyond the agent's own configuration."""
+
+    agent: AgentConfig
+    """The node agent's configuration (socket, metrics address, node name, state home)."""
+    etcd: str | None = None
+    """``host:port`` of the cluster's etcd, for incidents; None: incidents stay on local disk."""
+
+    def __post_init__(self) -> None:
+        if self.etcd is not None and not self.etcd.rpartition(":")[2].isdigit():
+            raise ValueError(f"--etcd {self.etcd!r}: expected HOST:PORT, e.g. 10.0.0.5:2379")
+
+
+class _StopOnSignal:
+    """SIGTERM/SIGINT set an event the main thread waits on; the previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = self.received or signum
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _NoSignals:
+    """Stands in for `_StopOnSignal` when the caller owns stopping (tests, embedding in another thread)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event, self.received = event, None
+
+    def __enter__(self) -> "_NoSignals":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _connect_etcd(endpoint: str):
+    from .jobstore import connect
+
+    return connect(endpoint.removeprefix("http://").rstrip("/"))
+
+
+def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
+    from .exporter import ExporterError
+    from .jobstore import JobStoreUnavailable
+    from .telemetry import TelemetryServerError
+
+    err = err or sys.stderr
+    config = options.agent
+    client = None
+    if options.etcd:
+        try:
+            client = _connect_etcd(options.etcd)
+        except ValueError as exc:
+            err.write(f"trainwarden agent: {exc}\n")
+            return exit_codes.EXIT_USAGE
+        except JobStoreUnavailable as exc:
+            cause = type(exc.__cause__).__name__ if exc.__cause__ else "no answer"
+            err.write(f"trainwarden agent: cannot reach etcd at {options.etcd} ({cause}); start it, or leave out "
+                      "--etcd to keep incidents on local disk only\n")
+            return exit_codes.EXIT_ETCD_UNAVAILABLE
+    try:
+        with _StopOnSignal() if stop is None else _NoSignals(stop) as signals:
+            agent = NodeAgent(config, etcd_client=client)
+            try:
+                agent.start()
+            except (ExporterError, TelemetryServerError, ValueError) as exc:
+                err.write(f"trainwarden agent: cannot start: {exc}\n")
+                return exit_codes.EXIT_USAGE
+            except OSError as exc:  # the socket's directory cannot be created (permissions, read-only fs)
+                err.write(f"trainwarden agent: cannot create the socket {config.socket_path}: "
+                          f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; run as a user "
+                          "who may write there (systemd: RuntimeDirectory=trainwarden) or pass another --socket\n")
+                return exit_codes.EXIT_USAGE
+            try:
+                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s", config.node,
+                            config.socket_path, agent.metrics_url or "off",
+                            f", incidents to etcd {options.etcd}" if options.etcd else "")
+                while not signals.event.wait(1.0):  # a timed wait: signal handlers run between waits
+                    pass
+                name = signal.Signals(signals.received).name if signals.received else "stop requested"
+                logger.info("trainwarden agent: %s; stopping", name)
+            finally:
+                agent.stop()
+    finally:
+        if client is not None:
+            client.close()
+    return exit_codes.EXIT_OK
+
+
+def check(socket_path: Path, *, out: TextIO | None = None, err: TextIO | None = None, timeout: float = 3.0) -> int:
+    """`trainwarden agent --check`: is an agent serving on `socket_path`? (Readiness and liveness probes.)"""
+    out, err = out or sys.stdout, err or sys.stderr
+    problem = check_agent(socket_path, timeout=timeout)
+    if problem is not None:
+        err.write(f"trainwarden: {problem}\n")
+        return exit_codes.EXIT_AGENT_UNAVAILABLE
+    out.write(f"agent serving on unix:{socket_path}\n")
+    return exit_codes.EXIT_OK

@@ -1,0 +1,81 @@
+"""Crash and restart incidents, read from torchrun's own reports.
+
+torchrun prints one line per failed worker ("failed (exitcode: -9) local_rank: 5 (pid: 27998)") and,
+when it has budget left, "will restart worker group". ``RestartRecorder`` turns each such round into one
+incident: ``crash`` when a worker died of a signal or a non-zero exit that was not the watchdog's abort,
+``restart`` otherwise (the watchdog's own hang incident already explains an abort). The incident is
+``acting`` while the group restarts and ``resolved`` when steps complete again; if the restart budget is
+spent, ``failed``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+from typing import Callable
+
+from .exit_codes import EXIT_ABORTED
+from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
+
+__all__ = ["RestartRecorder", "WORKER_FAILED_LINE"]
+
+WORKER_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def _describe(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    if exitcode == EXIT_ABORTED:
+        return "aborted by the agent"
+    return f"exit code {exitcode}"
+
+
+class RestartRecorder:
+    def __init__(self, job: str, record: Callable[[Incident], Incident], *, node: str | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._job, self._record, self._wall = job, record, wall
+        self._node = node or socket.gethostname()
+        self._failures: list[dict] = []
+        self._open: Incident | None = None
+
+    def feed(self, line: str, *, restarting: bool, step: int | None) -> None:
+        """One output line; ``restarting`` when it announces a restart, ``step`` when it reports one."""
+        match = WORKER_FAILED_LINE.search(line)
+        if match:
+            code = int(match.group(1))
+            self._failures.append({"local_rank": int(match.group(2)), "pid": int(match.group(3)),
+                                   "exitcode": code, "cause": _describe(code)})
+        elif restarting:
+            self._start(IncidentState.ACTING, "torchrun restarts the worker group")
+        elif step is not None and self._open is not None:
+            self._open = self._record(self._open.transition(
+                IncidentState.RESOLVED, outcome=f"running again at step {step}", now=self._wall()))
+            self._open = None
+
+    def job_failed(self, reason: str) -> None:
+        """The job ended failed: close the open incident, or record the final failure."""
+        if self._open is not None:
+            self._open = self._record(self._open.transition(IncidentState.FAILED, outcome=reason, now=self._wall()))
+            self._open = None
+        elif self._failures:
+            self._start(IncidentState.FAILED, "none: the restart budget is spent", outcome=reason)
+
+    def _start(self, state: IncidentState, action: str, outcome: str = "") -> None:
+        failures, self._failures = self._failures, []
+        crashed = any(f["exitcode"] not in (0, EXIT_ABORTED) for f in failures)
+        now = self._wall()
+        incident = Incident(
+            id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,
+            job=self._job, node=self._node, ranks=tuple(sorted({f["local_rank"] for f in failures})),
+            evidence={"failed_workers": failures, "ranks_are": "local ranks on this node"},
+            detected_at=now, action=action, outcome=outcome,
+        )
+        incident = self._record(incident)
+        if state != IncidentState.OPEN:
+            incident = self._record(incident.transition(state, outcome=outcome or None, now=now))
+        self._open = incident if state == IncidentState.ACTING else None

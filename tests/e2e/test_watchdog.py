@@ -1,0 +1,86 @@
+"""The watchdog end to end: faults injected into the reference job under `trainwarden run` (real torchrun,
+gloo on CPU, the in-process agent), judged by the incidents the agent records in the job's state dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from gpt_helpers import final_line, gpt_env, parse_losses  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def run_job(procs, tmp_path, job, *, faults, nproc, mesh, steps, ckpt_every, timeout=300, extra=()):
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS=faults)
+    log = tmp_path / f"{job}.log"
+    proc = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc),
+         "--max-restarts", "2", "--monitor-interval", "0.5", "--metrics-port", "0", "--job", job, "--",
+         "-m", "trainwarden.runtime.examples.gpt", *mesh, "--steps", str(steps), "--ckpt-every", str(ckpt_every),
+         *extra],
+        log=log, env=env,
+    )
+    rc = proc.wait(timeout)
+    text = log.read_text(errors="replace")
+    return rc, text
+
+
+def incidents(tmp_path, job) -> list[dict]:
+    directory = tmp_path / "state" / "jobs" / job / "incidents"
+    found = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))] if directory.exists() else []
+    return sorted(found, key=lambda i: i["detected_at"])
+
+
+MESH_8 = ["--dp", "2", "--tp", "2", "--pp", "2"]
+MESH_4 = ["--dp", "2", "--tp", "2", "--pp", "1"]
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("kind, rank", [("hang", 2), ("stop", 1)])
+def test_hung_rank_is_named_aborted_and_the_job_resumes(procs, tmp_path, kind, rank):
+    rc, text = run_job(procs, tmp_path, kind, faults=f"{kind}:rank={rank},step=14", nproc=8, mesh=MESH_8,
+                       steps=22, ckpt_every=5)
+    assert rc == 0, text[-3000:]
+    found = incidents(tmp_path, kind)
+    hangs = [i for i in found if i["kind"] == "hang"]
+    assert len(hangs) == 1, found
+    hang = hangs[0]
+    assert hang["ranks"] == [rank], hang["evidence"].get("verdict")
+    assert hang["state"] == "resolved" and "abort" in hang["action"]
+    assert [i["kind"] for i in found if i["kind"] in ("crash", "restart")] == ["restart"]
+    # resumed from the step-10 checkpoint and finished
+    assert final_line(text)[0] == 22
+    losses = parse_losses(text)
+    assert set(range(1, 23)) <= set(losses)
+
+
+@pytest.mark.timeout(300)
+def test_slow_checkpoint_save_is_not_a_hang(procs, tmp_path):
+    # 12 s of blocking in the save after step 10: twice the steady hang deadline's floor
+    rc, text = run_job(procs, tmp_path, "slowsave", faults="slow_save:rank=3,step=10,seconds=12", nproc=4,
+                       mesh=MESH_4, steps=16, ckpt_every=5)
+    assert rc == 0, text[-3000:]
+    assert "injecting fault slow_save" in text
+    assert [i for i in incidents(tmp_path, "slowsave") if i["kind"] == "hang"] == []
+
+
+@pytest.mark.timeout(400)
+def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
+    rc, text = run_job(procs, tmp_path, "slow", faults="slow:rank=3,from=15,until=55,factor=1.3", nproc=4,
+                       mesh=MESH_4, steps=90, ckpt_every=30)
+    assert rc == 0, text[-3000:]
+    found = incidents(tmp_path, "slow")
+    starts = [i for i in found if i["kind"] == "straggler_start"]
+    ends = [i for i in found if i["kind"] == "straggler_end"]
+    assert [i["ranks"] for i in starts] == [[3]], found
+    assert [i["ranks"] for i in ends] == [[3]], found
+    flagged_at = starts[0]["evidence"].get("step")
+    assert flagged_at is None or flagged_at <= 15 + 30, starts[0]["evidence"]
+    assert not [i for i in found if i["kind"] == "hang"]

@@ -1,0 +1,157 @@
+"""The `trainwarden` command line: subcommand wiring, parser errors, exit codes, and the deploy/ examples."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainwarden.agent import exit_codes
+from trainwarden.agent.cli import build_parser, main
+from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore, new_incident_id
+from trainwarden.agent.paths import job_state_dir
+
+pytestmark = pytest.mark.timeout(30)
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_no_command_prints_help_and_exits_usage(capsys):
+    assert main([]) == exit_codes.EXIT_USAGE
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("run", "status", "top", "incidents", "agent"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["top", "--interval", "0"], "must be more than 0"),
+    (["top", "--interval", "soon"], "is not a number of seconds"),
+    (["top", "--iterations", "0"], "must be at least 1"),
+    (["status", "--verbose"], "unrecognized arguments: --verbose"),
+    (["agent", "--metrics-port", "http"], "invalid int value"),
+    (["incidents", "show"], "the following arguments are required: ID"),
+])
+def test_parser_errors_exit_usage(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == exit_codes.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["agent", "--socket", "/tmp/agent.sock", "--metrics-port", "70000"], "metrics port 70000 is not a TCP port"),
+    (["agent", "--socket", "/tmp/" + "x" * 120 + ".sock"], "choose a shorter --socket"),
+    (["agent", "--socket", "/tmp/agent.sock", "--etcd", "etcd-host"], "expected HOST:PORT"),
+    (["agent", "--socket", "/proc/no-such-dir/agent.sock", "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
+     "cannot create the socket /proc/no-such-dir/agent.sock"),
+])
+def test_bad_agent_configuration_is_one_line_and_exit_usage(capsys, argv, message):
+    assert main(argv) == exit_codes.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_unreachable_etcd_is_one_line_and_exit_etcd_unavailable(capsys, tmp_path):
+    argv = ["agent", "--socket", str(tmp_path / "a.sock"), "--metrics-port", "0", "--etcd", "127.0.0.1:1"]
+    assert main(argv) == exit_codes.EXIT_ETCD_UNAVAILABLE
+    assert capsys.readouterr().err.startswith("trainwarden agent: cannot reach etcd at 127.0.0.1:1")
+    assert not (tmp_path / "a.sock").exists()
+
+
+def test_status_top_and_check_without_an_agent_exit_5_with_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRAINWARDEN_AGENT_SOCKET", raising=False)
+    missing = str(tmp_path / "a.sock")
+    for argv in (["status", "--socket", missing], ["top", "--socket", missing, "--iterations", "1"],
+                 ["agent", "--check", "--socket", missing]):
+        assert main(argv) == exit_codes.EXIT_AGENT_UNAVAILABLE
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"trainwarden: no agent at unix:{missing}: start `trainwarden agent` or pass --socket"]
+
+
+def test_status_reads_the_socket_from_the_environment(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINWARDEN_AGENT_SOCKET", str(tmp_path / "env.sock"))
+    assert main(["status"]) == exit_codes.EXIT_AGENT_UNAVAILABLE
+    assert f"unix:{tmp_path / 'env.sock'}" in capsys.readouterr().err
+
+
+def test_agent_defaults_match_the_deployment_contract():
+    args = build_parser().parse_args(["agent"])
+    assert (args.socket, args.metrics_host, args.metrics_port) == ("/run/trainwarden/agent.sock", "0.0.0.0", 9478)
+    assert args.etcd is None and not args.check
+
+
+def test_incidents_list_and_show_are_wired(capsys, tmp_path):
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path))
+    ts = 1_790_000_000.0
+    inc = store.record(Incident(id=new_incident_id(ts), kind=IncidentKind.HANG, job="demo", node="n1", ranks=(3,),
+                                detected_at=ts, updated_at=ts, evidence={"stalled_seconds": 4.0}))
+    home = ["--state-home", str(tmp_path)]
+    assert main(["incidents", *home]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:2] == ["ID", "KIND"] and row.split()[:2] == [inc.id, "hang"]
+    assert main(["incidents", "--job", "other", *home]) == 0
+    assert capsys.readouterr().out == "no incidents for job other\n"
+    assert main(["incidents", "--json", *home, "show", inc.id[:20]]) == 0  # --json before `show` is kept
+    assert json.loads(capsys.readouterr().out)["id"] == inc.id
+    assert main(["incidents", "show", inc.id, *home]) == 0
+    assert "stalled_seconds: 4.0" in capsys.readouterr().out
+    assert main(["incidents", "show", "nope", *home]) == exit_codes.EXIT_USAGE
+    assert "no incident matching 'nope'" in capsys.readouterr().err
+    assert main(["incidents", "--job", "Not A Job", *home]) == exit_codes.EXIT_USAGE
+    assert "is invalid" in capsys.readouterr().err
+
+
+def test_run_is_still_there(capsys):
+    assert main(["run", "--nproc-per-node", "2"]) == exit_codes.EXIT_USAGE
+    assert "nothing to run" in capsys.readouterr().err
+
+
+# ---- deploy/ ------------------------------------------------------------------------------------------
+
+def test_systemd_unit_runs_the_agent_with_flags_the_cli_accepts():
+    unit = (DEPLOY / "trainwarden-agent.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.replace("\\\n", " ").splitlines()
+                    if re.match(r"^[A-Z]\w*=", line))
+    assert settings["Restart"] == "always" and settings["KillMode"] == "process"
+    assert settings["RuntimeDirectory"] == "trainwarden"
+    argv = shlex.split(settings["ExecStart"].replace("$TRAINWARDEN_AGENT_ARGS", ""))
+    assert Path(argv[0]).name == "trainwarden"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "agent" and args.socket == "/run/trainwarden/agent.sock" and args.metrics_port == 9478
+
+
+def test_daemonset_probe_is_a_command_the_cli_accepts():
+    text = (DEPLOY / "kubernetes" / "daemonset.yaml").read_text()
+    probes = re.findall(r"command: (\[\"trainwarden\", \"agent\", \"--check\".*\])", text)
+    assert len(probes) == 2
+    for probe in probes:
+        args = build_parser().parse_args(json.loads(probe)[1:])
+        assert args.command == "agent" and args.check and args.socket == "/run/trainwarden/agent.sock"
+
+
+def test_deploy_yaml_parses_and_says_what_it_should():
+    yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
+    namespace, daemonset = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
+    assert namespace["kind"] == "Namespace" and daemonset["kind"] == "DaemonSet"
+    pod = daemonset["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9478"
+    container = pod["spec"]["containers"][0]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9478, "protocol": "TCP"}]
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert container["readinessProbe"]["exec"]["command"][:3] == ["trainwarden", "agent", "--check"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["run"]["hostPath"]["path"] == mounts["run"] == "/run/trainwarden"
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(":9478")
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
+def test_prometheus_example_passes_promtool():
+    result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,46 @@
+import pytest
+
+from trainwarden.agent.incidents import IncidentKind, IncidentState
+from trainwarden.agent.restarts import RestartRecorder
+
+pytestmark = pytest.mark.timeout(10)
+
+FAILED = "E1122 14:37:14.328000 27981 api.py:1002] failed (exitcode: {code}) local_rank: {lr} (pid: 27998) of binary: x"
+RESTART = "I1122 api.py:942] [default] Worker group FAILED. 1/2 attempts left; will restart worker group"
+
+
+def recorder():
+    versions = []
+    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0)
+    return rec, versions
+
+
+def feed(rec, line):
+    rec.feed(line, restarting="will restart worker group" in line, step=None)
+
+
+def test_crash_incident_from_a_killed_worker_resolves_when_steps_resume():
+    rec, versions = recorder()
+    feed(rec, FAILED.format(code=-9, lr=5))
+    feed(rec, RESTART)
+    rec.feed("step 21 loss 1.0 time 0.3s", restarting=False, step=21)
+    assert [v.state for v in versions] == [IncidentState.OPEN, IncidentState.ACTING, IncidentState.RESOLVED]
+    final = versions[-1]
+    assert final.kind == IncidentKind.CRASH and final.ranks == (5,)
+    assert final.evidence["failed_workers"][0]["cause"] == "SIGKILL"
+    assert final.outcome == "running again at step 21"
+
+
+def test_watchdog_abort_is_a_restart_not_a_crash():
+    rec, versions = recorder()
+    for lr in range(2):
+        feed(rec, FAILED.format(code=75, lr=lr))
+    feed(rec, RESTART)
+    assert versions[-1].kind == IncidentKind.RESTART and versions[-1].ranks == (0, 1)
+
+
+def test_budget_spent_is_a_failed_crash():
+    rec, versions = recorder()
+    feed(rec, FAILED.format(code=1, lr=0))
+    rec.job_failed("torchrun exited with 1")
+    assert versions[-1].state == IncidentState.FAILED and versions[-1].kind == IncidentKind.CRASH
