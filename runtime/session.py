@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 AGENT_SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
 JOB_ENV = "TRAINWARDEN_JOB"
+FR_DUTY_ENV = "TRAINWARDEN_FR_MAX_DUTY"
+"""Override of the longest share of wall time the Flight Recorder reads may take (ClientConfig.fr_max_duty)."""
 _COMMANDS_KEPT = 64
 
 
@@ -247,6 +249,11 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
                      mesh=dict(mesh or {}), pid=os.getpid(),
                      restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                      hostname=socket.gethostname())
+    if env.get(FR_DUTY_ENV) and "fr_max_duty" not in client_options:
+        try:
+            client_options["fr_max_duty"] = float(env[FR_DUTY_ENV])
+        except ValueError:
+            raise ValueError(f"{FR_DUTY_ENV}={env[FR_DUTY_ENV]!r} is not a number (e.g. 0.002)") from None
     config = ClientConfig(socket_path=socket_path, **client_options)
     return Session(job=job, rank=rank, world_size=world_size, client_config=config, hello=hello)
 
