@@ -1,0 +1,86 @@
+"""A real Prometheus scrapes the agent of `trainwarden run` while the 8-rank reference job trains."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from procs import wait_for
+from trainwarden.agent.etcd_server import free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpt_helpers import gpt_env  # noqa: E402
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("prometheus") is None,
+                                 reason="prometheus not installed (apt-get install prometheus)")]
+
+
+def query(port: int, promql: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
+    metrics_port, prom_port = free_port(), free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: trainwarden-agent\n    honor_labels: true\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n"
+    )
+    procs.spawn(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{prom_port}"], log=tmp_path / "prometheus.log")
+
+    env = gpt_env()
+    env["TRAINWARDEN_STATE_HOME"] = str(tmp_path / "state")
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "8",
+         "--metrics-port", str(metrics_port), "--job", "prom", "--",
+         "-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "300",
+         "--ckpt-every", "1000"],
+        log=tmp_path / "run.log", env=env,
+    )
+
+    def ranks_reporting():
+        if run.poll() is not None:
+            raise AssertionError("the job ended early:\n" + (tmp_path / "run.log").read_text()[-3000:])
+        try:
+            return len(query(prom_port, 'trainwarden_last_step{job="prom"} > 15')) == 8
+        except (OSError, ValueError, AssertionError):  # Prometheus still starting up
+            return False
+
+    wait_for(ranks_reporting, 180, interval=1.0, what="Prometheus to see 8 ranks past step 15")
+    time.sleep(3)  # a few more scrapes for the rates
+
+    step_time = query(prom_port, 'rate(trainwarden_step_duration_seconds_sum{job="prom"}[10s])'
+                                 ' / rate(trainwarden_step_duration_seconds_count{job="prom"}[10s])')
+    assert sorted(int(s["metric"]["rank"]) for s in step_time) == list(range(8))
+    for series in step_time:
+        assert 0.01 < float(series["value"][1]) < 10.0, series  # seconds per step: plausible, not absurd
+
+    # collective summaries come from Flight Recorder reads, which are spaced out off the hot path
+    def wait_series():
+        found = query(prom_port, 'trainwarden_collective_wait_seconds_total{job="prom"}')
+        return found if {int(s["metric"]["rank"]) for s in found} == set(range(8)) else None
+
+    waits = wait_for(wait_series, 120, interval=1.0, what="collective wait series from all 8 ranks")
+    ops = {s["metric"]["op"] for s in waits}
+    assert {"all_reduce", "all_gather"} <= ops, ops  # tensor-parallel all-reduce, FSDP all-gather
+    assert sum(float(s["value"][1]) for s in waits) > 0
+
+    up = query(prom_port, 'sum(trainwarden_worker_up{job="prom"})')
+    assert float(up[0]["value"][1]) == 8
+    tokens = query(prom_port, 'sum(rate(trainwarden_tokens_total{job="prom"}[10s]))')
+    assert float(tokens[0]["value"][1]) > 0
