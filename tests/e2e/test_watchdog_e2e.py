@@ -88,3 +88,13 @@ def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     flagged_at = starts[0]["evidence"].get("step")
     assert flagged_at is None or flagged_at <= 15 + 30, starts[0]["evidence"]
     assert not [i for i in found if i["kind"] == "hang"]
+
+
+@pytest.mark.timeout(400)
+def test_clean_run_raises_no_hang_and_no_straggler(procs, tmp_path):
+    """300 steps with a checkpoint every 20 and no fault: the watchdog must stay quiet throughout."""
+    rc, text = run_job(procs, tmp_path, "clean", faults="", nproc=4, mesh=MESH_4, steps=300, ckpt_every=20)
+    assert rc == 0, text[-3000:]
+    assert final_line(text)[0] == 300
+    assert incidents(tmp_path, "clean") == []
+    assert "hung" not in text and "straggler" not in text
