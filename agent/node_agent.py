@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import __version__
+from .culprit import process_state
 from .exporter import AgentInfoCollector, MetricsExporter, build_registry
 from .health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
 from .incidents import Incident, IncidentCollector, IncidentStore
@@ -93,7 +94,7 @@ class AgentActions:
             self._server.send_command(job, rank, command)
         self._sleep(ABORT_GRACE_S)
         for rank, pid in pids.items():
-            if _alive(pid):
+            if process_state(pid) != "dead":  # stopped or silent: it cannot obey
                 logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, pid)
                 try:
                     self._kill(pid, signal.SIGKILL)
@@ -109,20 +110,6 @@ class AgentActions:
         for snap in self._jobstate.snapshot(job):
             return {r.rank: r.pid for r in snap.ranks if r.rank in wanted and r.pid > 0}
         return {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by torchrun) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class NodeAgent:

@@ -38,6 +38,7 @@ class ProcessGroup:
         for proc in self._procs:
             if proc.poll() is None:
                 self.kill(proc, signal.SIGTERM)
+                self.kill(proc, signal.SIGCONT)  # a stopped group acts on SIGTERM only once continued
         deadline = time.monotonic() + 5
         for proc in self._procs:
             try:

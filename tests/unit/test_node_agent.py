@@ -1,0 +1,51 @@
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from trainwarden.agent.node_agent import AgentActions
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeServer:
+    def __init__(self):
+        self.sent = []
+
+    def send_command(self, job, rank, command):
+        self.sent.append((job, rank, command.WhichOneof("command")))
+        return True
+
+
+class FakeSnapshotRank:
+    def __init__(self, rank, pid):
+        self.rank, self.pid = rank, pid
+
+
+class FakeJobState:
+    def __init__(self, pids):
+        self.pids = pids
+
+    def snapshot(self, job=None):
+        class Snap:
+            ranks = [FakeSnapshotRank(r, p) for r, p in self.pids.items()]
+        return (Snap(),)
+
+
+def test_abort_sends_the_command_then_kills_a_rank_that_cannot_obey(procs, tmp_path):
+    stopped = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "w.log")
+    stopped.send_signal(signal.SIGSTOP)  # a SIGSTOPped worker cannot act on the abort command
+    server, kills = FakeServer(), []
+    actions = AgentActions(server, FakeJobState({0: stopped.pid, 1: 999999999}), incidents=None,
+                           kill=lambda pid, sig: kills.append((pid, sig)), sleep=lambda s: None)
+    assert actions.abort("j", [0, 1], "hang")
+    assert server.sent == [("j", 0, "abort"), ("j", 1, "abort")]
+    assert kills == [(stopped.pid, signal.SIGKILL)]  # the vanished pid is left alone
+
+
+def test_diagnostics_request_reports_the_ranks_reached(tmp_path):
+    server = FakeServer()
+    actions = AgentActions(server, FakeJobState({}), incidents=None)
+    assert list(actions.request_diagnostics("j", [0, 3], tmp_path)) == [0, 3]
+    assert [s[2] for s in server.sent] == ["dump_diagnostics", "dump_diagnostics"]
