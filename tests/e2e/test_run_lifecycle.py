@@ -28,7 +28,7 @@ def test_signal_stops_everything(tmp_path, procs, sig):
     pids_dir.mkdir()
     env = dict(os.environ, PIDS_DIR=str(pids_dir), TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "2", "--job", "sig",
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "2", "--job", "sig",
          "--", str(HERE / "idle_worker.py")],
         log=tmp_path / "run.log", env=env,
     )
@@ -56,7 +56,7 @@ def test_failing_job_exits_nonzero_after_budget(tmp_path, procs):
     script.write_text("import sys\nprint('boom', flush=True)\nsys.exit(3)\n")
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--max-restarts", "1", "--job", "boom",
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--max-restarts", "1", "--job", "boom",
          "--monitor-interval", "0.2", "--", str(script)],
         log=tmp_path / "run.log", env=env,
     )
@@ -71,7 +71,7 @@ def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
 
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--etcd", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--etcd", f"127.0.0.1:{free_port()}",
          "--job", "noetcd", "--", "x.py"],
         log=tmp_path / "run.log", env=env,
     )
@@ -96,7 +96,7 @@ def test_same_job_runs_again_on_external_etcd(tmp_path, procs, etcd_server):
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     for attempt in range(2):
         run = procs.spawn(
-            [sys.executable, "-m", "trainwarden.agent.cli", "run", "--etcd", etcd_server.url,
+            [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--etcd", etcd_server.url,
              "--nproc-per-node", "2", "--job", "again", "--", str(script)],
             log=tmp_path / f"run{attempt}.log", env=env,
         )

@@ -106,7 +106,7 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="crash:rank=5,step=10")
     log = tmp_path / "run.log"
     proc = module_procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "8", "--max-restarts", "1",
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8", "--max-restarts", "1",
          "--monitor-interval", "0.5", "--job", "crash", "--",
          "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
         log=log, env=env,
