@@ -82,7 +82,7 @@ class _NoSignals:
 def _connect_etcd(endpoint: str):
     from .jobstore import connect
 
-    return connect(endpoint.removeprefix("http://").rstrip("/"))
+    return connect(endpoint)  # accepts [http://]host:port and says so when it is anything else
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:

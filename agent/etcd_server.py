@@ -143,9 +143,12 @@ class EmbeddedEtcd:
         raise EtcdStartError(f"etcd did not become healthy within {self._start_timeout:.0f}s; see {self.log_path}")
 
     def _probe(self) -> bool:
-        import etcd3  # local import: the module is only needed once a server is up
+        from .etcd_client import open_client  # local import: only needed once a server is up
 
-        client = etcd3.client(host=self.host, port=self.client_port, timeout=2)
+        try:
+            client = open_client(self.host, self.client_port, timeout=2.0, connect_timeout=0.5)
+        except Exception:
+            return False
         try:
             client.get("/trainwarden/_probe")
             return True

@@ -11,6 +11,8 @@ import json
 import logging
 from typing import Any
 
+from .etcd_client import open_client, split_endpoint
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_PREFIX", "JobStore", "JobStoreUnavailable", "connect"]
@@ -23,19 +25,16 @@ class JobStoreUnavailable(RuntimeError):
 
 
 def connect(endpoint: str, *, timeout: float = 5.0):
-    """An ``etcd3`` client for ``host:port``, checked with one read; ``JobStoreUnavailable`` if down."""
-    import etcd3
-
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"etcd endpoint {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:2379")
-    client = etcd3.client(host=host.strip("[]"), port=int(port), timeout=timeout)
+    """An etcd client for ``[http://]host:port``, checked to answer; ``JobStoreUnavailable`` if it does not."""
+    host, port, scheme = split_endpoint(endpoint)
+    if scheme != "http":
+        raise ValueError(f"etcd endpoint {endpoint!r}: TLS is not supported here yet; use an http endpoint")
     try:
+        client = open_client(host, port, timeout=timeout, connect_timeout=min(timeout, 2.0))
         client.get(DEFAULT_PREFIX + "/_probe")
     except Exception as exc:
-        client.close()
         raise JobStoreUnavailable(
-            f"cannot reach etcd at {endpoint} ({type(exc).__name__}); start etcd there, "
+            f"cannot reach etcd at {host}:{port} ({type(exc).__name__}); start etcd there, "
             "or leave out --etcd to use an embedded one"
         ) from exc
     return client

@@ -90,6 +90,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
+from .etcd_client import EtcdUnreachable, open_client  # noqa: E402
 from .etcd_store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -123,11 +124,6 @@ _KNOWN_KEYS = _ETCD_KEYS | _HANDLER_INT_KEYS | _TORCHRUN_KEYS | frozenset(_ALIAS
 
 # gRPC's default reconnect back-off grows to 120 s: after an etcd restart the channel could stay down
 # for minutes. Cap it at 1 s so the client is back within a second of etcd.
-_GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 _MAGIC = b"trainwarden-rdzv/1 "  # envelope: MAGIC + crc32 as 8 hex digits + b"\n" + pickled state
 _HEADER_LEN = len(_MAGIC) + 9
 
@@ -270,25 +266,15 @@ def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
             certificate_chain=_read_file(config.cert_cert),
         )
     host = config.netloc.rsplit(":", 1)[0]
-    endpoint = etcd3.Endpoint(
-        host, config.port, secure=creds is not None, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
-    )
-    ready = grpc.channel_ready_future(endpoint.channel)
     try:
-        ready.result(timeout=config.connect_timeout)
-    except grpc.FutureTimeoutError:
-        ready.cancel()
-        endpoint.close()
+        return open_client(host, config.port, timeout=config.read_timeout, connect_timeout=config.connect_timeout,
+                           creds=creds, user=config.user, password=config.password)
+    except EtcdUnreachable:
         raise RendezvousConnectionError(
             f"cannot reach etcd at {config.netloc}: no {config.protocol} connection within "
             f"{config.connect_timeout:.1f}s; start etcd or pass the right --rdzv-endpoint"
         ) from None
-    try:
-        return etcd3.MultiEndpointEtcd3Client(
-            endpoints=[endpoint], timeout=config.read_timeout, user=config.user, password=config.password
-        )
     except ETCD_CLIENT_ERRORS as exc:
-        endpoint.close()
         raise RendezvousConnectionError(
             f"etcd at {config.netloc} refused the session: {describe_etcd_error(exc)}; "
             "check rdzv-conf user/password"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from . import exit_codes
+from .etcd_client import split_endpoint
 from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from .exporter import ExporterError
 from .job import JobPhase, JobRecord
@@ -82,10 +83,8 @@ class RunOptions:
 
 
 def _endpoint(url: str) -> str:
-    for scheme in ("http://", "https://"):
-        if url.startswith(scheme):
-            url = url[len(scheme):]
-    return url.rstrip("/")
+    host, port, _ = split_endpoint(url)
+    return f"{host}:{port}"
 
 
 def _checkpoint_dir(script: list[str], env: dict[str, str]) -> Path:
@@ -171,9 +170,10 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             endpoint = etcd.endpoint
             print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=out, flush=True)
         else:
-            endpoint = _endpoint(opts.etcd)
+            endpoint = opts.etcd
         try:
-            client = connect(endpoint)
+            client = connect(endpoint)  # validates [http://]host:port, and that etcd answers
+            endpoint = _endpoint(endpoint)
         except (JobStoreUnavailable, ValueError) as exc:
             print(f"trainwarden: {exc}", file=sys.stderr)
             return exit_codes.EXIT_ETCD_UNAVAILABLE
