@@ -178,12 +178,19 @@ class IncidentStore:
         self._collector = collector
         self._lock = threading.Lock()
         self._seen: set[str] = set()
+        self.write_errors = 0
+        """Incident versions that could not be written to the state directory (logged instead)."""
 
     def record(self, incident: Incident) -> Incident:
         """Store this version of `incident`; the first version of an id is counted and logged."""
         directory = Path(self._state_dir(incident.job)) / "incidents"
         data = json.dumps(incident.to_json(), indent=1, sort_keys=True, default=str)
-        _atomic_write(directory / f"{incident.id}.json", data)
+        try:
+            _atomic_write(directory / f"{incident.id}.json", data)
+        except OSError as exc:  # a full disk must not stop the action the incident is about
+            self.write_errors += 1
+            log.error("cannot write incident %s to %s (%s); it is logged here and mirrored to etcd if set: %s",
+                      incident.id, directory, exc, data.replace("\n", " "))
         with self._lock:
             first = incident.id not in self._seen
             self._seen.add(incident.id)

@@ -29,7 +29,7 @@ class JobPhase(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
-    """Stopped by an operator (Ctrl-C, SIGTERM, `trainwarden stop`)."""
+    """Stopped by an operator (Ctrl-C or SIGTERM to `trainwarden run`)."""
 
     @property
     def terminal(self) -> bool:
@@ -63,6 +63,8 @@ class JobRecord:
     restarts: int = 0
     last_change: float = field(default_factory=time.time)
     reason: str = ""
+    owner: dict = field(default_factory=dict)
+    """Who supervises the job: host, pid and start time of the `trainwarden run` process."""
 
     def transition(self, to: JobPhase, reason: str = "") -> None:
         if to == self.phase:
@@ -76,4 +78,23 @@ class JobRecord:
 
     def to_json(self) -> dict:
         return {"job": self.job, "phase": self.phase.value, "generation": self.generation,
-                "restarts": self.restarts, "last_change": self.last_change, "reason": self.reason}
+                "restarts": self.restarts, "last_change": self.last_change, "reason": self.reason,
+                "owner": self.owner}
+
+
+def supervisor_gone(owner: dict, *, host: str) -> bool:
+    """True when ``owner`` (a JobRecord's) ran on ``host`` and that process no longer exists there.
+
+    A supervisor killed hard (SIGKILL, OOM, reboot) leaves its job's phase non-terminal in etcd; this is
+    how a new run on the same host tells such a leftover from a job that is really running.
+    """
+    import psutil
+
+    if not owner or owner.get("host") != host:
+        return False
+    try:
+        return psutil.Process(int(owner["pid"])).create_time() != owner.get("started")
+    except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+        return True
+    except psutil.Error:
+        return False

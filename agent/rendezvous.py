@@ -46,7 +46,7 @@ log), and the dynamic rendezvous' own ``join_timeout``,
 Anything else is rejected with ``ValueError``.
 
 A run id is single-use: after the job ends its rendezvous is closed, and a new torchrun with the same id
-gets ``RendezvousClosedError``. Use a new id (``trainwarden launch`` derives one per job generation) or
+gets ``RendezvousClosedError``. Use a new id, or (what ``trainwarden run`` does when a finished job runs again)
 delete ``<key_prefix>/jobs/<run_id>/``.
 """
 
@@ -65,7 +65,7 @@ def handler_factory():
 
     Defined before the torch imports below on purpose: importing ``torch.distributed.elastic.rendezvous``
     loads every ``torchrun.handlers`` entry point, this one included. When this module is imported first
-    (by ``trainwarden launch`` or a test), torch then finds it half-initialised; the factory must already
+    (by ``trainwarden run`` or a test), torch then finds it half-initialised; the factory must already
     exist, and the creator it returns resolves ``create_rdzv_handler`` only when called.
     """
     return _create_rdzv_handler_lazy

@@ -66,6 +66,10 @@ class RestartRecorder:
             self._start(IncidentState.FAILED, "none: the restart budget is spent", outcome=reason)
 
     def _start(self, state: IncidentState, action: str, outcome: str = "") -> None:
+        if self._open is not None:  # restarted again before any step: the earlier restart did not recover
+            self._record(self._open.transition(IncidentState.FAILED, outcome="failed again before a step completed",
+                                               now=self._wall()))
+            self._open = None
         failures, self._failures = self._failures, []
         crashed = any(f["exitcode"] not in (0, EXIT_ABORTED) for f in failures)
         now = self._wall()

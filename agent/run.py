@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,11 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import psutil
+
 from . import exit_codes
 from .etcd_client import split_endpoint
 from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from .exporter import ExporterError
-from .job import JobPhase, JobRecord
+from .job import JobPhase, JobRecord, supervisor_gone
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
 from .node_agent import AgentConfig, NodeAgent
@@ -153,11 +156,13 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     logs = state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    record = JobRecord(job=opts.job)
+    record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
+                                            "started": psutil.Process().create_time()})
     tracker = ProgressTracker()
     lock = threading.Lock()
 
-    with ExitStack() as stack, _Signals() as signals:
+    # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
+    with _Signals() as signals, ExitStack() as stack:
         # etcd: embedded unless told otherwise
         if opts.etcd is None:
             etcd = EmbeddedEtcd(log_path=logs / "etcd.log")
@@ -216,11 +221,11 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 logger.warning("%s", exc)
 
         def transition(to: JobPhase, reason: str = "") -> None:
-            with lock:
+            with lock:  # publish under the lock too: puts from two threads must not land out of order
                 if record.phase.terminal or record.phase == to:
                     return
                 record.transition(to, reason)
-            publish()
+                publish()
 
         restarts = RestartRecorder(opts.job, agent.incidents.record) if agent is not None else None
 
@@ -246,15 +251,23 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         try:
             previous = store.get_state(opts.job)
             if previous is not None:
-                if previous.get("phase") not in (p.value for p in JobPhase if p.terminal):
-                    print(f"trainwarden: job {opts.job} is already {previous.get('phase')} in etcd at {endpoint}; "
-                          "stop it first or choose another --job", file=sys.stderr)
-                    return exit_codes.EXIT_USAGE
+                phase = previous.get("phase")
+                if phase not in (p.value for p in JobPhase if p.terminal):
+                    if not supervisor_gone(previous.get("owner") or {}, host=socket.gethostname()):
+                        print(f"trainwarden: job {opts.job} is already {phase} in etcd at {endpoint} "
+                              f"(supervised by {previous.get('owner') or 'an unknown process'}); stop that run "
+                              "first or choose another --job", file=sys.stderr)
+                        return exit_codes.EXIT_USAGE
+                    logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
+                                   opts.job, phase, previous.get("owner"))
                 record.generation = int(previous.get("generation", 0)) + 1
                 store.reset_rendezvous(opts.job)
         except JobStoreUnavailable as exc:
             print(f"trainwarden: {exc}", file=sys.stderr)
             return exit_codes.EXIT_ETCD_UNAVAILABLE
+        if signals.event.is_set():  # Ctrl-C during start-up: nothing launched yet
+            transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
+            return exit_codes.EXIT_INTERRUPTED if signals.received == signal.SIGINT else exit_codes.EXIT_TERMINATED
         transition(JobPhase.STARTING)
 
         log_file = stack.enter_context(open(logs / "run.log", "a", buffering=1))

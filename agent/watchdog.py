@@ -156,7 +156,7 @@ class Watchdog:
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
-            in_checkpoint=any(_checkpoint_stage(r) in BLOCKING_CHECKPOINT_STAGES for r in connected),
+            in_checkpoint=any(r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES for r in connected),
             running=bool(connected))
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
@@ -196,7 +196,7 @@ class Watchdog:
                 "stalled_seconds": round(check.stalled_s, 3), "timeout_seconds": round(check.timeout_s, 3),
                 "deadline": check.reason, "steps_since_start": check.steps_since_start,
                 "last_steps": {str(r.rank): r.last_step for r in snap.ranks},
-                "checkpoint_stages": {str(r.rank): _checkpoint_stage(r) for r in snap.ranks},
+                "checkpoint_stages": {str(r.rank): r.checkpoint_stage for r in snap.ranks},
                 "connected": {str(r.rank): r.connected for r in snap.ranks},
                 "diagnostics_dir": str(directory), "verdict": verdict.to_dict()}))
         for rank in verdict.culprits:
@@ -300,12 +300,6 @@ class _WatchdogCollector(Collector):
 
 def _sample(r: RankSnapshot) -> RankSample:
     return RankSample(r.step_count, r.step_seconds_total, sum(r.wait_seconds_by_op.values()))
-
-
-def _checkpoint_stage(r: RankSnapshot) -> str:
-    # RankSnapshot.checkpoint_stage (the last stage reported, "" for none) is requested from jobstate;
-    # until it exists no rank counts as inside a checkpoint.
-    return getattr(r, "checkpoint_stage", "") or ""
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:

@@ -76,7 +76,7 @@ class Fault:
     index: int
     """Position in the specification; names the fault's once-per-job marker."""
     kind: str
-    """One of crash, stop, hang, exception, slow."""
+    """One of crash, stop, hang, exception, slow, slow_save."""
     rank: int
     """Global rank the fault applies to."""
     step: int | None = None

@@ -88,9 +88,12 @@ class _StepContext:
         self._mono = time.monotonic_ns()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        s = self._session
+        if exc_type is not None:  # a step that raised did not complete: it is not progress
+            s._phases = None
+            return False
         try:
-            s = self._session
             s._client.record(("s", self._index, self._wall, time.monotonic_ns() - self._mono,
                               self._tokens, s._phases))
             s._phases = None

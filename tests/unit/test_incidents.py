@@ -125,3 +125,15 @@ def test_cli_table_json_and_show(tmp_path):
     err = io.StringIO()
     assert incidents_show(io.StringIO(), "nope", root=tmp_path, err=err) == 2
     assert "no incident matching 'nope'" in err.getvalue()
+
+
+def test_unwritable_state_dir_does_not_stop_the_record(tmp_path):
+    """A full disk or a bad state directory must not veto the action (abort) that follows the record."""
+    from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the state directory should be")
+    store = IncidentStore(state_dir=lambda job: blocker)
+    incident = Incident(id="20261122T000000000Z-abcdef", kind=IncidentKind.HANG, job="j", node="n", ranks=(2,))
+    assert store.record(incident) is incident
+    assert store.write_errors == 1

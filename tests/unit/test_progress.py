@@ -57,3 +57,18 @@ def test_job_lifecycle_transitions():
 def test_pending_cannot_jump_to_running():
     with pytest.raises(IllegalTransition):
         JobRecord(job="j").transition(JobPhase.RUNNING)
+
+
+def test_supervisor_gone_tells_a_leftover_from_a_live_run():
+    import os
+
+    import psutil
+
+    from trainwarden.agent.job import supervisor_gone
+
+    me = {"host": "h", "pid": os.getpid(), "started": psutil.Process().create_time()}
+    assert not supervisor_gone(me, host="h")                      # alive: really running
+    assert not supervisor_gone(me, host="other")                  # another host: cannot tell, assume alive
+    assert supervisor_gone({**me, "started": 1.0}, host="h")       # the pid was reused by another process
+    assert supervisor_gone({**me, "pid": 2**22 + 7}, host="h")     # no such process
+    assert not supervisor_gone({}, host="h")                       # no owner recorded

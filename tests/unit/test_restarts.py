@@ -44,3 +44,16 @@ def test_budget_spent_is_a_failed_crash():
     feed(rec, FAILED.format(code=1, lr=0))
     rec.job_failed("torchrun exited with 1")
     assert versions[-1].state == IncidentState.FAILED and versions[-1].kind == IncidentKind.CRASH
+
+
+def test_a_second_restart_before_any_step_fails_the_first_incident():
+    rec, versions = recorder()
+    feed(rec, FAILED.format(code=-9, lr=1))
+    feed(rec, RESTART)
+    feed(rec, FAILED.format(code=1, lr=1))
+    feed(rec, RESTART)
+    rec.feed("step 5 loss 1.0 time 0.3s", restarting=False, step=5)
+    final = {}
+    for v in versions:
+        final[v.id] = v.state
+    assert sorted(s.value for s in final.values()) == ["failed", "resolved"]

@@ -104,3 +104,23 @@ def test_client_config_is_validated():
         ClientConfig(socket_path="/x", queue_size=1)
     with pytest.raises(ValueError, match="backoff_max_s"):
         ClientConfig(socket_path="/x", backoff_max_s=0)
+
+
+@pytest.mark.timeout(20)
+def test_a_step_that_raised_is_not_reported_as_completed():
+    rt = Session(job="j", rank=0, world_size=1, client_config=None)
+
+    class Recorder:
+        def __init__(self):
+            self.items = []
+
+        def record(self, item):
+            self.items.append(item)
+
+    rt._client = rec = Recorder()
+    with rt.step(1, tokens=5):
+        pass
+    with pytest.raises(RuntimeError):
+        with rt.step(2, tokens=5):
+            raise RuntimeError("peer is gone")
+    assert [item[1] for item in rec.items if item[0] == "s"] == [1]
