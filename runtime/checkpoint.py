@@ -122,8 +122,9 @@ class Checkpointer:
     created (collectively) here and destroyed by ``close``. One given must span every rank and must not
     carry training collectives. The staging buffers are reused by the next save, which is why that save
     first waits for this one (one save in flight). Without ``torch.distributed`` initialized it
-    works single-process. ``on_commit`` runs on rank 0 in the committer thread after a checkpoint is
-    complete and the pointer is written; exceptions it raises are logged, never propagated.
+    works single-process. ``on_commit`` runs on rank 0 in a background thread after a checkpoint is
+    complete and the pointer is written (the next ``save`` does not wait for it); exceptions it raises are
+    logged, never propagated.
     """
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
@@ -149,6 +150,9 @@ class Checkpointer:
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=cuda))
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-commit")
+        # on_commit (etcd publishing) and retention (deleting old checkpoints) run here, so the next save,
+        # which waits for the previous commit, never waits for a slow etcd or a large rmtree
+        self._aftermath = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-after")
         self._inflight: Future | None = None
         self._last_saved_step: int | None = None
         self._closed = False
@@ -167,7 +171,7 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("save() on a closed Checkpointer; create a new one")
         start = time.monotonic()
-        self.wait()
+        self._wait_commit()  # the staging buffers are reused: the previous save must be written first
         if step == self._last_saved_step:  # e.g. an on-demand save at a scheduled step: already written
             logger.info("step %d is already checkpointed; not saving it again", step)
             return
@@ -192,8 +196,14 @@ class Checkpointer:
             self.last_stall_seconds = time.monotonic() - start
 
     def wait(self) -> CheckpointInfo | None:
-        """Block until the in-flight save (if any) is written and committed. Returns what rank 0
-        committed (None on other ranks, when there was nothing in flight, or when the save failed)."""
+        """Block until the in-flight save (if any) is written and committed, and its ``on_commit`` and
+        retention have run. Returns what rank 0 committed (None on other ranks, when there was nothing
+        in flight, or when the save failed)."""
+        info = self._wait_commit()
+        self._aftermath.submit(lambda: None).result()
+        return info
+
+    def _wait_commit(self) -> CheckpointInfo | None:
         inflight, self._inflight = self._inflight, None
         return inflight.result() if inflight is not None else None
 
@@ -228,13 +238,19 @@ class Checkpointer:
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
                     info.bytes, self.last_stall_seconds, self.last_save_seconds,
                     extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
+        self._aftermath.submit(self._after_commit, info, path)
+        return info
+
+    def _after_commit(self, info: CheckpointInfo, path: Path) -> None:
         if self._on_commit is not None:
             try:
                 self._on_commit(info)
             except Exception:
                 logger.exception("on_commit callback failed for %s (the checkpoint itself is committed)", path)
-        self._apply_retention()
-        return info
+        try:
+            self._apply_retention()
+        except Exception:
+            logger.exception("retention after %s failed; old checkpoints are kept", path)
 
     def _apply_retention(self) -> None:
         for status in store.retention_candidates(store.scan(self.directory), self.keep):
@@ -402,6 +418,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._committer.shutdown(wait=True)
+            self._aftermath.shutdown(wait=True)
             self._stager.close()
             if self._owns_pg and self._pg is not None:
                 dist.destroy_process_group(self._pg)

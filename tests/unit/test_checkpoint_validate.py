@@ -202,3 +202,24 @@ def test_restore_without_checkpoint(tmp_path):
         assert ckpt.restore({"box": Box()}) is None
         with pytest.raises(CheckpointNotFoundError, match=str(tmp_path)):
             ckpt.restore({"box": Box()}, require=True)
+
+
+def test_next_save_does_not_wait_for_a_slow_on_commit(tmp_path):
+    """Publishing to etcd runs after the commit; a slow etcd must not stall the next checkpointing step."""
+    import threading
+
+    release, hook_done, steps = threading.Event(), threading.Event(), []
+
+    def slow_hook(info):
+        steps.append(info.step)
+        release.wait(10)  # etcd unreachable: the publisher's timeout
+        hook_done.set()
+
+    state = {"box": Box()}
+    with Checkpointer(tmp_path, on_commit=slow_hook) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)  # waits for step 1 to be committed, not for its hook
+        assert not hook_done.is_set()
+        release.set()
+        assert ckpt.wait().step == 2
+    assert steps == [1, 2]
