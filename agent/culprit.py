@@ -40,6 +40,8 @@ __all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "main_
 
 ANSWERED = "answered"
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.*)$')
+_THREAD_RE = re.compile(r"^(Thread|Current thread) (0x[0-9a-fA-F]+)")
+_MAIN_THREAD_RE = re.compile(r"^# trainwarden main_thread=(0x[0-9a-fA-F]+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,19 +188,30 @@ def positions_from_trace(trace: Mapping) -> dict[str, GroupPosition]:
 def main_thread_frames(stacks_text: str, limit: int = 8) -> tuple[str, ...]:
     """Top frames of the training thread from faulthandler's all-threads dump.
 
-    faulthandler lists threads newest first, so the main thread comes last; the thread that wrote the
-    dump (the telemetry client answering the request) is marked "Current thread" and skipped.
+    The runtime writes ``# trainwarden main_thread=0x...`` above the dump; that thread is the training
+    thread. Without the header (a dump from elsewhere), the last listed thread is taken: faulthandler lists
+    threads newest first. The thread that wrote the dump is marked "Current thread" and never chosen.
     """
-    blocks: list[tuple[bool, list[str]]] = []
+    main_ident = None
+    blocks: list[tuple[int | None, bool, list[str]]] = []
     for line in stacks_text.splitlines():
-        if line.startswith(("Thread ", "Current thread ")):
-            blocks.append((line.startswith("Current"), []))
+        header = _MAIN_THREAD_RE.match(line)
+        if header:
+            main_ident = int(header.group(1), 16)
+            continue
+        thread = _THREAD_RE.match(line)
+        if thread:
+            blocks.append((int(thread.group(2), 16), thread.group(1) == "Current thread", []))
             continue
         m = _FRAME_RE.match(line)
         if m and blocks:
-            blocks[-1][1].append(f"{m['func']} ({m['file']}:{m['line']})")
-    candidates = [frames for current, frames in blocks if not current and frames]
-    return tuple(candidates[-1][:limit]) if candidates else ()
+            blocks[-1][2].append(f"{m['func']} ({m['file']}:{m['line']})")
+    candidates = [(ident, frames) for ident, current, frames in blocks if not current and frames]
+    if main_ident is not None:
+        for ident, frames in candidates:
+            if ident == main_ident:
+                return tuple(frames[:limit])
+    return tuple(candidates[-1][1][:limit]) if candidates else ()
 
 
 class _NoGlobals(pickle.Unpickler):

@@ -115,8 +115,10 @@ def test_positions_from_a_flight_recorder_trace():
 
 
 def _training_step_that_hangs(path):
-    def answer_diagnostics():  # like the telemetry thread answering DumpDiagnostics
+    def answer_diagnostics():  # like the telemetry thread answering DumpDiagnostics (runtime/session.py)
         with open(path, "w") as f:
+            f.write(f"# trainwarden main_thread=0x{threading.main_thread().ident:016x}\n")
+            f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
 
     t = threading.Thread(target=answer_diagnostics)
@@ -131,6 +133,18 @@ def test_main_thread_frames_from_real_faulthandler_output(tmp_path):
     assert frames and "_training_step_that_hangs" in " ".join(frames[:3])
     assert not any("answer_diagnostics" in f for f in frames)
     assert main_thread_frames("garbage\n") == ()
+
+
+def test_main_thread_is_found_by_the_header_whatever_the_order(tmp_path):
+    """Other threads (data loaders, the checkpoint committer) may be listed after the training thread."""
+    text = ("# trainwarden main_thread=0x00007f0000000001\n"
+            "Current thread 0x00007f0000000003 (most recent call first):\n"
+            '  File "/x/session.py", line 190 in dump_diagnostics\n\n'
+            "Thread 0x00007f0000000001 (most recent call first):\n"
+            '  File "/x/train.py", line 42 in train_step\n\n'
+            "Thread 0x00007f0000000002 (most recent call first):\n"
+            '  File "/x/loader.py", line 7 in prefetch\n')
+    assert main_thread_frames(text)[0] == "train_step (/x/train.py:42)"
 
 
 def test_read_diagnostics_parses_dumps_and_refuses_code(tmp_path):
