@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import secrets
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .files import atomic_write
 from .paths import default_state_home, job_state_dir
 
 __all__ = ["DEFAULT_PREFIX", "IllegalIncidentTransition", "Incident", "IncidentCollector", "IncidentKind",
@@ -186,7 +186,8 @@ class IncidentStore:
         directory = Path(self._state_dir(incident.job)) / "incidents"
         data = json.dumps(incident.to_json(), indent=1, sort_keys=True, default=str)
         try:
-            _atomic_write(directory / f"{incident.id}.json", data)
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write(directory / f"{incident.id}.json", data.encode())
         except OSError as exc:  # a full disk must not stop the action the incident is about
             self.write_errors += 1
             log.error("cannot write incident %s to %s (%s); it is logged here and mirrored to etcd if set: %s",
@@ -208,23 +209,6 @@ class IncidentStore:
             except Exception as exc:  # the file is the record; etcd is a mirror
                 log.warning("cannot mirror incident %s to etcd (%s); it is kept in %s", incident.id, exc, directory)
         return incident
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _incident_dirs(root: Path, job: str | None) -> list[Path]:

@@ -35,6 +35,7 @@ from . import exit_codes
 from .etcd_client import split_endpoint
 from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from .exporter import ExporterError
+from .files import atomic_write
 from .job import JobPhase, JobRecord, supervisor_gone
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
@@ -201,7 +202,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             agent_socket = str(agent.config.socket_path)
             # `trainwarden status/top --job` find this run's agent through this record
             socket_record = state_dir / AGENT_SOCKET_RECORD
-            socket_record.write_text(agent_socket + "\n")
+            atomic_write(socket_record, (agent_socket + "\n").encode())  # `status --job` may read it now
             stack.callback(socket_record.unlink, missing_ok=True)
             print(f"trainwarden: agent metrics at {agent.metrics_url}", file=out, flush=True)
 

@@ -35,6 +35,8 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from trainwarden.agent.files import atomic_write
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -242,29 +244,6 @@ def info_for(status: CheckpointStatus) -> CheckpointInfo:
 def find_complete(directory: str | os.PathLike) -> list[CheckpointInfo]:
     """Complete checkpoints under ``directory``, newest first."""
     return [info_for(s) for s in scan(directory) if s.complete]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def write_latest(directory: str | os.PathLike, info: CheckpointInfo) -> Path:
