@@ -18,6 +18,9 @@ Design:
   (the runtime reads the Flight Recorder every few seconds), so compute advances only when a collectives
   record arrives: it covers the steps sent before it (the runtime sends one, possibly empty, every
   interval). It is kept monotonic so that Prometheus never sees a counter reset.
+- Straggler intervals (`take_intervals`): on gloo, from collective arrivals matched across the node's
+  ranks (agent/arrivals.py); where the recorder measures durations (NCCL with timing), one interval per
+  collectives record, from the step and wait counters. Only the watchdog takes them.
 - A rank's identity is (job, rank). Jobs whose ranks have all been disconnected for a while are dropped by
   `prune()`, which keeps the label sets of the exported metrics bounded.
 """
@@ -30,6 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
+
+from .arrivals import Arrival, ArrivalMatcher, Interval
 
 __all__ = [
     "CHECKPOINT_STAGES",
@@ -156,6 +161,8 @@ class _Rank:
         self.wait_total = 0.0
         self.compute_total = 0.0
         self.share_window = deque(maxlen=16)  # (step_seconds_total, wait_total)
+        self.last_step_end_ns = 0
+        self.interval_mark: tuple[float, float] | None = None  # (step_seconds_total, compute_total)
         self.checkpoint_stall = 0.0
         self.checkpoint_stage = ""  # the last stage reported ("" for none); a new worker starts afresh
         self.dropped_total = 0
@@ -174,6 +181,8 @@ class _Job:
         self.restarts_seen = 0
         self.checkpoint_last_step = -1
         self.checkpoint_failures = 0
+        self.matcher = ArrivalMatcher()
+        self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
 
 class JobState:
@@ -203,6 +212,8 @@ class JobState:
                 job.ranks[info.rank] = _Rank(info, self._recent_steps, now)
             else:
                 if rank.info.pid != info.pid:  # a new worker process for this rank: restart its deltas
+                    job.matcher.reset()  # sequence ids start again in the new round
+                    rank.interval_mark = None
                     rank.restarts += 1
                     job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
                     rank.prev_cumulative.clear()
@@ -232,6 +243,7 @@ class JobState:
             state.step_seconds_total += duration
             state.bucket_counts[bisect.bisect_left(STEP_BUCKETS, duration)] += 1
             state.tokens_total += max(0, int(tokens))
+            state.last_step_end_ns = max(state.last_step_end_ns, int((float(start_unix) + duration) * 1e9))
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
 
 
@@ -262,6 +274,37 @@ class JobState:
                 state.wait_total += d_wait
             state.update_compute()
             state.share_window.append((state.step_seconds_total, state.wait_total))
+            if has_durations:
+                mark = (state.step_seconds_total, state.compute_total)
+                if state.interval_mark is not None and mark[0] > state.interval_mark[0]:
+                    total, compute = mark[0] - state.interval_mark[0], mark[1] - state.interval_mark[1]
+                    self._jobs[job].intervals.setdefault(rank, []).append(Interval(
+                        state.last_step_end_ns, int(total * 1e9), int(min(total, max(0.0, compute)) * 1e9)))
+                state.interval_mark = mark
+
+    def record_arrivals(self, job: str, rank: int, arrivals: Iterable[Arrival], *, continues: bool,
+                        members: Mapping[str, Iterable[int]] | None = None) -> None:
+        """The rank's training-thread collective arrivals (see agent/arrivals.py)."""
+        with self._lock:
+            owner = self._jobs.get(job)
+            if owner is None or rank not in owner.ranks:
+                return
+            for group, ranks in (members or {}).items():
+                owner.matcher.set_members(group, ranks)
+            owner.matcher.add(rank, arrivals, continues=continues)
+            owner.matcher.resolve(r for r, st in owner.ranks.items() if st.connected)
+
+    def take_intervals(self, job: str) -> dict[int, list[Interval]]:
+        """Straggler intervals per rank since the last call (one consumer: the watchdog)."""
+        with self._lock:
+            owner = self._jobs.get(job)
+            if owner is None:
+                return {}
+            out = owner.matcher.take()
+            for rank, intervals in owner.intervals.items():
+                out.setdefault(rank, []).extend(intervals)
+            owner.intervals.clear()
+            return out
 
     def record_checkpoint(self, job: str, rank: int, *, stage: str, step: int, seconds: float,
                           bytes_: int = 0) -> None:

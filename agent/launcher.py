@@ -40,7 +40,7 @@ __all__ = ["LaunchSpec", "TorchrunProcess", "parse_nnodes", "torchrun_command", 
 FLIGHT_RECORDER_ENV = {
     # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read
     # unpickles the whole ring, so it stays small (runtime/flight_recorder.py measures why)
-    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "1000",
     # GPU start/end times of NCCL collectives (ignored by gloo)
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }

@@ -1,31 +1,31 @@
-"""Straggler detection: score each rank's compute time against its peers', with persistence and hysteresis.
+"""Straggler detection: score each rank's compute share against its peers', with persistence and hysteresis.
 
 In synchronous training every rank's step takes as long as the slowest rank's, so step time cannot find
-a straggler. What differs is how the step is spent: the straggler computes longer and waits least in
-collectives, its peers compute normally and wait for it. Per rank and window of steps:
+a straggler. What differs is how the time is spent: the straggler computes and never waits, its peers
+compute as much as usual and wait for it. The input is a stream of intervals per rank (agent/arrivals.py:
+from one collective to the next on gloo, matched across the node's ranks; one per collectives record
+where NCCL measures durations), each with its total length and the part that was the rank's own work.
+The data's own clock is cut into slices one step time long; each slice scores every rank against its
+peers, and a rank's score is the median of its slice scores over the last `window_steps` slices:
 
-    compute per step = (step seconds - collective wait seconds) / steps
-    score            = compute per step / median compute per step of its peers
+    compute share = compute seconds / total seconds           (of the rank's intervals ending in the slice)
+    slice score   = compute share / median compute share of its peers in that slice
+    score         = median of the rank's slice scores in the window
 
-1.0 means as fast as a typical peer; a rank slowed down 1.2x scores about 1.2. The median of the peers
-(not the fastest) keeps one noisy-fast peer from inflating every score; with two ranks it is the other
-rank. Peers are the ranks doing the same work: with pipeline parallelism, the ranks of the same stage
-(stages differ in work by design); the caller passes that grouping.
+1.0 means as busy as a typical peer. On the reference job (4 CPU ranks, dp 2 x tp 2) a rank slowed 1.2x
+scores about 1.3-1.4 and one slowed 1.1x about 1.2, while a balanced job's scores have a standard
+deviation of about 0.045 around 1 (rank 0, which also logs and coordinates checkpoints, sits near 1.03);
+hence a start threshold of 1.15 held for 6 steps, and a clear threshold of 1.1 held for 5. The median
+over slices makes one long pause (a garbage collection, a slow checkpoint write on one rank) count as one
+slice, not as a window's worth; the median over peers (not the fastest) keeps one noisy-fast peer from
+inflating every score, and with two ranks it is the other rank. Peers are the ranks doing the same work:
+with pipeline parallelism, the ranks of the same stage (stages differ in work by design); the caller
+passes that grouping.
 
-The dual signal gates the score: a rank is "above" only when its score exceeds `start_score` and its
-collective wait per step is below its peers' median (it makes others wait rather than waits itself).
-That rejects compute that is an artefact of wait estimates: on gloo the wait is estimated from enqueue
-times (see trainwarden.runtime.flight_recorder) and overestimates wait of collectives with compute
-between them, for all ranks alike; ratios between ranks doing the same work survive that.
-
-Samples are cumulative (steps, step seconds, wait seconds) per rank. A rank's window runs from its newest
-sample back to the newest older sample at least `window_steps` steps before it. Wait totals reach the
-agent every few seconds while steps arrive continuously, so a sample is kept only when its wait total
-changed (when no wait was ever reported, every step change is kept): endpoints then cover the same steps.
-A job is evaluated when every scored rank has a new sample; `persist` consecutive evaluations above
-`start_score` flag a rank (a start event), `clear_persist` consecutive ones below `clear_score` clear it
-(an end event). Defaults catch a 1.2x slowdown in about 3 evaluations after the window fills, while
-CPU-scheduling noise of a few percent stays below 1.1.
+Slices follow the data's timestamps, so `persist_steps` and `clear_persist_steps` count steps however
+bursty the data's arrival is (the runtime reads its Flight Recorder every couple of seconds). A slice is
+scored once every rank still reporting has data past it, and a rank needs slice scores for at least half
+the window before it has a score at all.
 
 Policy (`StragglerPolicy`): ``alert`` records and flags; ``exclude`` also records that the node should be
 left out of the next rendezvous (the cluster side acts on it).
@@ -33,17 +33,20 @@ left out of the next rendezvous (the cluster side acts on it).
 
 from __future__ import annotations
 
+import bisect
 import enum
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
 
-__all__ = ["RankSample", "RankScore", "StragglerConfig", "StragglerDetector", "StragglerEvent",
-           "StragglerPolicy"]
+from .arrivals import Interval
 
-_HISTORY = 512
-_MIN_COMPUTE_S = 1e-6
+__all__ = ["RankScore", "StragglerConfig", "StragglerDetector", "StragglerEvent", "StragglerPolicy"]
+
+_MIN_STRIDE_NS = 10_000_000  # evaluate at most every 10 ms of data
+_MAX_POSITIONS = 2000        # positions evaluated per update; older ones are skipped (agent fell behind)
+_MIN_SHARE = 1e-3
 
 
 class StragglerPolicy(str, enum.Enum):
@@ -57,16 +60,20 @@ class StragglerPolicy(str, enum.Enum):
 class StragglerConfig:
     """When a rank counts as a straggler."""
 
-    window_steps: int = 30
-    """Steps in the sliding window a score is computed over."""
-    start_score: float = 1.1
-    """Score above which an evaluation counts towards flagging."""
-    persist: int = 3
-    """Consecutive evaluations above `start_score` before the rank is flagged."""
-    clear_score: float = 1.05
-    """Score below which an evaluation counts towards clearing the flag."""
-    clear_persist: int = 5
-    """Consecutive evaluations below `clear_score` before the flag is cleared."""
+    window_steps: int = 12
+    """Length of the sliding window, in step times."""
+    start_score: float = 1.15
+    """Score above which a step counts towards flagging."""
+    persist_steps: int = 6
+    """Consecutive steps above `start_score` before the rank is flagged."""
+    clear_score: float = 1.1
+    """Score below which a step counts towards clearing the flag."""
+    clear_persist_steps: int = 5
+    """Consecutive steps below `clear_score` before the flag is cleared."""
+    warmup_steps: int = 10
+    """Steps every rank of a new worker round completes before its data is scored (start-up is noisy)."""
+    min_coverage: float = 0.3
+    """Share of a slice a rank's intervals must cover for the rank to be scored in it."""
     policy: StragglerPolicy = StragglerPolicy.ALERT
     """What a flagged straggler leads to."""
 
@@ -76,18 +83,14 @@ class StragglerConfig:
         if not 1.0 < self.clear_score <= self.start_score:
             raise ValueError(f"need 1 < clear_score <= start_score, got clear_score={self.clear_score} "
                              f"start_score={self.start_score}")
-        if self.persist < 1 or self.clear_persist < 1:
-            raise ValueError(f"persist and clear_persist must be at least 1, got {self.persist}, {self.clear_persist}")
+        if self.persist_steps < 1 or self.clear_persist_steps < 1:
+            raise ValueError(f"persist_steps and clear_persist_steps must be at least 1, got "
+                             f"{self.persist_steps}, {self.clear_persist_steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must not be negative, got {self.warmup_steps}")
+        if not 0.0 < self.min_coverage <= 1.0:
+            raise ValueError(f"min_coverage must be in (0, 1], got {self.min_coverage}")
         object.__setattr__(self, "policy", StragglerPolicy(self.policy))
-
-
-@dataclass(frozen=True)
-class RankSample:
-    """Cumulative counters of one rank: steps completed, seconds in steps, seconds waiting in collectives."""
-
-    steps: int
-    step_seconds: float
-    wait_seconds: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,10 +99,13 @@ class RankScore:
 
     rank: int
     score: float
-    compute_per_step_s: float
-    wait_per_step_s: float
-    peer_compute_per_step_s: float
-    peer_wait_per_step_s: float
+    compute_share: float
+    """Share of the rank's time in the window that was its own work."""
+    peer_compute_share: float
+    """Median compute share of its peers."""
+    window_seconds: float
+    slices: int
+    """Slice scores the median was taken over."""
     flagged: bool
 
 
@@ -112,19 +118,45 @@ class StragglerEvent:
     started: bool
     score: RankScore
     evaluations: int
-    """Consecutive evaluations that led to the event."""
+    """Consecutive steps that led to the event."""
     policy: StragglerPolicy
 
 
-@dataclass
 class _Rank:
-    samples: deque = field(default_factory=lambda: deque(maxlen=_HISTORY))
-    added: int = 0
-    evaluated_at: int = 0
-    above: int = 0
-    below: int = 0
-    flagged: bool = False
-    score: RankScore | None = None
+    __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "score")
+
+    def __init__(self) -> None:
+        self.slices: deque[tuple[float, float, float]] = deque()  # (slice score, share, peer share)
+        self.ends: list[int] = []
+        self.total: list[int] = [0]     # prefix sums: total[i] = sum of the first i intervals
+        self.compute: list[int] = [0]
+        self.above = 0
+        self.below = 0
+        self.flagged = False
+        self.score: RankScore | None = None
+
+    def add(self, interval: Interval) -> None:
+        if self.ends and interval.end_ns < self.ends[-1]:
+            return  # out of order: the window sums need sorted ends
+        self.ends.append(interval.end_ns)
+        self.total.append(self.total[-1] + interval.total_ns)
+        self.compute.append(self.compute[-1] + interval.compute_ns)
+
+    def sums(self, lo: int, hi: int) -> tuple[int, int]:
+        """(total, compute) of the intervals ending in (lo, hi]."""
+        i, j = bisect.bisect_right(self.ends, lo), bisect.bisect_right(self.ends, hi)
+        return self.total[j] - self.total[i], self.compute[j] - self.compute[i]
+
+    def trim(self, before: int) -> None:
+        k = bisect.bisect_right(self.ends, before)
+        if k > 1024 or (k and k * 2 > len(self.ends)):
+            del self.ends[:k], self.total[:k], self.compute[:k]
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.ranks: dict[int, _Rank] = {}
+        self.position: int | None = None  # the last evaluated instant (ns, the data's clock)
 
 
 class StragglerDetector:
@@ -132,91 +164,94 @@ class StragglerDetector:
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config or StragglerConfig()
-        self._jobs: dict[str, dict[int, _Rank]] = {}
+        self._jobs: dict[str, _Job] = {}
 
-    def update(self, job: str, samples: Mapping[int, RankSample],
+    def update(self, job: str, intervals: Mapping[int, Sequence[Interval]], *, step_seconds: float,
                groups: Mapping[int, Hashable] | None = None) -> list[StragglerEvent]:
-        """Feed the job's current counters; returns the start/end events this caused."""
-        ranks = self._jobs.setdefault(job, {})
-        for rank, sample in samples.items():
-            self._add(ranks.setdefault(rank, _Rank()), sample)
-        windows = {r: w for r, w in ((r, self._window(ranks[r])) for r in samples) if w is not None}
-        if len(windows) < 2 or any(ranks[r].added == ranks[r].evaluated_at for r in windows):
-            return []  # evaluate once every scored rank has new data
-        for r in windows:
-            ranks[r].evaluated_at = ranks[r].added
+        """Feed new intervals per rank; returns the start/end events this caused."""
+        state = self._jobs.setdefault(job, _Job())
+        for rank, items in intervals.items():
+            r = state.ranks.setdefault(rank, _Rank())
+            for interval in items:
+                r.add(interval)
+        live = {rank: r for rank, r in state.ranks.items() if r.ends}
+        if len(live) < 2 or not step_seconds > 0:
+            return []
+        cfg = self.config
+        stride = max(int(step_seconds * 1e9), _MIN_STRIDE_NS)
+        window = stride * cfg.window_steps
+        newest = max(r.ends[-1] for r in live.values())
+        live = {rank: r for rank, r in live.items() if r.ends[-1] >= newest - 2 * window}  # still reporting
+        if len(live) < 2:
+            return []
+        horizon = min(r.ends[-1] for r in live.values())
+        if state.position is None:
+            state.position = max(r.ends[0] for r in live.values())
+        position = max(state.position + stride, horizon - _MAX_POSITIONS * stride)
+        events: list[StragglerEvent] = []
         groups = groups or {}
-        events = []
-        for rank, (compute, wait) in sorted(windows.items()):
-            peers = [windows[p] for p in windows if p != rank and groups.get(p) == groups.get(rank)]
-            if not peers:
-                continue
-            peer_compute = max(_MIN_COMPUTE_S, statistics.median(c for c, _ in peers))
-            peer_wait = statistics.median(w for _, w in peers)
-            state = ranks[rank]
-            score = compute / peer_compute
-            event = self._judge(job, rank, state, score, above=score > self.config.start_score and wait < peer_wait)
-            state.score = RankScore(rank=rank, score=score, compute_per_step_s=compute, wait_per_step_s=wait,
-                                    peer_compute_per_step_s=peer_compute, peer_wait_per_step_s=peer_wait,
-                                    flagged=state.flagged)
-            if event is not None:
-                events.append(StragglerEvent(job=job, rank=rank, started=event[0], score=state.score,
-                                             evaluations=event[1], policy=self.config.policy))
+        while position <= horizon:
+            events.extend(self._evaluate(job, live, groups, position, stride))
+            state.position = position
+            position += stride
+        for r in state.ranks.values():
+            r.trim(state.position - 2 * window)
         return events
 
     def scores(self) -> dict[str, dict[int, RankScore]]:
         """Latest score of every scored rank, per job."""
-        return {job: {r: s.score for r, s in sorted(ranks.items()) if s.score is not None}
-                for job, ranks in sorted(self._jobs.items())}
+        return {job: {r: s.score for r, s in sorted(j.ranks.items()) if s.score is not None}
+                for job, j in sorted(self._jobs.items())}
 
     def flagged(self, job: str) -> list[int]:
-        return sorted(r for r, s in self._jobs.get(job, {}).items() if s.flagged)
+        state = self._jobs.get(job)
+        return sorted(r for r, s in state.ranks.items() if s.flagged) if state else []
 
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
-    def _add(self, state: _Rank, sample: RankSample) -> None:
-        history = state.samples
-        if history and (sample.steps < history[-1].steps or sample.wait_seconds < history[-1].wait_seconds):
-            history.clear()  # counters went back: a new store or a bug upstream; start over
-        if history:
-            last = history[-1]
-            waited = sample.wait_seconds != last.wait_seconds
-            never_waited = sample.wait_seconds == 0.0 and sample.steps != last.steps
-            if not (waited or never_waited):
-                return
-        history.append(sample)
-        state.added += 1
+    def _evaluate(self, job: str, ranks: Mapping[int, _Rank], groups: Mapping[int, Hashable], position: int,
+                  stride: int) -> list[StragglerEvent]:
+        """Score the slice (position - stride, position] and judge every rank on its window of slices."""
+        cfg = self.config
+        shares: dict[int, float] = {}
+        for rank, r in ranks.items():
+            total, compute = r.sums(position - stride, position)
+            if total > 0 and total >= cfg.min_coverage * stride:
+                shares[rank] = compute / total
+        events = []
+        for rank, share in sorted(shares.items()):
+            peers = [shares[p] for p in shares if p != rank and groups.get(p) == groups.get(rank)]
+            if not peers:
+                continue
+            state = ranks[rank]
+            peer_share = max(_MIN_SHARE, statistics.median(peers))
+            state.slices.append((share / peer_share, share, peer_share))
+            while len(state.slices) > cfg.window_steps:
+                state.slices.popleft()
+            if len(state.slices) * 2 < cfg.window_steps:
+                continue
+            score = statistics.median(s for s, _, _ in state.slices)
+            event = self._judge(state, score)
+            state.score = RankScore(
+                rank=rank, score=score, compute_share=statistics.median(s for _, s, _ in state.slices),
+                peer_compute_share=statistics.median(p for _, _, p in state.slices),
+                window_seconds=stride * cfg.window_steps / 1e9, slices=len(state.slices), flagged=state.flagged)
+            if event is not None:
+                events.append(StragglerEvent(job=job, rank=rank, started=event[0], score=state.score,
+                                             evaluations=event[1], policy=cfg.policy))
+        return events
 
-    def _window(self, state: _Rank) -> tuple[float, float] | None:
-        history = state.samples
-        if len(history) < 2:
-            return None
-        newest = history[-1]
-        start = None
-        for sample in reversed(history):
-            if newest.steps - sample.steps >= self.config.window_steps:
-                start = sample
-                break
-        if start is None:
-            return None
-        while len(history) > 2 and newest.steps - history[1].steps >= self.config.window_steps:
-            history.popleft()  # keep one sample beyond the window, no more
-        steps = newest.steps - start.steps
-        wait = max(0.0, newest.wait_seconds - start.wait_seconds)
-        compute = max(_MIN_COMPUTE_S, (newest.step_seconds - start.step_seconds) - wait)
-        return compute / steps, wait / steps
-
-    def _judge(self, job: str, rank: int, state: _Rank, score: float, *, above: bool) -> tuple[bool, int] | None:
+    def _judge(self, state: _Rank, score: float) -> tuple[bool, int] | None:
         cfg = self.config
         if not state.flagged:
-            state.above = state.above + 1 if above else 0
-            if state.above >= cfg.persist:
+            state.above = state.above + 1 if score > cfg.start_score else 0
+            if state.above >= cfg.persist_steps:
                 state.flagged, state.below = True, 0
                 return True, state.above
             return None
         state.below = state.below + 1 if score < cfg.clear_score else 0
-        if state.below >= cfg.clear_persist:
+        if state.below >= cfg.clear_persist_steps:
             state.flagged, state.above = False, 0
             return False, state.below
         return None

@@ -40,6 +40,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from .arrivals import Arrival
 from .jobstate import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobState, WorkerInfo
 from .proto import telemetry_pb2 as pb
 
@@ -275,6 +276,18 @@ class TelemetryServer:
                 except queue.Empty:
                     pass
 
+    def _apply_arrivals(self, info: WorkerInfo, a: pb.Arrivals) -> None:
+        """Collective arrivals for straggler matching; an inconsistent batch is refused whole."""
+        n = len(a.group)
+        if len(a.seq) != n or len(a.enqueued_ns) != n or any(g < 0 or g >= len(a.groups) for g in a.group) \
+                or any(not 0 <= r < max(1, info.world_size) for m in a.members for r in m.ranks):
+            self._jobstate.count_rejected("invalid")
+            return
+        groups = list(a.groups)
+        arrivals = [Arrival(groups[g], seq, t) for g, seq, t in zip(a.group, a.seq, a.enqueued_ns)]
+        self._jobstate.record_arrivals(info.job, info.rank, arrivals, continues=a.continues,
+                                       members={m.name: list(m.ranks) for m in a.members})
+
     def _apply(self, info: WorkerInfo, message: pb.WorkerMessage) -> None:
         kind = message.WhichOneof("record")
         js, job, rank = self._jobstate, info.job, info.rank
@@ -293,6 +306,8 @@ class TelemetryServer:
             if len(totals) != len(message.collectives.ops):
                 js.count_rejected("invalid")
             js.record_collectives(job, rank, totals, has_durations=message.collectives.has_durations)
+            if not message.collectives.has_durations and message.collectives.HasField("arrivals"):
+                self._apply_arrivals(info, message.collectives.arrivals)
         elif kind == "checkpoint":
             c = message.checkpoint
             stage = _STAGE_NAMES.get(c.stage)

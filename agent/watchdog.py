@@ -8,8 +8,9 @@ Every `interval_s` it takes one `JobState.snapshot()` and, per job:
   dead, disconnected), records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the
   incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
   `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
-- feeds per-rank (steps, step seconds, wait seconds) to `StragglerDetector` (agent/straggler.py) with the
-  pipeline stage as the peer group. A start event records a `straggler_start` incident and raises the
+- feeds the job's straggler intervals (`JobState.take_intervals`: collective arrivals matched across the
+  node's ranks, agent/arrivals.py) to `StragglerDetector` (agent/straggler.py), with the pipeline stage
+  as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
   rank's "straggler" flag in the JobState; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
 
@@ -37,9 +38,9 @@ from prometheus_client.registry import Collector
 from .culprit import RankEvidence, name_culprit, process_state, read_diagnostics
 from .hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
-from .jobstate import JobSnapshot, RankSnapshot
+from .jobstate import JobSnapshot
 from .paths import job_state_dir
-from .straggler import RankSample, StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
+from .straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
 
@@ -100,6 +101,8 @@ class Watchdog:
         self._straggler = StragglerDetector(self.config.straggler)
         self._acting: dict[str, tuple[Incident, float]] = {}  # job -> hang incident waiting for progress
         self._stragglers: dict[tuple[str, int], Incident] = {}
+        self._step_s: dict[str, float] = {}  # last median step time per job
+        self._round_steps: dict[str, tuple] = {}  # job -> (round id, step count per rank when it began)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
@@ -146,14 +149,17 @@ class Watchdog:
         for job in set(self._hang.jobs()) - set(checks):
             self._hang.forget(job)
             self._straggler.forget(job)
+            self._step_s.pop(job, None)
+            self._round_steps.pop(job, None)
             self._acting.pop(job, None)
         with self._lock:
             self._published = (checks, self._straggler.scores())
 
     def _check_job(self, snap: JobSnapshot) -> HangCheck:
         connected = [r for r in snap.ranks if r.connected]
+        round_id = tuple(sorted((r.rank, r.pid) for r in snap.ranks))
         check = self._hang.observe(
-            snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
+            snap.job, round_id=round_id,
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
             in_checkpoint=any(r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES for r in connected),
@@ -162,8 +168,21 @@ class Watchdog:
             self._resolve_hang(snap)
         if check.hung:
             self._on_hang(snap, check)
-        samples = {r.rank: _sample(r) for r in connected}
-        for event in self._straggler.update(snap.job, samples, _stage_groups(snap)):
+        step_times = sorted(r.step_p50_seconds for r in connected if r.step_p50_seconds > 0)
+        step_s = step_times[len(step_times) // 2] if step_times else 0.0
+        if step_s > 0:
+            self._step_s[snap.job] = step_s
+        else:  # the ranks have gone (the job ended): their last data still counts, at the last step time
+            step_s = self._step_s.get(snap.job, 0.0)
+        intervals = self._jobstate.take_intervals(snap.job)
+        started = self._round_steps.get(snap.job)
+        if started is None or started[0] != round_id:  # new workers: count their steps from here
+            started = self._round_steps[snap.job] = (round_id, {r.rank: r.step_count for r in snap.ranks})
+        warmup = self.config.straggler.warmup_steps
+        if any(r.step_count - started[1].get(r.rank, 0) < warmup for r in connected):
+            intervals = {}  # start-up (first steps, restore, compilation) is not a straggler's doing
+        events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=_stage_groups(snap))
+        for event in events:
             self._on_straggler(snap, event)
         return check
 
@@ -240,10 +259,10 @@ class Watchdog:
     def _on_straggler(self, snap: JobSnapshot, event: StragglerEvent) -> None:
         job, rank, s = snap.job, event.rank, event.score
         now = self._wall()
-        evidence = {"score": round(s.score, 4), "compute_per_step_seconds": s.compute_per_step_s,
-                    "peer_compute_per_step_seconds": s.peer_compute_per_step_s,
-                    "wait_per_step_seconds": s.wait_per_step_s, "peer_wait_per_step_seconds": s.peer_wait_per_step_s,
-                    "evaluations": event.evaluations, "policy": event.policy.value,
+        evidence = {"score": round(s.score, 4), "compute_share": round(s.compute_share, 4),
+                    "peer_compute_share": round(s.peer_compute_share, 4),
+                    "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
+                    "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
                     "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
         self._jobstate.set_flag(job, rank, "straggler", event.started)
         if event.started:
@@ -277,7 +296,7 @@ class _WatchdogCollector(Collector):
         with w._lock:
             checks, scores = w._published
         rank_labels, job_labels = ["job", "node", "rank"], ["job", "node"]
-        score = GaugeMetricFamily("trainwarden_straggler_score", "Rank compute per step / its peers' median "
+        score = GaugeMetricFamily("trainwarden_straggler_score", "Rank compute share / its peers' median "
                                   "(1 = typical).", labels=rank_labels)
         flag = GaugeMetricFamily("trainwarden_straggler", "1 while the rank is flagged as a straggler.",
                                  labels=rank_labels)
@@ -296,10 +315,6 @@ class _WatchdogCollector(Collector):
             stalled.add_metric([job, w._node], check.stalled_s)
         errors.add_metric([w._node], w.errors)
         yield from (score, flag, timeout, stalled, errors)
-
-
-def _sample(r: RankSnapshot) -> RankSample:
-    return RankSample(r.step_count, r.step_seconds_total, sum(r.wait_seconds_by_op.values()))
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:

@@ -46,12 +46,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-__all__ = ["FLIGHT_RECORDER_ENV", "CollectiveReducer", "CollectiveSummary", "FlightRecorder"]
+__all__ = ["FLIGHT_RECORDER_ENV", "ArrivalBatch", "ArrivalLog", "CollectiveReducer", "CollectiveSummary",
+           "FlightRecorder"]
 
 log = logging.getLogger(__name__)
 
 FLIGHT_RECORDER_ENV = {
-    "TORCH_FR_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "1000",
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }
 
@@ -100,6 +101,11 @@ class FlightRecorder:
     def available(self) -> bool:
         return self._dump is not None
 
+    @property
+    def complete_below(self) -> int:
+        """Every record id below this has been returned (or counted as missed); later ones may not have."""
+        return self._next_id
+
     def dump_raw(self, include_stack_traces: bool = False) -> bytes | None:
         """The full trace (torch's pickle bytes) for diagnostics; None when unavailable.
 
@@ -146,6 +152,14 @@ def _group_name(entry: dict) -> str:
         name = str(pg[1]) if len(pg) > 1 and pg[1] not in ("", "undefined") else f"pg{pg[0]}"
         return name
     return f"pg{entry.get('pg_id', '?')}"
+
+
+def _group_id(entry: dict) -> str:
+    """The group's unique name (what torch's registry knows it by), not its description."""
+    pg = entry.get("process_group")
+    if isinstance(pg, (tuple, list)) and pg:
+        return str(pg[0])
+    return str(entry.get("pg_id", "?"))
 
 
 def _op_name(entry: dict) -> str:
@@ -217,3 +231,78 @@ class CollectiveReducer:
                 self._add(entry, 0.0)
             keep = keep[-_MAX_PENDING:]
         self._pending = keep
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrivalBatch:
+    """The training thread's collectives since the last batch, oldest first."""
+
+    arrivals: tuple[tuple[str, int, int], ...]
+    """(process group name, collective sequence id, wall-clock enqueue ns)."""
+    continues: bool
+    """True when the first arrival directly follows the previous batch's last (nothing missed between)."""
+    members: dict[str, tuple[int, ...]]
+    """Global ranks of the groups named for the first time in this batch (when they can be resolved)."""
+
+
+class ArrivalLog:
+    """Turns Flight Recorder entries into the training thread's collective arrivals for the agent.
+
+    The agent matches one collective (process group, sequence id) across the node's ranks: the last rank
+    to arrive is the one the others waited for (agent/arrivals.py). Only the training thread's
+    collectives count (checkpoint writers run theirs on other threads), point-to-point entries are left
+    out (no sequence id that matches across ranks), and entries are released in record order: one still
+    in flight holds back those after it, so the agent sees every arrival of a stretch exactly once.
+    `members` resolves a group name to its ranks (injected in tests; torch's group registry otherwise).
+    """
+
+    def __init__(self, thread_id: int, members: Callable[[str], tuple[int, ...] | None] | None = None) -> None:
+        self._thread = str(thread_id)
+        self._members = members or _torch_group_members
+        self._held: list[dict] = []
+        self._described: set[str] = set()
+        self._missed = 0
+        self._sent_any = False
+        self._broken = True
+
+    def add(self, entries: Iterable[dict], *, complete_below: int, missed: int) -> ArrivalBatch:
+        """Take the entries of one read; return the arrivals that can be released."""
+        if missed != self._missed:  # entries were lost: the chain of arrivals has a gap
+            self._missed = missed
+            self._broken = True
+            self._held = [e for e in self._held if e["record_id"] >= complete_below]
+        self._held.extend(e for e in entries
+                          if str(e.get("thread_id", "")) == self._thread and not e.get("is_p2p")
+                          and e.get("time_created_ns") is not None)
+        self._held.sort(key=lambda e: e["record_id"])
+        ready = [e for e in self._held if e["record_id"] < complete_below]
+        self._held = self._held[len(ready):]
+        arrivals = tuple((_group_id(e), int(e.get("collective_seq_id") or 0), int(e["time_created_ns"]))
+                         for e in ready)
+        members: dict[str, tuple[int, ...]] = {}
+        for name in {a[0] for a in arrivals} - self._described:
+            self._described.add(name)
+            ranks = self._resolve(name)
+            if ranks:
+                members[name] = ranks
+        continues = self._sent_any and not self._broken
+        if arrivals:
+            self._sent_any, self._broken = True, False
+        return ArrivalBatch(arrivals=arrivals, continues=continues, members=members)
+
+    def _resolve(self, name: str) -> tuple[int, ...] | None:
+        try:
+            return self._members(name)
+        except Exception as exc:  # a torch-internal lookup: never fail the sender over it
+            log.debug("cannot resolve the ranks of process group %s: %s", name, exc)
+            return None
+
+
+def _torch_group_members(name: str) -> tuple[int, ...] | None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world  # private registry: group object -> name
+
+    for pg, pg_name in list(_world.pg_names.items()):
+        if pg_name == name:
+            return tuple(int(r) for r in dist.get_process_group_ranks(pg))
+    return None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ import grpc
 from trainwarden.agent.exit_codes import EXIT_ABORTED  # one table of exit codes for CLI and workers
 from trainwarden.agent.proto import telemetry_pb2 as pb
 
-from .flight_recorder import CollectiveReducer, FlightRecorder
+from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder
 
 __all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_process"]
 
@@ -62,9 +63,9 @@ class ClientConfig:
     """Records kept while the agent is away; the oldest are dropped beyond this."""
     flush_interval_s: float = 0.5
     """How often the sender drains the queue."""
-    fr_interval_s: float = 2.0
+    fr_interval_s: float = 1.5
     """Minimum seconds between Flight Recorder reads."""
-    fr_max_duty: float = 0.001
+    fr_max_duty: float = 0.005
     """Longest share of wall time spent reading the Flight Recorder: a read costs time in proportion to
     the ring's size (not to the new entries), so a slow read stretches the interval to the next one."""
     backoff_initial_s: float = 0.05
@@ -88,12 +89,14 @@ class TelemetryClient:
 
     def __init__(self, config: ClientConfig, hello: pb.Hello, *,
                  on_command: Callable[[pb.AgentCommand], None],
-                 flight_recorder: FlightRecorder | None = None) -> None:
+                 flight_recorder: FlightRecorder | None = None, training_thread: int | None = None) -> None:
         self.config = config
         self._hello = hello
         self._on_command = on_command
         self._fr = flight_recorder
         self._reducer = CollectiveReducer()
+        # collectives enqueued by the thread that runs the steps (the one constructing the client)
+        self._arrivals = ArrivalLog(threading.get_ident() if training_thread is None else training_thread)
         self._queue: deque = deque(maxlen=config.queue_size)
         self._maxlen = config.queue_size
         self.dropped = 0
@@ -101,6 +104,7 @@ class TelemetryClient:
         self.sent = 0
         self._reported_dropped = 0
         self._next_fr_read = 0.0
+        self._fr_costs: deque[float] = deque(maxlen=5)  # CPU seconds of recent Flight Recorder reads
         self._reported_missed = 0
         self._closing = threading.Event()
         self._goodbye = "closed"
@@ -245,8 +249,13 @@ class TelemetryClient:
             messages.append(pb.WorkerMessage(steps=steps))
         now = time.monotonic()
         if final or now >= self._next_fr_read:
+            cpu = time.thread_time()
             messages.append(self._collectives())
-            cost = time.monotonic() - now
+            # the duty budget is CPU this thread spends reading (waiting for the GIL costs the step nothing),
+            # and it follows the median of recent reads: one slow read (start-up, a checkpoint's burst) must
+            # not push the next one so far away that the ring wraps and the agent goes blind for seconds
+            self._fr_costs.append(time.thread_time() - cpu)
+            cost = statistics.median(self._fr_costs)
             interval = max(self.config.fr_interval_s, cost / self.config.fr_max_duty)
             self._next_fr_read = time.monotonic() + interval
         if self.dropped != self._reported_dropped:
@@ -257,9 +266,13 @@ class TelemetryClient:
 
     def _collectives(self) -> pb.WorkerMessage:
         fr = self._fr
+        arrivals = pb.Arrivals()
         if fr is not None and fr.available:
             try:
-                self._reducer.add_entries(fr.read_new())
+                entries = fr.read_new()
+                self._reducer.add_entries(entries)
+                batch = self._arrivals.add(entries, complete_below=fr.complete_below, missed=fr.missed)
+                arrivals = _arrivals_message(batch)
             except Exception as exc:  # keep sending steps when the recorder misbehaves
                 log.warning("flight recorder read failed: %s", exc)
             if fr.missed > self._reported_missed:
@@ -272,7 +285,16 @@ class TelemetryClient:
                                     wait_seconds=s.wait_seconds, last_seq_id=s.last_seq_id)
                for s in self._reducer.summaries()]
         return pb.WorkerMessage(collectives=pb.Collectives(
-            ops=ops, has_durations=self._reducer.has_durations, entries_missed=fr.missed if fr else 0))
+            ops=ops, has_durations=self._reducer.has_durations, entries_missed=fr.missed if fr else 0,
+            arrivals=arrivals))
+
+
+def _arrivals_message(batch) -> pb.Arrivals:
+    index: dict[str, int] = {}
+    group = [index.setdefault(name, len(index)) for name, _, _ in batch.arrivals]
+    return pb.Arrivals(groups=list(index), group=group, seq=[a[1] for a in batch.arrivals],
+                       enqueued_ns=[a[2] for a in batch.arrivals], continues=batch.continues,
+                       members=[pb.GroupMembers(name=n, ranks=r) for n, r in sorted(batch.members.items())])
 
 
 def abort_process(reason: str, flush: Callable[[], None]) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftelemetry.proto\x12\x0etrainwarden.v1\"\xdc\x01\n\x05Hello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x04mesh\x18\x05 \x03(\x0b\x32\x1f.trainwarden.v1.Hello.MeshEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x10\n\x08hostname\x18\x08 \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xb4\x01\n\x04Step\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x12\n\nstart_unix\x18\x02 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x30\n\x06phases\x18\x05 \x03(\x0b\x32 .trainwarden.v1.Step.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\x05Steps\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.trainwarden.v1.Step\"p\n\x11\x43ollectiveSummary\x12\x15\n\rprocess_group\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x13\n\x0blast_seq_id\x18\x05 \x01(\x03\"l\n\x0b\x43ollectives\x12.\n\x03ops\x18\x01 \x03(\x0b\x32!.trainwarden.v1.CollectiveSummary\x12\x15\n\rhas_durations\x18\x02 \x01(\x08\x12\x16\n\x0e\x65ntries_missed\x18\x03 \x01(\x03\"j\n\nCheckpoint\x12.\n\x05stage\x18\x01 \x01(\x0e\x32\x1f.trainwarden.v1.CheckpointStage\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"2\n\x0b\x43lientStats\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x12\n\nreconnects\x18\x02 \x01(\x03\"\xcf\x02\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.trainwarden.v1.HelloH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.trainwarden.v1.StepH\x00\x12\x32\n\x0b\x63ollectives\x18\x03 \x01(\x0b\x32\x1b.trainwarden.v1.CollectivesH\x00\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1a.trainwarden.v1.CheckpointH\x00\x12*\n\x07goodbye\x18\x05 \x01(\x0b\x32\x17.trainwarden.v1.GoodbyeH\x00\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.trainwarden.v1.ClientStatsH\x00\x12&\n\x05steps\x18\x07 \x01(\x0b\x32\x15.trainwarden.v1.StepsH\x00\x42\x08\n\x06record\"\x1e\n\x0f\x44umpDiagnostics\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\"\x0f\n\rCheckpointNow\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0c\x41gentCommand\x12;\n\x10\x64ump_diagnostics\x18\x01 \x01(\x0b\x32\x1f.trainwarden.v1.DumpDiagnosticsH\x00\x12\x37\n\x0e\x63heckpoint_now\x18\x02 \x01(\x0b\x32\x1d.trainwarden.v1.CheckpointNowH\x00\x12&\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x15.trainwarden.v1.AbortH\x00\x42\t\n\x07\x63ommand\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9b\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x1d\n\x15last_seen_seconds_ago\x18\x07 \x01(\x01\x12\x18\n\x10step_p50_seconds\x18\x08 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\t \x01(\x01\x12\x12\n\nwait_share\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rrestart_count\x18\x0c \x01(\x05\x12\r\n\x05\x66lags\x18\r \x03(\t\"\xc6\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x31\n\x04mesh\x18\x03 \x03(\x0b\x32#.trainwarden.v1.JobStatus.MeshEntry\x12\x11\n\tlast_step\x18\x04 \x01(\x03\x12\x18\n\x10step_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14\x63heckpoint_last_step\x18\x08 \x01(\x03\x12)\n\x05ranks\x18\t \x03(\x0b\x32\x1a.trainwarden.v1.RankStatus\x12\r\n\x05\x66lags\x18\n \x03(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"D\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04jobs\x18\x02 \x03(\x0b\x32\x19.trainwarden.v1.JobStatus*\x8b\x01\n\x0f\x43heckpointStage\x12 \n\x1c\x43HECKPOINT_STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSAVE_START\x10\x01\x12\n\n\x06STAGED\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x11\n\rRESTORE_START\x10\x04\x12\x0c\n\x08RESTORED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x32\x9c\x01\n\tTelemetry\x12I\n\x06Stream\x12\x1d.trainwarden.v1.WorkerMessage\x1a\x1c.trainwarden.v1.AgentCommand(\x01\x30\x01\x12\x44\n\x06Status\x12\x1d.trainwarden.v1.StatusRequest\x1a\x1b.trainwarden.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftelemetry.proto\x12\x0etrainwarden.v1\"\xdc\x01\n\x05Hello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x04mesh\x18\x05 \x03(\x0b\x32\x1f.trainwarden.v1.Hello.MeshEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x10\n\x08hostname\x18\x08 \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xb4\x01\n\x04Step\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x12\n\nstart_unix\x18\x02 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x30\n\x06phases\x18\x05 \x03(\x0b\x32 .trainwarden.v1.Step.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\x05Steps\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.trainwarden.v1.Step\"p\n\x11\x43ollectiveSummary\x12\x15\n\rprocess_group\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x13\n\x0blast_seq_id\x18\x05 \x01(\x03\"+\n\x0cGroupMembers\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\x8d\x01\n\x08\x41rrivals\x12\x0e\n\x06groups\x18\x01 \x03(\t\x12\r\n\x05group\x18\x02 \x03(\x05\x12\x0b\n\x03seq\x18\x03 \x03(\x03\x12\x13\n\x0b\x65nqueued_ns\x18\x04 \x03(\x03\x12\x11\n\tcontinues\x18\x05 \x01(\x08\x12-\n\x07members\x18\x06 \x03(\x0b\x32\x1c.trainwarden.v1.GroupMembers\"\x98\x01\n\x0b\x43ollectives\x12.\n\x03ops\x18\x01 \x03(\x0b\x32!.trainwarden.v1.CollectiveSummary\x12\x15\n\rhas_durations\x18\x02 \x01(\x08\x12\x16\n\x0e\x65ntries_missed\x18\x03 \x01(\x03\x12*\n\x08\x61rrivals\x18\x04 \x01(\x0b\x32\x18.trainwarden.v1.Arrivals\"j\n\nCheckpoint\x12.\n\x05stage\x18\x01 \x01(\x0e\x32\x1f.trainwarden.v1.CheckpointStage\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"2\n\x0b\x43lientStats\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x12\n\nreconnects\x18\x02 \x01(\x03\"\xcf\x02\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.trainwarden.v1.HelloH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.trainwarden.v1.StepH\x00\x12\x32\n\x0b\x63ollectives\x18\x03 \x01(\x0b\x32\x1b.trainwarden.v1.CollectivesH\x00\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1a.trainwarden.v1.CheckpointH\x00\x12*\n\x07goodbye\x18\x05 \x01(\x0b\x32\x17.trainwarden.v1.GoodbyeH\x00\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.trainwarden.v1.ClientStatsH\x00\x12&\n\x05steps\x18\x07 \x01(\x0b\x32\x15.trainwarden.v1.StepsH\x00\x42\x08\n\x06record\"\x1e\n\x0f\x44umpDiagnostics\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\"\x0f\n\rCheckpointNow\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0c\x41gentCommand\x12;\n\x10\x64ump_diagnostics\x18\x01 \x01(\x0b\x32\x1f.trainwarden.v1.DumpDiagnosticsH\x00\x12\x37\n\x0e\x63heckpoint_now\x18\x02 \x01(\x0b\x32\x1d.trainwarden.v1.CheckpointNowH\x00\x12&\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x15.trainwarden.v1.AbortH\x00\x42\t\n\x07\x63ommand\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x9b\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x1d\n\x15last_seen_seconds_ago\x18\x07 \x01(\x01\x12\x18\n\x10step_p50_seconds\x18\x08 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\t \x01(\x01\x12\x12\n\nwait_share\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rrestart_count\x18\x0c \x01(\x05\x12\r\n\x05\x66lags\x18\r \x03(\t\"\xc6\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x31\n\x04mesh\x18\x03 \x03(\x0b\x32#.trainwarden.v1.JobStatus.MeshEntry\x12\x11\n\tlast_step\x18\x04 \x01(\x03\x12\x18\n\x10step_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14\x63heckpoint_last_step\x18\x08 \x01(\x03\x12)\n\x05ranks\x18\t \x03(\x0b\x32\x1a.trainwarden.v1.RankStatus\x12\r\n\x05\x66lags\x18\n \x03(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"D\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04jobs\x18\x02 \x03(\x0b\x32\x19.trainwarden.v1.JobStatus*\x8b\x01\n\x0f\x43heckpointStage\x12 \n\x1c\x43HECKPOINT_STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSAVE_START\x10\x01\x12\n\n\x06STAGED\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x11\n\rRESTORE_START\x10\x04\x12\x0c\n\x08RESTORED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x32\x9c\x01\n\tTelemetry\x12I\n\x06Stream\x12\x1d.trainwarden.v1.WorkerMessage\x1a\x1c.trainwarden.v1.AgentCommand(\x01\x30\x01\x12\x44\n\x06Status\x12\x1d.trainwarden.v1.StatusRequest\x1a\x1b.trainwarden.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEP_PHASESENTRY']._serialized_options = b'8\001'
   _globals['_JOBSTATUS_MESHENTRY']._loaded_options = None
   _globals['_JOBSTATUS_MESHENTRY']._serialized_options = b'8\001'
-  _globals['_CHECKPOINTSTAGE']._serialized_start=2212
-  _globals['_CHECKPOINTSTAGE']._serialized_end=2351
+  _globals['_CHECKPOINTSTAGE']._serialized_start=2446
+  _globals['_CHECKPOINTSTAGE']._serialized_end=2585
   _globals['_HELLO']._serialized_start=36
   _globals['_HELLO']._serialized_end=256
   _globals['_HELLO_MESHENTRY']._serialized_start=213
@@ -51,34 +51,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPS']._serialized_end=485
   _globals['_COLLECTIVESUMMARY']._serialized_start=487
   _globals['_COLLECTIVESUMMARY']._serialized_end=599
-  _globals['_COLLECTIVES']._serialized_start=601
-  _globals['_COLLECTIVES']._serialized_end=709
-  _globals['_CHECKPOINT']._serialized_start=711
-  _globals['_CHECKPOINT']._serialized_end=817
-  _globals['_GOODBYE']._serialized_start=819
-  _globals['_GOODBYE']._serialized_end=844
-  _globals['_CLIENTSTATS']._serialized_start=846
-  _globals['_CLIENTSTATS']._serialized_end=896
-  _globals['_WORKERMESSAGE']._serialized_start=899
-  _globals['_WORKERMESSAGE']._serialized_end=1234
-  _globals['_DUMPDIAGNOSTICS']._serialized_start=1236
-  _globals['_DUMPDIAGNOSTICS']._serialized_end=1266
-  _globals['_CHECKPOINTNOW']._serialized_start=1268
-  _globals['_CHECKPOINTNOW']._serialized_end=1283
-  _globals['_ABORT']._serialized_start=1285
-  _globals['_ABORT']._serialized_end=1308
-  _globals['_AGENTCOMMAND']._serialized_start=1311
-  _globals['_AGENTCOMMAND']._serialized_end=1494
-  _globals['_STATUSREQUEST']._serialized_start=1496
-  _globals['_STATUSREQUEST']._serialized_end=1524
-  _globals['_RANKSTATUS']._serialized_start=1527
-  _globals['_RANKSTATUS']._serialized_end=1810
-  _globals['_JOBSTATUS']._serialized_start=1813
-  _globals['_JOBSTATUS']._serialized_end=2139
+  _globals['_GROUPMEMBERS']._serialized_start=601
+  _globals['_GROUPMEMBERS']._serialized_end=644
+  _globals['_ARRIVALS']._serialized_start=647
+  _globals['_ARRIVALS']._serialized_end=788
+  _globals['_COLLECTIVES']._serialized_start=791
+  _globals['_COLLECTIVES']._serialized_end=943
+  _globals['_CHECKPOINT']._serialized_start=945
+  _globals['_CHECKPOINT']._serialized_end=1051
+  _globals['_GOODBYE']._serialized_start=1053
+  _globals['_GOODBYE']._serialized_end=1078
+  _globals['_CLIENTSTATS']._serialized_start=1080
+  _globals['_CLIENTSTATS']._serialized_end=1130
+  _globals['_WORKERMESSAGE']._serialized_start=1133
+  _globals['_WORKERMESSAGE']._serialized_end=1468
+  _globals['_DUMPDIAGNOSTICS']._serialized_start=1470
+  _globals['_DUMPDIAGNOSTICS']._serialized_end=1500
+  _globals['_CHECKPOINTNOW']._serialized_start=1502
+  _globals['_CHECKPOINTNOW']._serialized_end=1517
+  _globals['_ABORT']._serialized_start=1519
+  _globals['_ABORT']._serialized_end=1542
+  _globals['_AGENTCOMMAND']._serialized_start=1545
+  _globals['_AGENTCOMMAND']._serialized_end=1728
+  _globals['_STATUSREQUEST']._serialized_start=1730
+  _globals['_STATUSREQUEST']._serialized_end=1758
+  _globals['_RANKSTATUS']._serialized_start=1761
+  _globals['_RANKSTATUS']._serialized_end=2044
+  _globals['_JOBSTATUS']._serialized_start=2047
+  _globals['_JOBSTATUS']._serialized_end=2373
   _globals['_JOBSTATUS_MESHENTRY']._serialized_start=213
   _globals['_JOBSTATUS_MESHENTRY']._serialized_end=256
-  _globals['_STATUSREPLY']._serialized_start=2141
-  _globals['_STATUSREPLY']._serialized_end=2209
-  _globals['_TELEMETRY']._serialized_start=2354
-  _globals['_TELEMETRY']._serialized_end=2510
+  _globals['_STATUSREPLY']._serialized_start=2375
+  _globals['_STATUSREPLY']._serialized_end=2443
+  _globals['_TELEMETRY']._serialized_start=2588
+  _globals['_TELEMETRY']._serialized_end=2744
 # @@protoc_insertion_point(module_scope)

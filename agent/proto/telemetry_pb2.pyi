@@ -92,15 +92,41 @@ class CollectiveSummary(_message.Message):
     last_seq_id: int
     def __init__(self, process_group: _Optional[str] = ..., op: _Optional[str] = ..., count: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., last_seq_id: _Optional[int] = ...) -> None: ...
 
+class GroupMembers(_message.Message):
+    __slots__ = ("name", "ranks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Arrivals(_message.Message):
+    __slots__ = ("groups", "group", "seq", "enqueued_ns", "continues", "members")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENQUEUED_NS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    group: _containers.RepeatedScalarFieldContainer[int]
+    seq: _containers.RepeatedScalarFieldContainer[int]
+    enqueued_ns: _containers.RepeatedScalarFieldContainer[int]
+    continues: bool
+    members: _containers.RepeatedCompositeFieldContainer[GroupMembers]
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., group: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., enqueued_ns: _Optional[_Iterable[int]] = ..., continues: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[GroupMembers, _Mapping]]] = ...) -> None: ...
+
 class Collectives(_message.Message):
-    __slots__ = ("ops", "has_durations", "entries_missed")
+    __slots__ = ("ops", "has_durations", "entries_missed", "arrivals")
     OPS_FIELD_NUMBER: _ClassVar[int]
     HAS_DURATIONS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_MISSED_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
     ops: _containers.RepeatedCompositeFieldContainer[CollectiveSummary]
     has_durations: bool
     entries_missed: int
-    def __init__(self, ops: _Optional[_Iterable[_Union[CollectiveSummary, _Mapping]]] = ..., has_durations: _Optional[bool] = ..., entries_missed: _Optional[int] = ...) -> None: ...
+    arrivals: Arrivals
+    def __init__(self, ops: _Optional[_Iterable[_Union[CollectiveSummary, _Mapping]]] = ..., has_durations: _Optional[bool] = ..., entries_missed: _Optional[int] = ..., arrivals: _Optional[_Union[Arrivals, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("stage", "step", "seconds", "bytes")

@@ -71,10 +71,6 @@ def test_slow_checkpoint_save_is_not_a_hang(procs, tmp_path):
     assert [i for i in incidents(tmp_path, "slowsave") if i["kind"] == "hang"] == []
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "known gap: on gloo the Flight Recorder gives enqueue times only, and the wait estimate (enqueue to next "
-    "enqueue) counts a tensor-parallel rank's compute as waiting, so peers' compute reads ~0 and the score "
-    "never clears; a direct measurement of blocking collective time is needed (see the watchdog issue note)"))
 @pytest.mark.timeout(400)
 def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     rc, text = run_job(procs, tmp_path, "slow", faults="slow:rank=3,from=15,until=55,factor=1.3", nproc=4,
@@ -85,8 +81,11 @@ def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     ends = [i for i in found if i["kind"] == "straggler_end"]
     assert [i["ranks"] for i in starts] == [[3]], found
     assert [i["ranks"] for i in ends] == [[3]], found
-    flagged_at = starts[0]["evidence"].get("step")
-    assert flagged_at is None or flagged_at <= 15 + 30, starts[0]["evidence"]
+    # the job's latest step when the agent raised the flag: within 30 steps of the slowdown's start, and
+    # cleared after it ended
+    assert starts[0]["evidence"]["step"] <= 15 + 30, starts[0]["evidence"]
+    assert ends[0]["evidence"]["step"] >= 55, ends[0]["evidence"]
+    assert starts[0]["evidence"]["score"] > 1.15
     assert not [i for i in found if i["kind"] == "hang"]
 
 

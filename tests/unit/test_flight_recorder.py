@@ -119,3 +119,34 @@ def test_nccl_durations_are_used_when_present():
 @pytest.mark.timeout(10)
 def test_launcher_environment_enables_the_recorder():
     assert int(FLIGHT_RECORDER_ENV["TORCH_FR_BUFFER_SIZE"]) > 0
+
+
+def _arrival(rid, seq, t, *, pg="7", thread="11", p2p=False):
+    return {"record_id": rid, "process_group": (pg, "mesh_tp"), "collective_seq_id": seq, "thread_id": thread,
+            "time_created_ns": t, "is_p2p": p2p}
+
+
+def test_arrival_log_keeps_the_training_threads_collectives_in_record_order():
+    from trainwarden.runtime.flight_recorder import ArrivalLog
+
+    log = ArrivalLog(11, members=lambda name: (0, 1) if name == "7" else None)
+    batch = log.add([_arrival(0, 0, 100), _arrival(2, 1, 300), _arrival(1, 0, 200, pg="9", thread="12"),
+                     _arrival(3, 0, 400, p2p=True)], complete_below=4, missed=0)
+    assert batch.arrivals == (("7", 0, 100), ("7", 1, 300))
+    assert batch.members == {"7": (0, 1)} and batch.continues is False
+    # record 5 retired before record 4: it is held back until 4 is read
+    batch = log.add([_arrival(5, 3, 600)], complete_below=4, missed=0)
+    assert batch.arrivals == () and batch.members == {}
+    batch = log.add([_arrival(4, 2, 500)], complete_below=6, missed=0)
+    assert batch.arrivals == (("7", 2, 500), ("7", 3, 600)) and batch.continues is True
+
+
+def test_arrival_log_marks_a_gap_when_entries_were_missed():
+    from trainwarden.runtime.flight_recorder import ArrivalLog
+
+    log = ArrivalLog(11, members=lambda name: None)
+    assert log.add([_arrival(0, 0, 100)], complete_below=1, missed=0).continues is False
+    assert log.add([_arrival(1, 1, 200)], complete_below=2, missed=0).continues is True
+    batch = log.add([_arrival(9, 9, 900)], complete_below=10, missed=7)
+    assert batch.arrivals == (("7", 9, 900),) and batch.continues is False and batch.members == {}
+    assert log.add([_arrival(10, 10, 1000)], complete_below=11, missed=7).continues is True

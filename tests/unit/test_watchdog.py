@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from trainwarden.agent.hang import HangConfig
 from trainwarden.agent.incidents import IncidentKind, IncidentState
-from trainwarden.agent.jobstate import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.arrivals import Arrival
+from trainwarden.agent.jobstate import JobState, WorkerInfo
 from trainwarden.agent.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.watchdog import Watchdog, WatchdogConfig
 
@@ -76,25 +77,30 @@ class Sim:
         self.connect(pid_base=100)
 
     def connect(self, pid_base):
-        self.totals = {r: 0.0 for r in range(self.ranks)}  # per-process cumulative wait
-        self.count = 0
+        self.seq = 0  # collective sequence ids start again with every worker round
         for r in range(self.ranks):
             self.js.connect(WorkerInfo(job="j", rank=r, local_rank=r, world_size=self.ranks, mesh=self.mesh,
                                        pid=pid_base + r, hostname=f"host{r}"))
 
-    def run(self, steps, dt=0.3, compute=None):
+    def run(self, steps, compute=None, after=0.05):
+        """`steps` steps of one all-reduce each: rank r computes compute[r] (0.2 s by default) and arrives;
+        all depart when the last arrives, compute `after` seconds more, and the next step starts. Steps and
+        arrivals are sent once per call, like the runtime's batched reads."""
         compute = compute or {}
+        arrivals = {r: [] for r in range(self.ranks)}
         for _ in range(steps):
+            start = self.clock.now
+            cs = {r: compute.get(r, 0.2) for r in range(self.ranks)}
+            for r in range(self.ranks):
+                arrivals[r].append(Arrival("0", self.seq, int((start + cs[r]) * 1e9)))
+            self.seq += 1
+            dt = max(cs.values()) + after
             self.clock.now += dt
             self.step += 1
-            self.count += 1
             for r in range(self.ranks):
-                self.js.record_step("j", r, index=self.step, start_unix=self.clock.now - dt, duration_seconds=dt)
-                self.totals[r] += dt - compute.get(r, 0.2)
+                self.js.record_step("j", r, index=self.step, start_unix=start, duration_seconds=dt)
         for r in range(self.ranks):
-            self.js.record_collectives("j", r, [CollectiveTotals(
-                process_group="default_pg", op="all_reduce", count=self.count, wait_seconds=self.totals[r],
-                last_seq_id=self.count)], has_durations=False)
+            self.js.record_arrivals("j", r, arrivals[r], continues=True, members={"0": range(self.ranks)})
 
 
 def _watchdog(sim, actions, tmp_path, **config):
@@ -176,15 +182,15 @@ def test_record_only_does_not_abort(tmp_path):
 def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     sim = Sim(ranks=4)
     actions = Actions()
-    cfg = StragglerConfig(window_steps=20, persist=3, clear_persist=3, policy=StragglerPolicy.EXCLUDE)
+    cfg = StragglerConfig(window_steps=20, persist_steps=3, clear_persist_steps=3, policy=StragglerPolicy.EXCLUDE)
     wd = _watchdog(sim, actions, tmp_path, straggler=cfg)
-    slow = {0: 0.2, 1: 0.2, 2: 0.2, 3: 0.25}   # rank 3 computes 1.25x; everyone's step waits for it
+    slow = {3: 0.25}   # rank 3 computes 0.30 s a step, its peers 0.25 s: it scores 1.2
     for _ in range(15):
         sim.run(7, compute=slow)
         wd.check_once()
     start, = actions.records
     assert start.kind is IncidentKind.STRAGGLER_START and start.ranks == (3,)
-    assert start.evidence["score"] == pytest.approx(1.25, rel=0.02) and start.evidence["policy"] == "exclude"
+    assert start.evidence["score"] == pytest.approx(1.2, rel=0.02) and start.evidence["policy"] == "exclude"
     assert "exclude node host3" in start.action
     assert "straggler" in _flags(sim)[3]
     registry = CollectorRegistry()
@@ -194,7 +200,7 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     assert 'trainwarden_straggler{job="j",node="n1",rank="0"} 0.0' in text
     score = next(line for line in text.splitlines()
                  if line.startswith('trainwarden_straggler_score{job="j",node="n1",rank="3"}'))
-    assert float(score.split()[-1]) == pytest.approx(1.25, rel=0.02)
+    assert float(score.split()[-1]) == pytest.approx(1.2, rel=0.02)
     assert 'trainwarden_hang_timeout_seconds{job="j",node="n1"} 5.0' in text
     for _ in range(15):
         sim.run(7)
@@ -211,6 +217,7 @@ def test_pipeline_stages_are_scored_separately(tmp_path):
     wd = _watchdog(sim, actions, tmp_path, straggler=StragglerConfig(window_steps=20))
     for _ in range(15):
         sim.run(7, compute={0: 0.1, 1: 0.1, 2: 0.25, 3: 0.25})  # stage 1 is heavier by design
+        # (one all-reduce over all four ranks: stage 0 waits for stage 1 and is never compared to it)
         wd.check_once()
     assert actions.records == []
 
