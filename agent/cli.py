@@ -56,6 +56,9 @@ def _add_run(sub) -> None:
                    help="run without the in-process agent (no telemetry, metrics or watchdog)")
     p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
                    help="seconds between torchrun's checks of its workers (default 1)")
+    p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
+                   help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
+                        "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
                    help="the training script and its arguments, or -m MODULE ARGS...")
     p.set_defaults(func=_cmd_run)
@@ -77,7 +80,8 @@ def _cmd_run(args) -> int:
                           etcd=args.etcd, max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, agent=not args.no_agent,
-                          metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+                          metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                          straggler_policy=args.straggler_policy)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE
@@ -202,6 +206,9 @@ def _add_agent(sub) -> None:
     p.add_argument("--node", metavar="NAME", help="this node's name in metrics and incidents (default: host name)")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories (incidents, diagnostics)")
     p.add_argument("--etcd", metavar="HOST:PORT", help="also record incidents in this etcd")
+    p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
+                   help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
+                        "job's next rendezvous)")
     p.add_argument("--check", action="store_true",
                    help="do not start: exit 0 if an agent serves on --socket, 5 if not (for probes)")
     p.set_defaults(func=_cmd_agent)
@@ -211,7 +218,7 @@ def _cmd_agent(args) -> int:
     from pathlib import Path
 
     from .daemon import DaemonOptions, check, run_daemon
-    from .node_agent import AgentConfig
+    from .node_agent import AgentConfig, watchdog_config
 
     if args.check:
         return check(Path(args.socket))
@@ -219,6 +226,7 @@ def _cmd_agent(args) -> int:
         config = AgentConfig(socket_path=Path(args.socket).absolute(), metrics_host=args.metrics_host,
                              metrics_port=args.metrics_port,
                              state_home=Path(args.state_home) if args.state_home else None,
+                             watchdog=watchdog_config(args.straggler_policy),
                              **({"node": args.node} if args.node else {}))
         options = DaemonOptions(agent=config, etcd=args.etcd)
     except ValueError as exc:

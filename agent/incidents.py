@@ -211,6 +211,41 @@ class IncidentStore:
         return incident
 
 
+    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
+        """Record that `node` should be left out of `job`'s next rendezvous (the straggler policy
+        ``exclude``): ``<state_dir(job)>/exclusions/<node>.json`` and ``<prefix>/jobs/<job>/exclude/<node>``.
+        The cluster side reads it when it forms the next round; nothing here stops a running worker."""
+        data = json.dumps(dict(request), indent=1, sort_keys=True, default=str)
+        log.warning("requesting that node %s be left out of job %s's next rendezvous: %s", node, job,
+                    request.get("reason", "no reason given"), extra={"job": job, "node": node})
+        directory = Path(self._state_dir(job)) / "exclusions"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write(directory / f"{node}.json", data.encode())
+        except OSError as exc:
+            log.error("cannot record the exclusion of node %s from job %s in %s (%s): %s", node, job, directory,
+                      exc, data.replace("\n", " "))
+        if self._etcd is not None:
+            try:
+                self._etcd.put(f"{self._prefix}/jobs/{job}/exclude/{node}", data)
+            except Exception as exc:
+                log.warning("cannot record the exclusion of node %s from job %s in etcd (%s)", node, job, exc)
+
+    def withdraw_exclusion(self, job: str, node: str) -> None:
+        """The straggler recovered before the next round: the exclusion request no longer holds."""
+        log.info("withdrawing the request to leave node %s out of job %s", node, job,
+                 extra={"job": job, "node": node})
+        try:
+            (Path(self._state_dir(job)) / "exclusions" / f"{node}.json").unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot withdraw the exclusion of node %s from job %s (%s)", node, job, exc)
+        if self._etcd is not None:
+            try:
+                self._etcd.delete(f"{self._prefix}/jobs/{job}/exclude/{node}")
+            except Exception as exc:
+                log.warning("cannot withdraw the exclusion of node %s from job %s in etcd (%s)", node, job, exc)
+
+
 def _incident_dirs(root: Path, job: str | None) -> list[Path]:
     if (root / "incidents").is_dir():  # a job's state directory
         return [root / "incidents"]

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import __version__
 from .culprit import process_state
@@ -36,6 +36,7 @@ from .jobstate import JobState
 from .paths import job_state_dir
 from .proto import telemetry_pb2 as pb
 from .telemetry import TelemetryServer
+from .straggler import StragglerConfig, StragglerPolicy
 from .watchdog import Watchdog, WatchdogConfig
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,16 @@ class AgentConfig:
             raise ValueError(f"metrics port {self.metrics_port} is not a TCP port")
 
 
+def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
+    """The watchdog's configuration for a straggler policy name (``alert`` or ``exclude``)."""
+    try:
+        policy = StragglerPolicy(straggler_policy)
+    except ValueError:
+        raise ValueError(f"unknown straggler policy {straggler_policy!r}; use one of "
+                         f"{', '.join(p.value for p in StragglerPolicy)}") from None
+    return WatchdogConfig(straggler=StragglerConfig(policy=policy))
+
+
 class AgentActions:
     """What the watchdog may do on this node: talk to workers, kill them, record incidents."""
 
@@ -104,6 +115,12 @@ class AgentActions:
 
     def record(self, incident: Incident) -> Incident:
         return self._incidents.record(incident)
+
+    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
+        self._incidents.request_exclusion(job, node, request)
+
+    def withdraw_exclusion(self, job: str, node: str) -> None:
+        self._incidents.withdraw_exclusion(job, node)
 
     def _pids(self, job: str, ranks: Sequence[int]) -> dict[int, int]:
         wanted = set(ranks)

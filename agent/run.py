@@ -39,7 +39,7 @@ from .files import atomic_write
 from .job import JobPhase, JobRecord, supervisor_gone
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
-from .node_agent import AgentConfig, NodeAgent
+from .node_agent import AgentConfig, NodeAgent, watchdog_config
 from .paths import job_state_dir
 from .progress import RESTART_LINE, STEP_LINE, ProgressTracker
 from .restarts import RestartRecorder
@@ -81,6 +81,8 @@ class RunOptions:
     """Address of the agent's Prometheus endpoint."""
     metrics_port: int = 9478
     """Port of the agent's Prometheus endpoint (0: a free one)."""
+    straggler_policy: str = "alert"
+    """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -192,7 +194,8 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             stack.callback(shutil.rmtree, sock_dir, True)
             try:
                 agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
-                                              metrics_port=opts.metrics_port, state_home=opts.state_home),
+                                              metrics_port=opts.metrics_port, state_home=opts.state_home,
+                                              watchdog=watchdog_config(opts.straggler_policy)),
                                   etcd_client=client)
                 agent.start()
             except (ExporterError, TelemetryServerError, ValueError) as exc:

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -57,6 +57,12 @@ class WatchdogActions(Protocol):
 
     def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
         """Make the local workers of `ranks` exit (torchrun restarts the group); True when done."""
+
+    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
+        """Record that `node` should be left out of the job's next rendezvous (straggler policy exclude)."""
+
+    def withdraw_exclusion(self, job: str, node: str) -> None:
+        """Withdraw that request (the straggler recovered)."""
 
     def record(self, incident: Incident) -> Incident:
         """Store this version of the incident (same id = same incident, newer state)."""
@@ -268,15 +274,21 @@ class Watchdog:
         if event.started:
             action = "alert" if event.policy == StragglerPolicy.ALERT else \
                 f"exclude node {evidence['hostname'] or self._node} at the next restart (requested)"
-            self._stragglers[(job, rank)] = self._actions.record(Incident(
+            start = self._stragglers[(job, rank)] = self._actions.record(Incident(
                 id=new_incident_id(now), kind=IncidentKind.STRAGGLER_START, job=job, node=self._node,
                 ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action=action,
                 outcome="straggling"))
+            if event.policy == StragglerPolicy.EXCLUDE:
+                self._actions.request_exclusion(job, self._node, {
+                    "node": self._node, "job": job, "rank": rank, "incident": start.id, "since": now,
+                    "reason": f"straggler: rank {rank} score {s.score:.2f} (policy exclude)"})
             return
         end = Incident(id=new_incident_id(now), kind=IncidentKind.STRAGGLER_END, job=job, node=self._node,
                        ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action="clear flag")
         self._actions.record(end.transition(IncidentState.RESOLVED, outcome="rank back in line", now=now))
         start = self._stragglers.pop((job, rank), None)
+        if event.policy == StragglerPolicy.EXCLUDE and not any(j == job for j, _ in self._stragglers):
+            self._actions.withdraw_exclusion(job, self._node)  # no rank of this node straggles any more
         if start is not None:
             self._actions.record(start.transition(
                 IncidentState.RESOLVED, outcome=f"cleared ({end.id}) after {now - start.detected_at:.0f} s", now=now))

@@ -16,13 +16,13 @@ from gpt_helpers import final_line, gpt_env, parse_losses  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 
-def run_job(procs, tmp_path, job, *, faults, nproc, mesh, steps, ckpt_every, timeout=300, extra=()):
+def run_job(procs, tmp_path, job, *, faults, nproc, mesh, steps, ckpt_every, timeout=300, extra=(), run_args=()):
     env = gpt_env()
     env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS=faults)
     log = tmp_path / f"{job}.log"
     proc = procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc),
-         "--max-restarts", "2", "--monitor-interval", "0.5", "--metrics-port", "0", "--job", job, "--",
+         "--max-restarts", "2", "--monitor-interval", "0.5", "--metrics-port", "0", "--job", job, *run_args, "--",
          "-m", "trainwarden.runtime.examples.gpt", *mesh, "--steps", str(steps), "--ckpt-every", str(ckpt_every),
          *extra],
         log=log, env=env,
@@ -74,7 +74,7 @@ def test_slow_checkpoint_save_is_not_a_hang(procs, tmp_path):
 @pytest.mark.timeout(400)
 def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     rc, text = run_job(procs, tmp_path, "slow", faults="slow:rank=3,from=15,until=55,factor=1.3", nproc=4,
-                       mesh=MESH_4, steps=90, ckpt_every=30)
+                       mesh=MESH_4, steps=90, ckpt_every=30, run_args=["--straggler-policy", "exclude"])
     assert rc == 0, text[-3000:]
     found = incidents(tmp_path, "slow")
     starts = [i for i in found if i["kind"] == "straggler_start"]
@@ -86,6 +86,10 @@ def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     assert starts[0]["evidence"]["step"] <= 15 + 30, starts[0]["evidence"]
     assert ends[0]["evidence"]["step"] >= 55, ends[0]["evidence"]
     assert starts[0]["evidence"]["score"] > 1.15
+    # policy exclude: the node was proposed for exclusion while rank 3 straggled, withdrawn when it recovered
+    assert "exclude node" in starts[0]["action"]
+    assert "be left out of job slow's next rendezvous" in text and "withdrawing the request" in text
+    assert not list((tmp_path / "state" / "jobs" / "slow" / "exclusions").glob("*.json"))
     assert not [i for i in found if i["kind"] == "hang"]
 
 

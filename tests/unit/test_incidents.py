@@ -22,6 +22,11 @@ class FakeEtcd:
             raise ConnectionError("etcd is down")
         self.kv[key] = value
 
+    def delete(self, key):
+        if self.fail:
+            raise ConnectionError("etcd is down")
+        return self.kv.pop(key, None) is not None
+
 
 def _hang(job="demo", ts=1_790_000_000.0, **kw):
     return Incident(id=new_incident_id(ts), kind=IncidentKind.HANG, job=job, node="n1", ranks=(5,),
@@ -137,3 +142,19 @@ def test_unwritable_state_dir_does_not_stop_the_record(tmp_path):
     incident = Incident(id="20261122T000000000Z-abcdef", kind=IncidentKind.HANG, job="j", node="n", ranks=(2,))
     assert store.record(incident) is incident
     assert store.write_errors == 1
+
+
+def test_exclusion_requests_are_recorded_and_withdrawn_in_files_and_etcd(tmp_path):
+    etcd = FakeEtcd()
+    store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path), etcd=etcd)
+    store.request_exclusion("demo", "node-3", {"node": "node-3", "rank": 5, "reason": "straggler"})
+    path = job_state_dir("demo", tmp_path) / "exclusions" / "node-3.json"
+    assert json.loads(path.read_text())["rank"] == 5
+    assert json.loads(etcd.kv["/trainwarden/v1/jobs/demo/exclude/node-3"])["reason"] == "straggler"
+    store.withdraw_exclusion("demo", "node-3")
+    assert not path.exists() and etcd.kv == {}
+    down = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path), etcd=FakeEtcd(fail=True))
+    down.request_exclusion("demo", "node-3", {"node": "node-3"})   # etcd down: the file still holds it
+    assert path.exists()
+    down.withdraw_exclusion("demo", "node-3")
+    assert not path.exists()

@@ -43,6 +43,7 @@ class Actions:
     def __init__(self, answer=(), lagging=None, abort_ok=True):
         self.answer, self.lagging, self.abort_ok = set(answer), lagging, abort_ok
         self.requests, self.aborts, self.records = [], [], []
+        self.exclusions = {}
 
     def request_diagnostics(self, job, ranks, directory):
         self.requests.append((job, list(ranks), directory))
@@ -65,6 +66,12 @@ class Actions:
     def record(self, incident):
         self.records.append(incident)
         return incident
+
+    def request_exclusion(self, job, node, request):
+        self.exclusions[(job, node)] = dict(request)
+
+    def withdraw_exclusion(self, job, node):
+        self.exclusions.pop((job, node), None)
 
 
 class Sim:
@@ -192,6 +199,8 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     assert start.kind is IncidentKind.STRAGGLER_START and start.ranks == (3,)
     assert start.evidence["score"] == pytest.approx(1.2, rel=0.02) and start.evidence["policy"] == "exclude"
     assert "exclude node host3" in start.action
+    request = actions.exclusions[("j", "n1")]
+    assert request["rank"] == 3 and request["incident"] == start.id and "straggler" in request["reason"]
     assert "straggler" in _flags(sim)[3]
     registry = CollectorRegistry()
     registry.register(wd.collector())
@@ -208,6 +217,7 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     _, end, resolved = actions.records
     assert end.kind is IncidentKind.STRAGGLER_END and end.state is IncidentState.RESOLVED
     assert resolved.id == start.id and resolved.state is IncidentState.RESOLVED
+    assert actions.exclusions == {}   # recovered before a restart: the request is withdrawn
     assert "straggler" not in _flags(sim)[3]
 
 
