@@ -12,7 +12,9 @@ Kinds (all checked at step boundaries, before the step's first collective):
 ``hang``   the rank blocks forever at the start of ``step``, outside any collective, so its peers wait
            inside that step's first collective for a rank that never comes.
 ``slow``   from step ``from`` (inclusive) until step ``until`` (exclusive; absent = forever) the rank waits
-           ``(factor - 1) x`` its previous step's duration at each boundary: it arrives late at every
+           ``(factor - 1) x`` its previous step's duration (less the delay injected into that step, so
+           the delay does not compound: factor 2 is twice as slow, not ever slower) at each boundary: it
+           arrives late at every
            collective, which is what a thermally throttled GPU or a bad link does to its peers. The delay
            is a sleep, not busy work, so on a CPU-only machine it slows this rank without stealing cores
            from its peers.
@@ -192,6 +194,7 @@ class FaultInjector:
         self._kill = kill
         self._sleep = sleep
         self._block = block or (lambda: threading.Event().wait())  # forever: only a signal ends it
+        self._injected = 0.0  # seconds of delay injected at the last step boundary
         if self._faults:
             logger.warning("rank %d: fault injection armed: %s", rank,
                            "; ".join(f.describe() for f in self._faults))
@@ -215,10 +218,13 @@ class FaultInjector:
         """Fire whatever is due at the start of ``step``. Call before the step's first collective."""
         if not self._faults:
             return
+        injected, self._injected = self._injected, 0.0
         for fault in self._faults:
             if fault.kind == "slow":
                 if last_step_seconds and fault.start <= step and (fault.until is None or step < fault.until):
-                    self._sleep((fault.factor - 1.0) * last_step_seconds)
+                    delay = (fault.factor - 1.0) * max(0.0, last_step_seconds - injected)
+                    self._sleep(delay)
+                    self._injected += delay
             elif fault.kind != "slow_save" and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
 

@@ -1,13 +1,16 @@
 """Collective timing from PyTorch's Flight Recorder.
 
 This is the one module that touches `torch._C._distributed_c10d._dump_fr_trace` (a private API and the
-only way to read the recorder in-process). It has two parts:
+only way to read the recorder in-process). It has three parts:
 
 - `FlightRecorder` reads the ring buffer and returns only the entries not returned before. Entries are
   returned once they are retired (completed); a collective still in flight is returned by a later read.
   When the ring wrapped between two reads, the overwritten entries are counted in `missed`.
 - `CollectiveReducer` folds entries into cumulative per (process_group, op) totals: count, wait seconds and
   the last collective sequence id. It is plain Python, tested on recorded sample dicts.
+- `ArrivalLog` picks the training thread's collectives out of each read, (group, sequence id, enqueue
+  time) in record order, for the agent to match across ranks (agent/arrivals.py): on gloo that, not the
+  estimate below, is what straggler detection uses.
 
 What "wait" means:
 
@@ -31,10 +34,11 @@ read as a fallback). Without it the dump has no entries. TORCH_NCCL_ENABLE_TIMIN
 NCCL and is ignored by gloo. The launcher sets `FLIGHT_RECORDER_ENV` for workers.
 
 Ring size: every read dumps and unpickles the whole ring, so its cost grows with TORCH_FR_BUFFER_SIZE, not
-with the number of new entries (torch 2.13 on a busy 2-core VM: ~0.1 s for 2,000 entries, ~1-2 s for
-20,000). We keep 2,000: enough to name a hang's culprit (only the last few collectives per group
-matter) and to cover a few seconds of collectives between reads; the client stretches its read interval
-when reads get slow, and entries overwritten before a read are counted (`missed`).
+with the number of new entries (torch 2.13 on a 2-core VM: about 8-20 us an entry, most of it in the C++
+dump with the GIL held; ~1-2 s for 20,000). We keep 1,000: enough to name a hang's culprit (only the last
+few collectives per group matter) and 4 s of the reference job's collectives (about 240 a second on 4 CPU
+ranks), more than the client's read interval; entries overwritten before a read are counted (`missed`)
+and break the arrival chain there, which the agent handles.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ reads the agent's commands from it (handing each to `on_command`); gRPC pulls ou
 its own thread, and that generator does the work: every `flush_interval_s` it drains the deque, turns
 records into protobuf messages (the steps of one drain go in one message) and feeds step boundaries to
 the collective reducer; every `fr_interval_s` it reads new Flight Recorder entries and sends cumulative
-collective totals (an empty Collectives record when the recorder is unavailable: the agent advances
-compute time on it). A read costs time in proportion to the ring's size, not to the new entries
-(torch 2.13: ~20-100 ms for 2,000 entries, about a second for 20,000 on a busy 2-core VM), so a slow read
-stretches the interval to keep reads under `fr_max_duty` of wall time.
+collective totals and the training thread's arrivals (an empty Collectives record when the recorder is
+unavailable: the agent advances compute time on it). A read costs time in proportion to the ring's size,
+not to the new entries (torch 2.13: ~8-20 ms for 1,000 entries, about a second for 20,000 on a 2-core
+VM), so the interval stretches to keep the median CPU cost of recent reads under `fr_max_duty`.
 
 When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
 oldest drop), and the thread reconnects with exponential backoff capped at `backoff_max_s`, on one
@@ -66,8 +66,9 @@ class ClientConfig:
     fr_interval_s: float = 1.5
     """Minimum seconds between Flight Recorder reads."""
     fr_max_duty: float = 0.005
-    """Longest share of wall time spent reading the Flight Recorder: a read costs time in proportion to
-    the ring's size (not to the new entries), so a slow read stretches the interval to the next one."""
+    """Longest share of one core's time spent reading the Flight Recorder: a read costs CPU in proportion
+    to the ring's size (not to the new entries), so costly reads (the median of the last 5) stretch the
+    interval to the next one."""
     backoff_initial_s: float = 0.05
     """First reconnect delay."""
     backoff_max_s: float = 2.0

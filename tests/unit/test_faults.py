@@ -100,9 +100,18 @@ def test_without_state_dir_only_first_round():
 
 def test_slow_window_scales_with_step_time():
     inj, rec = injector("slow:rank=0,from=10,until=12,factor=1.5", rank=0)
-    for step in range(9, 14):
-        inj.step_boundary(step, 0.2)
+    for step in range(9, 14):   # the measured step includes what was injected into it
+        inj.step_boundary(step, 0.2 + (rec.sleeps[-1] if step in (11, 12) else 0.0))
     assert rec.sleeps == pytest.approx([0.1, 0.1])
+
+
+def test_slow_delay_does_not_compound():
+    inj, rec = injector("slow:rank=0,from=1,factor=2", rank=0)
+    last = 0.2
+    for step in range(1, 6):   # each step: 0.2 s of work plus the injected delay
+        inj.step_boundary(step, last)
+        last = 0.2 + (rec.sleeps[-1] if rec.sleeps else 0.0)
+    assert rec.sleeps == pytest.approx([0.2] * 5)   # twice as slow, not ever slower
 
 
 def test_exception_fault():
