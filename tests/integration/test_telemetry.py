@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import wait_for
-from trainwarden.agent.jobstate import JobState
+from trainwarden.agent.jobstate import JobState, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto import telemetry_pb2_grpc
 from trainwarden.agent.telemetry import SERVICE_NAME, TelemetryServer
@@ -214,3 +214,18 @@ def test_gloo_job_reports_steps_collectives_and_obeys_commands(tmp_path, procs, 
         assert any(e["profiling_name"] == "gloo:all_reduce" for e in trace["entries"])
     assert (tmp_path / "checkpoint-request-rank0").exists()
     assert not (tmp_path / "checkpoint-request-rank1").exists()
+
+
+@pytest.mark.timeout(30)
+def test_an_inconsistent_arrivals_batch_is_refused_whole_and_counted(server):
+    srv, js = server
+    info = WorkerInfo(job="arr", rank=0, world_size=2, pid=7)
+    js.connect(info)
+    bad = pb.WorkerMessage(collectives=pb.Collectives(arrivals=pb.Arrivals(
+        groups=["5"], group=[0, 3], seq=[1, 2], enqueued_ns=[10, 20])))          # group index 3 of 1
+    srv._apply(info, bad)
+    worse = pb.WorkerMessage(collectives=pb.Collectives(arrivals=pb.Arrivals(
+        groups=["5"], group=[0], seq=[1], enqueued_ns=[10], members=[pb.GroupMembers(name="5", ranks=[0, 9])])))
+    srv._apply(info, worse)                                                      # rank 9 of a world of 2
+    assert js.rejected()["invalid"] == 2
+    assert rank_state(js, "arr", 0).connected                                     # the stream lives on

@@ -114,3 +114,38 @@ def test_checkpoints_rejections_and_unknown_ranks():
     assert js.rejected()["malformed"] == 1 and js.rejected()["invalid"] == 1
     with pytest.raises(ValueError):
         JobState(recent_steps=1)
+
+
+@pytest.mark.timeout(10)
+def test_arrivals_become_intervals_and_a_new_round_starts_matching_afresh():
+    from trainwarden.agent.arrivals import Arrival
+
+    js = JobState(clock=FakeClock())
+    for r in (0, 1):
+        js.connect(hello(rank=r, pid=10 + r))
+    s = 1_000_000_000
+    js.record_arrivals("j", 0, [Arrival("5", 0, 1 * s), Arrival("5", 1, 2 * s)], continues=False,
+                       members={"5": [0, 1]})
+    js.record_arrivals("j", 1, [Arrival("5", 0, 1 * s + s // 2), Arrival("5", 1, 2 * s)], continues=False)
+    got = js.take_intervals("j")
+    assert got[0][0].compute_ns == s // 2 and got[1][0].compute_ns == s // 2
+    assert js.take_intervals("j") == {}        # taken once
+    js.connect(hello(rank=0, pid=99))           # a new worker: sequence ids start again
+    js.record_arrivals("j", 0, [Arrival("5", 1, 9 * s), Arrival("5", 2, 10 * s)], continues=False)
+    assert js.take_intervals("j") == {}        # not matched against the old round's seq 1
+    assert js.take_intervals("nope") == {}
+
+
+@pytest.mark.timeout(10)
+def test_measured_durations_give_one_interval_per_collectives_record():
+    js = JobState(clock=FakeClock())
+    js.connect(hello())
+    for i in range(4):
+        js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=1.0)
+    js.record_collectives("j", 0, totals(4, 1.0, 4), has_durations=True)
+    for i in range(4, 8):
+        js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=1.0)
+    js.record_collectives("j", 0, totals(8, 3.0, 8), has_durations=True)
+    (interval,), = js.take_intervals("j").values()
+    assert interval.total_ns == 4_000_000_000 and interval.compute_ns == 2_000_000_000
+    assert interval.end_ns == 1_008_000_000_000
