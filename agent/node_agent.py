@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import psutil
+
 from . import __version__
 from .culprit import process_state
 from .exporter import AgentInfoCollector, MetricsExporter, build_registry
@@ -35,8 +37,8 @@ from .job_metrics import JobMetricsCollector
 from .jobstate import JobState
 from .paths import job_state_dir
 from .proto import telemetry_pb2 as pb
-from .telemetry import TelemetryServer
 from .straggler import StragglerConfig, StragglerPolicy
+from .telemetry import TelemetryServer
 from .watchdog import Watchdog, WatchdogConfig
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class AgentActions:
     """What the watchdog may do on this node: talk to workers, kill them, record incidents."""
 
     def __init__(self, server: TelemetryServer, jobstate: JobState, incidents: IncidentStore, *,
-                 kill: Callable[[int, int], None] = os.kill, sleep: Callable[[float], None] = time.sleep) -> None:
+                 kill: Callable[[int, int], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
         self._server, self._jobstate, self._incidents = server, jobstate, incidents
         self._kill, self._sleep = kill, sleep
 
@@ -100,17 +102,28 @@ class AgentActions:
 
     def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
         command = pb.AgentCommand(abort=pb.Abort(reason=reason[:500]))
-        pids = self._pids(job, ranks)
+        # hold each worker by (pid, start time) before asking: after the grace period a pid that exited
+        # may already belong to someone else, and only the process we asked may be killed
+        procs = {}
+        for rank, pid in self._pids(job, ranks).items():
+            try:
+                procs[rank] = psutil.Process(pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+                pass
         for rank in ranks:
             self._server.send_command(job, rank, command)
         self._sleep(ABORT_GRACE_S)
-        for rank, pid in pids.items():
-            if process_state(pid) != "dead":  # stopped or silent: it cannot obey
-                logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, pid)
-                try:
-                    self._kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for rank, proc in procs.items():
+            if not proc.is_running() or process_state(proc.pid) == "dead":  # exited (or its pid was reused)
+                continue
+            logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, proc.pid)
+            try:
+                if self._kill is None:
+                    proc.send_signal(signal.SIGKILL)  # psutil refuses if the pid was reused meanwhile
+                else:
+                    self._kill(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
         return True
 
     def record(self, incident: Incident) -> Incident:

@@ -44,6 +44,17 @@ def test_abort_sends_the_command_then_kills_a_rank_that_cannot_obey(procs, tmp_p
     assert kills == [(stopped.pid, signal.SIGKILL)]  # the vanished pid is left alone
 
 
+def test_abort_kills_the_stopped_worker_itself_and_nothing_that_exited(procs, tmp_path):
+    stopped = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "w.log")
+    stopped.send_signal(signal.SIGSTOP)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()   # exited before the abort: its pid may be anyone's by now
+    actions = AgentActions(FakeServer(), FakeJobState({0: stopped.pid, 1: gone.pid}), incidents=None,
+                           sleep=lambda s: None)
+    assert actions.abort("j", [0, 1], "hang")
+    assert stopped.wait(10) == -signal.SIGKILL
+
+
 def test_diagnostics_request_reports_the_ranks_reached(tmp_path):
     server = FakeServer()
     actions = AgentActions(server, FakeJobState({}), incidents=None)
