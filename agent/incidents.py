@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .files import atomic_write
+from .keys import DEFAULT_PREFIX, job_key
 from .paths import default_state_home, job_state_dir
 
 __all__ = ["DEFAULT_PREFIX", "IllegalIncidentTransition", "Incident", "IncidentCollector", "IncidentKind",
@@ -47,7 +48,6 @@ __all__ = ["DEFAULT_PREFIX", "IllegalIncidentTransition", "Incident", "IncidentC
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFIX = "/trainwarden/v1"
 
 
 class IncidentKind(str, enum.Enum):
@@ -203,7 +203,7 @@ class IncidentStore:
                         extra={"incident": incident.id, "kind": incident.kind.value, "job": incident.job,
                                "ranks": list(incident.ranks), "node": incident.node})
         if self._etcd is not None:
-            key = f"{self._prefix}/jobs/{incident.job}/incidents/{incident.id}"
+            key = job_key(incident.job, "incidents", incident.id, prefix=self._prefix)
             try:
                 self._etcd.put(key, data)
             except Exception as exc:  # the file is the record; etcd is a mirror
@@ -227,7 +227,7 @@ class IncidentStore:
                       exc, data.replace("\n", " "))
         if self._etcd is not None:
             try:
-                self._etcd.put(f"{self._prefix}/jobs/{job}/exclude/{node}", data)
+                self._etcd.put(job_key(job, "exclude", node, prefix=self._prefix), data)
             except Exception as exc:
                 log.warning("cannot record the exclusion of node %s from job %s in etcd (%s)", node, job, exc)
 
@@ -241,7 +241,7 @@ class IncidentStore:
             log.warning("cannot withdraw the exclusion of node %s from job %s (%s)", node, job, exc)
         if self._etcd is not None:
             try:
-                self._etcd.delete(f"{self._prefix}/jobs/{job}/exclude/{node}")
+                self._etcd.delete(job_key(job, "exclude", node, prefix=self._prefix))
             except Exception as exc:
                 log.warning("cannot withdraw the exclusion of node %s from job %s in etcd (%s)", node, job, exc)
 

@@ -12,12 +12,12 @@ import logging
 from typing import Any
 
 from .etcd_client import open_client, split_endpoint
+from .keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_PREFIX", "JobStore", "JobStoreUnavailable", "connect"]
 
-DEFAULT_PREFIX = "/trainwarden/v1"
 
 
 class JobStoreUnavailable(RuntimeError):
@@ -47,7 +47,7 @@ class JobStore:
         self._endpoint = endpoint
 
     def key(self, job: str, *parts: str) -> str:
-        return "/".join([self._prefix, "jobs", job, *parts])
+        return job_key(job, *parts, prefix=self._prefix)
 
     def _put(self, key: str, value: dict[str, Any]) -> None:
         try:

@@ -92,6 +92,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from .etcd_client import EtcdUnreachable, open_client  # noqa: E402
 from .etcd_store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
+from .keys import DEFAULT_PREFIX, job_key  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ __all__ = [
 ]
 
 BACKEND_NAME = "etcd3"
-DEFAULT_KEY_PREFIX = "/trainwarden/v1"
+DEFAULT_KEY_PREFIX = DEFAULT_PREFIX
 DEFAULT_PORT = 2379
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 PASSWORD_ENV = "TRAINWARDEN_ETCD_PASSWORD"
@@ -305,7 +306,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         _check_run_id(run_id)
         self._client = client
         self._endpoint = endpoint
-        self.key = f"{key_prefix.rstrip('/')}/jobs/{run_id}/rdzv"
+        self.key = job_key(run_id, "rdzv", prefix=key_prefix)
 
     @property
     def name(self) -> str:
@@ -414,7 +415,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     config = Etcd3RendezvousConfig.from_params(params)
     _check_run_id(params.run_id)
     client = connect(config)
-    job_prefix = f"{config.key_prefix}/jobs/{params.run_id}"
+    job_prefix = job_key(params.run_id, prefix=config.key_prefix)
     backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, endpoint=config.netloc)
     store = Etcd3Store(client, f"{job_prefix}/store", endpoint=config.netloc)
     _disable_shared_tcp_store()
