@@ -84,3 +84,13 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
     assert float(up[0]["value"][1]) == 8
     tokens = query(prom_port, 'sum(rate(trainwarden_tokens_total{job="prom"}[10s]))')
     assert float(tokens[0]["value"][1]) > 0
+
+    # straggler scores: collective arrivals matched across the 8 ranks, scored within each pipeline stage
+    def score_series():
+        found = query(prom_port, 'trainwarden_straggler_score{job="prom"}')
+        return found if {int(s["metric"]["rank"]) for s in found} == set(range(8)) else None
+
+    scores = wait_for(score_series, 120, interval=1.0, what="straggler scores for all 8 ranks")
+    assert all(0.5 < float(s["value"][1]) < 2.0 for s in scores), scores  # nobody slowed: all near 1
+    flags = query(prom_port, 'trainwarden_straggler{job="prom"}')
+    assert len(flags) == 8
