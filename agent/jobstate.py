@@ -168,6 +168,7 @@ class _Rank:
         self.dropped_total = 0
         self.prev_dropped = 0
         self.flags: set[str] = set()
+        self.goodbye: str | None = None  # the reason the worker gave before its stream ended, if it did
 
     def update_compute(self) -> None:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
@@ -188,10 +189,13 @@ class _Job:
 class JobState:
     """Thread-safe store of every job's and rank's telemetry on this node."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic, recent_steps: int = 256) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic, recent_steps: int = 256,
+                 wall: Callable[[], float] = time.time) -> None:
         if recent_steps < 2:
             raise ValueError(f"recent_steps must be at least 2, got {recent_steps}")
         self._clock = clock
+        self._wall = wall
+        self._ended: dict[str, deque] = {}  # job -> (wall time, rank, pid, how) of streams that ended
         self._recent_steps = recent_steps
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -217,6 +221,7 @@ class JobState:
                     rank.restarts += 1
                     job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
                     rank.prev_cumulative.clear()
+                    rank.goodbye = None
                     rank.prev_dropped = 0
                     rank.recent.clear()
                     rank.checkpoint_stage = ""
@@ -229,6 +234,22 @@ class JobState:
             state = self._rank(job, rank)
             if state is not None and state.info.pid == pid:
                 state.connected = False
+                how = f"goodbye: {state.goodbye}" if state.goodbye is not None else "broken (no goodbye)"
+                self._ended.setdefault(job, deque(maxlen=4096)).append((self._wall(), rank, pid, how))
+
+    def goodbye(self, job: str, rank: int, pid: int, reason: str) -> None:
+        """The worker says it is leaving (an orderly exit, unlike a stream that just breaks)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is not None and state.info.pid == pid:
+                state.goodbye = reason[:200]
+
+    def ended_streams(self, job: str, since: float) -> list[dict]:
+        """Streams of `job` that ended at or after wall time `since`, oldest first: who left first, and
+        whether it said goodbye (a worker killed by a signal cannot)."""
+        with self._lock:
+            return [{"rank": rank, "pid": pid, "ended_at": round(at, 3), "how": how}
+                    for at, rank, pid, how in self._ended.get(job, ()) if at >= since]
 
     def record_step(self, job: str, rank: int, *, index: int, start_unix: float, duration_seconds: float,
                     tokens: int = 0) -> None:
@@ -355,6 +376,7 @@ class JobState:
                     if all(not r.connected and now - r.last_seen >= idle_seconds for r in job.ranks.values())]
             for name in gone:
                 del self._jobs[name]
+                self._ended.pop(name, None)
         return gone
 
     # ---- readers -------------------------------------------------------------------------------------

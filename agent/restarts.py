@@ -6,6 +6,15 @@ incident: ``crash`` when a worker died of a signal or a non-zero exit that was n
 ``restart`` otherwise (the watchdog's own hang incident already explains an abort). The incident is
 ``acting`` while the group restarts and ``resolved`` when steps complete again; if the restart budget is
 spent, ``failed``.
+
+torchrun names the first failure it noticed, which is often a peer the dead rank took down (rank 5 is
+SIGKILLed, rank 0's next collective fails, torchrun reports "local_rank 0, exit code 1"). When the agent
+is in the same process, ``ended_streams`` tells who left first and how. The rank that fails first leaves
+first: its peers notice only when their next collective with it fails. A crash incident therefore names
+the first rank whose telemetry stream ended (global rank), unless that rank said it was leaving because a
+peer was gone (``runtime.goodbye("peer gone: ...")``: the first failure was on another node) — then
+torchrun's report stands. The order and manner of every ending (said goodbye and why, or just broke, as
+a rank killed by a signal does) are kept as evidence.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
 
 __all__ = ["RestartRecorder", "WORKER_FAILED_LINE"]
 
+PEER_GONE = "goodbye: peer gone"
+"""How `JobState.ended_streams` describes a worker that left because a peer had failed."""
 WORKER_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -37,8 +48,11 @@ def _describe(exitcode: int) -> str:
 
 class RestartRecorder:
     def __init__(self, job: str, record: Callable[[Incident], Incident], *, node: str | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 ended_streams: Callable[[float], list[dict]] | None = None) -> None:
         self._job, self._record, self._wall = job, record, wall
+        self._ended_streams = ended_streams
+        self._since = wall()  # streams that ended before this belong to an earlier round
         self._node = node or socket.gethostname()
         self._failures: list[dict] = []
         self._open: Incident | None = None
@@ -73,10 +87,24 @@ class RestartRecorder:
         failures, self._failures = self._failures, []
         crashed = any(f["exitcode"] not in (0, EXIT_ABORTED) for f in failures)
         now = self._wall()
+        ranks = tuple(sorted({f["local_rank"] for f in failures}))
+        evidence: dict = {"failed_workers": failures, "ranks_are": "local ranks on this node (torchrun's report)"}
+        if crashed and self._ended_streams is not None:
+            try:
+                ended = self._ended_streams(self._since)
+            except Exception:  # evidence only: never lose the incident over it
+                ended = []
+            if ended:
+                evidence["telemetry_streams_ended"] = ended
+                first = ended[0]
+                if not first["how"].startswith(PEER_GONE):
+                    ranks = (first["rank"],)
+                    evidence["ranks_are"] = ("global rank whose telemetry stream ended first (the first to fail; "
+                                             "its peers followed)")
+        self._since = now
         incident = Incident(
             id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,
-            job=self._job, node=self._node, ranks=tuple(sorted({f["local_rank"] for f in failures})),
-            evidence={"failed_workers": failures, "ranks_are": "local ranks on this node"},
+            job=self._job, node=self._node, ranks=ranks, evidence=evidence,
             detected_at=now, action=action, outcome=outcome,
         )
         incident = self._record(incident)

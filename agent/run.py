@@ -36,6 +36,7 @@ from .etcd_client import split_endpoint
 from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from .exporter import ExporterError
 from .files import atomic_write
+from .incidents import list_incidents
 from .job import JobPhase, JobRecord, supervisor_gone
 from .jobstore import JobStore, JobStoreUnavailable, connect
 from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
@@ -231,7 +232,9 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 record.transition(to, reason)
                 publish()
 
-        restarts = RestartRecorder(opts.job, agent.incidents.record) if agent is not None else None
+        restarts = RestartRecorder(opts.job, agent.incidents.record,
+                                   ended_streams=lambda since: agent.jobstate.ended_streams(opts.job, since)) \
+            if agent is not None else None
 
         def on_line(line: str) -> None:
             restarting = bool(RESTART_LINE.search(line))
@@ -342,5 +345,26 @@ def _summary(out: TextIO, opts: RunOptions, record: JobRecord, tracker: Progress
     else:
         lines.append("  restarts     0")
     lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")
+    incidents = _incident_summary(opts)
+    if incidents:
+        lines.append(f"  incidents    {incidents} (trainwarden incidents --job {opts.job})")
     lines.append(f"  log          {log_path}")
     print("\n".join(lines), file=out, flush=True)
+
+
+def _incident_summary(opts: RunOptions) -> str:
+    """"hang 1 (rank 2), crash 1, ..." from the job's incident records; "" when there are none."""
+    try:
+        found = list_incidents(job_state_dir(opts.job, opts.state_home))
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    kinds: dict[str, list] = {}
+    for incident in found:
+        kinds.setdefault(incident.kind.value, []).append(incident)
+    parts = []
+    for kind, items in sorted(kinds.items()):
+        ranks = sorted({r for i in items for r in i.ranks})
+        named = f" (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})" if \
+            ranks and kind != "restart" else ""
+        parts.append(f"{kind} {len(items)}{named}")
+    return ", ".join(parts)

@@ -318,6 +318,7 @@ class TelemetryServer:
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
         elif kind == "goodbye":
+            js.goodbye(job, rank, info.pid, message.goodbye.reason)
             log.debug("job %s rank %d said goodbye: %s", job, rank, message.goodbye.reason[:200],
                       extra={"job": job, "rank": rank})
         elif kind == "hello":

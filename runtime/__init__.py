@@ -6,7 +6,7 @@
 Names are imported on first use so that `import trainwarden.runtime` stays light.
 """
 
-__all__ = ["EXIT_ABORTED", "Session", "init"]
+__all__ = ["EXIT_ABORTED", "Session", "goodbye", "init"]
 
 
 def __getattr__(name):

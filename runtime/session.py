@@ -28,13 +28,16 @@ flushes telemetry and exits the process with EXIT_ABORTED.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -42,7 +45,7 @@ from typing import Mapping
 from .flight_recorder import FlightRecorder
 from .telemetry import CHECKPOINT_STAGES, EXIT_ABORTED, ClientConfig, TelemetryClient, abort_process
 
-__all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "init"]
+__all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "goodbye", "init"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class Session:
             self._client = TelemetryClient(client_config, hello, on_command=self._on_command,
                                            flight_recorder=self._fr)
             self._client.start()
+            _watch_exit(self)
 
     @property
     def enabled(self) -> bool:
@@ -210,9 +214,9 @@ class Session:
             written.append(fr)
         return written
 
-    def close(self, reason: str = "closed") -> None:
+    def close(self, reason: str = "closed", timeout: float = 2.0) -> None:
         if self._client is not None:
-            self._client.close(reason=reason)
+            self._client.close(timeout=timeout, reason=reason)
 
     def _on_command(self, message) -> None:
         kind = message.WhichOneof("command")
@@ -270,3 +274,39 @@ def _rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
     except ImportError:
         pass
     return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+
+
+_exit_reason: str | None = None
+_live: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+
+def goodbye(reason: str, timeout: float = 1.0) -> None:
+    """Close every telemetry session of this process with `reason` (best effort, within `timeout` each).
+    For training loops that leave with ``os._exit`` after a failure, which skips the exit hooks: the
+    agent then knows this rank left on purpose and why, unlike a rank killed by a signal. Start the
+    reason with ``"peer gone: "`` when leaving because another rank failed (a collective with it broke):
+    crash incidents then look past this rank for the one that failed first."""
+    for session in list(_live):
+        try:
+            session.close(reason=reason[:200], timeout=timeout)
+        except Exception:
+            pass
+
+
+def _watch_exit(session: Session) -> None:
+    """Say goodbye, with the reason, when the worker exits without closing the session: an uncaught
+    exception (recorded by an excepthook that then defers to the previous one) or a plain return. The
+    agent tells a worker that left this way from one killed by a signal, which cannot say anything:
+    that is how a crash incident names the rank that died first rather than the peers it took down."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        global _exit_reason
+        _exit_reason = f"exception: {kind.__name__}: {value}"[:200]
+        previous(kind, value, tb)
+
+    _live.add(session)
+    if not getattr(sys.excepthook, "_trainwarden", False):
+        excepthook._trainwarden = True  # type: ignore[attr-defined]
+        sys.excepthook = excepthook
+    atexit.register(lambda: session.close(reason=_exit_reason or "exit", timeout=1.0))

@@ -273,18 +273,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         lost = peer_failure(exc)
         if lost:  # the echo of another rank's failure: one line, the failed rank has the traceback
-            _exit_now(EXIT_TRAINING_FAILED, f"a peer rank is gone ({lost}); exiting so torchrun restarts the group")
+            _exit_now(EXIT_TRAINING_FAILED, f"a peer rank is gone ({lost}); exiting so torchrun restarts the group",
+                      reason=f"peer gone: {lost}")
         log.exception("training failed")
         _exit_now(EXIT_TRAINING_FAILED, "exiting without a clean shutdown")
     dist.destroy_process_group()
     return EXIT_OK
 
 
-def _exit_now(code: int, message: str) -> None:
+def _exit_now(code: int, message: str, reason: str | None = None) -> None:
     """Log and leave at once. After a failure the peers may be blocked in collectives with this rank,
     and a clean exit (destroying process groups, joining the checkpoint threads) could wait for them
     forever; torchrun notices the exit code and tears the group down."""
     log.error(message)
+    trainwarden.runtime.goodbye(reason or message)  # tells the agent this rank left on purpose, and why
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

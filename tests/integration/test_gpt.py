@@ -124,3 +124,11 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     assert re.search(r"restarts     1 \(failed after step 9, resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
     ckpts = tmp_path / "state" / "jobs" / "crash" / "checkpoints"
     assert os.path.exists(ckpts / "latest")
+    # torchrun reports whichever failed worker it noticed first (often a peer rank 5 took down); the
+    # incident names the rank whose telemetry stream ended first, without a goodbye: the killed one
+    import json
+    found = [json.loads(p.read_text()) for p in (tmp_path / "state" / "jobs" / "crash" / "incidents").glob("*.json")]
+    crashes = [i for i in found if i["kind"] == "crash"]
+    assert [c["ranks"] for c in crashes] == [[5]], crashes
+    assert crashes[0]["evidence"]["telemetry_streams_ended"][0]["how"] == "broken (no goodbye)"
+    assert "incidents    crash 1 (rank 5)" in text

@@ -57,3 +57,44 @@ def test_a_second_restart_before_any_step_fails_the_first_incident():
     for v in versions:
         final[v.id] = v.state
     assert sorted(s.value for s in final.values()) == ["failed", "resolved"]
+
+
+def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_first():
+    from trainwarden.agent.jobstate import JobState, WorkerInfo
+
+    now = [1000.0]
+    js = JobState(wall=lambda: now[0])
+    for r in range(3):
+        js.connect(WorkerInfo(job="j", rank=r, world_size=3, pid=100 + r))
+    versions = []
+    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: now[0],
+                          ended_streams=lambda since: js.ended_streams("j", since))
+    now[0] = 1001.0
+    js.disconnect("j", 2, 102)                       # SIGKILLed: its stream just breaks
+    now[0] = 1001.4
+    js.goodbye("j", 0, 100, "peer gone: Connection reset by peer")
+    js.disconnect("j", 0, 100)                       # its next collective failed; it said why
+    feed(rec, FAILED.format(code=1, lr=0))           # torchrun noticed rank 0 first
+    feed(rec, RESTART)
+    crash = versions[-1]
+    assert crash.kind == IncidentKind.CRASH and crash.ranks == (2,)
+    assert [e["rank"] for e in crash.evidence["telemetry_streams_ended"]] == [2, 0]
+    assert crash.evidence["telemetry_streams_ended"][1]["how"] == "goodbye: peer gone: Connection reset by peer"
+    assert crash.evidence["failed_workers"][0]["local_rank"] == 0   # torchrun's report is kept
+    # the next round only looks at streams that ended after this incident
+    assert rec._since == 1001.4
+
+
+def test_when_the_first_to_leave_left_for_a_lost_peer_torchruns_report_stands():
+    from trainwarden.agent.jobstate import JobState, WorkerInfo
+
+    js = JobState(wall=lambda: 1001.0)
+    js.connect(WorkerInfo(job="j", rank=0, world_size=2, pid=100))
+    js.goodbye("j", 0, 100, "peer gone: Connection closed by peer")   # the failed rank is on another node
+    js.disconnect("j", 0, 100)
+    versions = []
+    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0,
+                          ended_streams=lambda since: js.ended_streams("j", since))
+    feed(rec, FAILED.format(code=1, lr=0))
+    feed(rec, RESTART)
+    assert versions[-1].ranks == (0,) and versions[-1].evidence["ranks_are"].startswith("local ranks")
