@@ -130,6 +130,8 @@ class Watchdog:
         if thread is None:
             return True
         thread.join(timeout)
+        if not thread.is_alive():
+            self._close_stragglers(None, "the agent stopped while the rank was flagged")
         return not thread.is_alive()
 
     def _run(self) -> None:
@@ -153,6 +155,7 @@ class Watchdog:
                 self.errors += 1
                 log.exception("watchdog check of job %s failed; continuing", snap.job, extra={"job": snap.job})
         for job in set(self._hang.jobs()) - set(checks):
+            self._close_stragglers(job, "the job ended while the rank was flagged")
             self._hang.forget(job)
             self._straggler.forget(job)
             self._step_s.pop(job, None)
@@ -292,6 +295,15 @@ class Watchdog:
         if start is not None:
             self._actions.record(start.transition(
                 IncidentState.RESOLVED, outcome=f"cleared ({end.id}) after {now - start.detected_at:.0f} s", now=now))
+
+    def _close_stragglers(self, job: str | None, outcome: str) -> None:
+        """Resolve the open straggler incidents of `job` (None: every job): no end event will come."""
+        for key in [k for k in self._stragglers if job is None or k[0] == job]:
+            start = self._stragglers.pop(key)
+            try:
+                self._actions.record(start.transition(IncidentState.RESOLVED, outcome=outcome, now=self._wall()))
+            except Exception:
+                log.exception("closing straggler incident %s failed", start.id)
 
     # ---- metrics -------------------------------------------------------------------------------------
 

@@ -221,6 +221,20 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     assert "straggler" not in _flags(sim)[3]
 
 
+def test_a_straggler_still_flagged_when_the_agent_stops_is_closed_not_left_open(tmp_path):
+    sim = Sim(ranks=4)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path, straggler=StragglerConfig(window_steps=10, persist_steps=3))
+    for _ in range(10):
+        sim.run(7, compute={2: 0.3})
+        wd.check_once()
+    start, = actions.records
+    wd.start()
+    assert wd.stop()
+    closed = actions.records[-1]
+    assert closed.id == start.id and closed.state is IncidentState.RESOLVED and "agent stopped" in closed.outcome
+
+
 def test_pipeline_stages_are_scored_separately(tmp_path):
     sim = Sim(ranks=4, mesh={"pp": 2, "dp": 2})
     actions = Actions()
