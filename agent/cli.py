@@ -110,7 +110,8 @@ def _add_status_and_top(sub) -> None:
                    help="seconds between frames (default 2)")
     p.add_argument("--iterations", type=_positive_int, metavar="N", help="stop after N frames (default: until Ctrl-C)")
     p.add_argument("--metrics-url", default=None, metavar="URL",
-                   help="the agent's Prometheus endpoint, for GPU gauges (default http://127.0.0.1:9478/metrics; "
+                   help="the agent's Prometheus endpoint, for GPU gauges (default: the one --job's run recorded, "
+                        "else http://127.0.0.1:9478/metrics; "
                         "'none' to skip)")
     p.set_defaults(func=_cmd_top)
 
@@ -148,11 +149,11 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_top(args) -> int:
-    from .status_cli import DEFAULT_METRICS_URL, top_command
+    from .status_cli import resolve_metrics_url, top_command
 
-    url = args.metrics_url or DEFAULT_METRICS_URL
+    url = resolve_metrics_url(args.metrics_url, args.job, state_home=args.state_home)
     return top_command(sys.stdout, sys.stderr, _socket(args), job=args.job, interval=args.interval,
-                       iterations=args.iterations, metrics_url=None if url == "none" else url)
+                       iterations=args.iterations, metrics_url=url)
 
 
 def _add_incidents(sub) -> None:

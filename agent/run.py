@@ -44,7 +44,7 @@ from .node_agent import AgentConfig, NodeAgent, watchdog_config
 from .paths import job_state_dir
 from .progress import RESTART_LINE, STEP_LINE, ProgressTracker
 from .restarts import RestartRecorder
-from .status_cli import AGENT_SOCKET_RECORD
+from .status_cli import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from .telemetry import TelemetryServerError
 
 logger = logging.getLogger(__name__)
@@ -208,6 +208,10 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             socket_record = state_dir / AGENT_SOCKET_RECORD
             atomic_write(socket_record, (agent_socket + "\n").encode())  # `status --job` may read it now
             stack.callback(socket_record.unlink, missing_ok=True)
+            if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
+                metrics_record = state_dir / AGENT_METRICS_RECORD
+                atomic_write(metrics_record, (agent.metrics_url + "\n").encode())
+                stack.callback(metrics_record.unlink, missing_ok=True)
             print(f"trainwarden: agent metrics at {agent.metrics_url}", file=out, flush=True)
 
         spec = LaunchSpec(

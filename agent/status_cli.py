@@ -42,6 +42,8 @@ SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
 """The environment variable workers, `status` and `top` read the agent's socket from."""
 AGENT_SOCKET_RECORD = "agent.sock.path"
 """File in a job's state directory holding the socket of the `trainwarden run` serving it."""
+AGENT_METRICS_RECORD = "agent.metrics.url"
+"""File in a job's state directory holding the metrics URL of the `trainwarden run` serving it."""
 DEFAULT_METRICS_URL = "http://127.0.0.1:9478/metrics"
 """The agent's Prometheus endpoint on this node (`top` reads GPU gauges from it)."""
 
@@ -69,6 +71,22 @@ def resolve_socket(explicit: str | os.PathLike | None = None, job: str | None = 
         if recorded and os.path.exists(recorded):
             return Path(recorded)
     return DEFAULT_SOCKET
+
+
+def resolve_metrics_url(explicit: str | None = None, job: str | None = None, *,
+                        state_home: str | os.PathLike | None = None) -> str | None:
+    """The Prometheus endpoint `top` reads GPU gauges from: --metrics-url ("none": none), else the one a
+    running `trainwarden run` of --job recorded, else the daemon's default."""
+    if explicit:
+        return None if explicit == "none" else explicit
+    if job:
+        try:
+            recorded = (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip()
+        except (OSError, ValueError):
+            recorded = ""
+        if recorded:
+            return recorded
+    return DEFAULT_METRICS_URL
 
 
 def _unavailable(socket_path: Path, why: str = "") -> AgentUnavailable:

@@ -94,3 +94,15 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
     assert all(0.5 < float(s["value"][1]) < 2.0 for s in scores), scores  # nobody slowed: all near 1
     flags = query(prom_port, 'trainwarden_straggler{job="prom"}')
     assert len(flags) == 8
+
+    # `trainwarden top --job prom` finds this run's agent and its metrics endpoint from the records the
+    # run keeps in the job's state directory
+    record = tmp_path / "state" / "jobs" / "prom" / "agent.metrics.url"
+    assert record.read_text().strip() == f"http://127.0.0.1:{metrics_port}/metrics"
+    import subprocess
+    top = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "top", "--job", "prom", "--iterations", "1",
+                          "--interval", "0.1", "--state-home", str(tmp_path / "state")],
+                         capture_output=True, text=True, timeout=60, env={k: v for k, v in env.items()
+                                                                           if k != "TRAINWARDEN_AGENT_SOCKET"})
+    assert top.returncode == 0, top.stderr
+    assert "prom" in top.stdout

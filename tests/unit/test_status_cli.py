@@ -110,6 +110,19 @@ def test_socket_resolution_order(tmp_path):
     assert resolve_socket(None, None, env={}, state_home=tmp_path) == DEFAULT_SOCKET
 
 
+def test_metrics_url_resolution_order(tmp_path):
+    from trainwarden.agent.status_cli import AGENT_METRICS_RECORD, DEFAULT_METRICS_URL, resolve_metrics_url
+
+    assert resolve_metrics_url("none", "demo", state_home=tmp_path) is None
+    assert resolve_metrics_url("http://h:1/metrics", "demo", state_home=tmp_path) == "http://h:1/metrics"
+    assert resolve_metrics_url(None, "demo", state_home=tmp_path) == DEFAULT_METRICS_URL
+    record = tmp_path / "jobs" / "demo" / AGENT_METRICS_RECORD
+    record.parent.mkdir(parents=True)
+    record.write_text("http://127.0.0.1:40123/metrics\n")   # a run on a port it picked
+    assert resolve_metrics_url(None, "demo", state_home=tmp_path) == "http://127.0.0.1:40123/metrics"
+    assert resolve_metrics_url(None, None, state_home=tmp_path) == DEFAULT_METRICS_URL
+
+
 def test_missing_socket_is_agent_unavailable_with_what_to_do(tmp_path):
     with pytest.raises(AgentUnavailable, match=r"no agent at unix:.*nope\.sock: start `trainwarden agent` or pass "
                                                r"--socket"):
