@@ -120,6 +120,7 @@ class RankSnapshot:
     tokens_per_second: float
     dropped_total: int
     flags: tuple[str, ...]
+    straggler_score: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +170,7 @@ class _Rank:
         self.prev_dropped = 0
         self.flags: set[str] = set()
         self.goodbye: str | None = None  # the reason the worker gave before its stream ended, if it did
+        self.straggler_score = 0.0  # the watchdog's latest score (0: not scored)
 
     def update_compute(self) -> None:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
@@ -368,6 +370,13 @@ class JobState:
             if state is not None:
                 (state.flags.add if on else state.flags.discard)(flag)
 
+    def set_straggler_score(self, job: str, rank: int, score: float) -> None:
+        """The watchdog's latest straggler score for the rank (shown by `trainwarden status`)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is not None:
+                state.straggler_score = float(score)
+
     def prune(self, idle_seconds: float) -> list[str]:
         """Forget jobs whose ranks have all been disconnected and silent for `idle_seconds`."""
         now = self._clock()
@@ -432,5 +441,5 @@ class JobState:
             checkpoint_stage=r.checkpoint_stage,
             step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
-            flags=tuple(sorted(flags)),
+            flags=tuple(sorted(flags)), straggler_score=r.straggler_score,
         )

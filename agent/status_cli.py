@@ -158,8 +158,8 @@ def _job_line(job: pb.JobStatus) -> str:
             f"  tokens/s {_rate(job.tokens_per_second)}  checkpoint {ckpt}  flags {','.join(job.flags) or '-'}")
 
 
-_STATUS_COLUMNS = ("RANK", "PID", "CONNECTED", "STEP", "SEEN", "P50", "P99", "WAIT", "TOKENS/S", "RESTARTS",
-                   "FLAGS")
+_STATUS_COLUMNS = ("RANK", "PID", "CONNECTED", "STEP", "SEEN", "P50", "P99", "WAIT", "TOKENS/S", "SCORE",
+                   "RESTARTS", "FLAGS")
 
 
 def format_status(reply: pb.StatusReply) -> str:
@@ -170,10 +170,15 @@ def format_status(reply: pb.StatusReply) -> str:
     for job in reply.jobs:
         rows = [(str(r.rank), str(r.pid or "-"), "yes" if r.connected else "no", _step(r.last_step),
                  f"{r.last_seen_seconds_ago:.1f}s ago", _seconds(r.step_p50_seconds), _seconds(r.step_p99_seconds),
-                 f"{r.wait_share:.0%}", _rate(r.tokens_per_second), str(r.restart_count), ",".join(r.flags) or "-")
+                 f"{r.wait_share:.0%}", _rate(r.tokens_per_second), _score(r.straggler_score), str(r.restart_count),
+                 ",".join(r.flags) or "-")
                 for r in sorted(job.ranks, key=lambda r: r.rank)]
         lines += ["", _job_line(job), *_table(_STATUS_COLUMNS, rows)]
     return "\n".join(lines)
+
+
+def _score(score: float) -> str:
+    return f"{score:.2f}" if score > 0 else "-"
 
 
 def _rank_json(r: pb.RankStatus) -> dict:
@@ -181,7 +186,8 @@ def _rank_json(r: pb.RankStatus) -> dict:
             "connected": r.connected, "last_step": r.last_step if r.last_step >= 0 else None,
             "last_seen_seconds_ago": r.last_seen_seconds_ago, "step_p50_seconds": r.step_p50_seconds,
             "step_p99_seconds": r.step_p99_seconds, "wait_share": r.wait_share,
-            "tokens_per_second": r.tokens_per_second, "restart_count": r.restart_count, "flags": list(r.flags)}
+            "tokens_per_second": r.tokens_per_second, "restart_count": r.restart_count, "flags": list(r.flags),
+            "straggler_score": r.straggler_score or None}
 
 
 def status_to_json(reply: pb.StatusReply) -> dict:
@@ -199,7 +205,7 @@ def status_to_json(reply: pb.StatusReply) -> dict:
 GpuStats = dict[int, tuple[float | None, float | None]]
 """GPU index -> (utilization ratio, temperature in °C)."""
 
-_TOP_COLUMNS = ("RANK", "STEP", "P50", "P99", "WAIT", "TOKENS/S", "GPU%", "TEMP", "FLAGS")
+_TOP_COLUMNS = ("RANK", "STEP", "P50", "P99", "WAIT", "TOKENS/S", "SCORE", "GPU%", "TEMP", "FLAGS")
 
 
 def format_top(reply: pb.StatusReply, gpus: GpuStats, *, now: str = "", note: str = "") -> str:
@@ -214,7 +220,7 @@ def format_top(reply: pb.StatusReply, gpus: GpuStats, *, now: str = "", note: st
         for r in sorted(job.ranks, key=lambda r: r.rank):
             util, temp = gpus.get(r.local_rank, (None, None))
             rows.append((str(r.rank), _step(r.last_step), _seconds(r.step_p50_seconds), _seconds(r.step_p99_seconds),
-                         f"{r.wait_share:.0%}", _rate(r.tokens_per_second),
+                         f"{r.wait_share:.0%}", _rate(r.tokens_per_second), _score(r.straggler_score),
                          f"{util:.0%}" if util is not None else "-", f"{temp:.0f}C" if temp is not None else "-",
                          ",".join(r.flags) or ("-" if r.connected else "disconnected")))
         lines += ["", _job_line(job), *_table(_TOP_COLUMNS, rows)]

@@ -356,7 +356,7 @@ def _job_status(job: JobSnapshot, now: float) -> pb.JobStatus:
             last_step=r.last_step, last_seen_seconds_ago=max(0.0, now - r.last_seen_monotonic),
             step_p50_seconds=r.step_p50_seconds, step_p99_seconds=r.step_p99_seconds,
             wait_share=r.wait_share, tokens_per_second=r.tokens_per_second,
-            restart_count=r.restart_count, flags=list(r.flags)))
+            restart_count=r.restart_count, flags=list(r.flags), straggler_score=r.straggler_score))
         flags.update(r.flags)
     if job.ranks:
         p50s = sorted(r.step_p50_seconds for r in job.ranks)

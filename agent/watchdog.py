@@ -193,6 +193,8 @@ class Watchdog:
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=_stage_groups(snap))
         for event in events:
             self._on_straggler(snap, event)
+        for rank, score in self._straggler.scores().get(snap.job, {}).items():
+            self._jobstate.set_straggler_score(snap.job, rank, score.score)
         return check
 
     # ---- hang ----------------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid", "hostname", "connected", "last_step", "last_seen_seconds_ago", "step_p50_seconds", "step_p99_seconds", "wait_share", "tokens_per_second", "restart_count", "flags")
+    __slots__ = ("rank", "local_rank", "pid", "hostname", "connected", "last_step", "last_seen_seconds_ago", "step_p50_seconds", "step_p99_seconds", "wait_share", "tokens_per_second", "restart_count", "flags", "straggler_score")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class RankStatus(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_SCORE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
@@ -232,7 +233,8 @@ class RankStatus(_message.Message):
     tokens_per_second: float
     restart_count: int
     flags: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., connected: _Optional[bool] = ..., last_step: _Optional[int] = ..., last_seen_seconds_ago: _Optional[float] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., wait_share: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., restart_count: _Optional[int] = ..., flags: _Optional[_Iterable[str]] = ...) -> None: ...
+    straggler_score: float
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., connected: _Optional[bool] = ..., last_step: _Optional[int] = ..., last_seen_seconds_ago: _Optional[float] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., wait_share: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., restart_count: _Optional[int] = ..., flags: _Optional[_Iterable[str]] = ..., straggler_score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job", "world_size", "mesh", "last_step", "step_p50_seconds", "step_p99_seconds", "tokens_per_second", "checkpoint_last_step", "ranks", "flags")

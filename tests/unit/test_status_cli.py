@@ -25,7 +25,7 @@ def reply() -> pb.StatusReply:
     ranks = [
         pb.RankStatus(rank=1, local_rank=1, pid=4242, hostname="n1", connected=True, last_step=120,
                       last_seen_seconds_ago=0.4, step_p50_seconds=0.212, step_p99_seconds=0.350, wait_share=0.31,
-                      tokens_per_second=12345.6, restart_count=1, flags=["straggler"]),
+                      tokens_per_second=12345.6, restart_count=1, flags=["straggler"], straggler_score=1.374),
         pb.RankStatus(rank=0, local_rank=0, pid=4241, hostname="n1", connected=True, last_step=121,
                       last_seen_seconds_ago=0.1, step_p50_seconds=0.2, step_p99_seconds=0.25, wait_share=0.05,
                       tokens_per_second=13000.0, restart_count=1),
@@ -45,10 +45,12 @@ def test_status_table_has_a_job_line_and_one_row_per_rank_in_rank_order():
     assert "step 121" in job_line and "checkpoint 100" in job_line and "flags straggler" in job_line
     header = lines.index(job_line) + 1
     assert lines[header].split() == ["RANK", "PID", "CONNECTED", "STEP", "SEEN", "P50", "P99", "WAIT", "TOKENS/S",
-                                     "RESTARTS", "FLAGS"]
+                                     "SCORE", "RESTARTS", "FLAGS"]
     rows = [line.split() for line in lines[header + 1:]]
     assert [r[0] for r in rows] == ["0", "1", "2"]
-    assert rows[1] == ["1", "4242", "yes", "120", "0.4s", "ago", "0.212s", "0.350s", "31%", "12,346", "1", "straggler"]
+    assert rows[1] == ["1", "4242", "yes", "120", "0.4s", "ago", "0.212s", "0.350s", "31%", "12,346", "1.37", "1",
+                       "straggler"]
+    assert rows[0][10] == "-"   # not scored yet
     assert rows[2][:4] == ["2", "-", "no", "-"]  # no pid, no step yet
     # columns are aligned: every row's STEP column starts where the header's does
     start = lines[header].index("STEP")
@@ -66,15 +68,16 @@ def test_json_keeps_numbers_as_numbers_and_missing_steps_as_null():
     assert job["mesh"] == {"dp": 2, "tp": 2}
     assert [r["rank"] for r in job["ranks"]] == [0, 1, 2]
     assert job["ranks"][2]["last_step"] is None and job["ranks"][1]["flags"] == ["straggler"]
+    assert job["ranks"][1]["straggler_score"] == pytest.approx(1.374) and job["ranks"][0]["straggler_score"] is None
     json.dumps(data)
 
 
 def test_top_frame_shows_gpu_per_local_rank_and_dashes_without_one():
     frame = format_top(reply(), {0: (0.87, 71.0), 1: (None, 45.0)}, now="12:00:00")
     rows = {line.split()[0]: line.split() for line in frame.splitlines() if line[:1].isdigit()}
-    assert rows["0"][6:8] == ["87%", "71C"]
-    assert rows["1"][6:9] == ["-", "45C", "straggler"]
-    assert rows["2"][6:9] == ["-", "-", "disconnected"]
+    assert rows["0"][6:9] == ["-", "87%", "71C"]
+    assert rows["1"][6:10] == ["1.37", "-", "45C", "straggler"]
+    assert rows["2"][7:10] == ["-", "-", "disconnected"]
     assert "node n1  12:00:00" in frame.splitlines()[0]
 
 

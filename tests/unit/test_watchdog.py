@@ -202,6 +202,7 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     request = actions.exclusions[("j", "n1")]
     assert request["rank"] == 3 and request["incident"] == start.id and "straggler" in request["reason"]
     assert "straggler" in _flags(sim)[3]
+    assert sim.js.snapshot("j")[0].ranks[3].straggler_score == pytest.approx(1.2, rel=0.02)  # for `status`
     registry = CollectorRegistry()
     registry.register(wd.collector())
     text = generate_latest(registry).decode()
