@@ -15,7 +15,9 @@ peers, and a rank's score is the median of its slice scores over the last `windo
 1.0 means as busy as a typical peer. On the reference job (4 CPU ranks, dp 2 x tp 2) a rank slowed 1.2x
 scores about 1.3-1.4 and one slowed 1.1x about 1.2, while a balanced job's scores have a standard
 deviation of about 0.045 around 1 (rank 0, which also logs and coordinates checkpoints, sits near 1.03);
-hence a start threshold of 1.15 held for 6 steps, and a clear threshold of 1.1 held for 5. The median
+hence a start threshold of 1.15 held for 7 steps over a 14-step window (replayed on a recorded clean
+300-step job the highest 7-step run was 1.12; with 6 steps over 12 it was 1.14, too close; 8 over 16 gave
+1.11 but cleared a 2x straggler too late), and a clear threshold of 1.1 held for 5. The median
 over slices makes one long pause (a garbage collection, a slow checkpoint write on one rank) count as one
 slice, not as a window's worth; the median over peers (not the fastest) keeps one noisy-fast peer from
 inflating every score, and with two ranks it is the other rank. Peers are the ranks doing the same work:
@@ -60,11 +62,11 @@ class StragglerPolicy(str, enum.Enum):
 class StragglerConfig:
     """When a rank counts as a straggler."""
 
-    window_steps: int = 12
+    window_steps: int = 14
     """Length of the sliding window, in step times."""
     start_score: float = 1.15
     """Score above which a step counts towards flagging."""
-    persist_steps: int = 6
+    persist_steps: int = 7
     """Consecutive steps above `start_score` before the rank is flagged."""
     clear_score: float = 1.1
     """Score below which a step counts towards clearing the flag."""
