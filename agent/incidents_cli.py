@@ -51,6 +51,9 @@ def format_incident(incident: Incident) -> str:
              f"  action:    {i.action or '-'}",
              f"  outcome:   {i.outcome or '-'}"]
     evidence = dict(i.evidence)
+    summary = evidence.pop("summary", None)
+    if summary:
+        lines.append(f"  summary:   {summary}")
     verdict = evidence.pop("verdict", None)
     if verdict:
         lines.append(f"  verdict:   {verdict.get('summary', '')}")

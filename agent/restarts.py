@@ -101,6 +101,12 @@ class RestartRecorder:
                     ranks = (first["rank"],)
                     evidence["ranks_are"] = ("global rank whose telemetry stream ended first (the first to fail; "
                                              "its peers followed)")
+                    how = "without a goodbye (killed by a signal or died hard)" if first["how"].startswith("broken") \
+                        else f"saying {first['how'][len('goodbye: '):]!r}"
+                    reported = ", ".join(f"local rank {f['local_rank']} ({f['cause']})" for f in failures)
+                    evidence["summary"] = (f"rank {first['rank']} failed first: its stream ended {how}, "
+                                           f"{len(ended) - 1} other rank(s) followed; torchrun reported "
+                                           f"{reported or 'nothing'}")
         self._since = now
         incident = Incident(
             id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,

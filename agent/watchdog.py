@@ -275,6 +275,10 @@ class Watchdog:
                     "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
                     "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
                     "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
+        verb = "has been" if event.started else "is back in line:"
+        evidence["summary"] = (f"rank {rank} {verb} busy {s.compute_share:.0%} of its time against its peers' "
+                               f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.evaluations} steps"
+                               + (", so they wait for it" if event.started else ""))
         self._jobstate.set_flag(job, rank, "straggler", event.started)
         if event.started:
             action = "alert" if event.policy == StragglerPolicy.ALERT else \

@@ -158,3 +158,15 @@ def test_exclusion_requests_are_recorded_and_withdrawn_in_files_and_etcd(tmp_pat
     assert path.exists()
     down.withdraw_exclusion("demo", "node-3")
     assert not path.exists()
+
+
+def test_show_puts_an_incidents_summary_first(tmp_path):
+    from trainwarden.agent.incidents_cli import format_incident
+
+    ts = 1_790_000_000.0
+    incident = Incident(id=new_incident_id(ts), kind=IncidentKind.STRAGGLER_START, job="demo", node="n1", ranks=(6,),
+                        detected_at=ts, updated_at=ts, evidence={
+                            "summary": "rank 6 has been busy 91% of its time against its peers' 65%", "score": 1.35})
+    text = format_incident(incident)
+    assert "  summary:   rank 6 has been busy 91%" in text and "    score: 1.35" in text
+    assert "summary:" not in text.split("evidence:")[1]

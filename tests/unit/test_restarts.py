@@ -81,6 +81,9 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
     assert [e["rank"] for e in crash.evidence["telemetry_streams_ended"]] == [2, 0]
     assert crash.evidence["telemetry_streams_ended"][1]["how"] == "goodbye: peer gone: Connection reset by peer"
     assert crash.evidence["failed_workers"][0]["local_rank"] == 0   # torchrun's report is kept
+    assert crash.evidence["summary"] == ("rank 2 failed first: its stream ended without a goodbye (killed by a "
+                                         "signal or died hard), 1 other rank(s) followed; torchrun reported "
+                                         "local rank 0 (exit code 1)")
     # the next round only looks at streams that ended after this incident
     assert rec._since == 1001.4
 

@@ -199,6 +199,7 @@ def test_straggler_start_and_end_flag_record_and_export(tmp_path):
     assert start.kind is IncidentKind.STRAGGLER_START and start.ranks == (3,)
     assert start.evidence["score"] == pytest.approx(1.2, rel=0.02) and start.evidence["policy"] == "exclude"
     assert "exclude node host3" in start.action
+    assert start.evidence["summary"].startswith("rank 3 has been busy 100% of its time against its peers' 83%")
     request = actions.exclusions[("j", "n1")]
     assert request["rank"] == 3 and request["incident"] == start.id and "straggler" in request["reason"]
     assert "straggler" in _flags(sim)[3]
