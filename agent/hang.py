@@ -85,6 +85,8 @@ class HangCheck:
     """Which deadline applied: "steady", "startup" or "checkpoint"."""
     steps_since_start: int
     """Steps completed since the current worker round started (max over ranks)."""
+    min_steps_since_start: int = 0
+    """Steps every rank has completed since the round started (min over ranks)."""
     progressed: bool
     """The job progressed in this observation."""
 
@@ -133,7 +135,8 @@ class HangDetector:
             state.last_progress = now  # not running: the clock is paused
         if progressed:
             state.armed = True
-        steps = max((state.counts[r] - state.baseline[r] for r in state.counts), default=0)
+        done = [state.counts[r] - state.baseline[r] for r in state.counts]
+        steps = max(done, default=0)
         timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
         if steps < self.config.warmup_steps and self.config.startup_s > timeout:
             timeout, reason = self.config.startup_s, "startup"
@@ -144,7 +147,8 @@ class HangDetector:
         if hung:
             state.armed = False
         return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
-                         steps_since_start=steps, progressed=progressed)
+                         steps_since_start=steps, min_steps_since_start=min(done, default=0),
+                         progressed=progressed)
 
     def forget(self, job: str) -> None:
         """Drop a job that disappeared."""

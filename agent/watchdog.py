@@ -108,7 +108,6 @@ class Watchdog:
         self._acting: dict[str, tuple[Incident, float]] = {}  # job -> hang incident waiting for progress
         self._stragglers: dict[tuple[str, int], Incident] = {}
         self._step_s: dict[str, float] = {}  # last median step time per job
-        self._round_steps: dict[str, tuple] = {}  # job -> (round id, step count per rank when it began)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
@@ -159,16 +158,14 @@ class Watchdog:
             self._hang.forget(job)
             self._straggler.forget(job)
             self._step_s.pop(job, None)
-            self._round_steps.pop(job, None)
             self._acting.pop(job, None)
         with self._lock:
             self._published = (checks, self._straggler.scores())
 
     def _check_job(self, snap: JobSnapshot) -> HangCheck:
         connected = [r for r in snap.ranks if r.connected]
-        round_id = tuple(sorted((r.rank, r.pid) for r in snap.ranks))
         check = self._hang.observe(
-            snap.job, round_id=round_id,
+            snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
             in_checkpoint=any(r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES for r in connected),
@@ -184,12 +181,8 @@ class Watchdog:
         else:  # the ranks have gone (the job ended): their last data still counts, at the last step time
             step_s = self._step_s.get(snap.job, 0.0)
         intervals = self._jobstate.take_intervals(snap.job)
-        started = self._round_steps.get(snap.job)
-        if started is None or started[0] != round_id:  # new workers: count their steps from here
-            started = self._round_steps[snap.job] = (round_id, {r.rank: r.step_count for r in snap.ranks})
-        warmup = self.config.straggler.warmup_steps
-        if any(r.step_count - started[1].get(r.rank, 0) < warmup for r in connected):
-            intervals = {}  # start-up (first steps, restore, compilation) is not a straggler's doing
+        if check.min_steps_since_start < self.config.straggler.warmup_steps:
+            intervals = {}  # start-up of a worker round (first steps, restore) is not a straggler's doing
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=_stage_groups(snap))
         for event in events:
             self._on_straggler(snap, event)
