@@ -197,7 +197,7 @@ class JobState:
             raise ValueError(f"recent_steps must be at least 2, got {recent_steps}")
         self._clock = clock
         self._wall = wall
-        self._ended: dict[str, deque] = {}  # job -> (wall time, rank, pid, how) of streams that ended
+        self._ended: dict[str, deque] = {}  # job -> (wall time, rank, pid, goodbye or None) of ended streams
         self._recent_steps = recent_steps
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -236,8 +236,7 @@ class JobState:
             state = self._rank(job, rank)
             if state is not None and state.info.pid == pid:
                 state.connected = False
-                how = f"goodbye: {state.goodbye}" if state.goodbye is not None else "broken (no goodbye)"
-                self._ended.setdefault(job, deque(maxlen=4096)).append((self._wall(), rank, pid, how))
+                self._ended.setdefault(job, deque(maxlen=4096)).append((self._wall(), rank, pid, state.goodbye))
 
     def goodbye(self, job: str, rank: int, pid: int, reason: str) -> None:
         """The worker says it is leaving (an orderly exit, unlike a stream that just breaks)."""
@@ -250,8 +249,9 @@ class JobState:
         """Streams of `job` that ended at or after wall time `since`, oldest first: who left first, and
         whether it said goodbye (a worker killed by a signal cannot)."""
         with self._lock:
-            return [{"rank": rank, "pid": pid, "ended_at": round(at, 3), "how": how}
-                    for at, rank, pid, how in self._ended.get(job, ()) if at >= since]
+            return [{"rank": rank, "pid": pid, "ended_at": round(at, 3), "goodbye": goodbye,
+                     "how": f"goodbye: {goodbye}" if goodbye is not None else "broken (no goodbye)"}
+                    for at, rank, pid, goodbye in self._ended.get(job, ()) if at >= since]
 
     def record_step(self, job: str, rank: int, *, index: int, start_unix: float, duration_seconds: float,
                     tokens: int = 0) -> None:

@@ -30,8 +30,8 @@ from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
 
 __all__ = ["RestartRecorder", "WORKER_FAILED_LINE"]
 
-PEER_GONE = "goodbye: peer gone"
-"""How `JobState.ended_streams` describes a worker that left because a peer had failed."""
+PEER_GONE = "peer gone"
+"""How a worker's goodbye starts when it left because a peer had failed (`runtime.goodbye`)."""
 WORKER_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -97,12 +97,13 @@ class RestartRecorder:
             if ended:
                 evidence["telemetry_streams_ended"] = ended
                 first = ended[0]
-                if not first["how"].startswith(PEER_GONE):
+                goodbye = first["goodbye"]
+                if not (goodbye or "").startswith(PEER_GONE):
                     ranks = (first["rank"],)
                     evidence["ranks_are"] = ("global rank whose telemetry stream ended first (the first to fail; "
                                              "its peers followed)")
-                    how = "without a goodbye (killed by a signal or died hard)" if first["how"].startswith("broken") \
-                        else f"saying {first['how'][len('goodbye: '):]!r}"
+                    how = "without a goodbye (killed by a signal or died hard)" if goodbye is None \
+                        else f"saying {goodbye!r}"
                     reported = ", ".join(f"local rank {f['local_rank']} ({f['cause']})" for f in failures)
                     evidence["summary"] = (f"rank {first['rank']} failed first: its stream ended {how}, "
                                            f"{len(ended) - 1} other rank(s) followed; torchrun reported "
