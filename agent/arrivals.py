@@ -84,10 +84,9 @@ class ArrivalMatcher:
         self._members[group] = frozenset(int(r) for r in ranks)
 
     def reset(self) -> None:
-        """Forget every arrival (a new worker round: sequence ids start again)."""
-        members = self._members
-        self.__init__(expire_s=self._expire_ns / 1e9)
-        self._members = members
+        """Forget every arrival (a new worker round: sequence ids start again); group members stay."""
+        self._keys.clear()
+        self._ranks.clear()
 
     def add(self, rank: int, arrivals: Iterable[Arrival], *, continues: bool) -> None:
         state = self._ranks.setdefault(rank, _Rank())

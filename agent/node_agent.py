@@ -17,7 +17,6 @@ Stopping is the reverse of starting, and every part's ``stop`` is called even if
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import threading

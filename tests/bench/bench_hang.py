@@ -21,12 +21,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _procs import stop_group
 
 STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bstep (\d+) loss ")
 FAULT = "hang:rank=2,step=15"
@@ -63,13 +64,7 @@ def _run(cmd: list[str], env: dict, log_path: Path, deadline_s: float, state_dir
             time.sleep(0.5)
         return proc.poll()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
 
 
 def trainwarden(root: Path, nproc: int, bound: float) -> dict:

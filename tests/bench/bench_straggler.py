@@ -21,12 +21,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _procs import stop_group
 
 SLOW_FROM, SLOW_UNTIL, SLOW_RANK = 20, 70, 1
 
@@ -47,13 +48,7 @@ def _run_job(root: Path, job: str, faults: str, nproc: int, steps: int, timeout:
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
     directory = root / "jobs" / job / "incidents"
     found = [json.loads(p.read_text()) for p in directory.glob("*.json")] if directory.exists() else []
     return rc, sorted((i for i in found if i["kind"].startswith("straggler")), key=lambda i: i["detected_at"])
