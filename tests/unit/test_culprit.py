@@ -1,6 +1,7 @@
 import faulthandler
 import os
 import pickle
+import sys
 import threading
 import time
 
@@ -114,15 +115,34 @@ def test_positions_from_a_flight_recorder_trace():
     assert set(pos) == {"0", "1", "2/p2p", "3"}
 
 
+def _parked(ident, name, depth=3, timeout=5.0):
+    """Wait until thread `ident` is blocked with `name` among its top `depth` frames."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame, names = sys._current_frames().get(ident), []
+        while frame is not None and len(names) < depth:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if name in names:
+            return
+        time.sleep(0.001)
+
+
 def _training_step_that_hangs(path):
+    main = threading.main_thread().ident
+
     def answer_diagnostics():  # like the telemetry thread answering DumpDiagnostics (runtime/session.py)
+        _parked(main, "_training_step_that_hangs")  # not while the main thread is still inside start()
         with open(path, "w") as f:
-            f.write(f"# trainwarden main_thread=0x{threading.main_thread().ident:016x}\n")
+            f.write(f"# trainwarden main_thread=0x{main:016x}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        done.set()
 
+    done = threading.Event()
     t = threading.Thread(target=answer_diagnostics)
     t.start()
+    done.wait()
     t.join()
 
 
@@ -162,7 +182,6 @@ def test_read_diagnostics_parses_dumps_and_refuses_code(tmp_path):
 
 def test_process_state_of_a_stopped_and_a_dead_worker(procs, tmp_path):
     import signal
-    import sys
 
     from trainwarden.agent.culprit import process_state
 
