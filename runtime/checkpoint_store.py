@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainwarden.agent.files import atomic_write
+from trainwarden.agent.proto.atomic_file import atomic_write
 from typing import Iterable, Sequence
 
 __all__ = [

@@ -51,6 +51,6 @@ class CheckpointPublisher:
     def _connect(self):
         if self._store_factory is not None:
             return self._store_factory()
-        from trainwarden.agent.jobstore import JobStore, connect
+        from trainwarden.agent.etcd.job_records import JobStore, connect
 
         return JobStore(connect(self.endpoint, timeout=5.0), endpoint=self.endpoint)

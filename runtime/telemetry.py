@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 import grpc
 
-from trainwarden.agent.exit_codes import EXIT_ABORTED  # one table of exit codes for CLI and workers
+from trainwarden.agent.common.exit_codes import EXIT_ABORTED  # one table of exit codes for CLI and workers
 from trainwarden.agent.proto import telemetry_pb2 as pb
 
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder

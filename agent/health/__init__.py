@@ -1,7 +1,7 @@
 """Node health for the agent: GPUs through NVML, the host through psutil.
 
 Each sampler reads its source on its own daemon thread and is also a prometheus_client collector that
-formats the latest reading at scrape time (register it with ``trainwarden.agent.exporter.build_registry``).
+formats the latest reading at scrape time (register it with ``trainwarden.agent.metrics.exporter.build_registry``).
 ``GpuHealthSampler.unhealthy_reasons()`` is the GPU verdict the agent uses to cordon a node.
 """
 

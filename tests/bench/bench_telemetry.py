@@ -37,8 +37,8 @@ from pathlib import Path
 
 AGENT = """
 import sys, time
-from trainwarden.agent.jobstate import JobState
-from trainwarden.agent.telemetry import TelemetryServer
+from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.telemetry.server import TelemetryServer
 TelemetryServer(sys.argv[1], JobState()).start()
 print("serving", flush=True)
 time.sleep(3600)

@@ -67,7 +67,7 @@ def test_failing_job_exits_nonzero_after_budget(tmp_path, procs):
 
 
 def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
-    from trainwarden.agent.etcd_server import free_port
+    from trainwarden.agent.etcd.embedded import free_port
 
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(

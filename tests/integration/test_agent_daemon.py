@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from procs import wait_for
-from trainwarden.agent import exit_codes
+from trainwarden.agent.common import exit_codes
 from trainwarden.runtime.session import init
 
 pytestmark = pytest.mark.integration

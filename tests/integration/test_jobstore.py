@@ -2,8 +2,8 @@
 
 import pytest
 
-from trainwarden.agent.etcd_client import split_endpoint
-from trainwarden.agent.jobstore import JobStore, JobStoreUnavailable, connect
+from trainwarden.agent.etcd.client import split_endpoint
+from trainwarden.agent.etcd.job_records import JobStore, JobStoreUnavailable, connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -20,7 +20,7 @@ def test_job_records_survive_an_etcd_restart(etcd_server):
 
 
 def test_unreachable_and_malformed_endpoints():
-    from trainwarden.agent.etcd_server import free_port
+    from trainwarden.agent.etcd.embedded import free_port
 
     with pytest.raises(JobStoreUnavailable, match="cannot reach etcd at 127.0.0.1:"):
         connect(f"127.0.0.1:{free_port()}", timeout=1.0)

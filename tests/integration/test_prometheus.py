@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from procs import wait_for
-from trainwarden.agent.etcd_server import free_port
+from trainwarden.agent.etcd.embedded import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt_helpers import gpt_env  # noqa: E402

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from fake_nvml import NVML_ERROR_NOT_SUPPORTED, FakeGpu, FakeNvml
-from trainwarden.agent.exporter import AgentInfoCollector, MetricsExporter, build_registry
+from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
 
 PROMTOOL = shutil.which("promtool")

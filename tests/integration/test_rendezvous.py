@@ -18,9 +18,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from trainwarden.agent.etcd_server import EmbeddedEtcd, free_port
-from trainwarden.agent.etcd_store import Etcd3Store
-from trainwarden.agent.rendezvous import (
+from trainwarden.agent.etcd.embedded import EmbeddedEtcd, free_port
+from trainwarden.agent.rendezvous.store import Etcd3Store
+from trainwarden.agent.rendezvous.backend import (
     DEFAULT_KEY_PREFIX,
     Etcd3RendezvousBackend,
     Etcd3RendezvousConfig,

@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import wait_for
-from trainwarden.agent.jobstate import JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto import telemetry_pb2_grpc
-from trainwarden.agent.telemetry import SERVICE_NAME, TelemetryServer
+from trainwarden.agent.telemetry.server import SERVICE_NAME, TelemetryServer
 from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
 from trainwarden.runtime.session import init
 
@@ -88,8 +88,8 @@ def test_malformed_oversized_and_helloless_streams_are_rejected_and_counted(serv
 
 AGENT_SCRIPT = """
 import sys, time
-from trainwarden.agent.jobstate import JobState
-from trainwarden.agent.telemetry import TelemetryServer
+from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.telemetry.server import TelemetryServer
 TelemetryServer(sys.argv[1], JobState()).start()
 print("serving", flush=True)
 time.sleep(600)

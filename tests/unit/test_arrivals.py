@@ -1,6 +1,6 @@
 import pytest
 
-from trainwarden.agent.arrivals import Arrival, ArrivalMatcher, Interval
+from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
 
 pytestmark = pytest.mark.timeout(30)
 S = 1_000_000_000

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from trainwarden.agent import exit_codes
-from trainwarden.agent.cli import build_parser, main
-from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore, new_incident_id
-from trainwarden.agent.paths import job_state_dir
+from trainwarden.agent.common import exit_codes
+from trainwarden.agent.cli.main import build_parser, main
+from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentStore, new_incident_id
+from trainwarden.agent.common.paths import job_state_dir
 
 pytestmark = pytest.mark.timeout(30)
 

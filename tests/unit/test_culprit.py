@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trainwarden.agent.culprit import (GroupPosition, RankEvidence, main_thread_frames, name_culprit,
+from trainwarden.agent.watchdog.culprit import (GroupPosition, RankEvidence, main_thread_frames, name_culprit,
                                        positions_from_trace, read_diagnostics)
 
 pytestmark = pytest.mark.timeout(30)
@@ -183,7 +183,7 @@ def test_read_diagnostics_parses_dumps_and_refuses_code(tmp_path):
 def test_process_state_of_a_stopped_and_a_dead_worker(procs, tmp_path):
     import signal
 
-    from trainwarden.agent.culprit import process_state
+    from trainwarden.agent.watchdog.culprit import process_state
 
     proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "sleeper.log")
     assert process_state(proc.pid) == "no_answer"

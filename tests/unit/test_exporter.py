@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainwarden.agent import __version__
-from trainwarden.agent.exporter import (
+from trainwarden.agent.metrics.exporter import (
     DEFAULT_METRICS_PORT,
     AgentInfoCollector,
     ExporterError,

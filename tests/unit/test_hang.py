@@ -1,6 +1,6 @@
 import pytest
 
-from trainwarden.agent.hang import HangConfig, HangDetector
+from trainwarden.agent.watchdog.hang import HangConfig, HangDetector
 
 pytestmark = pytest.mark.timeout(30)
 

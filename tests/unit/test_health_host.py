@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainwarden.agent.exporter import build_registry
+from trainwarden.agent.metrics.exporter import build_registry
 from trainwarden.agent.health import HostHealthConfig, HostHealthSampler
 
 pytestmark = pytest.mark.timeout(30)

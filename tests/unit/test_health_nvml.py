@@ -19,7 +19,7 @@ from fake_nvml import (
     FakeHandle,
     FakeNvml,
 )
-from trainwarden.agent.exporter import build_registry
+from trainwarden.agent.metrics.exporter import build_registry
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler
 from trainwarden.agent.health.xid import XidListener
 

@@ -5,10 +5,10 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from trainwarden.agent.incidents import (IllegalIncidentTransition, Incident, IncidentCollector, IncidentKind,
+from trainwarden.agent.incidents.store import (IllegalIncidentTransition, Incident, IncidentCollector, IncidentKind,
                                          IncidentState, IncidentStore, list_incidents, new_incident_id)
-from trainwarden.agent.incidents_cli import incidents_list, incidents_show
-from trainwarden.agent.paths import job_state_dir
+from trainwarden.agent.cli.incidents import incidents_list, incidents_show
+from trainwarden.agent.common.paths import job_state_dir
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -74,7 +74,7 @@ def test_store_writes_files_mirrors_to_etcd_counts_and_logs(tmp_path, caplog):
     etcd = FakeEtcd()
     store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path), etcd=etcd, collector=collector)
     inc = _hang()
-    with caplog.at_level(logging.WARNING, logger="trainwarden.agent.incidents"):
+    with caplog.at_level(logging.WARNING, logger="trainwarden.agent.incidents.store"):
         store.record(inc)
         store.record(inc.transition(IncidentState.ACTING, action="abort"))  # same incident, newer version
     path = tmp_path / "jobs" / "demo" / "incidents" / f"{inc.id}.json"
@@ -134,7 +134,7 @@ def test_cli_table_json_and_show(tmp_path):
 
 def test_unwritable_state_dir_does_not_stop_the_record(tmp_path):
     """A full disk or a bad state directory must not veto the action (abort) that follows the record."""
-    from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore
+    from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentStore
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the state directory should be")
@@ -161,7 +161,7 @@ def test_exclusion_requests_are_recorded_and_withdrawn_in_files_and_etcd(tmp_pat
 
 
 def test_show_puts_an_incidents_summary_first(tmp_path):
-    from trainwarden.agent.incidents_cli import format_incident
+    from trainwarden.agent.cli.incidents import format_incident
 
     ts = 1_790_000_000.0
     incident = Incident(id=new_incident_id(ts), kind=IncidentKind.STRAGGLER_START, job="demo", node="n1", ranks=(6,),

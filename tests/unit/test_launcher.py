@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from trainwarden.agent.launcher import LaunchSpec, parse_nnodes, torchrun_command, worker_environment
+from trainwarden.agent.launch.torchrun import LaunchSpec, parse_nnodes, torchrun_command, worker_environment
 
 pytestmark = pytest.mark.timeout(30)
 

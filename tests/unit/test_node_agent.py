@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trainwarden.agent.node_agent import AgentActions
+from trainwarden.agent.node.agent import AgentActions
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,7 +1,7 @@
 import pytest
 
-from trainwarden.agent.job import IllegalTransition, JobPhase, JobRecord
-from trainwarden.agent.progress import ProgressTracker
+from trainwarden.agent.common.job_lifecycle import IllegalTransition, JobPhase, JobRecord
+from trainwarden.agent.launch.progress import ProgressTracker
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,7 +64,7 @@ def test_supervisor_gone_tells_a_leftover_from_a_live_run():
 
     import psutil
 
-    from trainwarden.agent.job import supervisor_gone
+    from trainwarden.agent.common.job_lifecycle import supervisor_gone
 
     me = {"host": "h", "pid": os.getpid(), "started": psutil.Process().create_time()}
     assert not supervisor_gone(me, host="h")                      # alive: really running

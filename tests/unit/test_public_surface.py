@@ -8,9 +8,9 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 AGENT_MODULES = [
-    "trainwarden.agent", "trainwarden.agent.cli", "trainwarden.agent.run", "trainwarden.agent.node_agent",
-    "trainwarden.agent.daemon", "trainwarden.agent.status_cli", "trainwarden.agent.watchdog",
-    "trainwarden.agent.exporter", "trainwarden.agent.health", "trainwarden.agent.telemetry",
+    "trainwarden.agent", "trainwarden.agent.cli", "trainwarden.agent.launch.run", "trainwarden.agent.node.agent",
+    "trainwarden.agent.node.daemon", "trainwarden.agent.cli.status", "trainwarden.agent.watchdog.loop",
+    "trainwarden.agent.metrics.exporter", "trainwarden.agent.health", "trainwarden.agent.telemetry.server",
 ]
 
 

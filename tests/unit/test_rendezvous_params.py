@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from trainwarden.agent.rendezvous import (
+from trainwarden.agent.rendezvous.backend import (
     DEFAULT_KEY_PREFIX,
     Etcd3RendezvousBackend,
     Etcd3RendezvousConfig,

@@ -1,7 +1,7 @@
 import pytest
 
-from trainwarden.agent.incidents import IncidentKind, IncidentState
-from trainwarden.agent.restarts import RestartRecorder
+from trainwarden.agent.incidents.store import IncidentKind, IncidentState
+from trainwarden.agent.incidents.worker_failures import RestartRecorder
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -60,7 +60,7 @@ def test_a_second_restart_before_any_step_fails_the_first_incident():
 
 
 def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_first():
-    from trainwarden.agent.jobstate import JobState, WorkerInfo
+    from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
 
     now = [1000.0]
     js = JobState(wall=lambda: now[0])
@@ -89,7 +89,7 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
 
 
 def test_when_the_first_to_leave_left_for_a_lost_peer_torchruns_report_stands():
-    from trainwarden.agent.jobstate import JobState, WorkerInfo
+    from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
 
     js = JobState(wall=lambda: 1001.0)
     js.connect(WorkerInfo(job="j", rank=0, world_size=2, pid=100))

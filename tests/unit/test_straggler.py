@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from trainwarden.agent.arrivals import Arrival, ArrivalMatcher
-from trainwarden.agent.straggler import StragglerConfig, StragglerDetector, StragglerPolicy
+from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher
+from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerPolicy
 
 pytestmark = pytest.mark.timeout(30)
 STEP = 0.25

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainwarden.agent.jobstate import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobState, WorkerInfo
 
 
 class FakeClock:
@@ -118,7 +118,7 @@ def test_checkpoints_rejections_and_unknown_ranks():
 
 @pytest.mark.timeout(10)
 def test_arrivals_become_intervals_and_a_new_round_starts_matching_afresh():
-    from trainwarden.agent.arrivals import Arrival
+    from trainwarden.agent.telemetry.arrivals import Arrival
 
     js = JobState(clock=FakeClock())
     for r in (0, 1):

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainwarden.agent.job_metrics import JobMetricsCollector
-from trainwarden.agent.jobstate import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.metrics.job_collector import JobMetricsCollector
+from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobState, WorkerInfo
 
 ALLOWED_LABELS = {"job", "node", "rank", "op", "reason", "le"}
 

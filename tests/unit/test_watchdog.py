@@ -5,12 +5,12 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from trainwarden.agent.hang import HangConfig
-from trainwarden.agent.incidents import IncidentKind, IncidentState
-from trainwarden.agent.arrivals import Arrival
-from trainwarden.agent.jobstate import JobState, WorkerInfo
-from trainwarden.agent.straggler import StragglerConfig, StragglerPolicy
-from trainwarden.agent.watchdog import Watchdog, WatchdogConfig
+from trainwarden.agent.watchdog.hang import HangConfig
+from trainwarden.agent.incidents.store import IncidentKind, IncidentState
+from trainwarden.agent.telemetry.arrivals import Arrival
+from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
+from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
+from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 
 pytestmark = pytest.mark.timeout(30)
 STACKS = """Thread 0x00007f0000000002 (most recent call first):

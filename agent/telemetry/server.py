@@ -40,9 +40,9 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .arrivals import Arrival
-from .jobstate import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobState, WorkerInfo
-from .proto import telemetry_pb2 as pb
+from trainwarden.agent.telemetry.arrivals import Arrival
+from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobState, WorkerInfo
+from trainwarden.agent.proto import telemetry_pb2 as pb
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 

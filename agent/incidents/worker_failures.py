@@ -25,8 +25,8 @@ import socket
 import time
 from typing import Callable
 
-from .exit_codes import EXIT_ABORTED
-from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.common.exit_codes import EXIT_ABORTED
+from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentState, new_incident_id
 
 __all__ = ["RestartRecorder", "WORKER_FAILED_LINE"]
 

@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .jobstate import STEP_BUCKETS, JobState
+from trainwarden.agent.telemetry.job_telemetry import STEP_BUCKETS, JobState
 
 __all__ = ["JobMetricsCollector"]
 

@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .files import atomic_write
-from .keys import DEFAULT_PREFIX, job_key
-from .paths import default_state_home, job_state_dir
+from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
+from trainwarden.agent.common.paths import default_state_home, job_state_dir
 
 __all__ = ["DEFAULT_PREFIX", "IllegalIncidentTransition", "Incident", "IncidentCollector", "IncidentKind",
            "IncidentState", "IncidentStore", "list_incidents", "new_incident_id"]

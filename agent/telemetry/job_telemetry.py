@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from .arrivals import Arrival, ArrivalMatcher, Interval
+from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
 
 __all__ = [
     "CHECKPOINT_STAGES",

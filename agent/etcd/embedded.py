@@ -143,7 +143,7 @@ class EmbeddedEtcd:
         raise EtcdStartError(f"etcd did not become healthy within {self._start_timeout:.0f}s; see {self.log_path}")
 
     def _probe(self) -> bool:
-        from .etcd_client import open_client  # local import: only needed once a server is up
+        from trainwarden.agent.etcd.client import open_client  # local import: only needed once a server is up
 
         try:
             client = open_client(self.host, self.client_port, timeout=2.0, connect_timeout=0.5)

@@ -35,12 +35,12 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .culprit import RankEvidence, name_culprit, process_state, read_diagnostics
-from .hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
-from .incidents import Incident, IncidentKind, IncidentState, new_incident_id
-from .jobstate import JobSnapshot
-from .paths import job_state_dir
-from .straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
+from trainwarden.agent.watchdog.culprit import RankEvidence, name_culprit, process_state, read_diagnostics
+from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
+from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
 

@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
-from .arrivals import Interval
+from trainwarden.agent.telemetry.arrivals import Interval
 
 __all__ = ["RankScore", "StragglerConfig", "StragglerDetector", "StragglerEvent", "StragglerPolicy"]
 

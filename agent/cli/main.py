@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from . import __version__, exit_codes
+from trainwarden.agent import __version__
+from trainwarden.agent.common import exit_codes
 
 __all__ = ["main"]
 
@@ -65,7 +66,7 @@ def _add_run(sub) -> None:
 
 
 def _cmd_run(args) -> int:
-    from .run import RunOptions, run
+    from trainwarden.agent.launch.run import RunOptions, run
 
     script = list(args.script)
     if script and script[0] == "--":
@@ -137,19 +138,19 @@ def _positive_int(text: str) -> int:
 
 
 def _socket(args):
-    from .status_cli import resolve_socket
+    from trainwarden.agent.cli.status import resolve_socket
 
     return resolve_socket(args.socket, args.job, state_home=args.state_home)
 
 
 def _cmd_status(args) -> int:
-    from .status_cli import status_command
+    from trainwarden.agent.cli.status import status_command
 
     return status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
 
 
 def _cmd_top(args) -> int:
-    from .status_cli import resolve_metrics_url, top_command
+    from trainwarden.agent.cli.status import resolve_metrics_url, top_command
 
     url = resolve_metrics_url(args.metrics_url, args.job, state_home=args.state_home)
     return top_command(sys.stdout, sys.stderr, _socket(args), job=args.job, interval=args.interval,
@@ -174,8 +175,8 @@ def _add_incidents(sub) -> None:
 
 
 def _cmd_incidents(args) -> int:
-    from .incidents_cli import incidents_list
-    from .paths import validate_job_name
+    from trainwarden.agent.cli.incidents import incidents_list
+    from trainwarden.agent.common.paths import validate_job_name
 
     if args.job:
         try:
@@ -187,13 +188,13 @@ def _cmd_incidents(args) -> int:
 
 
 def _cmd_incidents_show(args) -> int:
-    from .incidents_cli import incidents_show
+    from trainwarden.agent.cli.incidents import incidents_show
 
     return incidents_show(sys.stdout, args.id, root=args.state_home, as_json=args.json, err=sys.stderr)
 
 
 def _add_agent(sub) -> None:
-    from .status_cli import DEFAULT_SOCKET
+    from trainwarden.agent.cli.status import DEFAULT_SOCKET
 
     p = sub.add_parser("agent", help="run the node agent daemon (telemetry socket, metrics, watchdog)",
                        description="Run the node agent until SIGTERM/SIGINT: workers stream telemetry to --socket, "
@@ -218,8 +219,8 @@ def _add_agent(sub) -> None:
 def _cmd_agent(args) -> int:
     from pathlib import Path
 
-    from .daemon import DaemonOptions, check, run_daemon
-    from .node_agent import AgentConfig, watchdog_config
+    from trainwarden.agent.node.daemon import DaemonOptions, check, run_daemon
+    from trainwarden.agent.node.agent import AgentConfig, watchdog_config
 
     if args.check:
         return check(Path(args.socket))

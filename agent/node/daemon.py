@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from . import exit_codes
-from .node_agent import AgentConfig, NodeAgent
-from .status_cli import check_agent
+from trainwarden.agent.common import exit_codes
+from trainwarden.agent.node.agent import AgentConfig, NodeAgent
+from trainwarden.agent.cli.status import check_agent
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +80,16 @@ class _NoSignals:
 
 
 def _connect_etcd(endpoint: str):
-    from .jobstore import connect
+    from trainwarden.agent.etcd.job_records import connect
 
     return connect(endpoint)  # accepts [http://]host:port and says so when it is anything else
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
-    from .exporter import ExporterError
-    from .jobstore import JobStoreUnavailable
-    from .telemetry import TelemetryServerError
+    from trainwarden.agent.metrics.exporter import ExporterError
+    from trainwarden.agent.etcd.job_records import JobStoreUnavailable
+    from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
     config = options.agent

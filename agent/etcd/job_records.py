@@ -11,8 +11,8 @@ import json
 import logging
 from typing import Any
 
-from .etcd_client import open_client, split_endpoint
-from .keys import DEFAULT_PREFIX, job_key
+from trainwarden.agent.etcd.client import open_client, split_endpoint
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 

@@ -90,9 +90,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 
-from .etcd_client import EtcdUnreachable, open_client  # noqa: E402
-from .etcd_store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
-from .keys import DEFAULT_PREFIX, job_key  # noqa: E402
+from trainwarden.agent.etcd.client import EtcdUnreachable, open_client  # noqa: E402
+from trainwarden.agent.rendezvous.store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

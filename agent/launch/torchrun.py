@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from .paths import validate_job_name
+from trainwarden.agent.common.paths import validate_job_name
 
 logger = logging.getLogger(__name__)
 

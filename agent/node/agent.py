@@ -27,18 +27,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 
-from . import __version__
-from .culprit import process_state
-from .exporter import AgentInfoCollector, MetricsExporter, build_registry
-from .health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
-from .incidents import Incident, IncidentCollector, IncidentStore
-from .job_metrics import JobMetricsCollector
-from .jobstate import JobState
-from .paths import job_state_dir
-from .proto import telemetry_pb2 as pb
-from .straggler import StragglerConfig, StragglerPolicy
-from .telemetry import TelemetryServer
-from .watchdog import Watchdog, WatchdogConfig
+from trainwarden.agent import __version__
+from trainwarden.agent.watchdog.culprit import process_state
+from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
+from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
+from trainwarden.agent.incidents.store import Incident, IncidentCollector, IncidentStore
+from trainwarden.agent.metrics.job_collector import JobMetricsCollector
+from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
+from trainwarden.agent.telemetry.server import TelemetryServer
+from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import json
 import os
 from typing import TextIO
 
-from . import exit_codes
-from .incidents import Incident, list_incidents
+from trainwarden.agent.common import exit_codes
+from trainwarden.agent.incidents.store import Incident, list_incidents
 
 __all__ = ["format_incident", "format_table", "incidents_list", "incidents_show"]
 

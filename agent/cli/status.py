@@ -25,9 +25,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Mapping, TextIO
 
-from . import exit_codes
-from .paths import job_state_dir
-from .proto import telemetry_pb2 as pb
+from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.proto import telemetry_pb2 as pb
 
 __all__ = [
     "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV", "AgentUnavailable",

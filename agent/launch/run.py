@@ -31,21 +31,21 @@ from typing import TextIO
 
 import psutil
 
-from . import exit_codes
-from .etcd_client import split_endpoint
-from .etcd_server import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
-from .exporter import ExporterError
-from .files import atomic_write
-from .incidents import list_incidents
-from .job import JobPhase, JobRecord, supervisor_gone
-from .jobstore import JobStore, JobStoreUnavailable, connect
-from .launcher import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
-from .node_agent import AgentConfig, NodeAgent, watchdog_config
-from .paths import job_state_dir
-from .progress import RESTART_LINE, STEP_LINE, ProgressTracker
-from .restarts import RestartRecorder
-from .status_cli import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
-from .telemetry import TelemetryServerError
+from trainwarden.agent.common import exit_codes
+from trainwarden.agent.etcd.client import split_endpoint
+from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
+from trainwarden.agent.metrics.exporter import ExporterError
+from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.incidents.store import list_incidents
+from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
+from trainwarden.agent.etcd.job_records import JobStore, JobStoreUnavailable, connect
+from trainwarden.agent.launch.torchrun import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
+from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.launch.progress import RESTART_LINE, STEP_LINE, ProgressTracker
+from trainwarden.agent.incidents.worker_failures import RestartRecorder
+from trainwarden.agent.cli.status import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
+from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
 

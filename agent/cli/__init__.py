@@ -1,0 +1,2 @@
+"""TODO"""
+from trainwarden.agent.cli.main import main

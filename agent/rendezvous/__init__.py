@@ -1,0 +1,2 @@
+"""TODO"""
+from trainwarden.agent.rendezvous.backend import handler_factory
