@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from trainwarden.runtime import checkpoint_store as store
-from trainwarden.runtime.failures import peer_failure
+from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointInfo,
@@ -152,7 +152,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-commit")
         # on_commit (etcd publishing) and retention (deleting old checkpoints) run here, so the next save,
         # which waits for the previous commit, never waits for a slow etcd or a large rmtree
-        self._aftermath = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-after")
+        self._post_commit = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-after")
         self._inflight: Future | None = None
         self._last_saved_step: int | None = None
         self._closed = False
@@ -200,7 +200,7 @@ class Checkpointer:
         retention have run. Returns what rank 0 committed (None on other ranks, when there was nothing
         in flight, or when the save failed)."""
         info = self._wait_commit()
-        self._aftermath.submit(lambda: None).result()
+        self._post_commit.submit(lambda: None).result()
         return info
 
     def _wait_commit(self) -> CheckpointInfo | None:
@@ -238,7 +238,7 @@ class Checkpointer:
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
                     info.bytes, self.last_stall_seconds, self.last_save_seconds,
                     extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
-        self._aftermath.submit(self._after_commit, info, path)
+        self._post_commit.submit(self._after_commit, info, path)
         return info
 
     def _after_commit(self, info: CheckpointInfo, path: Path) -> None:
@@ -418,7 +418,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._committer.shutdown(wait=True)
-            self._aftermath.shutdown(wait=True)
+            self._post_commit.shutdown(wait=True)
             self._stager.close()
             if self._owns_pg and self._pg is not None:
                 dist.destroy_process_group(self._pg)

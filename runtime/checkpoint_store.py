@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainwarden.agent.proto.atomic_file import atomic_write
+
 from typing import Iterable, Sequence
 
 __all__ = [

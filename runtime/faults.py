@@ -45,12 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from trainwarden.agent.proto.contract import STATE_DIR_ENV
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ENV_VAR", "Fault", "FaultInjector", "FaultSpecError", "InjectedFault", "parse_faults"]
 
 ENV_VAR = "TRAINWARDEN_FAULTS"
-STATE_DIR_ENV = "TRAINWARDEN_STATE_DIR"
 
 # kind -> (required keys, optional keys)
 _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {

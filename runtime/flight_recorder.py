@@ -9,7 +9,7 @@ only way to read the recorder in-process). It has three parts:
 - `CollectiveReducer` folds entries into cumulative per (process_group, op) totals: count, wait seconds and
   the last collective sequence id. It is plain Python, tested on recorded sample dicts.
 - `ArrivalLog` picks the training thread's collectives out of each read, (group, sequence id, enqueue
-  time) in record order, for the agent to match across ranks (agent/arrivals.py): on gloo that, not the
+  time) in record order, for the agent to match across ranks (agent/telemetry/arrivals.py): on gloo that, not the
   estimate below, is what straggler detection uses.
 
 What "wait" means:
@@ -50,15 +50,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from trainwarden.agent.proto.contract import FLIGHT_RECORDER_ENV
+
 __all__ = ["FLIGHT_RECORDER_ENV", "ArrivalBatch", "ArrivalLog", "CollectiveReducer", "CollectiveSummary",
            "FlightRecorder"]
 
 log = logging.getLogger(__name__)
 
-FLIGHT_RECORDER_ENV = {
-    "TORCH_FR_BUFFER_SIZE": "1000",
-    "TORCH_NCCL_ENABLE_TIMING": "1",
-}
 
 _MAX_PENDING = 50_000
 _MAX_STEPS = 4096
@@ -253,7 +251,7 @@ class ArrivalLog:
     """Turns Flight Recorder entries into the training thread's collective arrivals for the agent.
 
     The agent matches one collective (process group, sequence id) across the node's ranks: the last rank
-    to arrive is the one the others waited for (agent/arrivals.py). Only the training thread's
+    to arrive is the one the others waited for (agent/telemetry/arrivals.py). Only the training thread's
     collectives count (checkpoint writers run theirs on other threads), point-to-point entries are left
     out (no sequence id that matches across ranks), and entries are released in record order: one still
     in flight holds back those after it, so the agent sees every arrival of a stretch exactly once.

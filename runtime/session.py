@@ -42,15 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, stacks_file, trace_file
+
 from .flight_recorder import FlightRecorder
-from .telemetry import CHECKPOINT_STAGES, EXIT_ABORTED, ClientConfig, TelemetryClient, abort_process
+from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
+                           TelemetryClient, abort_process)
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "goodbye", "init"]
 
 log = logging.getLogger(__name__)
 
-AGENT_SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
-JOB_ENV = "TRAINWARDEN_JOB"
 FR_DUTY_ENV = "TRAINWARDEN_FR_MAX_DUTY"
 """Override of the longest share of wall time the Flight Recorder reads may take (ClientConfig.fr_max_duty)."""
 _COMMANDS_KEPT = 64
@@ -97,7 +98,7 @@ class _StepContext:
             s._phases = None
             return False
         try:
-            s._client.record(("s", self._index, self._wall, time.monotonic_ns() - self._mono,
+            s._client.record((STEP_RECORD, self._index, self._wall, time.monotonic_ns() - self._mono,
                               self._tokens, s._phases))
             s._phases = None
         except Exception:
@@ -165,13 +166,14 @@ class Session:
             return _NULL
         return _PhaseContext(self, name)
 
-    def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0) -> None:
-        """Report a checkpoint stage: save_start, staged, committed, restore_start, restored, failed."""
+    def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0, path: str = "") -> None:
+        """Report a checkpoint stage: save_start, staged, committed, restore_start, restored, failed. With
+        ``committed``, give the checkpoint's ``path``: the agent publishes it as the job's latest in etcd."""
         code = CHECKPOINT_STAGES.get(stage)
         if code is None:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
         if self._client is not None:
-            self._client.record(("c", code, int(step), float(seconds), int(bytes)))
+            self._client.record((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path)))
 
     def poll_command(self) -> Command | None:
         """The oldest agent command not yet polled, or None (never blocks)."""
@@ -192,11 +194,11 @@ class Session:
         first. The trace has no per-entry stack traces (see `FlightRecorder.dump_raw`)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        stacks = out / f"rank{self.rank}.stacks"
+        stacks = out / stacks_file(self.rank)
         partial = stacks.with_name(stacks.name + ".partial")
         with open(partial, "w") as f:
             # names the training thread among faulthandler's "Thread 0x..." blocks (same format)
-            f.write(f"# trainwarden main_thread=0x{threading.main_thread().ident:016x}\n")
+            f.write(MAIN_THREAD_HEADER.format(ident=threading.main_thread().ident) + "\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         partial.replace(stacks)
@@ -207,7 +209,7 @@ class Session:
             log.warning("flight recorder dump failed: %s", exc)
             trace = None
         if trace is not None:
-            fr = out / f"rank{self.rank}.fr"
+            fr = out / trace_file(self.rank)
             partial = fr.with_name(fr.name + ".partial")
             partial.write_bytes(trace)
             partial.replace(fr)

@@ -9,14 +9,16 @@ argument parsing lives in agent/cli.py; these functions return exit codes.
 from __future__ import annotations
 
 import datetime
+import argparse
 import json
+import sys
 import os
 from typing import TextIO
 
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.incidents.store import Incident, list_incidents
+from trainwarden.agent.incidents import Incident, list_incidents
 
-__all__ = ["format_incident", "format_table", "incidents_list", "incidents_show"]
+__all__ = ["add_parser", "format_incident", "format_table", "incidents_list", "incidents_show"]
 
 _COLUMNS = ("ID", "KIND", "STATE", "JOB", "RANKS", "DETECTED", "ACTION", "OUTCOME")
 
@@ -104,3 +106,39 @@ def incidents_show(out: TextIO, incident_id: str, *, root: str | os.PathLike | N
     else:
         out.write(format_incident(matches[0]) + "\n")
     return exit_codes.EXIT_OK
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("incidents", help="hangs, stragglers and failures recorded on this node",
+                       description="List recorded incidents (oldest first), or `incidents show ID` for one.")
+    p.add_argument("--job", metavar="NAME", help="only this job's incidents")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
+                   "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
+    p.set_defaults(func=_cmd_incidents)
+    actions = p.add_subparsers(dest="incidents_action", metavar="show ID")
+    show = actions.add_parser("show", help="one incident in full: verdict, stacks, action, outcome")
+    show.add_argument("id", metavar="ID", help="incident id or a unique prefix of it")
+    # SUPPRESS: `incidents --json show ID` keeps the --json given before `show`
+    show.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON instead of a report")
+    show.add_argument("--state-home", metavar="DIR", default=argparse.SUPPRESS, help="root of job state directories")
+    show.set_defaults(func=_cmd_incidents_show)
+
+
+def _cmd_incidents(args) -> int:
+    from trainwarden.agent.common.paths import validate_job_name
+
+    if args.job:
+        try:
+            validate_job_name(args.job)
+        except ValueError as exc:
+            print(f"trainwarden incidents: {exc}", file=sys.stderr)
+            return exit_codes.EXIT_USAGE
+    return incidents_list(sys.stdout, root=args.state_home, job=args.job, as_json=args.json)
+
+
+def _cmd_incidents_show(args) -> int:
+
+    return incidents_show(sys.stdout, args.id, root=args.state_home, as_json=args.json, err=sys.stderr)

@@ -1,10 +1,9 @@
 """`trainwarden status` and `trainwarden top`: the node's jobs and ranks, read from the agent over gRPC.
 
-Both ask the agent's unary ``Status`` RPC (agent/telemetry.py) on its unix socket; nothing is read from
-etcd or from disk, so they show what the agent sees now. Which agent: ``--socket``, else
-``$TRAINWARDEN_AGENT_SOCKET``, else, with ``--job``, the socket that a running ``trainwarden run`` of that job
-recorded in its state directory (``<state_dir>/agent.sock.path``; a job started by ``trainwarden run`` only
-reports to that run's in-process agent), else the daemon's ``/run/trainwarden/agent.sock``.
+Both ask the agent's unary ``Status`` RPC (agent/telemetry/server.py) on its unix socket; nothing is read
+from etcd or from disk, so they show what the agent sees now. Which agent is found as
+agent/node/endpoints.py describes (``--socket``, the environment, the record of a running ``trainwarden run``
+of ``--job``, else the daemon's socket).
 
 ``status`` prints one table per job (or ``--json``). ``top`` redraws a frame every ``--interval`` seconds
 (ANSI home + clear on a terminal; one frame after another otherwise, ``--iterations`` to stop) and adds
@@ -12,121 +11,29 @@ each rank's GPU utilization and temperature, taken from the agent's Prometheus e
 (``trainwarden_gpu_*{gpu=<local rank>}``: the usual one-GPU-per-local-rank layout); "-" where there is no
 GPU or no endpoint. An unreachable agent is one line on stderr and ``EXIT_AGENT_UNAVAILABLE``.
 
-The argument parsing lives in agent/cli.py; the functions here return exit codes and take their outside
+The argument parsing lives in agent/cli/main.py; the functions here return exit codes and take their outside
 world (environment, clock, sleep, the metrics fetch) as parameters.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Mapping, TextIO
+from typing import Callable, TextIO
 
+from trainwarden.agent.cli.args import positive_float, positive_int
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.node.endpoints import (DEFAULT_METRICS_URL, AgentUnavailable, fetch_status, resolve_metrics_url,
+                                             resolve_socket)
 from trainwarden.agent.proto import telemetry_pb2 as pb
 
-__all__ = [
-    "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV", "AgentUnavailable",
-    "check_agent", "fetch_gpu_stats", "fetch_status", "format_status", "format_top", "parse_gpu_stats",
-    "resolve_socket",
-    "status_command", "status_to_json", "top_command",
-]
+__all__ = ["add_parser", "fetch_gpu_stats", "format_status", "format_top", "parse_gpu_stats", "status_command", "status_to_json",
+           "top_command"]
 
-DEFAULT_SOCKET = Path("/run/trainwarden/agent.sock")
-"""Where `trainwarden agent` (the daemon) listens unless told otherwise."""
-SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
-"""The environment variable workers, `status` and `top` read the agent's socket from."""
-AGENT_SOCKET_RECORD = "agent.sock.path"
-"""File in a job's state directory holding the socket of the `trainwarden run` serving it."""
-AGENT_METRICS_RECORD = "agent.metrics.url"
-"""File in a job's state directory holding the metrics URL of the `trainwarden run` serving it."""
-DEFAULT_METRICS_URL = "http://127.0.0.1:9478/metrics"
-"""The agent's Prometheus endpoint on this node (`top` reads GPU gauges from it)."""
-
-_SERVICE = "trainwarden.v1.Telemetry"
 _CLEAR = "\x1b[H\x1b[2J"
-
-
-class AgentUnavailable(Exception):
-    """No agent answers on the socket. Retrying helps once one is started there."""
-
-
-def resolve_socket(explicit: str | os.PathLike | None = None, job: str | None = None, *,
-                   env: Mapping[str, str] = os.environ, state_home: str | os.PathLike | None = None) -> Path:
-    """The agent socket to ask, in the order described in the module docstring."""
-    if explicit:
-        return Path(explicit)
-    if env.get(SOCKET_ENV):
-        return Path(env[SOCKET_ENV])
-    if job:
-        record = job_state_dir(job, state_home) / AGENT_SOCKET_RECORD
-        try:
-            recorded = record.read_text().strip()
-        except OSError:
-            recorded = ""
-        if recorded and os.path.exists(recorded):
-            return Path(recorded)
-    return DEFAULT_SOCKET
-
-
-def resolve_metrics_url(explicit: str | None = None, job: str | None = None, *,
-                        state_home: str | os.PathLike | None = None) -> str | None:
-    """The Prometheus endpoint `top` reads GPU gauges from: --metrics-url ("none": none), else the one a
-    running `trainwarden run` of --job recorded, else the daemon's default."""
-    if explicit:
-        return None if explicit == "none" else explicit
-    if job:
-        try:
-            recorded = (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip()
-        except (OSError, ValueError):
-            recorded = ""
-        if recorded:
-            return recorded
-    return DEFAULT_METRICS_URL
-
-
-def _unavailable(socket_path: Path, why: str = "") -> AgentUnavailable:
-    detail = f" ({why})" if why else ""
-    return AgentUnavailable(f"no agent at unix:{socket_path}{detail}: start `trainwarden agent` or pass --socket")
-
-
-def fetch_status(socket_path: str | os.PathLike, job: str | None = None, *, timeout: float = 5.0) -> pb.StatusReply:
-    """One `Status` call; `AgentUnavailable` if nothing answers on the socket."""
-    import grpc
-
-    path = Path(socket_path)
-    if not path.exists():
-        raise _unavailable(path)
-    with grpc.insecure_channel(f"unix:{path}") as channel:
-        call = channel.unary_unary(f"/{_SERVICE}/Status", request_serializer=pb.StatusRequest.SerializeToString,
-                                   response_deserializer=pb.StatusReply.FromString)
-        try:
-            return call(pb.StatusRequest(job=job or ""), timeout=timeout, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            raise _unavailable(path, exc.code().name.lower()) from exc
-
-
-def check_agent(socket_path: str | os.PathLike, *, timeout: float = 3.0) -> str | None:
-    """Ask the agent's gRPC health service; None when it is SERVING, else what is wrong (for probes)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    path = Path(socket_path)
-    if not path.exists():
-        return str(_unavailable(path))
-    with grpc.insecure_channel(f"unix:{path}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=_SERVICE), timeout=timeout)
-        except grpc.RpcError as exc:
-            return str(_unavailable(path, exc.code().name.lower()))
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return f"agent at unix:{path} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-    return None
 
 
 # ---- formatting ---------------------------------------------------------------------------------------
@@ -303,3 +210,47 @@ def top_command(out: TextIO, err: TextIO, socket_path: Path, *, job: str | None 
     except KeyboardInterrupt:
         out.write("\n")
     return exit_codes.EXIT_OK
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    where = ("agent socket (default: $TRAINWARDEN_AGENT_SOCKET, else the socket recorded by a running "
+             "`trainwarden run` of --job, else /run/trainwarden/agent.sock)")
+    p = sub.add_parser("status", help="the node's jobs and ranks, once, from the node agent",
+                       description="Print the jobs and ranks the node agent sees: step, step-time p50/p99, "
+                                   "collective wait share, tokens/s, restarts and flags per rank.")
+    p.add_argument("--socket", metavar="PATH", help=where)
+    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("top", help="live per-rank view of the node's jobs (Ctrl-C to leave)",
+                       description="Redraw per-rank progress, step times, wait share, throughput and GPU "
+                                   "utilization/temperature every --interval seconds.")
+    p.add_argument("--socket", metavar="PATH", help=where)
+    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
+    p.add_argument("--interval", type=positive_float, default=2.0, metavar="S",
+                   help="seconds between frames (default 2)")
+    p.add_argument("--iterations", type=positive_int, metavar="N", help="stop after N frames (default: until Ctrl-C)")
+    p.add_argument("--metrics-url", default=None, metavar="URL",
+                   help="the agent's Prometheus endpoint, for GPU gauges (default: the one --job's run recorded, "
+                        "else http://127.0.0.1:9478/metrics; "
+                        "'none' to skip)")
+    p.set_defaults(func=_cmd_top)
+
+
+def _socket(args):
+    return resolve_socket(args.socket, args.job, state_home=args.state_home)
+
+
+def _cmd_status(args) -> int:
+    return status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
+
+
+def _cmd_top(args) -> int:
+    url = resolve_metrics_url(args.metrics_url, args.job, state_home=args.state_home)
+    return top_command(sys.stdout, sys.stderr, _socket(args), job=args.job, interval=args.interval,
+                       iterations=args.iterations, metrics_url=url)

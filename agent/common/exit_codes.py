@@ -3,6 +3,8 @@
 Shell users and supervisors (systemd, Kubernetes) act on these, so they never change meaning.
 """
 
+from trainwarden.agent.proto.contract import EXIT_ABORTED  # the workers' code, defined with the protocol
+
 __all__ = [
     "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE",
     "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
@@ -20,8 +22,6 @@ EXIT_LAUNCH_FAILED = 4
 """torchrun could not be started."""
 EXIT_AGENT_UNAVAILABLE = 5
 """No node agent answers on the socket (`trainwarden status/top`, `agent --check`): start one, or retry."""
-EXIT_ABORTED = 75
-"""A worker aborted on the agent's command (hang recovery); torchrun restarts it."""
 EXIT_INTERRUPTED = 130
 """Stopped by Ctrl-C (SIGINT)."""
 EXIT_TERMINATED = 143

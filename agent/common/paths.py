@@ -9,22 +9,12 @@ can read it afterwards. Default: ``$TRAINWARDEN_STATE_HOME/jobs/<job>``, where
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+
+from trainwarden.agent.proto.contract import JOB_NAME_RE, validate_job_name  # the one rule, shared with workers
 
 __all__ = ["JOB_NAME_RE", "default_state_home", "job_state_dir", "validate_job_name"]
 
-JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
-
-
-def validate_job_name(name: str) -> str:
-    """Job names become etcd keys, directory names and metric labels: keep them tame."""
-    if not JOB_NAME_RE.match(name):
-        raise ValueError(
-            f"job name {name!r} is invalid: use 1-63 lowercase letters, digits, '.', '_' or '-', "
-            "starting and ending with a letter or digit"
-        )
-    return name
 
 
 def default_state_home(env=os.environ) -> Path:

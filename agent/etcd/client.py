@@ -1,29 +1,57 @@
 """One way to open an etcd v3 client, for every part of trainwarden that talks to etcd.
 
-``python3-etcd3``'s ``etcd3.client()`` marks its only endpoint as failed for 300 s after any failed call,
-so a brief etcd restart would turn into five minutes of errors for the rendezvous, the job records and
-the incident copies alike. ``open_client`` builds the endpoint with ``time_retry=0`` (never blacklisted),
-caps gRPC's reconnect backoff at 1 s, and checks within ``connect_timeout`` that the server answers, so a
-wrong endpoint fails at once with ``EtcdUnreachable`` instead of on the first read.
+``EtcdConfig`` says where etcd is and how to speak to it: one or more client endpoints, TLS (a CA bundle, a
+client key and certificate for mutual TLS) and authentication (user and password). ``open_etcd(config)``
+turns it into a client. The rendezvous backend, the job records, the incident copies, the node daemon and
+every CLI command open their clients here, so a TLS or auth setting reaches all of them or none.
+
+Two deliberate differences from ``etcd3.client()``:
+
+- ``python3-etcd3`` marks an endpoint as failed for 300 s after any failed call, so a brief etcd restart
+  would turn into five minutes of errors. With one endpoint it is never marked failed (``time_retry=0``);
+  with several, a failed one is skipped for ``FAILOVER_RETRY_S`` while the client fails over to the others.
+  gRPC's reconnect back-off is capped at 1 s (its default grows to two minutes).
+- A connect probe: an endpoint that does not answer within ``connect_timeout`` is skipped, and with none
+  answering ``open_etcd`` raises ``EtcdUnavailable`` at once instead of on the first read.
+
 No torch here: the agent and the CLI import it.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass, field
+
 import etcd3
 import grpc
 
-__all__ = ["EtcdUnreachable", "GRPC_OPTIONS", "open_client", "split_endpoint"]
+__all__ = [
+    "ETCD_CLIENT_ERRORS", "EtcdAccessDenied", "EtcdConfig", "EtcdError", "EtcdUnavailable",
+    "GRPC_OPTIONS", "describe_etcd_error", "open_client", "open_etcd", "split_endpoint",
+]
 
 GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+FAILOVER_RETRY_S = 2.0
+"""With several endpoints, how long a failed one is skipped before it is tried again."""
+
+ETCD_CLIENT_ERRORS: tuple[type[BaseException], ...] = (etcd3.Etcd3Exception, grpc.RpcError)
+"""What the etcd3 client raises when etcd cannot serve a request (down, unreachable, auth, timeout)."""
 
 
-class EtcdUnreachable(ConnectionError):
-    """No answer from etcd within the connect timeout. Retryable once etcd is up."""
+class EtcdError(Exception):
+    """Base of trainwarden's etcd errors."""
+
+
+class EtcdUnavailable(EtcdError, ConnectionError):
+    """etcd did not answer. Retryable once etcd is back."""
+
+
+class EtcdAccessDenied(EtcdError):
+    """etcd answered but refused the credentials or the permission. Not retryable: fix the settings."""
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int, str]:
@@ -33,29 +61,144 @@ def split_endpoint(endpoint: str) -> tuple[str, int, str]:
         if endpoint.startswith(prefix):
             scheme, endpoint = prefix[:-3], endpoint[len(prefix):]
     host, _, port = endpoint.rstrip("/").rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"etcd endpoint {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:2379")
     return host.strip("[]"), int(port), scheme
 
 
-def open_client(host: str, port: int, *, timeout: float, connect_timeout: float = 2.0,
-                creds: grpc.ChannelCredentials | None = None, user: str | None = None,
-                password: str | None = None) -> etcd3.MultiEndpointEtcd3Client:
-    """A client whose endpoint answered within ``connect_timeout``; ``EtcdUnreachable`` otherwise.
+@dataclass(frozen=True, kw_only=True)
+class EtcdConfig:
+    """Where etcd is and how to speak to it (see the module docstring)."""
 
-    ``timeout`` bounds every later call. Errors of the session itself (bad credentials) propagate.
+    endpoints: tuple[str, ...]
+    """Client endpoints, ``[http[s]://]host:port`` each; any one that answers is used."""
+    ca_cert: str | None = None
+    """CA bundle that signed etcd's server certificate (TLS); the system roots when None and TLS is on."""
+    cert_key: str | None = None
+    """Client private key for mutual TLS (with ``cert_cert``)."""
+    cert_cert: str | None = None
+    """Client certificate for mutual TLS (with ``cert_key``)."""
+    user: str | None = None
+    """etcd user (with ``password``)."""
+    password: str | None = field(default=None, repr=False)
+    """etcd password of ``user``; never logged, never put on a command line."""
+    timeout: float = 5.0
+    """Deadline of each request, in seconds."""
+    connect_timeout: float = 2.0
+    """How long the probe waits for an endpoint to answer."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.endpoints, str):
+            object.__setattr__(self, "endpoints", tuple(e.strip() for e in self.endpoints.split(",") if e.strip()))
+        if not self.endpoints:
+            raise ValueError("no etcd endpoint given: expected HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:2379")
+        schemes = {split_endpoint(e)[2] for e in self.endpoints}
+        if len(schemes) > 1:
+            raise ValueError(f"etcd endpoints {', '.join(self.endpoints)} mix http:// and https://; use one")
+        if bool(self.cert_key) != bool(self.cert_cert):
+            raise ValueError("cert_key and cert_cert (client key and certificate) go together; give both")
+        for name in ("ca_cert", "cert_key", "cert_cert"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}={path!r}: no such file")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("user and password go together; give both or neither")
+        for name in ("timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive number of seconds")
+
+    @property
+    def secure(self) -> bool:
+        """TLS on: an https:// endpoint or any TLS file given."""
+        return any(e.startswith("https://") for e in self.endpoints) or bool(self.ca_cert or self.cert_cert)
+
+    @property
+    def netlocs(self) -> list[str]:
+        """``host:port`` of every endpoint, as gRPC dials them (IPv6 in brackets)."""
+        out = []
+        for endpoint in self.endpoints:
+            host, port, _ = split_endpoint(endpoint)
+            out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        return out
+
+    def describe(self) -> str:
+        """The endpoints for messages (never the password)."""
+        return ",".join(self.netlocs)
+
+
+def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:
+    if not config.secure:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(config.ca_cert), private_key=_read(config.cert_key),
+                                        certificate_chain=_read(config.cert_cert))
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_etcd(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
+    """A client for ``config``, on an endpoint that answered within ``connect_timeout``.
+
+    ``EtcdUnavailable`` when none answers; ``EtcdAccessDenied`` when etcd refuses the credentials.
     """
-    endpoint = etcd3.Endpoint(host, port, secure=creds is not None, creds=creds, time_retry=0.0,
-                              opts=GRPC_OPTIONS)
-    ready = grpc.channel_ready_future(endpoint.channel)
+    creds = _credentials(config)
+    retry = 0.0 if len(config.endpoints) == 1 else FAILOVER_RETRY_S
+    endpoints, answering = [], None
+    for netloc in config.netlocs:
+        host, _, port = netloc.rpartition(":")
+        endpoint = etcd3.Endpoint(host.strip("[]"), int(port), secure=creds is not None, creds=creds,
+                                  time_retry=retry, opts=GRPC_OPTIONS)
+        endpoints.append(endpoint)
+        if answering is None:
+            ready = grpc.channel_ready_future(endpoint.channel)
+            try:
+                ready.result(timeout=config.connect_timeout)
+                answering = endpoint
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+    if answering is None:
+        for endpoint in endpoints:
+            endpoint.close()
+        raise EtcdUnavailable(f"no answer from etcd at {config.describe()} within {config.connect_timeout:.1f}s")
+    # the client authenticates on its current endpoint: start on the one that answered
+    ordered = [answering] + [e for e in endpoints if e is not answering]
     try:
-        ready.result(timeout=connect_timeout)
-    except grpc.FutureTimeoutError:
-        ready.cancel()
-        endpoint.close()
-        raise EtcdUnreachable(f"no answer from etcd at {host}:{port} within {connect_timeout:.1f}s") from None
-    try:
-        return etcd3.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=timeout, user=user, password=password)
-    except BaseException:
-        endpoint.close()
-        raise
+        client = etcd3.MultiEndpointEtcd3Client(endpoints=[answering], timeout=config.timeout, user=config.user,
+                                                password=config.password, failover=len(ordered) > 1)
+    except ETCD_CLIENT_ERRORS as exc:
+        for endpoint in endpoints:
+            endpoint.close()
+        if _is_auth_error(exc):
+            raise EtcdAccessDenied(f"etcd at {config.describe()} refused the credentials of user {config.user!r}: "
+                                   f"{describe_etcd_error(exc)}") from exc
+        raise EtcdUnavailable(f"etcd at {config.describe()} did not complete the session: "
+                              f"{describe_etcd_error(exc)}") from exc
+    for endpoint in ordered[1:]:
+        client.endpoints[endpoint.netloc] = endpoint
+    return client
+
+
+def open_client(host: str, port: int, *, timeout: float, connect_timeout: float = 2.0) -> etcd3.MultiEndpointEtcd3Client:
+    """A plain-http client for one ``host:port`` (the embedded etcd's probe); see ``open_etcd``."""
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return open_etcd(EtcdConfig(endpoints=(netloc,), timeout=timeout, connect_timeout=connect_timeout))
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    text = describe_etcd_error(exc).lower()
+    return "authentication failed" in text or "permission denied" in text or "unauthenticated" in text \
+        or "invalid auth token" in text or "user name is empty" in text
+
+
+def describe_etcd_error(exc: BaseException) -> str:
+    """One line for an etcd3/gRPC error (gRPC errors carry the useful part in ``details()``)."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        try:
+            return f"{exc.code().name}: {exc.details()}"
+        except Exception:  # a bare RpcError without call information
+            pass
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

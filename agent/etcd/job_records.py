@@ -1,7 +1,7 @@
 """The job keys in etcd (DESIGN.md "etcd keys"): spec, state and the latest checkpoint pointer.
 
 Values are JSON. The client is a constructor parameter (an ``etcd3`` client, or a fake in tests),
-and every call is wrapped so that an unreachable etcd raises ``JobStoreUnavailable`` with the
+and every call is wrapped so that an unreachable etcd raises ``EtcdUnavailable`` with the
 endpoint in the message instead of a raw gRPC error.
 """
 
@@ -11,21 +11,16 @@ import json
 import logging
 from typing import Any
 
-from trainwarden.agent.etcd.client import open_client, split_endpoint
+from trainwarden.agent.etcd.client import EtcdUnavailable, open_client, split_endpoint
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PREFIX", "JobStore", "JobStoreUnavailable", "connect"]
-
-
-
-class JobStoreUnavailable(RuntimeError):
-    """etcd did not answer. Retryable once etcd is back."""
+__all__ = ["EtcdUnavailable", "JobRecords", "connect"]
 
 
 def connect(endpoint: str, *, timeout: float = 5.0):
-    """An etcd client for ``[http://]host:port``, checked to answer; ``JobStoreUnavailable`` if it does not."""
+    """An etcd client for ``[http://]host:port``, checked to answer; ``EtcdUnavailable`` if it does not."""
     host, port, scheme = split_endpoint(endpoint)
     if scheme != "http":
         raise ValueError(f"etcd endpoint {endpoint!r}: TLS is not supported here yet; use an http endpoint")
@@ -33,14 +28,16 @@ def connect(endpoint: str, *, timeout: float = 5.0):
         client = open_client(host, port, timeout=timeout, connect_timeout=min(timeout, 2.0))
         client.get(DEFAULT_PREFIX + "/_probe")
     except Exception as exc:
-        raise JobStoreUnavailable(
+        raise EtcdUnavailable(
             f"cannot reach etcd at {host}:{port} ({type(exc).__name__}); start etcd there, "
             "or leave out --etcd to use an embedded one"
         ) from exc
     return client
 
 
-class JobStore:
+class JobRecords:
+    """A job's records in etcd: ``jobs/<job>/spec``, ``state`` and ``checkpoint`` (JSON values)."""
+
     def __init__(self, client, *, prefix: str = DEFAULT_PREFIX, endpoint: str = "etcd") -> None:
         self._client = client
         self._prefix = prefix.rstrip("/")
@@ -53,13 +50,13 @@ class JobStore:
         try:
             self._client.put(key, json.dumps(value, sort_keys=True))
         except Exception as exc:
-            raise JobStoreUnavailable(f"cannot write {key} to etcd at {self._endpoint}: {exc}") from exc
+            raise EtcdUnavailable(f"cannot write {key} to etcd at {self._endpoint}: {exc}") from exc
 
     def _get(self, key: str) -> dict[str, Any] | None:
         try:
             value, _ = self._client.get(key)
         except Exception as exc:
-            raise JobStoreUnavailable(f"cannot read {key} from etcd at {self._endpoint}: {exc}") from exc
+            raise EtcdUnavailable(f"cannot read {key} from etcd at {self._endpoint}: {exc}") from exc
         if value is None:
             return None
         try:
@@ -87,7 +84,7 @@ class JobStore:
                 else:
                     self._client.delete(key)
         except Exception as exc:
-            raise JobStoreUnavailable(f"cannot reset the rendezvous of {job} in etcd at {self._endpoint}: {exc}") from exc
+            raise EtcdUnavailable(f"cannot reset the rendezvous of {job} in etcd at {self._endpoint}: {exc}") from exc
 
     def get_state(self, job: str) -> dict[str, Any] | None:
         return self._get(self.key(job, "state"))

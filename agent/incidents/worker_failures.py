@@ -1,7 +1,7 @@
 """Crash and restart incidents, read from torchrun's own reports.
 
 torchrun prints one line per failed worker ("failed (exitcode: -9) local_rank: 5 (pid: 27998)") and,
-when it has budget left, "will restart worker group". ``RestartRecorder`` turns each such round into one
+when it has budget left, "will restart worker group". ``WorkerFailureRecorder`` turns each such round into one
 incident: ``crash`` when a worker died of a signal or a non-zero exit that was not the watchdog's abort,
 ``restart`` otherwise (the watchdog's own hang incident already explains an abort). The incident is
 ``acting`` while the group restarts and ``resolved`` when steps complete again; if the restart budget is
@@ -25,13 +25,11 @@ import socket
 import time
 from typing import Callable
 
-from trainwarden.agent.common.exit_codes import EXIT_ABORTED
-from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.proto.contract import EXIT_ABORTED, PEER_GONE
+from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 
-__all__ = ["RestartRecorder", "WORKER_FAILED_LINE"]
+__all__ = ["WorkerFailureRecorder", "WORKER_FAILED_LINE"]
 
-PEER_GONE = "peer gone"
-"""How a worker's goodbye starts when it left because a peer had failed (`runtime.goodbye`)."""
 WORKER_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
 
@@ -46,7 +44,7 @@ def _describe(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-class RestartRecorder:
+class WorkerFailureRecorder:
     def __init__(self, job: str, record: Callable[[Incident], Incident], *, node: str | None = None,
                  wall: Callable[[], float] = time.time,
                  ended_streams: Callable[[float], list[dict]] | None = None) -> None:

@@ -12,10 +12,8 @@ command exits 130 (SIGINT) or 143 (SIGTERM).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -32,19 +30,23 @@ from typing import TextIO
 import psutil
 
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.etcd.client import split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
-from trainwarden.agent.metrics.exporter import ExporterError
-from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.incidents.store import list_incidents
-from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
-from trainwarden.agent.etcd.job_records import JobStore, JobStoreUnavailable, connect
-from trainwarden.agent.launch.torchrun import LaunchSpec, TorchrunProcess, torchrun_command, validate_launch, worker_environment
-from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
-from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
+from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder
+from trainwarden.agent.launch.output import OutputPump
+from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.progress import RESTART_LINE, STEP_LINE, ProgressTracker
-from trainwarden.agent.incidents.worker_failures import RestartRecorder
-from trainwarden.agent.cli.status import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
+from trainwarden.agent.launch.summary import print_summary
+from trainwarden.agent.launch.torchrun import LaunchSpec, torchrun_command, validate_launch, worker_environment
+from trainwarden.agent.metrics.exporter import ExporterError
+from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
+from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
+from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
@@ -89,286 +91,224 @@ class RunOptions:
         validate_launch(self)
 
 
-def _endpoint(url: str) -> str:
-    host, port, _ = split_endpoint(url)
-    return f"{host}:{port}"
-
-
-def _checkpoint_dir(script: list[str], env: dict[str, str]) -> Path:
-    for i, arg in enumerate(script):
-        if arg == "--ckpt-dir" and i + 1 < len(script):
-            return Path(script[i + 1])
-        if arg.startswith("--ckpt-dir="):
-            return Path(arg.split("=", 1)[1])
-    return Path(env["TRAINWARDEN_CHECKPOINT_DIR"])
-
-
-class _Signals:
-    """Turns SIGINT/SIGTERM into an event the main loop waits on; restores handlers on exit."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_Signals":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signum
-            print(f"\ntrainwarden: {signal.Signals(signum).name} received; stopping the job", file=sys.stderr, flush=True)
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-# torchrun's own INFO lines (glog style, "I1122 14:37:14.328000 ...") go to the log file only
-_TORCHRUN_INFO = re.compile(r"^\[?I\d{4} \d\d:\d\d:\d\d")
-
-
-class _OutputPump(threading.Thread):
-    """Copies torchrun's output to our stdout and the run log, feeding the progress tracker."""
-
-    def __init__(self, source, sink: TextIO, log: TextIO, tracker: ProgressTracker, on_line) -> None:
-        super().__init__(name="trainwarden-output", daemon=True)
-        self._source, self._sink, self._log = source, sink, log
-        self._tracker, self._on_line = tracker, on_line
-        self.quiet = False
-        """Set while stopping: torchrun's shutdown tracebacks go to the log, not the terminal."""
-
-    def run(self) -> None:
-        for raw in iter(self._source.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            try:
-                self._log.write(line)
-                if not self.quiet and (not _TORCHRUN_INFO.match(line) or RESTART_LINE.search(line)):
-                    self._sink.write(line)
-                    self._sink.flush()
-                self._tracker.feed(line)
-                self._on_line(line)
-            except Exception:  # a broken terminal must not stop the job's log or the tracker
-                logger.exception("error while handling job output")
-
-
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
-    state_dir = job_state_dir(opts.job, opts.state_home)
-    logs = state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
-                                            "started": psutil.Process().create_time()})
-    tracker = ProgressTracker()
-    lock = threading.Lock()
-
+    """Run the job to its end (or until SIGINT/SIGTERM); returns the command's exit code."""
+    job = _JobRun(opts, out)
     # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
-    with _Signals() as signals, ExitStack() as stack:
-        # etcd: embedded unless told otherwise
-        if opts.etcd is None:
-            etcd = EmbeddedEtcd(log_path=logs / "etcd.log")
+    with StopOnSignals(on_first=_announce) as signals, ExitStack() as cleanup:
+        try:
+            job.start_etcd(cleanup)
+            job.start_agent(cleanup)
+            job.claim(signals)
+            job.launch(cleanup)
+            rc = job.supervise(signals)
+        except _Abandon as stop:
+            if stop.message:
+                print(f"trainwarden: {stop.message}", file=sys.stderr)
+            return stop.code
+        job.print_summary()
+    return rc
+
+
+class _Abandon(Exception):
+    """A step of the run cannot go on: the command exits with ``code`` after saying ``message``."""
+
+    def __init__(self, code: int, message: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _announce(signum: int) -> None:
+    print(f"\ntrainwarden: {signal.Signals(signum).name} received; stopping the job", file=sys.stderr, flush=True)
+
+
+def _exit_code(signum: int) -> int:
+    return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
+
+
+class _JobRun:
+    """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
+
+    def __init__(self, opts: RunOptions, out: TextIO) -> None:
+        self.opts, self.out = opts, out
+        self.state_dir = job_state_dir(opts.job, opts.state_home)
+        self.logs = self.state_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        self.record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
+                                                     "started": psutil.Process().create_time()})
+        self.tracker = ProgressTracker()
+        self._lock = threading.Lock()
+        self.endpoint = ""
+        self.client = None
+        self.records: JobRecords | None = None
+        self.agent: NodeAgent | None = None
+        self.failures: WorkerFailureRecorder | None = None
+        self.torchrun: TorchrunProcess | None = None
+        self.pump: OutputPump | None = None
+        self.env: dict[str, str] = {}
+        self.cmd: list[str] = []
+
+    # ---- steps, in order ---------------------------------------------------------------------------
+
+    def start_etcd(self, cleanup: ExitStack) -> None:
+        """An embedded etcd unless --etcd names one; a client checked to answer."""
+        endpoint = self.opts.etcd
+        if endpoint is None:
+            etcd = EmbeddedEtcd(log_path=self.logs / "etcd.log")
             try:
                 etcd.start()
             except (EtcdNotFoundError, EtcdStartError) as exc:
-                print(f"trainwarden: {exc}", file=sys.stderr)
-                return exit_codes.EXIT_ETCD_UNAVAILABLE
-            stack.callback(etcd.stop)
+                raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
+            cleanup.callback(etcd.stop)
             endpoint = etcd.endpoint
-            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=out, flush=True)
-        else:
-            endpoint = opts.etcd
+            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=self.out, flush=True)
         try:
-            client = connect(endpoint)  # validates [http://]host:port, and that etcd answers
-            endpoint = _endpoint(endpoint)
-        except (JobStoreUnavailable, ValueError) as exc:
-            print(f"trainwarden: {exc}", file=sys.stderr)
-            return exit_codes.EXIT_ETCD_UNAVAILABLE
-        stack.callback(client.close)
-        store = JobStore(client, endpoint=endpoint)
+            self.client = connect(endpoint)  # validates [http://]host:port, and that etcd answers
+            host, port, _ = split_endpoint(endpoint)
+            self.endpoint = f"{host}:{port}"
+        except (EtcdUnavailable, ValueError) as exc:
+            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
+        cleanup.callback(self.client.close)
+        self.records = JobRecords(self.client, endpoint=self.endpoint)
 
-        agent_socket, agent = None, None
-        if opts.agent:
-            sock_dir = Path(tempfile.mkdtemp(prefix="trainwarden-"))
-            stack.callback(shutil.rmtree, sock_dir, True)
-            try:
-                agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
-                                              metrics_port=opts.metrics_port, state_home=opts.state_home,
-                                              watchdog=watchdog_config(opts.straggler_policy)),
-                                  etcd_client=client)
-                agent.start()
-            except (ExporterError, TelemetryServerError, ValueError) as exc:
-                print(f"trainwarden: cannot start the node agent: {exc}", file=sys.stderr)
-                return exit_codes.EXIT_USAGE
-            stack.callback(agent.stop)
-            agent_socket = str(agent.config.socket_path)
-            # `trainwarden status/top --job` find this run's agent through this record
-            socket_record = state_dir / AGENT_SOCKET_RECORD
-            atomic_write(socket_record, (agent_socket + "\n").encode())  # `status --job` may read it now
-            stack.callback(socket_record.unlink, missing_ok=True)
-            if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
-                metrics_record = state_dir / AGENT_METRICS_RECORD
-                atomic_write(metrics_record, (agent.metrics_url + "\n").encode())
-                stack.callback(metrics_record.unlink, missing_ok=True)
-            print(f"trainwarden: agent metrics at {agent.metrics_url}", file=out, flush=True)
+    def start_agent(self, cleanup: ExitStack) -> None:
+        """The in-process node agent, and the records that let `status`/`top --job` find it."""
+        opts = self.opts
+        if not opts.agent:
+            return
+        sock_dir = Path(tempfile.mkdtemp(prefix="trainwarden-"))
+        cleanup.callback(shutil.rmtree, sock_dir, True)
+        try:
+            agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
+                                          metrics_port=opts.metrics_port, state_home=opts.state_home,
+                                          watchdog=watchdog_config(opts.straggler_policy)),
+                              etcd_client=self.client)
+            agent.start()
+        except (ExporterError, TelemetryServerError, ValueError) as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
+        cleanup.callback(agent.stop)
+        self.agent = agent
+        self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
+        if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
+            self._write_record(cleanup, AGENT_METRICS_RECORD, agent.metrics_url)
+        print(f"trainwarden: agent metrics at {agent.metrics_url}", file=self.out, flush=True)
+        self.failures = WorkerFailureRecorder(
+            opts.job, agent.incidents.record,
+            ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since))
 
+    def claim(self, signals: StopOnSignals) -> None:
+        """Record the job's spec and take it over in etcd: refused while another live run supervises it."""
+        opts = self.opts
         spec = LaunchSpec(
-            job=opts.job, script=opts.script, rdzv_endpoint=endpoint, state_dir=state_dir, agent_socket=agent_socket,
+            job=opts.job, script=opts.script, rdzv_endpoint=self.endpoint, state_dir=self.state_dir,
+            agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
-            monitor_interval=opts.monitor_interval, extra_env=opts.extra_env,
-            local_addr=opts.local_addr,
+            monitor_interval=opts.monitor_interval, extra_env=opts.extra_env, local_addr=opts.local_addr,
         )
-        env = worker_environment(spec)
-        cmd = torchrun_command(spec)
-
-        def publish() -> None:
-            try:
-                store.put_state(opts.job, record.to_json())
-            except JobStoreUnavailable as exc:
-                logger.warning("%s", exc)
-
-        def transition(to: JobPhase, reason: str = "") -> None:
-            with lock:  # publish under the lock too: puts from two threads must not land out of order
-                if record.phase.terminal or record.phase == to:
-                    return
-                record.transition(to, reason)
-                publish()
-
-        restarts = RestartRecorder(opts.job, agent.incidents.record,
-                                   ended_streams=lambda since: agent.jobstate.ended_streams(opts.job, since)) \
-            if agent is not None else None
-
-        def on_line(line: str) -> None:
-            restarting = bool(RESTART_LINE.search(line))
-            step = STEP_LINE.search(line)
-            if restarts is not None:
-                restarts.feed(line, restarting=restarting, step=int(step.group(1)) if step else None)
-            if restarting:
-                transition(JobPhase.RESTARTING, "worker group failed")
-            elif step and record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
-                transition(JobPhase.RUNNING)
-
+        self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
         try:
-            store.put_spec(opts.job, {
+            self.records.put_spec(opts.job, {
                 "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
-                "max_restarts": opts.max_restarts, "state_dir": str(state_dir),
-                "checkpoint_dir": str(_checkpoint_dir(opts.script, env)),
+                "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
+                "checkpoint_dir": str(self.checkpoint_dir),
             })
-        except JobStoreUnavailable as exc:
-            print(f"trainwarden: {exc}", file=sys.stderr)
-            return exit_codes.EXIT_ETCD_UNAVAILABLE
-        try:
-            previous = store.get_state(opts.job)
+            previous = self.records.get_state(opts.job)
             if previous is not None:
-                phase = previous.get("phase")
-                if phase not in (p.value for p in JobPhase if p.terminal):
-                    if not supervisor_gone(previous.get("owner") or {}, host=socket.gethostname()):
-                        print(f"trainwarden: job {opts.job} is already {phase} in etcd at {endpoint} "
-                              f"(supervised by {previous.get('owner') or 'an unknown process'}); stop that run "
-                              "first or choose another --job", file=sys.stderr)
-                        return exit_codes.EXIT_USAGE
-                    logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
-                                   opts.job, phase, previous.get("owner"))
-                record.generation = int(previous.get("generation", 0)) + 1
-                store.reset_rendezvous(opts.job)
-        except JobStoreUnavailable as exc:
-            print(f"trainwarden: {exc}", file=sys.stderr)
-            return exit_codes.EXIT_ETCD_UNAVAILABLE
+                self._take_over(previous)
+        except EtcdUnavailable as exc:
+            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
         if signals.event.is_set():  # Ctrl-C during start-up: nothing launched yet
-            transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
-            return exit_codes.EXIT_INTERRUPTED if signals.received == signal.SIGINT else exit_codes.EXIT_TERMINATED
-        transition(JobPhase.STARTING)
+            self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
+            raise _Abandon(_exit_code(signals.received))
+        self.transition(JobPhase.STARTING)
 
-        log_file = stack.enter_context(open(logs / "run.log", "a", buffering=1))
+    def launch(self, cleanup: ExitStack) -> None:
+        """torchrun in a session of its own, its output pumped to the terminal and the run log."""
+        log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
         try:
-            torchrun = TorchrunProcess(cmd, env, stdout=subprocess.PIPE)
+            self.torchrun = TorchrunProcess(self.cmd, self.env, stdout=subprocess.PIPE)
         except OSError as exc:
-            print(f"trainwarden: cannot start torchrun: {exc}", file=sys.stderr)
-            transition(JobPhase.FAILED, str(exc))
-            return exit_codes.EXIT_LAUNCH_FAILED
-        stack.callback(torchrun.stop)
-        pump = _OutputPump(torchrun.stdout, out, log_file, tracker, on_line)
-        pump.start()
+            self.transition(JobPhase.FAILED, str(exc))
+            raise _Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
+        cleanup.callback(self.torchrun.stop)
+        self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self.tracker, self._on_line)
+        self.pump.start()
 
+    def supervise(self, signals: StopOnSignals) -> int:
+        """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
+        torchrun, pump = self.torchrun, self.pump
         while torchrun.poll() is None and not signals.event.wait(0.5):
             pass
-
         if signals.received is not None:
             pump.quiet = True
             torchrun.stop(grace=10.0)
             pump.join(5)
-            transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
-            rc = exit_codes.EXIT_INTERRUPTED if signals.received == signal.SIGINT else exit_codes.EXIT_TERMINATED
-        else:
-            torchrun_rc = torchrun.wait()
-            pump.join(10)
-            if torchrun_rc == 0:
-                transition(JobPhase.SUCCEEDED)
-                rc = exit_codes.EXIT_OK
-            else:
-                transition(JobPhase.FAILED, f"torchrun exited with {torchrun_rc}")
-                if restarts is not None:
-                    restarts.job_failed(f"torchrun exited with {torchrun_rc}")
-                rc = exit_codes.EXIT_JOB_FAILED
-        _summary(out, opts, record, tracker, time.monotonic() - started,
-                 _checkpoint_dir(opts.script, env), logs / "run.log")
-    return rc
+            self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
+            return _exit_code(signals.received)
+        torchrun_rc = torchrun.wait()
+        pump.join(10)
+        if torchrun_rc == 0:
+            self.transition(JobPhase.SUCCEEDED)
+            return exit_codes.EXIT_OK
+        self.transition(JobPhase.FAILED, f"torchrun exited with {torchrun_rc}")
+        if self.failures is not None:
+            self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
+        return exit_codes.EXIT_JOB_FAILED
 
+    def print_summary(self) -> None:
+        print_summary(self.out, record=self.record, state_dir=self.state_dir, tracker=self.tracker,
+                      elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
+                      log_path=self.logs / "run.log")
 
-def _latest_checkpoint(directory: Path) -> str:
-    pointer = directory / "latest"
-    try:
-        info = json.loads(pointer.read_text())
-        return f"latest complete: step {info['step']}"
-    except FileNotFoundError:
-        return "none committed"
-    except (ValueError, KeyError, OSError) as exc:
-        return f"unreadable pointer {pointer}: {exc}"
+    # ---- helpers -----------------------------------------------------------------------------------
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where the job's checkpoints are: the script's --ckpt-dir, else the launcher's default."""
+        script = self.opts.script
+        for i, arg in enumerate(script):
+            if arg == "--ckpt-dir" and i + 1 < len(script):
+                return Path(script[i + 1])
+            if arg.startswith("--ckpt-dir="):
+                return Path(arg.split("=", 1)[1])
+        return Path(self.env[CHECKPOINT_DIR_ENV])
 
-def _summary(out: TextIO, opts: RunOptions, record: JobRecord, tracker: ProgressTracker,
-             elapsed: float, ckpt_dir: Path, log_path: Path) -> None:
-    lines = [f"trainwarden: job {opts.job} {record.phase.value} after {elapsed:.1f}s"]
-    if tracker.max_step is not None:
-        median = tracker.median_step_seconds()
-        lines.append(f"  steps        last step {tracker.max_step}, last loss {tracker.last_loss}, "
-                     f"median step {median:.3f}s")
-    else:
-        lines.append("  steps        none reported (the script prints no 'step N loss X time Ys' lines)")
-    if tracker.failures:
-        parts = []
-        for f in tracker.failures:
-            lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
-            where = f"failed after step {f.last_step}" if f.last_step is not None else "failed before any step"
-            resumed = f", resumed at step {f.resumed_from}" if f.resumed_from is not None else ""
-            parts.append(f"{where}{resumed}, {lost}")
-        lines.append(f"  restarts     {tracker.restarts} ({'; '.join(parts)})")
-        lines.append(f"  time lost    {tracker.lost_seconds:.1f}s to failures")
-    else:
-        lines.append("  restarts     0")
-    lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")
-    incidents = _incident_summary(opts)
-    if incidents:
-        lines.append(f"  incidents    {incidents} (trainwarden incidents --job {opts.job})")
-    lines.append(f"  log          {log_path}")
-    print("\n".join(lines), file=out, flush=True)
+    def _write_record(self, cleanup: ExitStack, name: str, value: str) -> None:
+        path = self.state_dir / name
+        atomic_write(path, (value + "\n").encode())
+        cleanup.callback(path.unlink, missing_ok=True)
 
+    def _take_over(self, previous: dict) -> None:
+        """A job already in etcd: refuse if its supervisor lives, else continue it with the next generation."""
+        opts, phase = self.opts, previous.get("phase")
+        if phase not in (p.value for p in JobPhase if p.terminal):
+            if not supervisor_gone(previous.get("owner") or {}, host=socket.gethostname()):
+                raise _Abandon(exit_codes.EXIT_USAGE,
+                               f"job {opts.job} is already {phase} in etcd at {self.endpoint} "
+                               f"(supervised by {previous.get('owner') or 'an unknown process'}); stop that run "
+                               "first or choose another --job")
+            logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
+                           opts.job, phase, previous.get("owner"))
+        self.record.generation = int(previous.get("generation", 0)) + 1
+        self.records.reset_rendezvous(opts.job)
 
-def _incident_summary(opts: RunOptions) -> str:
-    """"hang 1 (rank 2), crash 1, ..." from the job's incident records; "" when there are none."""
-    try:
-        found = list_incidents(job_state_dir(opts.job, opts.state_home))
-    except (OSError, ValueError) as exc:
-        return f"unreadable ({exc})"
-    kinds: dict[str, list] = {}
-    for incident in found:
-        kinds.setdefault(incident.kind.value, []).append(incident)
-    parts = []
-    for kind, items in sorted(kinds.items()):
-        ranks = sorted({r for i in items for r in i.ranks})
-        named = f" (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})" if \
-            ranks and kind != "restart" else ""
-        parts.append(f"{kind} {len(items)}{named}")
-    return ", ".join(parts)
+    def transition(self, to: JobPhase, reason: str = "") -> None:
+        with self._lock:  # publish under the lock too: puts from two threads must not land out of order
+            if self.record.phase.terminal or self.record.phase == to:
+                return
+            self.record.transition(to, reason)
+            try:
+                self.records.put_state(self.opts.job, self.record.to_json())
+            except EtcdUnavailable as exc:
+                logger.warning("%s", exc)
+
+    def _on_line(self, line: str) -> None:
+        restarting = bool(RESTART_LINE.search(line))
+        step = STEP_LINE.search(line)
+        if self.failures is not None:
+            self.failures.feed(line, restarting=restarting, step=int(step.group(1)) if step else None)
+        if restarting:
+            self.transition(JobPhase.RESTARTING, "worker group failed")
+        elif step and self.record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
+            self.transition(JobPhase.RUNNING)

@@ -1,4 +1,4 @@
-"""The launcher: torchrun with trainwarden's defaults, and the process tree it starts.
+"""The launcher: torchrun's command line and environment with trainwarden's defaults.
 
 ``LaunchSpec`` is the typed description of one torchrun invocation; ``torchrun_command`` and
 ``worker_environment`` turn it into an argv and an environment. Defaults that differ from plain
@@ -10,41 +10,23 @@ torchrun, and why:
 - a restart budget (``--max-restarts``) and a short monitor interval, so a crash is noticed in about
   a second;
 - the runtime's environment: job name, state directory, agent socket, Flight Recorder on.
-
-``TorchrunProcess`` owns the running torchrun. torchrun starts every worker in a session of its own,
-so killing torchrun's process group does not reach them; and a torchrun killed hard leaves orphans.
-So the supervisor keeps a list of torchrun's descendants (refreshed while it runs) and, on stop,
-signals torchrun first (it stops its workers itself), then kills whatever it started that is still
-there, by pid and start time, never anything else.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 
-from trainwarden.agent.common.paths import validate_job_name
+from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, CHECKPOINT_DIR_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
+                                             STATE_DIR_ENV, validate_job_name)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchSpec", "TorchrunProcess", "parse_nnodes", "torchrun_command", "worker_environment"]
-
-FLIGHT_RECORDER_ENV = {
-    # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read
-    # unpickles the whole ring, so it stays small (runtime/flight_recorder.py measures why)
-    "TORCH_FR_BUFFER_SIZE": "1000",
-    # GPU start/end times of NCCL collectives (ignored by gloo)
-    "TORCH_NCCL_ENABLE_TIMING": "1",
-}
-
+__all__ = ["LaunchSpec", "parse_nnodes", "torchrun_command", "validate_launch", "worker_environment"]
 
 def parse_nnodes(value: str) -> tuple[int, int]:
     """``"N"`` or ``"MIN:MAX"`` -> (min, max); a clear ValueError otherwise."""
@@ -143,110 +125,10 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
     # torchrun announces restarts ("will restart worker group") at INFO; `run` reads and logs them
     env.setdefault("LOGLEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
-    env["TRAINWARDEN_JOB"] = spec.job
-    env["TRAINWARDEN_STATE_DIR"] = str(spec.state_dir)
-    env.setdefault("TRAINWARDEN_CHECKPOINT_DIR", str(spec.state_dir / "checkpoints"))
-    env["TRAINWARDEN_ETCD_ENDPOINT"] = spec.rdzv_endpoint
+    env[JOB_ENV] = spec.job
+    env[STATE_DIR_ENV] = str(spec.state_dir)
+    env.setdefault(CHECKPOINT_DIR_ENV, str(spec.state_dir / "checkpoints"))
     if spec.agent_socket:
-        env["TRAINWARDEN_AGENT_SOCKET"] = spec.agent_socket
+        env[AGENT_SOCKET_ENV] = spec.agent_socket
     env.update(spec.extra_env)
     return env
-
-
-class TorchrunProcess:
-    """A running torchrun and every process it started; ``stop()`` leaves none of them behind."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], *, stdout=None, cwd: str | None = None) -> None:
-        self.cmd = cmd
-        self._proc = subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
-            stderr=subprocess.STDOUT if stdout is not None else None,
-            start_new_session=True,
-        )
-        self._known: dict[int, float] = {}  # pid -> create_time of every descendant seen
-        logger.info("started torchrun pid=%d: %s", self._proc.pid, " ".join(cmd))
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def stdout(self):
-        return self._proc.stdout
-
-    def poll(self) -> int | None:
-        self.refresh()
-        return self._proc.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._proc.wait(timeout)
-
-    def refresh(self) -> None:
-        """Remember torchrun's current descendants (workers come and go with restarts)."""
-        try:
-            children = psutil.Process(self._proc.pid).children(recursive=True)
-        except psutil.Error:
-            return
-        for child in children:
-            try:
-                self._known.setdefault(child.pid, child.create_time())
-            except psutil.Error:
-                continue
-
-    def _survivors(self) -> list[psutil.Process]:
-        alive = []
-        for pid, created in self._known.items():
-            try:
-                proc = psutil.Process(pid)
-                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(proc)
-            except psutil.Error:
-                continue
-        return alive
-
-    def stop(self, grace: float = 10.0) -> int | None:
-        """SIGTERM torchrun (it stops its workers), then SIGKILL whatever it started that remains."""
-        self.refresh()
-        if self._proc.poll() is None:
-            logger.info("stopping torchrun pid=%d", self._proc.pid)
-            self._signal_group(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                logger.warning("torchrun did not stop within %.0fs; killing it", grace)
-        self._signal_group(self._proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + grace
-        survivors = self._survivors()
-        for proc in survivors:
-            self._kill_tree(proc)
-        while survivors and time.monotonic() < deadline:
-            survivors = self._survivors()
-            time.sleep(0.05)
-        if survivors:
-            logger.error("processes still alive after stop: %s", [p.pid for p in survivors])
-        try:
-            return self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            return None
-
-    @staticmethod
-    def _signal_group(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _kill_tree(self, proc: psutil.Process) -> None:
-        try:
-            pgid = os.getpgid(proc.pid)
-        except ProcessLookupError:
-            return
-        # a worker leads its own session (torchrun starts it so): kill its group, which holds its children
-        if pgid == proc.pid:
-            self._signal_group(pgid, signal.SIGCONT)
-            self._signal_group(pgid, signal.SIGKILL)
-        else:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass

@@ -1,12 +1,12 @@
-"""Prometheus collector for job telemetry: yields metric families from a `JobState` at scrape time.
+"""Prometheus collector for job telemetry: yields metric families from a `JobTelemetry` at scrape time.
 
 Like prometheus_client's own custom collectors, it holds no metric objects: each scrape takes one
-`JobState.snapshot()` and turns it into families, so the exposition always matches the store and a job
-that `JobState.prune()` forgot disappears from /metrics. Labels are bounded: job, node, rank, op and
+`JobTelemetry.snapshot()` and turns it into families, so the exposition always matches the store and a job
+that `JobTelemetry.prune()` forgot disappears from /metrics. Labels are bounded: job, node, rank, op and
 reason; never step numbers, paths or free text. The exporter (agent/exporter.py) registers this next to
 the GPU and host collectors:
 
-    registry.register(JobMetricsCollector(jobstate, node=hostname))
+    registry.register(JobMetricsCollector(job_telemetry, node=hostname))
 
 Families (all prefixed trainwarden_):
 
@@ -34,18 +34,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from trainwarden.agent.telemetry.job_telemetry import STEP_BUCKETS, JobState
+from trainwarden.agent.telemetry.job_telemetry import STEP_BUCKETS, JobTelemetry
 
 __all__ = ["JobMetricsCollector"]
 
 
 class JobMetricsCollector(Collector):
-    """Job metric families computed from `jobstate` on every scrape."""
+    """Job metric families computed from `job_telemetry` on every scrape."""
 
-    def __init__(self, jobstate: JobState, *, node: str) -> None:
+    def __init__(self, job_telemetry: JobTelemetry, *, node: str) -> None:
         if not node:
             raise ValueError("node must be a non-empty name (the host name of this agent)")
-        self._jobstate = jobstate
+        self._job_telemetry = job_telemetry
         self._node = node
 
     def collect(self) -> Iterator[Metric]:
@@ -82,7 +82,7 @@ class JobMetricsCollector(Collector):
         rejected = CounterMetricFamily("trainwarden_telemetry_rejected",
                                        "Telemetry messages the agent refused.", labels=["node", "reason"])
 
-        for job in self._jobstate.snapshot():
+        for job in self._job_telemetry.snapshot():
             for r in job.ranks:
                 labels = [job.job, node, str(r.rank)]
                 cumulative, buckets = 0, []
@@ -106,7 +106,7 @@ class JobMetricsCollector(Collector):
                 ckpt_step.add_metric([job.job, node], job.checkpoint_last_step)
             ckpt_failed.add_metric([job.job, node], job.checkpoint_failures_total)
             restarts.add_metric([job.job, node], job.restarts_total)
-        for reason, count in sorted(self._jobstate.rejected().items()):
+        for reason, count in sorted(self._job_telemetry.rejected().items()):
             rejected.add_metric([node, reason], count)
         yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed,
                     restarts, up, dropped, rejected)

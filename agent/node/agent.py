@@ -3,13 +3,15 @@
 One ``NodeAgent`` per node. ``trainwarden run`` starts one in-process; ``trainwarden agent`` runs one as
 a daemon. It owns, and starts and stops in order:
 
-- ``JobState``: per-job, per-rank state fed by worker telemetry;
+- ``JobTelemetry``: per-job, per-rank state fed by worker telemetry;
 - ``TelemetryServer``: the gRPC server on the node's unix socket (workers find it through
   ``TRAINWARDEN_AGENT_SOCKET``);
 - the Prometheus exporter with every collector (jobs, GPUs, host, watchdog, incidents, the agent);
 - ``GpuHealthSampler`` and ``HostHealthSampler``, each on its own thread;
-- the ``Watchdog``, which acts through ``AgentActions`` (below): diagnostics and abort commands over the
-  telemetry stream, SIGKILL for workers that cannot obey (stopped, wedged), incidents to disk and etcd.
+- the ``Watchdog``, which acts through ``AgentActions`` (node/actions.py): diagnostics and abort commands over the
+  telemetry stream, SIGKILL for workers that cannot obey (stopped, wedged), incidents to disk and etcd;
+- with an etcd client, the publisher of committed checkpoints: a worker reports a commit with its path,
+  the agent writes ``jobs/<job>/checkpoint`` (workers hold no etcd client or credentials).
 
 Stopping is the reverse of starting, and every part's ``stop`` is called even if an earlier one fails.
 """
@@ -17,36 +19,30 @@ Stopping is the reverse of starting, and every part's ``stop`` is called even if
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
-
-import psutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from trainwarden.agent import __version__
-from trainwarden.agent.watchdog.culprit import process_state
 from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
-from trainwarden.agent.incidents.store import Incident, IncidentCollector, IncidentStore
+from trainwarden.agent.incidents import IncidentCollector, IncidentStore
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
-from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.common.paths import job_state_dir
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.etcd.job_records import JobRecords, EtcdUnavailable
+from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AgentActions", "AgentConfig", "NodeAgent"]
-
-ABORT_GRACE_S = 1.5
-"""How long workers get to obey an abort command before they are killed."""
-
+__all__ = ["AgentConfig", "NodeAgent", "watchdog_config"]
 
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
@@ -87,76 +83,26 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
     return WatchdogConfig(straggler=StragglerConfig(policy=policy))
 
 
-class AgentActions:
-    """What the watchdog may do on this node: talk to workers, kill them, record incidents."""
-
-    def __init__(self, server: TelemetryServer, jobstate: JobState, incidents: IncidentStore, *,
-                 kill: Callable[[int, int], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
-        self._server, self._jobstate, self._incidents = server, jobstate, incidents
-        self._kill, self._sleep = kill, sleep
-
-    def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
-        command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
-        return [r for r in ranks if self._server.send_command(job, r, command)]
-
-    def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
-        command = pb.AgentCommand(abort=pb.Abort(reason=reason[:500]))
-        # hold each worker by (pid, start time) before asking: after the grace period a pid that exited
-        # may already belong to someone else, and only the process we asked may be killed
-        procs = {}
-        for rank, pid in self._pids(job, ranks).items():
-            try:
-                procs[rank] = psutil.Process(pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-                pass
-        for rank in ranks:
-            self._server.send_command(job, rank, command)
-        self._sleep(ABORT_GRACE_S)
-        for rank, proc in procs.items():
-            if not proc.is_running() or process_state(proc.pid) == "dead":  # exited (or its pid was reused)
-                continue
-            logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, proc.pid)
-            try:
-                if self._kill is None:
-                    proc.send_signal(signal.SIGKILL)  # psutil refuses if the pid was reused meanwhile
-                else:
-                    self._kill(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        return True
-
-    def record(self, incident: Incident) -> Incident:
-        return self._incidents.record(incident)
-
-    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
-        self._incidents.request_exclusion(job, node, request)
-
-    def withdraw_exclusion(self, job: str, node: str) -> None:
-        self._incidents.withdraw_exclusion(job, node)
-
-    def _pids(self, job: str, ranks: Sequence[int]) -> dict[int, int]:
-        wanted = set(ranks)
-        for snap in self._jobstate.snapshot(job):
-            return {r.rank: r.pid for r in snap.ranks if r.rank in wanted and r.pid > 0}
-        return {}
-
-
 class NodeAgent:
     def __init__(self, config: AgentConfig, *, etcd_client=None) -> None:
         self.config = config
         state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
-        self.jobstate = JobState()
-        self.server = TelemetryServer(config.socket_path, self.jobstate, node=config.node)
+        # committed checkpoints are published to etcd from one thread of their own, never from the telemetry
+        # reader that heard of them
+        self._records = JobRecords(etcd_client) if etcd_client is not None else None
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="trainwarden-publish") if etcd_client else None
+        self.job_telemetry = JobTelemetry(on_checkpoint_committed=self._publish_checkpoint)
+        self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
         self.incident_counts = IncidentCollector(node=config.node)
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd_client, collector=self.incident_counts)
-        self.actions = AgentActions(self.server, self.jobstate, self.incidents)
-        self.watchdog = Watchdog(self.jobstate, self.actions, node=config.node, config=config.watchdog,
+        self.actions = AgentActions(self.server, self.job_telemetry, self.incidents)
+        self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
                                  diagnostics_dir=lambda job: state_dir(job) / "diagnostics")
         self.gpus = GpuHealthSampler(GpuHealthConfig(node=config.node)) if config.gpu_health else None
         self.host = HostHealthSampler(HostHealthConfig(node=config.node, disk_paths=config.host_disk_paths),
                                       worker_pids=self._worker_pids)
         collectors = [AgentInfoCollector(node=config.node, version=__version__),
-                      JobMetricsCollector(self.jobstate, node=config.node), self.host,
+                      JobMetricsCollector(self.job_telemetry, node=config.node), self.host,
                       self.watchdog.collector(), self.incident_counts]
         if self.gpus is not None:
             collectors.append(self.gpus)
@@ -187,6 +133,8 @@ class NodeAgent:
             pruner = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
             pruner.start()
             self._stops.append(self._pruner.set)
+            if self._publisher is not None:
+                self._stops.append(lambda: self._publisher.shutdown(wait=True, cancel_futures=False))
         except BaseException:
             self.stop()
             raise
@@ -202,13 +150,29 @@ class NodeAgent:
             except Exception:
                 logger.exception("error while stopping the agent; continuing")
 
+    def _publish_checkpoint(self, job: str, step: int, path: str, nbytes: int) -> None:
+        """A worker committed a checkpoint: make it the job's latest in etcd (``jobs/<job>/checkpoint``)."""
+        if self._publisher is None:
+            return
+        info = {"step": step, "path": path, "time": time.time(), "bytes": nbytes}
+        try:
+            self._publisher.submit(self._put_checkpoint, job, info)
+        except RuntimeError:  # the agent is stopping
+            pass
+
+    def _put_checkpoint(self, job: str, info: dict) -> None:
+        try:
+            self._records.put_checkpoint(job, info)
+        except EtcdUnavailable as exc:  # the `latest` file beside the checkpoints stays the truth
+            logger.warning("could not publish checkpoint step %s of job %s: %s", info["step"], job, exc)
+
     def _worker_pids(self) -> list[int]:
-        return [r.pid for job in self.jobstate.snapshot() for r in job.ranks if r.connected and r.pid > 0]
+        return [r.pid for job in self.job_telemetry.snapshot() for r in job.ranks if r.connected and r.pid > 0]
 
     def _prune_loop(self) -> None:
         while not self._pruner.wait(60.0):
             try:
-                self.jobstate.prune(600.0)
+                self.job_telemetry.prune(600.0)
             except Exception:
                 logger.exception("pruning idle jobs failed")
 

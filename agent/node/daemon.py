@@ -1,6 +1,6 @@
 """`trainwarden agent`: the node agent as a long-running daemon (systemd unit, Kubernetes DaemonSet).
 
-It runs one ``NodeAgent`` (agent/node_agent.py: telemetry socket, Prometheus endpoint, health samplers,
+It runs one ``NodeAgent`` (agent/node/agent.py: telemetry socket, Prometheus endpoint, health samplers,
 watchdog) until SIGTERM or SIGINT, then stops it (the socket file is removed) and exits 0. Jobs on the
 node find it through ``TRAINWARDEN_AGENT_SOCKET`` (default ``/run/trainwarden/agent.sock``). With ``--etcd``,
 incidents are also written to etcd; without it they go to the state directories only.
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TextIO
 
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
-from trainwarden.agent.cli.status import check_agent
+from trainwarden.agent.node.endpoints import check_agent
 
 logger = logging.getLogger(__name__)
 
@@ -44,41 +45,6 @@ class DaemonOptions:
             raise ValueError(f"--etcd {self.etcd!r}: expected HOST:PORT, e.g. 10.0.0.5:2379")
 
 
-class _StopOnSignal:
-    """SIGTERM/SIGINT set an event the main thread waits on; the previous handlers come back on exit."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.received: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "_StopOnSignal":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signum
-        self.event.set()
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class _NoSignals:
-    """Stands in for `_StopOnSignal` when the caller owns stopping (tests, embedding in another thread)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        self.event, self.received = event, None
-
-    def __enter__(self) -> "_NoSignals":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
 def _connect_etcd(endpoint: str):
     from trainwarden.agent.etcd.job_records import connect
 
@@ -88,7 +54,7 @@ def _connect_etcd(endpoint: str):
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
     from trainwarden.agent.metrics.exporter import ExporterError
-    from trainwarden.agent.etcd.job_records import JobStoreUnavailable
+    from trainwarden.agent.etcd.job_records import EtcdUnavailable
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
@@ -100,13 +66,13 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         except ValueError as exc:
             err.write(f"trainwarden agent: {exc}\n")
             return exit_codes.EXIT_USAGE
-        except JobStoreUnavailable as exc:
+        except EtcdUnavailable as exc:
             cause = type(exc.__cause__).__name__ if exc.__cause__ else "no answer"
             err.write(f"trainwarden agent: cannot reach etcd at {options.etcd} ({cause}); start it, or leave out "
                       "--etcd to keep incidents on local disk only\n")
             return exit_codes.EXIT_ETCD_UNAVAILABLE
     try:
-        with _StopOnSignal() if stop is None else _NoSignals(stop) as signals:
+        with StopOnSignals() if stop is None else ExternalStop(stop) as signals:
             agent = NodeAgent(config, etcd_client=client)
             try:
                 agent.start()

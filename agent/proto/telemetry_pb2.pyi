@@ -129,16 +129,18 @@ class Collectives(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[CollectiveSummary, _Mapping]]] = ..., has_durations: _Optional[bool] = ..., entries_missed: _Optional[int] = ..., arrivals: _Optional[_Union[Arrivals, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("stage", "step", "seconds", "bytes")
+    __slots__ = ("stage", "step", "seconds", "bytes", "path")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     stage: CheckpointStage
     step: int
     seconds: float
     bytes: int
-    def __init__(self, stage: _Optional[_Union[CheckpointStage, str]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+    path: str
+    def __init__(self, stage: _Optional[_Union[CheckpointStage, str]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)

@@ -1,7 +1,7 @@
 """The ``etcd3`` torchrun rendezvous backend: torch's dynamic rendezvous, kept in etcd over the v3 API.
 
 ``torchrun --rdzv-backend etcd3 --rdzv-endpoint HOST:PORT --rdzv-id JOB`` finds this module through the
-``torchrun.handlers`` entry point (``handler_factory``). torch's own ``etcd``/``etcd-v2`` backends speak the
+``torchrun.handlers`` entry point (``trainwarden.agent.rendezvous:handler_factory``). torch's own ``etcd``/``etcd-v2`` backends speak the
 v2 API, which etcd 3.5 disables by default and 3.6 removed; ``c10d`` keeps the state in a TCPStore that
 dies with its host. This backend keeps it in etcd, which survives any node.
 
@@ -59,40 +59,24 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any
 
-
-def handler_factory():
-    """Entry point of ``torchrun.handlers``: torch calls it with no arguments and registers the creator.
-
-    Defined before the torch imports below on purpose: importing ``torch.distributed.elastic.rendezvous``
-    loads every ``torchrun.handlers`` entry point, this one included. When this module is imported first
-    (by ``trainwarden run`` or a test), torch then finds it half-initialised; the factory must already
-    exist, and the creator it returns resolves ``create_rdzv_handler`` only when called.
-    """
-    return _create_rdzv_handler_lazy
-
-
-def _create_rdzv_handler_lazy(params):
-    return create_rdzv_handler(params)
-
-
-import etcd3  # noqa: E402
-import grpc  # noqa: E402
-from torch.distributed.elastic.rendezvous import (  # noqa: E402
+import etcd3
+from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E402
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     Token,
     create_handler,
 )
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from trainwarden.agent.etcd.client import EtcdUnreachable, open_client  # noqa: E402
-from trainwarden.agent.rendezvous.store import ETCD_CLIENT_ERRORS, Etcd3Store, describe_etcd_error  # noqa: E402
-from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key  # noqa: E402
+from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, EtcdAccessDenied, EtcdConfig, EtcdUnavailable,
+                                          describe_etcd_error, open_etcd)
+from trainwarden.agent.rendezvous.store import Etcd3Store
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +87,6 @@ __all__ = [
     "Etcd3RendezvousConfig",
     "connect",
     "create_rdzv_handler",
-    "handler_factory",
 ]
 
 BACKEND_NAME = "etcd3"
@@ -176,13 +159,19 @@ class Etcd3RendezvousConfig:
             raise ValueError(
                 f"rdzv-conf {', '.join(tls_files)} given with protocol=http; set protocol=https or drop them"
             )
-        if bool(self.cert_key) != bool(self.cert_cert):
-            raise ValueError("rdzv-conf cert_key and cert_cert (client key and certificate) go together; give both")
-        for name, path in tls_files.items():
-            if not os.path.isfile(path):
-                raise ValueError(f"rdzv-conf {name}={path!r}: no such file")
-        if bool(self.user) != bool(self.password):
-            raise ValueError("rdzv-conf user and password go together; give both or neither")
+        try:  # the TLS and auth rules are the etcd client's own; say which flags they came from
+            etcd = EtcdConfig(endpoints=(f"{self.protocol}://{self.netloc}",), ca_cert=self.ca_cert,
+                              cert_key=self.cert_key, cert_cert=self.cert_cert, user=self.user,
+                              password=self.password, timeout=self.read_timeout,
+                              connect_timeout=self.connect_timeout)
+        except ValueError as exc:
+            raise ValueError(f"rdzv-conf {exc}") from None
+        object.__setattr__(self, "_etcd", etcd)
+
+    @property
+    def etcd(self) -> EtcdConfig:
+        """The etcd client settings these options make."""
+        return self._etcd  # type: ignore[attr-defined]
 
     @property
     def netloc(self) -> str:
@@ -259,34 +248,15 @@ def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
 
     Raises ``RendezvousConnectionError`` when etcd cannot be reached or refuses the credentials.
     """
-    creds = None
-    if config.protocol == "https":
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read_file(config.ca_cert),
-            private_key=_read_file(config.cert_key),
-            certificate_chain=_read_file(config.cert_cert),
-        )
-    host = config.netloc.rsplit(":", 1)[0]
     try:
-        return open_client(host, config.port, timeout=config.read_timeout, connect_timeout=config.connect_timeout,
-                           creds=creds, user=config.user, password=config.password)
-    except EtcdUnreachable:
+        return open_etcd(config.etcd)
+    except EtcdUnavailable:
         raise RendezvousConnectionError(
             f"cannot reach etcd at {config.netloc}: no {config.protocol} connection within "
             f"{config.connect_timeout:.1f}s; start etcd or pass the right --rdzv-endpoint"
         ) from None
-    except ETCD_CLIENT_ERRORS as exc:
-        raise RendezvousConnectionError(
-            f"etcd at {config.netloc} refused the session: {describe_etcd_error(exc)}; "
-            "check rdzv-conf user/password"
-        ) from exc
-
-
-def _read_file(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+    except EtcdAccessDenied as exc:
+        raise RendezvousConnectionError(f"{exc}; check rdzv-conf user/password") from exc
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):

@@ -35,15 +35,13 @@ from datetime import timedelta
 from typing import TypeVar
 
 import etcd3
-import grpc
 from torch.distributed import DistNetworkError, DistStoreError, Store
+
+from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ETCD_CLIENT_ERRORS", "Etcd3Store", "describe_etcd_error"]
-
-#: What the etcd3 client raises when etcd cannot serve a request (down, unreachable, auth, timeout).
-ETCD_CLIENT_ERRORS: tuple[type[BaseException], ...] = (etcd3.Etcd3Exception, grpc.RpcError)
+__all__ = ["Etcd3Store"]
 
 _POLL_FIRST_S = 0.01
 _POLL_MAX_S = 0.25
@@ -239,13 +237,3 @@ class Etcd3Store(Store):
                 f"etcd store {what} failed at {self._endpoint}: {describe_etcd_error(exc)}; "
                 "check that etcd is running and reachable from this node"
             ) from exc
-
-
-def describe_etcd_error(exc: BaseException) -> str:
-    """One line for an etcd3/gRPC error (gRPC errors carry the useful part in ``details()``)."""
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        try:
-            return f"{exc.code().name}: {exc.details()}"
-        except Exception:  # a bare RpcError without call information
-            pass
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -27,7 +27,7 @@ than guessed around:
   `expire_s` if it reports nothing more; intervals are formed only inside unbroken stretches of a rank's
   arrivals.
 
-Not thread-safe: the JobState calls it under its lock.
+Not thread-safe: the JobTelemetry calls it under its lock.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Interval:
     compute_ns: int
 
 
-class _Rank:
+class _RankArrivals:
     __slots__ = ("queue", "newest_ns", "last_seq", "intervals")
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ class ArrivalMatcher:
         self._expire_ns = int(expire_s * 1e9)
         self._members: dict[str, frozenset[int]] = {}
         self._keys: OrderedDict[tuple[str, int], dict[int, int]] = OrderedDict()
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[int, _RankArrivals] = {}
 
     def set_members(self, group: str, ranks: Iterable[int]) -> None:
         self._members[group] = frozenset(int(r) for r in ranks)
@@ -89,7 +89,7 @@ class ArrivalMatcher:
         self._ranks.clear()
 
     def add(self, rank: int, arrivals: Iterable[Arrival], *, continues: bool) -> None:
-        state = self._ranks.setdefault(rank, _Rank())
+        state = self._ranks.setdefault(rank, _RankArrivals())
         first = not continues
         for a in arrivals:
             key = (a.group, a.seq)
@@ -147,7 +147,7 @@ class ArrivalMatcher:
             return None
         return max(seen[r] for r in expected)
 
-    def _resolve_rank(self, rank: int, state: _Rank, local: frozenset[int]) -> None:
+    def _resolve_rank(self, rank: int, state: _RankArrivals, local: frozenset[int]) -> None:
         queue = state.queue
         while len(queue) >= 2:
             a, _ = queue[0]

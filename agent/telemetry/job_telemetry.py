@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from trainwarden.agent.proto.contract import CHECKPOINT_STAGES
 from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
 
 __all__ = [
@@ -42,14 +43,13 @@ __all__ = [
     "STEP_BUCKETS",
     "CollectiveTotals",
     "JobSnapshot",
-    "JobState",
+    "JobTelemetry",
     "RankSnapshot",
     "WorkerInfo",
 ]
 
 # Step-duration histogram buckets (seconds): from fast CPU test steps to multi-minute pipeline steps.
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed")
 # Bounded `reason` label values for trainwarden_telemetry_rejected_total.
 REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid")
 
@@ -143,7 +143,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-class _Rank:
+class _RankTelemetry:
     def __init__(self, info: WorkerInfo, recent_steps: int, now: float) -> None:
         self.info = info
         self.restarts = 0  # new worker processes seen for this rank
@@ -176,11 +176,11 @@ class _Rank:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
 
 
-class _Job:
+class _JobRanks:
     def __init__(self, info: WorkerInfo) -> None:
         self.world_size = info.world_size
         self.mesh = dict(info.mesh)
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[int, _RankTelemetry] = {}
         self.restarts_seen = 0
         self.checkpoint_last_step = -1
         self.checkpoint_failures = 0
@@ -188,11 +188,15 @@ class _Job:
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
 
-class JobState:
+class JobTelemetry:
     """Thread-safe store of every job's and rank's telemetry on this node."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, recent_steps: int = 256,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 on_checkpoint_committed: Callable[[str, int, str, int], None] | None = None) -> None:
+        """``on_checkpoint_committed(job, step, path, bytes)`` hears of every committed checkpoint a worker
+        reports with its path (the node agent publishes it to etcd); it must not block."""
+        self._on_checkpoint_committed = on_checkpoint_committed
         if recent_steps < 2:
             raise ValueError(f"recent_steps must be at least 2, got {recent_steps}")
         self._clock = clock
@@ -200,7 +204,7 @@ class JobState:
         self._ended: dict[str, deque] = {}  # job -> (wall time, rank, pid, goodbye or None) of ended streams
         self._recent_steps = recent_steps
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _JobRanks] = {}
         self._rejected: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
 
     # ---- writers -------------------------------------------------------------------------------------
@@ -211,11 +215,11 @@ class JobState:
         with self._lock:
             job = self._jobs.get(info.job)
             if job is None:
-                job = self._jobs[info.job] = _Job(info)
+                job = self._jobs[info.job] = _JobRanks(info)
             job.world_size, job.mesh = info.world_size, dict(info.mesh)
             rank = job.ranks.get(info.rank)
             if rank is None:
-                job.ranks[info.rank] = _Rank(info, self._recent_steps, now)
+                job.ranks[info.rank] = _RankTelemetry(info, self._recent_steps, now)
             else:
                 if rank.info.pid != info.pid:  # a new worker process for this rank: restart its deltas
                     job.matcher.reset()  # sequence ids start again in the new round
@@ -330,7 +334,9 @@ class JobState:
             return out
 
     def record_checkpoint(self, job: str, rank: int, *, stage: str, step: int, seconds: float,
-                          bytes_: int = 0) -> None:
+                          bytes_: int = 0, path: str = "") -> None:
+        """A checkpoint stage reported by a worker; a ``committed`` one with its path goes to
+        ``on_checkpoint_committed`` (outside the lock)."""
         if stage not in CHECKPOINT_STAGES:
             raise ValueError(f"unknown checkpoint stage {stage!r}; expected one of {CHECKPOINT_STAGES}")
         with self._lock:
@@ -346,6 +352,8 @@ class JobState:
                 owner.checkpoint_last_step = max(owner.checkpoint_last_step, int(step))
             elif stage == "failed":
                 owner.checkpoint_failures += 1
+        if stage == "committed" and path and self._on_checkpoint_committed is not None:
+            self._on_checkpoint_committed(job, int(step), path, int(bytes_))
 
     def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
         """The worker's cumulative count of dropped records (per process)."""
@@ -399,11 +407,11 @@ class JobState:
             return tuple(self._job_snapshot(name, j) for name, j in sorted(self._jobs.items())
                          if job is None or name == job)
 
-    def _rank(self, job: str, rank: int) -> _Rank | None:
+    def _rank(self, job: str, rank: int) -> _RankTelemetry | None:
         owner = self._jobs.get(job)
         return owner.ranks.get(rank) if owner is not None else None
 
-    def _job_snapshot(self, name: str, job: _Job) -> JobSnapshot:
+    def _job_snapshot(self, name: str, job: _JobRanks) -> JobSnapshot:
         return JobSnapshot(
             job=name, world_size=job.world_size, mesh=dict(job.mesh),
             ranks=tuple(self._rank_snapshot(r) for _, r in sorted(job.ranks.items())),
@@ -412,7 +420,7 @@ class JobState:
         )
 
     @staticmethod
-    def _rank_snapshot(r: _Rank) -> RankSnapshot:
+    def _rank_snapshot(r: _RankTelemetry) -> RankSnapshot:
         durations = sorted(d for _, d, _ in r.recent)
         tokens_per_second = 0.0
         if len(r.recent) >= 2:

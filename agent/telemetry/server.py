@@ -7,12 +7,12 @@ collective, checkpoint and statistics records; the agent sends commands back (`s
 Design:
 
 - Sync grpc server. A stream occupies one pool thread (the response generator, which waits on the
-  stream's command queue) plus one reader thread of ours that feeds `JobState`. `max_streams` bounds both;
+  stream's command queue) plus one reader thread of ours that feeds `JobTelemetry`. `max_streams` bounds both;
   calls beyond it are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing forever.
 - Bad input never raises through gRPC's machinery. Our request deserializer returns a `_Rejected` marker
   instead of raising (gRPC would otherwise abort with INTERNAL and nothing would be counted); messages over
   `max_message_bytes` get the same treatment. The stream is then ended with INVALID_ARGUMENT or
-  RESOURCE_EXHAUSTED and the reason counted in `JobState.count_rejected` (exported as
+  RESOURCE_EXHAUSTED and the reason counted in `JobTelemetry.count_rejected` (exported as
   trainwarden_telemetry_rejected_total{reason}). The transport limit is set well above
   `max_message_bytes` so that oversized messages reach our check and are counted; messages beyond the
   transport limit are refused by gRPC itself, uncounted.
@@ -41,14 +41,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from trainwarden.agent.telemetry.arrivals import Arrival
-from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.proto.contract import SERVICE_NAME
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "trainwarden.v1.Telemetry"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
 _TRANSPORT_LIMIT_FLOOR = 4 * 1024 * 1024
 _MAX_UNIX_PATH = 107
@@ -84,9 +84,9 @@ class _StreamHandle:
 
 
 class TelemetryServer:
-    """gRPC telemetry server on `unix:<socket_path>` that feeds `jobstate`."""
+    """gRPC telemetry server on `unix:<socket_path>` that feeds `job_telemetry`."""
 
-    def __init__(self, socket_path: str | os.PathLike, jobstate: JobState, *,
+    def __init__(self, socket_path: str | os.PathLike, job_telemetry: JobTelemetry, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_streams: int = 256,
                  node: str | None = None, command_queue_size: int = 16,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -100,7 +100,7 @@ class TelemetryServer:
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self.socket_path = path
-        self._jobstate = jobstate
+        self._job_telemetry = job_telemetry
         self._max_message_bytes = max_message_bytes
         self._max_streams = max_streams
         self._node = node or socket.gethostname()
@@ -195,7 +195,7 @@ class TelemetryServer:
         return deserialize
 
     def _reject(self, context, rejected: _Rejected):
-        self._jobstate.count_rejected(rejected.reason)
+        self._job_telemetry.count_rejected(rejected.reason)
         log.warning("telemetry message rejected: %s", rejected.detail, extra={"reason": rejected.reason})
         code = (grpc.StatusCode.RESOURCE_EXHAUSTED if rejected.reason == "oversized"
                 else grpc.StatusCode.INVALID_ARGUMENT)
@@ -222,7 +222,7 @@ class TelemetryServer:
             self._streams[key] = handle
         if previous is not None:  # a reconnect or a restarted worker replaces the old stream
             _offer(previous.commands, _End())
-        self._jobstate.connect(info)
+        self._job_telemetry.connect(info)
         log.debug("worker connected: job %s rank %d pid %d", info.job, info.rank, info.pid,
                   extra={"job": info.job, "rank": info.rank, "pid": info.pid})
         reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
@@ -245,7 +245,7 @@ class TelemetryServer:
                 if current:
                     del self._streams[key]
             if current:  # a stream that a newer one replaced leaves the rank connected
-                self._jobstate.disconnect(info.job, info.rank, info.pid)
+                self._job_telemetry.disconnect(info.job, info.rank, info.pid)
             log.debug("worker stream ended: job %s rank %d pid %d", info.job, info.rank, info.pid,
                       extra={"job": info.job, "rank": info.rank, "pid": info.pid})
 
@@ -254,7 +254,7 @@ class TelemetryServer:
         try:
             for message in request_iterator:
                 if isinstance(message, _Rejected):
-                    self._jobstate.count_rejected(message.reason)
+                    self._job_telemetry.count_rejected(message.reason)
                     log.warning("telemetry message rejected: %s", message.detail,
                                 extra={"reason": message.reason, "job": info.job, "rank": info.rank})
                     end = _End(grpc.StatusCode.RESOURCE_EXHAUSTED if message.reason == "oversized"
@@ -263,7 +263,7 @@ class TelemetryServer:
                 try:
                     self._apply(info, message)
                 except Exception:  # one bad record must not end the stream or the agent
-                    self._jobstate.count_rejected("invalid")
+                    self._job_telemetry.count_rejected("invalid")
                     log.exception("cannot apply telemetry record", extra={"job": info.job, "rank": info.rank})
         except grpc.RpcError:
             pass  # the client went away or the server is stopping
@@ -281,16 +281,16 @@ class TelemetryServer:
         n = len(a.group)
         if len(a.seq) != n or len(a.enqueued_ns) != n or any(g < 0 or g >= len(a.groups) for g in a.group) \
                 or any(not 0 <= r < max(1, info.world_size) for m in a.members for r in m.ranks):
-            self._jobstate.count_rejected("invalid")
+            self._job_telemetry.count_rejected("invalid")
             return
         groups = list(a.groups)
         arrivals = [Arrival(groups[g], seq, t) for g, seq, t in zip(a.group, a.seq, a.enqueued_ns)]
-        self._jobstate.record_arrivals(info.job, info.rank, arrivals, continues=a.continues,
+        self._job_telemetry.record_arrivals(info.job, info.rank, arrivals, continues=a.continues,
                                        members={m.name: list(m.ranks) for m in a.members})
 
     def _apply(self, info: WorkerInfo, message: pb.WorkerMessage) -> None:
         kind = message.WhichOneof("record")
-        js, job, rank = self._jobstate, info.job, info.rank
+        js, job, rank = self._job_telemetry, info.job, info.rank
         if kind in ("step", "steps"):
             for s in (message.step,) if kind == "step" else message.steps.steps:
                 if not (math.isfinite(s.duration_seconds) and s.duration_seconds >= 0 and s.index >= 0):
@@ -314,7 +314,7 @@ class TelemetryServer:
             if stage is None or not math.isfinite(c.seconds):
                 js.count_rejected("invalid")
                 return
-            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes)
+            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes, path=c.path)
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
         elif kind == "goodbye":
@@ -341,7 +341,7 @@ class TelemetryServer:
             self._reject(context, request)
         now = self._clock()
         reply = pb.StatusReply(node=self._node)
-        for job in self._jobstate.snapshot(request.job or None):
+        for job in self._job_telemetry.snapshot(request.job or None):
             reply.jobs.append(_job_status(job, now))
         return reply
 

@@ -35,13 +35,15 @@ from typing import Iterable, Mapping
 
 import psutil
 
+from trainwarden.agent.proto.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
+
 __all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "main_thread_frames",
            "name_culprit", "positions_from_trace", "process_state", "read_diagnostics"]
 
 ANSWERED = "answered"
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD_RE = re.compile(r"^(Thread|Current thread) (0x[0-9a-fA-F]+)")
-_MAIN_THREAD_RE = re.compile(r"^# trainwarden main_thread=(0x[0-9a-fA-F]+)")
+_MAIN_THREAD_RE = re.compile("^" + re.escape(MAIN_THREAD_HEADER.partition("{")[0]) + r"([0-9a-fA-F]+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +229,7 @@ def read_diagnostics(directory: str | Path, ranks: Iterable[int]) -> dict[int, R
     directory = Path(directory)
     found: dict[int, RankEvidence] = {}
     for rank in ranks:
-        stacks_path, fr_path = directory / f"rank{rank}.stacks", directory / f"rank{rank}.fr"
+        stacks_path, fr_path = directory / stacks_file(rank), directory / trace_file(rank)
         positions: dict[str, GroupPosition] = {}
         try:
             trace = _NoGlobals(io.BytesIO(fr_path.read_bytes())).load()

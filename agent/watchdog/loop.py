@@ -1,6 +1,6 @@
 """The watchdog: a loop over the node's jobs that detects hangs and stragglers and acts through `actions`.
 
-Every `interval_s` it takes one `JobState.snapshot()` and, per job:
+Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
 
 - feeds the ranks' completed-step counts to `HangDetector` (agent/hang.py). On a hang it asks every
   connected local rank for diagnostics (`actions.request_diagnostics`), waits up to `diagnostics_wait_s`
@@ -8,10 +8,10 @@ Every `interval_s` it takes one `JobState.snapshot()` and, per job:
   dead, disconnected), records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the
   incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
   `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
-- feeds the job's straggler intervals (`JobState.take_intervals`: collective arrivals matched across the
+- feeds the job's straggler intervals (`JobTelemetry.take_intervals`: collective arrivals matched across the
   node's ranks, agent/arrivals.py) to `StragglerDetector` (agent/straggler.py), with the pipeline stage
   as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
-  rank's "straggler" flag in the JobState; an end event records `straggler_end`, resolves the start
+  rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
 
 Evidence first, one decision, recorded: the incident is written before the abort. The loop survives a bad
@@ -37,9 +37,10 @@ from prometheus_client.registry import Collector
 
 from trainwarden.agent.watchdog.culprit import RankEvidence, name_culprit, process_state, read_diagnostics
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
-from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
 from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.proto.contract import trace_file
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
@@ -91,15 +92,15 @@ class WatchdogConfig:
 
 
 class Watchdog:
-    """Runs hang and straggler policies over `jobstate` in a daemon thread; see the module docstring."""
+    """Runs hang and straggler policies over `job_telemetry` in a daemon thread; see the module docstring."""
 
-    def __init__(self, jobstate, actions: WatchdogActions, *, node: str, config: WatchdogConfig | None = None,
+    def __init__(self, job_telemetry, actions: WatchdogActions, *, node: str, config: WatchdogConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  sleep: Callable[[float], object] | None = None,
                  probe: Callable[[int], str] = process_state,
                  diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics") -> None:
         self.config = config or WatchdogConfig()
-        self._jobstate, self._actions, self._node = jobstate, actions, node
+        self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
@@ -147,7 +148,7 @@ class Watchdog:
     def check_once(self) -> None:
         """Check every job once (the loop's body; tests call it directly)."""
         checks: dict[str, HangCheck] = {}
-        for snap in self._jobstate.snapshot():
+        for snap in self._job_telemetry.snapshot():
             try:
                 checks[snap.job] = self._check_job(snap)
             except Exception:
@@ -180,14 +181,14 @@ class Watchdog:
             self._step_s[snap.job] = step_s
         else:  # the ranks have gone (the job ended): their last data still counts, at the last step time
             step_s = self._step_s.get(snap.job, 0.0)
-        intervals = self._jobstate.take_intervals(snap.job)
+        intervals = self._job_telemetry.take_intervals(snap.job)
         if check.min_steps_since_start < self.config.straggler.warmup_steps:
             intervals = {}  # start-up of a worker round (first steps, restore) is not a straggler's doing
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=_stage_groups(snap))
         for event in events:
             self._on_straggler(snap, event)
         for rank, score in self._straggler.scores().get(snap.job, {}).items():
-            self._jobstate.set_straggler_score(snap.job, rank, score.score)
+            self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
         return check
 
     # ---- hang ----------------------------------------------------------------------------------------
@@ -223,7 +224,7 @@ class Watchdog:
                 "connected": {str(r.rank): r.connected for r in snap.ranks},
                 "diagnostics_dir": str(directory), "verdict": verdict.to_dict()}))
         for rank in verdict.culprits:
-            self._jobstate.set_flag(job, rank, "hung", True)
+            self._job_telemetry.set_flag(job, rank, "hung", True)
         if not self.config.abort_on_hang:
             return
         incident = self._actions.record(incident.transition(
@@ -244,7 +245,7 @@ class Watchdog:
     def _collect(self, directory: Path, ranks: list[int]) -> dict[int, RankEvidence]:
         deadline = self._clock() + self.config.diagnostics_wait_s
         while ranks and self._clock() < deadline and not self._stop.is_set():
-            if all((directory / f"rank{r}.fr").exists() for r in ranks):
+            if all((directory / trace_file(r)).exists() for r in ranks):
                 self._sleep(_POLL_S)  # let the last writes finish
                 break
             self._sleep(_POLL_S)
@@ -253,7 +254,7 @@ class Watchdog:
     def _resolve_hang(self, snap: JobSnapshot) -> None:
         incident, aborted_at = self._acting.pop(snap.job)
         for rank in incident.ranks:
-            self._jobstate.set_flag(snap.job, rank, "hung", False)
+            self._job_telemetry.set_flag(snap.job, rank, "hung", False)
         self._actions.record(incident.transition(
             IncidentState.RESOLVED, now=self._wall(),
             outcome=f"job progressed again {self._clock() - aborted_at:.1f} s after the abort"))
@@ -272,7 +273,7 @@ class Watchdog:
         evidence["summary"] = (f"rank {rank} {verb} busy {s.compute_share:.0%} of its time against its peers' "
                                f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.evaluations} steps"
                                + (", so they wait for it" if event.started else ""))
-        self._jobstate.set_flag(job, rank, "straggler", event.started)
+        self._job_telemetry.set_flag(job, rank, "straggler", event.started)
         if event.started:
             action = "alert" if event.policy == StragglerPolicy.ALERT else \
                 f"exclude node {evidence['hostname'] or self._node} at the next restart (requested)"

@@ -124,7 +124,7 @@ class StragglerEvent:
     policy: StragglerPolicy
 
 
-class _Rank:
+class _RankScoring:
     __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "score")
 
     def __init__(self) -> None:
@@ -155,9 +155,9 @@ class _Rank:
             del self.ends[:k], self.total[:k], self.compute[:k]
 
 
-class _Job:
+class _JobScoring:
     def __init__(self) -> None:
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[int, _RankScoring] = {}
         self.position: int | None = None  # the last evaluated instant (ns, the data's clock)
 
 
@@ -166,14 +166,14 @@ class StragglerDetector:
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config or StragglerConfig()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _JobScoring] = {}
 
     def update(self, job: str, intervals: Mapping[int, Sequence[Interval]], *, step_seconds: float,
                groups: Mapping[int, Hashable] | None = None) -> list[StragglerEvent]:
         """Feed new intervals per rank; returns the start/end events this caused."""
-        state = self._jobs.setdefault(job, _Job())
+        state = self._jobs.setdefault(job, _JobScoring())
         for rank, items in intervals.items():
-            r = state.ranks.setdefault(rank, _Rank())
+            r = state.ranks.setdefault(rank, _RankScoring())
             for interval in items:
                 r.add(interval)
         live = {rank: r for rank, r in state.ranks.items() if r.ends}
@@ -212,7 +212,7 @@ class StragglerDetector:
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
-    def _evaluate(self, job: str, ranks: Mapping[int, _Rank], groups: Mapping[int, Hashable], position: int,
+    def _evaluate(self, job: str, ranks: Mapping[int, _RankScoring], groups: Mapping[int, Hashable], position: int,
                   stride: int) -> list[StragglerEvent]:
         """Score the slice (position - stride, position] and judge every rank on its window of slices."""
         cfg = self.config
@@ -244,7 +244,7 @@ class StragglerDetector:
                                              evaluations=event[1], policy=cfg.policy))
         return events
 
-    def _judge(self, state: _Rank, score: float) -> tuple[bool, int] | None:
+    def _judge(self, state: _RankScoring, score: float) -> tuple[bool, int] | None:
         cfg = self.config
         if not state.flagged:
             state.above = state.above + 1 if score > cfg.start_score else 0

@@ -38,14 +38,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, PEER_GONE
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
-from trainwarden.runtime.failures import peer_failure
+from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
-from trainwarden.runtime.publish import CheckpointPublisher
 
 __all__ = ["EXIT_OK", "EXIT_TRAINING_FAILED", "EXIT_BAD_CONFIG", "TrainConfig", "TrainState", "parse_args", "train", "main"]
 
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=3, help="linear learning-rate warm-up steps")
     add("--seed", type=int, default=0)
-    add("--ckpt-dir", default=os.environ.get("TRAINWARDEN_CHECKPOINT_DIR") or None,
+    add("--ckpt-dir", default=os.environ.get(CHECKPOINT_DIR_ENV) or None,
         help="checkpoint directory; resumes from its newest complete checkpoint "
              "(default: $TRAINWARDEN_CHECKPOINT_DIR, which `trainwarden run` sets; none: no checkpoints)")
     add("--ckpt-every", type=int, default=10, help="save after every N-th step")
@@ -176,11 +176,9 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
     train_state = TrainState(pm.model, optimizer)
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
-    publish = CheckpointPublisher.from_env()
 
-    def on_commit(info) -> None:  # rank 0, the checkpointer's commit thread
-        rt.checkpoint_event("committed", info.step, 0.0, info.bytes)
-        publish(info)
+    def on_commit(info) -> None:  # rank 0, the checkpointer's commit thread; the agent publishes it to etcd
+        rt.checkpoint_event("committed", info.step, 0.0, info.bytes, path=info.path)
 
     ckpt_state = {"app": train_state, "rng": RNGState()}
     ckpt = None
@@ -274,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lost = peer_failure(exc)
         if lost:  # the echo of another rank's failure: one line, the failed rank has the traceback
             _exit_now(EXIT_TRAINING_FAILED, f"a peer rank is gone ({lost}); exiting so torchrun restarts the group",
-                      reason=f"peer gone: {lost}")
+                      reason=f"{PEER_GONE}: {lost}")
         log.exception("training failed")
         _exit_now(EXIT_TRAINING_FAILED, "exiting without a clean shutdown")
     dist.destroy_process_group()

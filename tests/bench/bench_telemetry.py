@@ -37,9 +37,9 @@ from pathlib import Path
 
 AGENT = """
 import sys, time
-from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
-TelemetryServer(sys.argv[1], JobState()).start()
+TelemetryServer(sys.argv[1], JobTelemetry()).start()
 print("serving", flush=True)
 time.sleep(3600)
 """
@@ -188,7 +188,7 @@ def main() -> None:
               f"{total * 1e6:8.1f} us/step = {total / base_cpu * 100:.3f} % of the step's "
               f"{base_cpu * 1e3:.1f} ms CPU ({total / base_wall * 100:.3f} % of its {base_wall * 1e3:.1f} ms wall)")
     print(f"hot path (with rt.step(): pass): {hot:.2f} us/step")
-    from trainwarden.runtime.telemetry import ClientConfig
+    from trainwarden.runtime.agent_client import ClientConfig
 
     fr_cost = statistics.median(r["fr_full_read_s"] for r in alive)
     defaults = ClientConfig(socket_path="-")

@@ -4,7 +4,6 @@ gloo on CPU, the in-process agent), judged by the incidents the agent records in
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 

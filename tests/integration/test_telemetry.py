@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import wait_for
-from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto import telemetry_pb2_grpc
 from trainwarden.agent.telemetry.server import SERVICE_NAME, TelemetryServer
@@ -33,7 +33,7 @@ def rank_state(js, job, rank):
 
 @pytest.fixture
 def server(tmp_path):
-    js = JobState()
+    js = JobTelemetry()
     srv = TelemetryServer(tmp_path / "run" / "agent.sock", js, max_message_bytes=4096)
     srv.start()
     try:
@@ -88,9 +88,9 @@ def test_malformed_oversized_and_helloless_streams_are_rejected_and_counted(serv
 
 AGENT_SCRIPT = """
 import sys, time
-from trainwarden.agent.telemetry.job_telemetry import JobState
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
-TelemetryServer(sys.argv[1], JobState()).start()
+TelemetryServer(sys.argv[1], JobTelemetry()).start()
 print("serving", flush=True)
 time.sleep(600)
 """
@@ -119,7 +119,7 @@ def test_worker_keeps_training_through_an_agent_crash_and_reconnects(tmp_path, p
         agent.wait(10)
         at_crash = steps[0]
         wait_for(lambda: steps[0] > at_crash + 20, 20, what="steps while the agent is down")
-        js = JobState()
+        js = JobTelemetry()
         srv = TelemetryServer(sock, js)  # removes the stale socket
         srv.start()
         try:

@@ -13,7 +13,7 @@ import pytest
 
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.cli.main import build_parser, main
-from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentStore, new_incident_id
+from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore, new_incident_id
 from trainwarden.agent.common.paths import job_state_dir
 
 pytestmark = pytest.mark.timeout(30)

@@ -5,7 +5,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from trainwarden.agent.incidents.store import (IllegalIncidentTransition, Incident, IncidentCollector, IncidentKind,
+from trainwarden.agent.incidents import (IllegalIncidentTransition, Incident, IncidentCollector, IncidentKind,
                                          IncidentState, IncidentStore, list_incidents, new_incident_id)
 from trainwarden.agent.cli.incidents import incidents_list, incidents_show
 from trainwarden.agent.common.paths import job_state_dir
@@ -134,7 +134,7 @@ def test_cli_table_json_and_show(tmp_path):
 
 def test_unwritable_state_dir_does_not_stop_the_record(tmp_path):
     """A full disk or a bad state directory must not veto the action (abort) that follows the record."""
-    from trainwarden.agent.incidents.store import Incident, IncidentKind, IncidentStore
+    from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the state directory should be")

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from trainwarden.agent.node.agent import AgentActions
+from trainwarden.agent.node.actions import AgentActions
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +60,31 @@ def test_diagnostics_request_reports_the_ranks_reached(tmp_path):
     actions = AgentActions(server, FakeJobState({}), incidents=None)
     assert list(actions.request_diagnostics("j", [0, 3], tmp_path)) == [0, 3]
     assert [s[2] for s in server.sent] == ["dump_diagnostics", "dump_diagnostics"]
+
+
+class FakeEtcd:
+    def __init__(self):
+        self.puts = {}
+
+    def put(self, key, value):
+        self.puts[key] = value
+
+
+def test_a_committed_checkpoint_reported_by_a_worker_is_published_to_etcd_by_the_agent(tmp_path):
+    """Workers hold no etcd client: the agent publishes jobs/<job>/checkpoint when rank 0 reports a commit."""
+    import json
+
+    from trainwarden.agent.node.agent import AgentConfig, NodeAgent
+    from trainwarden.agent.telemetry.job_telemetry import WorkerInfo
+
+    etcd = FakeEtcd()
+    agent = NodeAgent(AgentConfig(socket_path=tmp_path / "a.sock", metrics_port=None, gpu_health=False,
+                                  state_home=tmp_path), etcd_client=etcd)
+    agent.job_telemetry.connect(WorkerInfo(job="j", rank=0, pid=1))
+    agent.job_telemetry.record_checkpoint("j", 0, stage="staged", step=10, seconds=0.1)  # not a commit
+    agent.job_telemetry.record_checkpoint("j", 0, stage="committed", step=10, seconds=0.0, bytes_=123,
+                                          path="/ckpt/step-00000010")
+    agent._publisher.shutdown(wait=True)
+    published = json.loads(etcd.puts["/trainwarden/v1/jobs/j/checkpoint"])
+    assert (published["step"], published["path"], published["bytes"]) == (10, "/ckpt/step-00000010", 123)
+    assert list(etcd.puts) == ["/trainwarden/v1/jobs/j/checkpoint"]

@@ -1,17 +1,21 @@
 """The packages' public names import, and the agent's import path stays free of torch."""
 
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-AGENT_MODULES = [
-    "trainwarden.agent", "trainwarden.agent.cli", "trainwarden.agent.launch.run", "trainwarden.agent.node.agent",
-    "trainwarden.agent.node.daemon", "trainwarden.agent.cli.status", "trainwarden.agent.watchdog.loop",
-    "trainwarden.agent.metrics.exporter", "trainwarden.agent.health", "trainwarden.agent.telemetry.server",
-]
+ROOT = Path(__file__).resolve().parents[2]
+# every agent module but the rendezvous backend, which runs inside torchrun and imports torch
+AGENT_MODULES = sorted(
+    "trainwarden.agent." + ".".join(p.relative_to(ROOT / "agent").with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "agent").rglob("*.py")
+    if (p.parent.name != "rendezvous" or p.name == "__init__.py") and p.name != "__main__.py")
+AGENT_PACKAGES = sorted("trainwarden.agent." + p.parent.name for p in (ROOT / "agent").glob("*/__init__.py"))
 
 
 def test_agent_import_path_does_not_import_torch():
@@ -20,6 +24,14 @@ def test_agent_import_path_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_agent_packages_public_names():
+    assert len(AGENT_PACKAGES) >= 12, AGENT_PACKAGES
+    for name in AGENT_PACKAGES:
+        package = importlib.import_module(name)
+        for public in getattr(package, "__all__", ()):
+            assert getattr(package, public) is not None, f"{name}.{public}"
 
 
 def test_runtime_public_names():

@@ -10,8 +10,8 @@ from trainwarden.agent.rendezvous.backend import (
     Etcd3RendezvousBackend,
     Etcd3RendezvousConfig,
     create_rdzv_handler,
-    handler_factory,
 )
+from trainwarden.agent.rendezvous import handler_factory
 
 
 def params(endpoint: str = "10.0.0.1:2379", run_id: str = "job", **conf) -> RendezvousParameters:

@@ -14,8 +14,10 @@ from trainwarden.agent.common import exit_codes
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.cli.status import (
-    AGENT_SOCKET_RECORD, DEFAULT_SOCKET, SOCKET_ENV, AgentUnavailable, fetch_gpu_stats, fetch_status,
-    format_status, format_top, parse_gpu_stats, resolve_socket, status_command, status_to_json, top_command,
+    fetch_gpu_stats, format_status, format_top, parse_gpu_stats, status_command, status_to_json, top_command,
+)
+from trainwarden.agent.node.endpoints import (
+    AGENT_SOCKET_RECORD, DEFAULT_SOCKET, SOCKET_ENV, AgentUnavailable, fetch_status, resolve_socket,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -114,7 +116,7 @@ def test_socket_resolution_order(tmp_path):
 
 
 def test_metrics_url_resolution_order(tmp_path):
-    from trainwarden.agent.cli.status import AGENT_METRICS_RECORD, DEFAULT_METRICS_URL, resolve_metrics_url
+    from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, DEFAULT_METRICS_URL, resolve_metrics_url
 
     assert resolve_metrics_url("none", "demo", state_home=tmp_path) is None
     assert resolve_metrics_url("http://h:1/metrics", "demo", state_home=tmp_path) == "http://h:1/metrics"

@@ -1,4 +1,4 @@
-"""JobMetricsCollector: families from JobState, parsed back with prometheus_client's parser."""
+"""JobMetricsCollector: families from JobTelemetry, parsed back with prometheus_client's parser."""
 
 import shutil
 import subprocess
@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
-from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobTelemetry, WorkerInfo
 
 ALLOWED_LABELS = {"job", "node", "rank", "op", "reason", "le"}
 
@@ -26,7 +26,7 @@ def scrape(js):
 
 @pytest.mark.timeout(10)
 def test_collector_exports_job_metrics_with_bounded_labels():
-    js = JobState()
+    js = JobTelemetry()
     for rank in (0, 1):
         js.connect(WorkerInfo(job="train", rank=rank, world_size=2, pid=100 + rank))
         for i in range(3):
@@ -65,17 +65,17 @@ def test_collector_exports_job_metrics_with_bounded_labels():
 
 @pytest.mark.timeout(10)
 def test_empty_store_exports_only_rejection_counters():
-    _, samples = scrape(JobState())
+    _, samples = scrape(JobTelemetry())
     assert {name for name, _ in samples} == {"trainwarden_telemetry_rejected_total"}
     with pytest.raises(ValueError):
-        JobMetricsCollector(JobState(), node="")
+        JobMetricsCollector(JobTelemetry(), node="")
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(30)
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
 def test_promtool_accepts_the_job_metrics_exposition():
-    js = JobState()
+    js = JobTelemetry()
     js.connect(WorkerInfo(job="train", rank=0, world_size=1, pid=1))
     js.record_step("train", 0, index=0, start_unix=0, duration_seconds=0.3, tokens=10)
     js.record_collectives("train", 0, [CollectiveTotals(process_group="default_pg", op="all_reduce", count=1,

@@ -9,7 +9,7 @@ import pytest
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.runtime import EXIT_ABORTED, Session, init
 from trainwarden.runtime.flight_recorder import FlightRecorder
-from trainwarden.runtime.telemetry import ClientConfig, TelemetryClient
+from trainwarden.runtime.agent_client import STEP_RECORD, ClientConfig, TelemetryClient
 
 
 class Boom(Exception):
@@ -40,7 +40,7 @@ def test_full_queue_drops_the_oldest_records_and_counts_them(tmp_path):
     client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock"), queue_size=16),
                              pb.Hello(job="j"), on_command=lambda c: None)
     for i in range(100):  # the sender thread is not started: nothing drains
-        client.record(("s", i, 0, 1, 0, None))
+        client.record((STEP_RECORD, i, 0, 1, 0, None))
     assert client.dropped == 84
     assert [item[1] for item in client._queue] == list(range(84, 100))
     messages = client._drain()
@@ -123,4 +123,16 @@ def test_a_step_that_raised_is_not_reported_as_completed():
     with pytest.raises(RuntimeError):
         with rt.step(2, tokens=5):
             raise RuntimeError("peer is gone")
-    assert [item[1] for item in rec.items if item[0] == "s"] == [1]
+    assert [item[1] for item in rec.items if item[0] == STEP_RECORD] == [1]
+
+
+@pytest.mark.timeout(20)
+def test_a_committed_checkpoint_travels_with_its_path(tmp_path):
+    client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock")), pb.Hello(job="j"),
+                             on_command=lambda c: None)
+    rt = Session(job="j", rank=0, world_size=1, client_config=None)
+    rt._client = client
+    rt.checkpoint_event("committed", 20, 0.0, 4096, path="/ckpt/step-00000020")
+    [message] = [m for m in client._drain() if m.WhichOneof("record") == "checkpoint"]
+    assert (message.checkpoint.stage, message.checkpoint.step, message.checkpoint.path) == \
+        (pb.COMMITTED, 20, "/ckpt/step-00000020")

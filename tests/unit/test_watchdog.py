@@ -1,14 +1,13 @@
 import pickle
 import threading
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from trainwarden.agent.watchdog.hang import HangConfig
-from trainwarden.agent.incidents.store import IncidentKind, IncidentState
+from trainwarden.agent.incidents import IncidentKind, IncidentState
 from trainwarden.agent.telemetry.arrivals import Arrival
-from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 
@@ -77,7 +76,7 @@ class Actions:
 class Sim:
     def __init__(self, ranks=4, mesh=None):
         self.clock = Clock()
-        self.js = JobState(clock=self.clock)
+        self.js = JobTelemetry(clock=self.clock)
         self.ranks, self.mesh = ranks, mesh or {"dp": ranks}
         self.step = 0
         self.wait = {r: 0.0 for r in range(ranks)}

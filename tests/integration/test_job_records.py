@@ -3,16 +3,16 @@
 import pytest
 
 from trainwarden.agent.etcd.client import split_endpoint
-from trainwarden.agent.etcd.job_records import JobStore, JobStoreUnavailable, connect
+from trainwarden.agent.etcd.job_records import JobRecords, EtcdUnavailable, connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
 def test_job_records_survive_an_etcd_restart(etcd_server):
-    store = JobStore(connect(etcd_server.url), endpoint=etcd_server.endpoint)
+    store = JobRecords(connect(etcd_server.url), endpoint=etcd_server.endpoint)
     store.put_state("j", {"phase": "running", "generation": 0})
     etcd_server.kill()
-    with pytest.raises(JobStoreUnavailable, match=etcd_server.endpoint):
+    with pytest.raises(EtcdUnavailable, match=etcd_server.endpoint):
         store.put_state("j", {"phase": "running", "generation": 1})
     etcd_server.restart()
     store.put_state("j", {"phase": "succeeded", "generation": 1})  # at once, not after a 300 s blacklist
@@ -22,7 +22,7 @@ def test_job_records_survive_an_etcd_restart(etcd_server):
 def test_unreachable_and_malformed_endpoints():
     from trainwarden.agent.etcd.embedded import free_port
 
-    with pytest.raises(JobStoreUnavailable, match="cannot reach etcd at 127.0.0.1:"):
+    with pytest.raises(EtcdUnavailable, match="cannot reach etcd at 127.0.0.1:"):
         connect(f"127.0.0.1:{free_port()}", timeout=1.0)
     with pytest.raises(ValueError, match="expected HOST:PORT"):
         connect("localhost")

@@ -1,8 +1,8 @@
-"""JobState: aggregation of worker telemetry into monotonic counters and recent-window statistics."""
+"""JobTelemetry: aggregation of worker telemetry into monotonic counters and recent-window statistics."""
 
 import pytest
 
-from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobState, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobTelemetry, WorkerInfo
 
 
 class FakeClock:
@@ -24,7 +24,7 @@ def totals(count, wait, seq, op="all_reduce", pg="default_pg"):
 
 @pytest.mark.timeout(10)
 def test_steps_aggregate_into_counters_histogram_and_percentiles():
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     js.connect(hello())
     for i, d in enumerate([0.1] * 98 + [1.0, 2.0]):
         js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=d, tokens=10)
@@ -40,7 +40,7 @@ def test_steps_aggregate_into_counters_histogram_and_percentiles():
 
 @pytest.mark.timeout(10)
 def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restart():
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     js.connect(hello(pid=10))
     js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
     js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=False)
@@ -66,7 +66,7 @@ def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restar
 
 @pytest.mark.timeout(10)
 def test_wait_share_uses_the_recent_window():
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     js.connect(hello())
     js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
     js.record_collectives("j", 0, totals(1, 1.0, 1), has_durations=False)
@@ -78,7 +78,7 @@ def test_wait_share_uses_the_recent_window():
 @pytest.mark.timeout(10)
 def test_disconnect_flags_and_prune():
     clock = FakeClock()
-    js = JobState(clock=clock)
+    js = JobTelemetry(clock=clock)
     js.connect(hello(rank=0, pid=10))
     js.connect(hello(rank=1, pid=11))
     js.set_flag("j", 1, "straggler")
@@ -95,7 +95,7 @@ def test_disconnect_flags_and_prune():
 
 @pytest.mark.timeout(10)
 def test_checkpoints_rejections_and_unknown_ranks():
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     js.connect(hello())
     js.record_checkpoint("j", 0, stage="staged", step=10, seconds=0.25)
     js.record_checkpoint("j", 0, stage="committed", step=10, seconds=3.0)
@@ -113,14 +113,14 @@ def test_checkpoints_rejections_and_unknown_ranks():
     assert job.ranks[0].checkpoint_stage == "failed"
     assert js.rejected()["malformed"] == 1 and js.rejected()["invalid"] == 1
     with pytest.raises(ValueError):
-        JobState(recent_steps=1)
+        JobTelemetry(recent_steps=1)
 
 
 @pytest.mark.timeout(10)
 def test_arrivals_become_intervals_and_a_new_round_starts_matching_afresh():
     from trainwarden.agent.telemetry.arrivals import Arrival
 
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     for r in (0, 1):
         js.connect(hello(rank=r, pid=10 + r))
     s = 1_000_000_000
@@ -138,7 +138,7 @@ def test_arrivals_become_intervals_and_a_new_round_starts_matching_afresh():
 
 @pytest.mark.timeout(10)
 def test_measured_durations_give_one_interval_per_collectives_record():
-    js = JobState(clock=FakeClock())
+    js = JobTelemetry(clock=FakeClock())
     js.connect(hello())
     for i in range(4):
         js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=1.0)

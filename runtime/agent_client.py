@@ -35,8 +35,9 @@ from typing import Callable, Iterator
 
 import grpc
 
-from trainwarden.agent.common.exit_codes import EXIT_ABORTED  # one table of exit codes for CLI and workers
+from trainwarden.agent.proto import contract
 from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.proto.contract import EXIT_ABORTED
 
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder
 
@@ -44,11 +45,12 @@ __all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_STAGES = {
-    "save_start": pb.SAVE_START, "staged": pb.STAGED, "committed": pb.COMMITTED,
-    "restore_start": pb.RESTORE_START, "restored": pb.RESTORED, "failed": pb.FAILED,
-}
-_STREAM_METHOD = "/trainwarden.v1.Telemetry/Stream"
+CHECKPOINT_STAGES = {name: pb.CheckpointStage.Value(name.upper()) for name in contract.CHECKPOINT_STAGES}
+"""Stage name -> its protocol enum value."""
+STEP_RECORD = "step"
+"""Tag of a queued step: (STEP_RECORD, index, start wall ns, duration ns, tokens, phases)."""
+CHECKPOINT_RECORD = "checkpoint"
+"""Tag of a queued checkpoint event: (CHECKPOINT_RECORD, stage enum, step, seconds, bytes, path)."""
 _ESTABLISHED_AFTER_S = 1.0
 _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
 
@@ -161,7 +163,7 @@ class TelemetryClient:
             ("grpc.min_reconnect_backoff_ms", int(cfg.backoff_initial_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(cfg.backoff_max_s * 1000)),
         ])
-        stream = channel.stream_stream(_STREAM_METHOD, request_serializer=pb.WorkerMessage.SerializeToString,
+        stream = channel.stream_stream(contract.STREAM_METHOD, request_serializer=pb.WorkerMessage.SerializeToString,
                                        response_deserializer=pb.AgentCommand.FromString)
         backoff = cfg.backoff_initial_s
         try:
@@ -231,7 +233,7 @@ class TelemetryClient:
             except IndexError:
                 break
             kind = item[0]
-            if kind == "s":
+            if kind == STEP_RECORD:
                 _, index, start_wall_ns, duration_ns, tokens, phases = item
                 self._reducer.add_step(start_wall_ns, start_wall_ns + duration_ns)
                 steps.steps.add(index=index, start_unix=start_wall_ns / 1e9, duration_seconds=duration_ns / 1e9,
@@ -239,13 +241,13 @@ class TelemetryClient:
                 if len(steps.steps) >= _STEPS_PER_MESSAGE:
                     messages.append(pb.WorkerMessage(steps=steps))
                     steps = pb.Steps()
-            elif kind == "c":
-                _, stage, step, seconds, nbytes = item
+            elif kind == CHECKPOINT_RECORD:
+                _, stage, step, seconds, nbytes, path = item
                 if steps.steps:  # keep the order of steps and checkpoint events
                     messages.append(pb.WorkerMessage(steps=steps))
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(checkpoint=pb.Checkpoint(
-                    stage=stage, step=step, seconds=seconds, bytes=nbytes)))
+                    stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
         now = time.monotonic()

@@ -1,7 +1,7 @@
 import pytest
 
-from trainwarden.agent.incidents.store import IncidentKind, IncidentState
-from trainwarden.agent.incidents.worker_failures import RestartRecorder
+from trainwarden.agent.incidents import IncidentKind, IncidentState
+from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -11,7 +11,7 @@ RESTART = "I1122 api.py:942] [default] Worker group FAILED. 1/2 attempts left; w
 
 def recorder():
     versions = []
-    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0)
+    rec = WorkerFailureRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0)
     return rec, versions
 
 
@@ -60,14 +60,14 @@ def test_a_second_restart_before_any_step_fails_the_first_incident():
 
 
 def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_first():
-    from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 
     now = [1000.0]
-    js = JobState(wall=lambda: now[0])
+    js = JobTelemetry(wall=lambda: now[0])
     for r in range(3):
         js.connect(WorkerInfo(job="j", rank=r, world_size=3, pid=100 + r))
     versions = []
-    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: now[0],
+    rec = WorkerFailureRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: now[0],
                           ended_streams=lambda since: js.ended_streams("j", since))
     now[0] = 1001.0
     js.disconnect("j", 2, 102)                       # SIGKILLed: its stream just breaks
@@ -89,14 +89,14 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
 
 
 def test_when_the_first_to_leave_left_for_a_lost_peer_torchruns_report_stands():
-    from trainwarden.agent.telemetry.job_telemetry import JobState, WorkerInfo
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 
-    js = JobState(wall=lambda: 1001.0)
+    js = JobTelemetry(wall=lambda: 1001.0)
     js.connect(WorkerInfo(job="j", rank=0, world_size=2, pid=100))
     js.goodbye("j", 0, 100, "peer gone: Connection closed by peer")   # the failed rank is on another node
     js.disconnect("j", 0, 100)
     versions = []
-    rec = RestartRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0,
+    rec = WorkerFailureRecorder("j", lambda inc: versions.append(inc) or inc, node="n", wall=lambda: 1000.0,
                           ended_streams=lambda since: js.ended_streams("j", since))
     feed(rec, FAILED.format(code=1, lr=0))
     feed(rec, RESTART)

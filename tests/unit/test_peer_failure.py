@@ -1,6 +1,6 @@
 import pytest
 
-from trainwarden.runtime.failures import peer_failure
+from trainwarden.runtime.peer_failure import peer_failure
 
 pytestmark = pytest.mark.timeout(10)
 

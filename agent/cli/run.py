@@ -1,0 +1,80 @@
+"""`trainwarden run`: its arguments; the work is ``trainwarden.agent.launch.run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trainwarden.agent.common import exit_codes
+
+__all__ = ["add_parser"]
+
+RUN_EXAMPLE = """\
+example:
+  trainwarden run --nproc-per-node 8 --max-restarts 2 --job demo -- \\
+      -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps 60 --ckpt-every 10
+
+With no --etcd, an embedded etcd is started on a free loopback port and stopped on exit.
+Job state (logs, checkpoints unless --ckpt-dir is given, fault markers) goes to
+$TRAINWARDEN_STATE_HOME/jobs/JOB (default ~/.local/state/trainwarden/jobs/JOB).
+Faults for testing: TRAINWARDEN_FAULTS='crash:rank=3,step=12' (see trainwarden.runtime.faults).
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "run", help="run a training script under trainwarden on this node (embedded etcd by default)",
+        description="Run SCRIPT (or -m MODULE) with torchrun under trainwarden: etcd3 rendezvous, "
+                    "restarts, fault recovery, a summary at the end.",
+        epilog=RUN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
+    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port or http://host:port) "
+                   "instead of starting an embedded one")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                   help="worker-group restarts before the job fails (default 3)")
+    p.add_argument("--job", metavar="NAME", help="job name (default: run-<time>)")
+    p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
+                   "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
+    p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "
+                   "(default: 127.0.0.1 for a one-node job, the host name otherwise)")
+    p.add_argument("--metrics-port", type=int, default=9478, metavar="PORT",
+                   help="port of the in-process agent's Prometheus endpoint on --metrics-host (default 9478; 0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                   help="address of the Prometheus endpoint (default 127.0.0.1)")
+    p.add_argument("--no-agent", action="store_true",
+                   help="run without the in-process agent (no telemetry, metrics or watchdog)")
+    p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between torchrun's checks of its workers (default 1)")
+    p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
+                   help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
+                        "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
+    p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
+                   help="the training script and its arguments, or -m MODULE ARGS...")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args) -> int:
+    from trainwarden.agent.launch.run import RunOptions, run
+
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        print("trainwarden run: nothing to run; put the script after the options, e.g. "
+              "`trainwarden run --nproc-per-node 2 -- train.py --lr 0.1`", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    job = args.job or time.strftime("run-%Y%m%d-%H%M%S")
+    try:
+        opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                          etcd=args.etcd, max_restarts=args.max_restarts,
+                          monitor_interval=args.monitor_interval,
+                          state_home=args.state_home, local_addr=args.local_addr, agent=not args.no_agent,
+                          metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                          straggler_policy=args.straggler_policy)
+    except ValueError as exc:
+        print(f"trainwarden run: {exc}", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    return run(opts)

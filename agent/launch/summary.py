@@ -1,0 +1,72 @@
+"""The summary ``trainwarden run`` prints when the job ends: steps, restarts and the time they cost, the
+latest complete checkpoint, the incidents recorded, where the log is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from trainwarden.agent.common.job_lifecycle import JobRecord
+from trainwarden.agent.incidents import list_incidents
+from trainwarden.agent.launch.progress import ProgressTracker
+
+__all__ = ["print_summary"]
+
+
+def _latest_checkpoint(directory: Path) -> str:
+    pointer = directory / "latest"
+    try:
+        info = json.loads(pointer.read_text())
+        return f"latest complete: step {info['step']}"
+    except FileNotFoundError:
+        return "none committed"
+    except (ValueError, KeyError, OSError) as exc:
+        return f"unreadable pointer {pointer}: {exc}"
+
+
+def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, tracker: ProgressTracker, elapsed: float,
+                  ckpt_dir: Path, log_path: Path) -> None:
+    """The end-of-run summary of the job ``record`` names."""
+    lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
+    if tracker.max_step is not None:
+        median = tracker.median_step_seconds()
+        lines.append(f"  steps        last step {tracker.max_step}, last loss {tracker.last_loss}, "
+                     f"median step {median:.3f}s")
+    else:
+        lines.append("  steps        none reported (the script prints no 'step N loss X time Ys' lines)")
+    if tracker.failures:
+        parts = []
+        for f in tracker.failures:
+            lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
+            where = f"failed after step {f.last_step}" if f.last_step is not None else "failed before any step"
+            resumed = f", resumed at step {f.resumed_from}" if f.resumed_from is not None else ""
+            parts.append(f"{where}{resumed}, {lost}")
+        lines.append(f"  restarts     {tracker.restarts} ({'; '.join(parts)})")
+        lines.append(f"  time lost    {tracker.lost_seconds:.1f}s to failures")
+    else:
+        lines.append("  restarts     0")
+    lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")
+    incidents = _incident_summary(state_dir)
+    if incidents:
+        lines.append(f"  incidents    {incidents} (trainwarden incidents --job {record.job})")
+    lines.append(f"  log          {log_path}")
+    print("\n".join(lines), file=out, flush=True)
+
+
+def _incident_summary(state_dir: Path) -> str:
+    """"hang 1 (rank 2), crash 1, ..." from the job's incident records; "" when there are none."""
+    try:
+        found = list_incidents(state_dir)
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    kinds: dict[str, list] = {}
+    for incident in found:
+        kinds.setdefault(incident.kind.value, []).append(incident)
+    parts = []
+    for kind, items in sorted(kinds.items()):
+        ranks = sorted({r for i in items for r in i.ranks})
+        named = f" (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})" if \
+            ranks and kind != "restart" else ""
+        parts.append(f"{kind} {len(items)}{named}")
+    return ", ".join(parts)

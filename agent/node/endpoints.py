@@ -1,0 +1,112 @@
+"""Where a node agent serves and how to ask it: its socket, its metrics URL, its health, its status.
+
+A node has one agent: the daemon (``trainwarden agent``, socket ``DEFAULT_SOCKET``) or the in-process agent of
+a ``trainwarden run``. Workers find it through ``TRAINWARDEN_AGENT_SOCKET``; a ``trainwarden run`` also records
+its socket and metrics URL in the job's state directory (``AGENT_SOCKET_RECORD``, ``AGENT_METRICS_RECORD``) so
+that ``status``/``top --job`` find the agent of that run, whatever port it got. ``check_agent`` asks the
+standard gRPC health service (the daemon's ``--check``, Kubernetes probes); ``fetch_status`` the unary
+``Status`` RPC (``status`` and ``top``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SERVICE_NAME, STATUS_METHOD
+
+__all__ = [
+    "AGENT_METRICS_RECORD", "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV",
+    "AgentUnavailable", "check_agent", "fetch_status", "resolve_metrics_url", "resolve_socket",
+]
+
+DEFAULT_SOCKET = Path("/run/trainwarden/agent.sock")
+"""Where `trainwarden agent` (the daemon) listens unless told otherwise."""
+AGENT_SOCKET_RECORD = "agent.sock.path"
+"""File in a job's state directory holding the socket of the `trainwarden run` serving it."""
+AGENT_METRICS_RECORD = "agent.metrics.url"
+"""File in a job's state directory holding the metrics URL of the `trainwarden run` serving it."""
+DEFAULT_METRICS_URL = "http://127.0.0.1:9478/metrics"
+"""The agent's Prometheus endpoint on this node (`top` reads GPU gauges from it)."""
+
+
+
+class AgentUnavailable(Exception):
+    """No agent answers on the socket. Retrying helps once one is started there."""
+
+
+def resolve_socket(explicit: str | os.PathLike | None = None, job: str | None = None, *,
+                   env: Mapping[str, str] = os.environ, state_home: str | os.PathLike | None = None) -> Path:
+    """The agent socket to ask, in the order described in the module docstring."""
+    if explicit:
+        return Path(explicit)
+    if env.get(SOCKET_ENV):
+        return Path(env[SOCKET_ENV])
+    if job:
+        record = job_state_dir(job, state_home) / AGENT_SOCKET_RECORD
+        try:
+            recorded = record.read_text().strip()
+        except OSError:
+            recorded = ""
+        if recorded and os.path.exists(recorded):
+            return Path(recorded)
+    return DEFAULT_SOCKET
+
+
+def resolve_metrics_url(explicit: str | None = None, job: str | None = None, *,
+                        state_home: str | os.PathLike | None = None) -> str | None:
+    """The Prometheus endpoint `top` reads GPU gauges from: --metrics-url ("none": none), else the one a
+    running `trainwarden run` of --job recorded, else the daemon's default."""
+    if explicit:
+        return None if explicit == "none" else explicit
+    if job:
+        try:
+            recorded = (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip()
+        except (OSError, ValueError):
+            recorded = ""
+        if recorded:
+            return recorded
+    return DEFAULT_METRICS_URL
+
+
+def _unavailable(socket_path: Path, why: str = "") -> AgentUnavailable:
+    detail = f" ({why})" if why else ""
+    return AgentUnavailable(f"no agent at unix:{socket_path}{detail}: start `trainwarden agent` or pass --socket")
+
+
+def fetch_status(socket_path: str | os.PathLike, job: str | None = None, *, timeout: float = 5.0) -> pb.StatusReply:
+    """One `Status` call; `AgentUnavailable` if nothing answers on the socket."""
+    import grpc
+
+    path = Path(socket_path)
+    if not path.exists():
+        raise _unavailable(path)
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        call = channel.unary_unary(STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
+                                   response_deserializer=pb.StatusReply.FromString)
+        try:
+            return call(pb.StatusRequest(job=job or ""), timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            raise _unavailable(path, exc.code().name.lower()) from exc
+
+
+def check_agent(socket_path: str | os.PathLike, *, timeout: float = 3.0) -> str | None:
+    """Ask the agent's gRPC health service; None when it is SERVING, else what is wrong (for probes)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    path = Path(socket_path)
+    if not path.exists():
+        return str(_unavailable(path))
+    with grpc.insecure_channel(f"unix:{path}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.RpcError as exc:
+            return str(_unavailable(path, exc.code().name.lower()))
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"agent at unix:{path} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+    return None

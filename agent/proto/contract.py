@@ -1,0 +1,84 @@
+"""What the runtime (inside workers) and the agent must agree on, beyond the wire format: one place each.
+
+The runtime imports nothing of the agent but this package (``trainwarden.agent.proto``); every fact both
+sides use lives here, so no constant is defined twice and a change to one is a change to both. No torch,
+no gRPC: plain constants and one name rule.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "FLIGHT_RECORDER_ENV",
+    "JOB_ENV", "JOB_NAME_RE", "MAIN_THREAD_HEADER", "PEER_GONE", "SERVICE_NAME", "STATE_DIR_ENV",
+    "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
+]
+
+# ---- the gRPC service ----------------------------------------------------------------------------------
+
+SERVICE_NAME = "trainwarden.v1.Telemetry"
+"""The telemetry service (agent/proto/telemetry.proto); also the name its health status is kept under."""
+STREAM_METHOD = f"/{SERVICE_NAME}/Stream"
+STATUS_METHOD = f"/{SERVICE_NAME}/Status"
+
+# ---- the environment the launcher gives workers ----------------------------------------------------------
+
+AGENT_SOCKET_ENV = "TRAINWARDEN_AGENT_SOCKET"
+"""The node agent's unix socket; unset: the runtime's telemetry is a no-op."""
+JOB_ENV = "TRAINWARDEN_JOB"
+"""The job's name (its rendezvous id, etcd key component and metric label)."""
+STATE_DIR_ENV = "TRAINWARDEN_STATE_DIR"
+"""The job's state directory on this node (fault markers, diagnostics, incidents)."""
+CHECKPOINT_DIR_ENV = "TRAINWARDEN_CHECKPOINT_DIR"
+"""The default checkpoint directory of the job."""
+FLIGHT_RECORDER_ENV = {
+    # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read
+    # unpickles the whole ring, so it stays small (runtime/flight_recorder.py measures why)
+    "TORCH_FR_BUFFER_SIZE": "1000",
+    # GPU start/end times of NCCL collectives (ignored by gloo)
+    "TORCH_NCCL_ENABLE_TIMING": "1",
+}
+"""Set for every worker (without overriding the user's values) so the Flight Recorder records collectives."""
+
+# ---- how a worker leaves ------------------------------------------------------------------------------
+
+EXIT_ABORTED = 75
+"""A worker exits with this code when the agent aborts it (hang recovery); torchrun restarts it."""
+PEER_GONE = "peer gone"
+"""How a worker's goodbye reason starts when it left because another rank had failed
+(``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""
+
+CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed")
+"""Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
+has the same names, upper-case)."""
+
+# ---- diagnostics a worker writes on the agent's request -------------------------------------------------
+
+MAIN_THREAD_HEADER = "# trainwarden main_thread=0x{ident:016x}"
+"""First line of a stacks file: names the training thread among faulthandler's "Thread 0x..." blocks."""
+
+
+def stacks_file(rank: int) -> str:
+    """File name of a rank's faulthandler stacks in a diagnostics directory."""
+    return f"rank{rank}.stacks"
+
+
+def trace_file(rank: int) -> str:
+    """File name of a rank's Flight Recorder dump in a diagnostics directory."""
+    return f"rank{rank}.fr"
+
+
+# ---- job names -------------------------------------------------------------------------------------------
+
+JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+
+
+def validate_job_name(name: str) -> str:
+    """Job names become etcd keys, directory names and metric labels: keep them tame (ValueError if not)."""
+    if not isinstance(name, str) or not JOB_NAME_RE.match(name):
+        raise ValueError(
+            f"job name {name!r} is invalid: use 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting and ending with a letter or digit"
+        )
+    return name
