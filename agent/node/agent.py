@@ -19,6 +19,7 @@ Stopping is the reverse of starting, and every part's ``stop`` is called even if
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
+from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
     except ValueError:
         raise ValueError(f"unknown straggler policy {straggler_policy!r}; use one of "
                          f"{', '.join(p.value for p in StragglerPolicy)}") from None
-    return WatchdogConfig(straggler=StragglerConfig(policy=policy))
+    trace = os.environ.get(TRACE_DIR_ENV)
+    return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None)
 
 
 class NodeAgent:

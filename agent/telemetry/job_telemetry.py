@@ -19,7 +19,7 @@ Design:
   record arrives: it covers the steps sent before it (the runtime sends one, possibly empty, every
   interval). It is kept monotonic so that Prometheus never sees a counter reset.
 - Straggler intervals (`take_intervals`): on gloo, from collective arrivals matched across the node's
-  ranks (agent/arrivals.py); where the recorder measures durations (NCCL with timing), one interval per
+  ranks (agent/telemetry/arrivals.py); where the recorder measures durations (NCCL with timing), one interval per
   collectives record, from the step and wait counters. Only the watchdog takes them.
 - A rank's identity is (job, rank). Jobs whose ranks have all been disconnected for a while are dropped by
   `prune()`, which keeps the label sets of the exported metrics bounded.
@@ -311,7 +311,7 @@ class JobTelemetry:
 
     def record_arrivals(self, job: str, rank: int, arrivals: Iterable[Arrival], *, continues: bool,
                         members: Mapping[str, Iterable[int]] | None = None) -> None:
-        """The rank's training-thread collective arrivals (see agent/arrivals.py)."""
+        """The rank's training-thread collective arrivals (see agent/telemetry/arrivals.py)."""
         with self._lock:
             owner = self._jobs.get(job)
             if owner is None or rank not in owner.ranks:

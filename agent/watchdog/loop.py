@@ -9,7 +9,7 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
   incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
   `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
 - feeds the job's straggler intervals (`JobTelemetry.take_intervals`: collective arrivals matched across the
-  node's ranks, agent/arrivals.py) to `StragglerDetector` (agent/straggler.py), with the pipeline stage
+  node's ranks, agent/telemetry/arrivals.py) to `StragglerDetector` (agent/straggler.py), with the pipeline stage
   as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
   rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -41,6 +42,7 @@ from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, n
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.proto.contract import trace_file
+from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
@@ -83,6 +85,8 @@ class WatchdogConfig:
     """The hang deadline policy."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """The straggler scoring policy."""
+    straggler_trace_dir: Path | None = None
+    """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
@@ -105,9 +109,13 @@ class Watchdog:
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
-        self._straggler = StragglerDetector(self.config.straggler)
+        self._straggler = StragglerDetector(self.config.straggler, clock=clock)
+        self._trace = TraceWriter(self.config.straggler_trace_dir) if self.config.straggler_trace_dir else None
         self._acting: dict[str, tuple[Incident, float]] = {}  # job -> hang incident waiting for progress
-        self._stragglers: dict[tuple[str, int], Incident] = {}
+        self._stragglers: dict[tuple[str, int], Incident] = {}  # open straggler_start incidents
+        self._straggler_starts: dict[str, deque[float]] = {}  # job -> wall times of recent starts (rate limit)
+        self._suppressed: set[tuple[str, int]] = set()  # flagged without an incident
+        self.suppressed: dict[str, int] = {}  # job -> straggler incidents not recorded (exported)
         self._step_s: dict[str, float] = {}  # last median step time per job
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
@@ -182,9 +190,13 @@ class Watchdog:
         else:  # the ranks have gone (the job ended): their last data still counts, at the last step time
             step_s = self._step_s.get(snap.job, 0.0)
         intervals = self._job_telemetry.take_intervals(snap.job)
-        if check.min_steps_since_start < self.config.straggler.warmup_steps:
+        groups = _stage_groups(snap)
+        warm = check.min_steps_since_start >= self.config.straggler.warmup_steps
+        if self._trace is not None:
+            self._trace.write(snap.job, t=self._clock(), step_s=step_s, groups=groups, warm=warm, intervals=intervals)
+        if not warm:
             intervals = {}  # start-up of a worker round (first steps, restore) is not a straggler's doing
-        events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=_stage_groups(snap))
+        events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=groups)
         for event in events:
             self._on_straggler(snap, event)
         for rank, score in self._straggler.scores().get(snap.job, {}).items():
@@ -269,11 +281,14 @@ class Watchdog:
                     "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
                     "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
                     "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
+        evidence["persisted_seconds"] = round(event.seconds, 1)
         verb = "has been" if event.started else "is back in line:"
         evidence["summary"] = (f"rank {rank} {verb} busy {s.compute_share:.0%} of its time against its peers' "
-                               f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.evaluations} steps"
+                               f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.seconds:.0f} s"
                                + (", so they wait for it" if event.started else ""))
         self._job_telemetry.set_flag(job, rank, "straggler", event.started)
+        if not self._admit_straggler_incident(job, rank, event.started, now):
+            return
         if event.started:
             action = "alert" if event.policy == StragglerPolicy.ALERT else \
                 f"exclude node {evidence['hostname'] or self._node} at the next restart (requested)"
@@ -295,6 +310,31 @@ class Watchdog:
         if start is not None:
             self._actions.record(start.transition(
                 IncidentState.RESOLVED, outcome=f"cleared ({end.id}) after {now - start.detected_at:.0f} s", now=now))
+
+    def _admit_straggler_incident(self, job: str, rank: int, started: bool, now: float) -> bool:
+        """At most one open straggler incident per rank, and at most `max_incidents_per_hour` per job; a
+        start not recorded makes its end not recorded either. Suppressions are counted and logged."""
+        key = (job, rank)
+        if not started:
+            if key in self._suppressed:
+                self._suppressed.discard(key)
+                return False
+            return True
+        recent = self._straggler_starts.setdefault(job, deque())
+        while recent and now - recent[0] > 3600.0:
+            recent.popleft()
+        if key in self._stragglers:
+            reason = "an incident for this rank is still open"
+        elif len(recent) >= self.config.straggler.max_incidents_per_hour:
+            reason = f"{len(recent)} straggler incidents opened in the last hour (the limit)"
+        else:
+            recent.append(now)
+            return True
+        self._suppressed.add(key)
+        self.suppressed[job] = self.suppressed.get(job, 0) + 1
+        log.warning("job %s rank %d flagged as a straggler again; no incident recorded: %s", job, rank, reason,
+                    extra={"job": job, "rank": rank})
+        return False
 
     def _close_stragglers(self, job: str | None, outcome: str) -> None:
         """Resolve the open straggler incidents of `job` (None: every job): no end event will come."""
@@ -330,6 +370,11 @@ class _WatchdogCollector(Collector):
                                     "Seconds since any rank of the job completed a step.", labels=job_labels)
         errors = CounterMetricFamily("trainwarden_watchdog_errors", "Watchdog iterations that failed.",
                                      labels=["node"])
+        suppressed = CounterMetricFamily("trainwarden_straggler_incidents_suppressed",
+                                         "Straggler flags raised without an incident (one already open for the "
+                                         "rank, or the job's hourly limit reached).", labels=job_labels)
+        for job, n in sorted(w.suppressed.items()):
+            suppressed.add_metric([job, w._node], n)
         for job, ranks in scores.items():
             for rank, s in ranks.items():
                 score.add_metric([job, w._node, str(rank)], s.score)
@@ -338,7 +383,7 @@ class _WatchdogCollector(Collector):
             timeout.add_metric([job, w._node], check.timeout_s)
             stalled.add_metric([job, w._node], check.stalled_s)
         errors.add_metric([w._node], w.errors)
-        yield from (score, flag, timeout, stalled, errors)
+        yield from (score, flag, timeout, stalled, errors, suppressed)
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:

@@ -2,32 +2,41 @@
 
 In synchronous training every rank's step takes as long as the slowest rank's, so step time cannot find
 a straggler. What differs is how the time is spent: the straggler computes and never waits, its peers
-compute as much as usual and wait for it. The input is a stream of intervals per rank (agent/arrivals.py:
+compute as much as usual and wait for it. The input is a stream of intervals per rank (agent/telemetry/arrivals.py:
 from one collective to the next on gloo, matched across the node's ranks; one per collectives record
 where NCCL measures durations), each with its total length and the part that was the rank's own work.
-The data's own clock is cut into slices one step time long; each slice scores every rank against its
-peers, and a rank's score is the median of its slice scores over the last `window_steps` slices:
+The data's own clock is cut into slices one step time long, and never shorter than `min_slice_s` (0.5 s);
+each slice scores every rank against its peers, and a rank's score is the median of its slice scores over
+the last `window_steps` slices:
 
     compute share = compute seconds / total seconds           (of the rank's intervals ending in the slice)
     slice score   = compute share / median compute share of its peers in that slice
     score         = median of the rank's slice scores in the window
 
-1.0 means as busy as a typical peer. On the reference job (4 CPU ranks, dp 2 x tp 2) a rank slowed 1.2x
-scores about 1.3-1.4 and one slowed 1.1x about 1.2, while a balanced job's scores have a standard
-deviation of about 0.045 around 1 (rank 0, which also logs and coordinates checkpoints, sits near 1.03);
-hence a start threshold of 1.15 held for 7 steps over a 14-step window (replayed on a recorded clean
-300-step job the highest 7-step run was 1.12; with 6 steps over 12 it was 1.14, too close; 8 over 16 gave
-1.11 but cleared a 2x straggler too late), and a clear threshold of 1.1 held for 5. The median
-over slices makes one long pause (a garbage collection, a slow checkpoint write on one rank) count as one
+1.0 means as busy as a typical peer. A rank is flagged when its score stays above `start_score` (1.15) for
+`persist_steps` (7) slices and `persist_s` (3 s) of the job's time, and cleared when it stays below
+`clear_score` (1.1) for `clear_persist_steps` (5) slices and `clear_s` (3 s), and never before the flag has
+been up `min_flag_s` (10 s) by the agent's clock.
+
+Why seconds as well as steps: on short steps, scheduling noise of a few milliseconds is a large share of
+one step, and a one-step slice made a straggler of whichever rank the noise hit; persistence counted in
+steps was then met at once when a read of 60 steps arrived together (a balanced 4-rank DDP job with 25 ms
+steps gave a stream of starts and ends, each held for 0-2 s). With the floors, a slice of that job holds
+about 20 steps and a flag needs seconds of evidence. The settings were chosen by replaying recorded input
+of real jobs (tests/fixtures/straggler/): DDP with 10 ms, 25 ms and 0.5 s steps, FSDP with a checkpoint
+every 5 steps, the 3-D reference job on 4 and 8 ranks; their highest score held for 7 slices was 1.10
+(the 8-rank 3-D job), the others 1.00-1.05, while ranks slowed 1.2x-1.3x score 1.19-1.41. The median over
+slices makes one long pause (a garbage collection, a slow checkpoint write on one rank) count as one
 slice, not as a window's worth; the median over peers (not the fastest) keeps one noisy-fast peer from
 inflating every score, and with two ranks it is the other rank. Peers are the ranks doing the same work:
 with pipeline parallelism, the ranks of the same stage (stages differ in work by design); the caller
 passes that grouping.
 
-Slices follow the data's timestamps, so `persist_steps` and `clear_persist_steps` count steps however
-bursty the data's arrival is (the runtime reads its Flight Recorder every couple of seconds). A slice is
-scored once every rank still reporting has data past it, and a rank needs slice scores for at least half
-the window before it has a score at all.
+Slices follow the data's timestamps, so persistence is counted in the job's time however bursty the data's
+arrival is (the runtime reads its Flight Recorder every couple of seconds). A slice is scored once every
+rank still reporting has data past it, and a rank needs slice scores for at least half the window before
+it has a score at all. What the watchdog makes of the flags (one open incident per rank, at most
+`max_incidents_per_hour` per job) is in agent/watchdog/loop.py.
 
 Policy (`StragglerPolicy`): ``alert`` records and flags; ``exclude`` also records that the node should be
 left out of the next rendezvous (the cluster side acts on it).
@@ -38,9 +47,10 @@ from __future__ import annotations
 import bisect
 import enum
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 from trainwarden.agent.telemetry.arrivals import Interval
 
@@ -63,17 +73,29 @@ class StragglerConfig:
     """When a rank counts as a straggler."""
 
     window_steps: int = 14
-    """Length of the sliding window, in step times."""
+    """Length of the sliding window, in slices."""
+    min_slice_s: float = 0.5
+    """A slice is one step time long, but never shorter than this: on short steps a slice holds several, so
+    scheduling noise of a few milliseconds does not make a straggler of whichever rank it hit."""
     start_score: float = 1.15
-    """Score above which a step counts towards flagging."""
+    """Score above which a slice counts towards flagging."""
     persist_steps: int = 7
-    """Consecutive steps above `start_score` before the rank is flagged."""
+    """Consecutive slices above `start_score` before the rank is flagged..."""
+    persist_s: float = 3.0
+    """...and at least this many seconds of the job's time."""
     clear_score: float = 1.1
-    """Score below which a step counts towards clearing the flag."""
+    """Score below which a slice counts towards clearing the flag."""
     clear_persist_steps: int = 5
-    """Consecutive steps below `clear_score` before the flag is cleared."""
+    """Consecutive slices below `clear_score` before the flag is cleared..."""
+    clear_s: float = 3.0
+    """...and at least this many seconds of the job's time..."""
+    min_flag_s: float = 10.0
+    """...and the flag has been up this long (agent clock): a flag never flickers."""
     warmup_steps: int = 10
     """Steps every rank of a new worker round completes before its data is scored (start-up is noisy)."""
+    max_incidents_per_hour: int = 6
+    """Straggler incidents a job may open in any hour; beyond it, ranks are still flagged and scored, but
+    the incidents are counted as suppressed instead of recorded (a flapping detector must not flood anyone)."""
     min_coverage: float = 0.3
     """Share of a slice a rank's intervals must cover for the rank to be scored in it."""
     policy: StragglerPolicy = StragglerPolicy.ALERT
@@ -85,9 +107,14 @@ class StragglerConfig:
         if not 1.0 < self.clear_score <= self.start_score:
             raise ValueError(f"need 1 < clear_score <= start_score, got clear_score={self.clear_score} "
                              f"start_score={self.start_score}")
+        for name in ("min_slice_s", "persist_s", "clear_s", "min_flag_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.persist_steps < 1 or self.clear_persist_steps < 1:
             raise ValueError(f"persist_steps and clear_persist_steps must be at least 1, got "
                              f"{self.persist_steps}, {self.clear_persist_steps}")
+        if self.max_incidents_per_hour < 1:
+            raise ValueError(f"max_incidents_per_hour must be at least 1, got {self.max_incidents_per_hour}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must not be negative, got {self.warmup_steps}")
         if not 0.0 < self.min_coverage <= 1.0:
@@ -120,12 +147,14 @@ class StragglerEvent:
     started: bool
     score: RankScore
     evaluations: int
-    """Consecutive steps that led to the event."""
+    """Consecutive slices that led to the event."""
+    seconds: float = 0.0
+    """The job's time those slices cover."""
     policy: StragglerPolicy
 
 
 class _RankScoring:
-    __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "score")
+    __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "flagged_at", "score")
 
     def __init__(self) -> None:
         self.slices: deque[tuple[float, float, float]] = deque()  # (slice score, share, peer share)
@@ -135,6 +164,7 @@ class _RankScoring:
         self.above = 0
         self.below = 0
         self.flagged = False
+        self.flagged_at = 0.0  # agent clock
         self.score: RankScore | None = None
 
     def add(self, interval: Interval) -> None:
@@ -164,8 +194,9 @@ class _JobScoring:
 class StragglerDetector:
     """Scores and flags per job; not thread-safe (one watchdog thread writes, scrapes read `scores()` copies)."""
 
-    def __init__(self, config: StragglerConfig | None = None) -> None:
+    def __init__(self, config: StragglerConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or StragglerConfig()
+        self.clock = clock
         self._jobs: dict[str, _JobScoring] = {}
 
     def update(self, job: str, intervals: Mapping[int, Sequence[Interval]], *, step_seconds: float,
@@ -180,7 +211,7 @@ class StragglerDetector:
         if len(live) < 2 or not step_seconds > 0:
             return []
         cfg = self.config
-        stride = max(int(step_seconds * 1e9), _MIN_STRIDE_NS)
+        stride = max(int(max(step_seconds, cfg.min_slice_s) * 1e9), _MIN_STRIDE_NS)
         window = stride * cfg.window_steps
         newest = max(r.ends[-1] for r in live.values())
         live = {rank: r for rank, r in live.items() if r.ends[-1] >= newest - 2 * window}  # still reporting
@@ -234,26 +265,30 @@ class StragglerDetector:
             if len(state.slices) * 2 < cfg.window_steps:
                 continue
             score = statistics.median(s for s, _, _ in state.slices)
-            event = self._judge(state, score)
+            event = self._judge(state, score, stride / 1e9)
             state.score = RankScore(
                 rank=rank, score=score, compute_share=statistics.median(s for _, s, _ in state.slices),
                 peer_compute_share=statistics.median(p for _, _, p in state.slices),
                 window_seconds=stride * cfg.window_steps / 1e9, slices=len(state.slices), flagged=state.flagged)
             if event is not None:
                 events.append(StragglerEvent(job=job, rank=rank, started=event[0], score=state.score,
-                                             evaluations=event[1], policy=cfg.policy))
+                                             evaluations=event[1], seconds=event[1] * stride / 1e9,
+                                             policy=cfg.policy))
         return events
 
-    def _judge(self, state: _RankScoring, score: float) -> tuple[bool, int] | None:
+    def _judge(self, state: _RankScoring, score: float, slice_s: float) -> tuple[bool, int] | None:
+        """Persistence counted in slices and in the job's seconds; the flag also holds `min_flag_s` of agent
+        time. Returns (started, slices that led to it) on a change."""
         cfg = self.config
         if not state.flagged:
             state.above = state.above + 1 if score > cfg.start_score else 0
-            if state.above >= cfg.persist_steps:
-                state.flagged, state.below = True, 0
+            if state.above >= cfg.persist_steps and state.above * slice_s >= cfg.persist_s:
+                state.flagged, state.below, state.flagged_at = True, 0, self.clock()
                 return True, state.above
             return None
         state.below = state.below + 1 if score < cfg.clear_score else 0
-        if state.below >= cfg.clear_persist_steps:
+        if state.below >= cfg.clear_persist_steps and state.below * slice_s >= cfg.clear_s \
+                and self.clock() - state.flagged_at >= cfg.min_flag_s:
             state.flagged, state.above = False, 0
             return False, state.below
         return None

@@ -73,7 +73,7 @@ def test_slow_checkpoint_save_is_not_a_hang(procs, tmp_path):
 @pytest.mark.timeout(400)
 def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     rc, text = run_job(procs, tmp_path, "slow", faults="slow:rank=3,from=15,until=55,factor=1.3", nproc=4,
-                       mesh=MESH_4, steps=90, ckpt_every=30, run_args=["--straggler-policy", "exclude"])
+                       mesh=MESH_4, steps=120, ckpt_every=30, run_args=["--straggler-policy", "exclude"])
     assert rc == 0, text[-3000:]
     found = incidents(tmp_path, "slow")
     starts = [i for i in found if i["kind"] == "straggler_start"]
@@ -100,3 +100,32 @@ def test_clean_run_raises_no_hang_and_no_straggler(procs, tmp_path):
     assert final_line(text)[0] == 300
     assert incidents(tmp_path, "clean") == []
     assert "hung" not in text and "straggler" not in text
+
+
+JOBS = Path(__file__).parents[1] / "jobs"
+CLEAN_MATRIX = {
+    # a user's DDP MLP with ~20 ms steps: the shape that gave 32 straggler incidents in 5 s
+    "ddp-short": (4, [str(JOBS / "ddp_mlp.py"), "--steps", "800", "--width", "512"]),
+    # FSDP2 with a checkpoint every 5 steps: rank 0 coordinates every save
+    "fsdp-ckpt": (4, [str(JOBS / "ddp_mlp.py"), "--fsdp", "--steps", "400", "--width", "512", "--ckpt-every", "5",
+                      "--ckpt-dir", "{tmp}/ckpt"]),
+    # the 3-D reference job on 8 ranks
+    "ref-3d": (8, ["-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", "100", "--ckpt-every", "20"]),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(CLEAN_MATRIX))
+def test_clean_jobs_of_other_shapes_raise_no_straggler(procs, tmp_path, name):
+    nproc, script = CLEAN_MATRIX[name]
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    log = tmp_path / f"{name}.log"
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc),
+                        "--max-restarts", "0", "--metrics-port", "0", "--job", name, "--",
+                        *[a.format(tmp=tmp_path) for a in script]], log=log, env=env)
+    rc = proc.wait(240)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert [i for i in incidents(tmp_path, name) if i["kind"].startswith("straggler")] == []
+    assert incidents(tmp_path, name) == []

@@ -37,6 +37,12 @@ class Job:
         return self.matcher.take()
 
 
+def steps_only(**kw):
+    """Persistence counted in steps alone: the wall-time floors (slice length, persistence, minimum flag
+    duration) are tested on their own below."""
+    return StragglerConfig(min_slice_s=0.0, persist_s=0.0, clear_s=0.0, min_flag_s=0.0, **kw)
+
+
 def _drive(det, job, reads, steps_per_read=8, groups=None):
     events = []
     for _ in range(reads):
@@ -58,7 +64,7 @@ def test_config_validation():
 
 
 def test_a_rank_slowed_1_2x_is_flagged_after_persisting_and_cleared_with_hysteresis():
-    det = StragglerDetector(StragglerConfig(window_steps=10, persist_steps=3, clear_persist_steps=6))
+    det = StragglerDetector(steps_only(window_steps=10, persist_steps=3, clear_persist_steps=6))
     job = Job(noise=0.03)
     assert _drive(det, job, 10) == []
     job.slow[2] = 1.2
@@ -126,3 +132,47 @@ def test_a_rank_that_stops_reporting_does_not_freeze_the_others():
         intervals.pop(0, None)   # rank 0's data no longer arrives
         events += det.update("j", intervals, step_seconds=STEP)
     assert [(e.rank, e.started) for e in events] == [(3, True)]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_short_steps_need_seconds_of_persistence_not_a_burst_of_steps():
+    """60 steps of 25 ms arrive in one batch: counted in steps they would persist at once; the default
+    slice (0.5 s at least) and persistence (3 s of the job's time) need longer than this 1.5 s blip."""
+    job = Job(compute=0.02, after=0.005, noise=0.02)
+    det = StragglerDetector(clock=FakeClock())
+    for _ in range(40):
+        det.update("j", job.run(60), step_seconds=0.025)
+    job.slow[1] = 1.5
+    events = det.update("j", job.run(60), step_seconds=0.025)
+    job.slow[1] = 1.0
+    for _ in range(10):
+        events += det.update("j", job.run(60), step_seconds=0.025)
+    assert events == []
+    burst = StragglerDetector(steps_only(), clock=FakeClock())  # the old rule, for contrast
+    job = Job(compute=0.02, after=0.005, noise=0.02)
+    for _ in range(40):
+        burst.update("j", job.run(60), step_seconds=0.025)
+    job.slow[1] = 1.5
+    assert [e.rank for e in burst.update("j", job.run(60), step_seconds=0.025)] == [1]
+
+
+def test_a_flag_is_held_at_least_min_flag_s():
+    clock = FakeClock()
+    det = StragglerDetector(StragglerConfig(window_steps=10, persist_steps=3, clear_persist_steps=3,
+                                            persist_s=0.0, clear_s=0.0, min_flag_s=30.0), clock=clock)
+    job = Job()
+    _drive(det, job, 10)
+    job.slow[2] = 1.5
+    assert [(e.rank, e.started) for _, e in _drive(det, job, 4)] == [(2, True)]
+    job.slow[2] = 1.0
+    clock.now += 5.0
+    assert _drive(det, job, 6) == []  # back in line, but flagged only 5 s ago
+    clock.now += 30.0
+    assert [(e.rank, e.started) for _, e in _drive(det, job, 1)] == [(2, False)]

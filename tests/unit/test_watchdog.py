@@ -288,3 +288,44 @@ def test_a_silent_stopped_rank_is_recorded_not_guessed(tmp_path):
     assert verdict["culprits"] == [] and verdict["unresponsive"] == {"1": "stopped"}
     assert verdict["summary"].startswith("no lagging rank: every rank is inside the same collective")
     assert opened.ranks == (1,)
+
+
+def test_a_flapping_straggler_is_rate_limited_per_job_and_counted(tmp_path):
+    sim = Sim(ranks=4)
+    actions = Actions()
+    cfg = StragglerConfig(window_steps=10, persist_steps=3, clear_persist_steps=3, min_flag_s=0.0,
+                          max_incidents_per_hour=2)
+    wd = _watchdog(sim, actions, tmp_path, straggler=cfg)
+    for _ in range(4):  # rank 3 slow, then back in line, four times within the hour
+        for _ in range(8):
+            sim.run(7, compute={3: 0.3})
+            wd.check_once()
+        for _ in range(8):
+            sim.run(7)
+            wd.check_once()
+    kinds = [(i.kind, i.state) for i in actions.records if i.kind is IncidentKind.STRAGGLER_START
+             and i.state is IncidentState.OPEN]
+    assert len(kinds) == 2, [i.kind for i in actions.records]
+    assert len([i for i in actions.records if i.kind is IncidentKind.STRAGGLER_END]) == 2
+    assert wd.suppressed == {"j": 2}
+    registry = CollectorRegistry()
+    registry.register(wd.collector())
+    assert 'trainwarden_straggler_incidents_suppressed_total{job="j",node="n1"} 2.0' in \
+        generate_latest(registry).decode()
+
+
+def test_one_open_straggler_incident_per_rank(tmp_path):
+    from trainwarden.agent.watchdog.straggler import RankScore, StragglerEvent
+
+    sim = Sim(ranks=4)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path)
+    score = RankScore(rank=2, score=1.3, compute_share=0.9, peer_compute_share=0.7, window_seconds=7.0, slices=14,
+                      flagged=True)
+    event = StragglerEvent(job="j", rank=2, started=True, score=score, evaluations=7, seconds=3.5,
+                           policy=StragglerPolicy.ALERT)
+    snap = sim.js.snapshot("j")[0]
+    wd._on_straggler(snap, event)
+    wd._on_straggler(snap, event)  # the detector lost its state (a pruned job came back) and flags again
+    assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
+    assert wd.suppressed == {"j": 1}
