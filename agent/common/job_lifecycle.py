@@ -66,13 +66,15 @@ class JobRecord:
     owner: dict = field(default_factory=dict)
     """Who supervises the job: host, pid and start time of the `trainwarden run` process."""
 
-    def transition(self, to: JobPhase, reason: str = "") -> None:
+    def transition(self, to: JobPhase, reason: str = "", *, failure: bool = True) -> None:
+        """Move to `to` (IllegalTransition if the table forbids it). A move to RESTARTING counts a restart
+        unless ``failure`` is False (the group restarts because nodes joined, not because it failed)."""
         if to == self.phase:
             return
         if to not in _TRANSITIONS[self.phase]:
             raise IllegalTransition(f"job {self.job}: {self.phase.value} -> {to.value} is not allowed")
         logger.info("job %s: %s -> %s%s", self.job, self.phase.value, to.value, f" ({reason})" if reason else "")
-        if to == JobPhase.RESTARTING:
+        if to == JobPhase.RESTARTING and failure:
             self.restarts += 1
         self.phase, self.reason, self.last_change = to, reason, time.time()
 

@@ -1,39 +1,39 @@
-"""Crash and restart incidents, read from torchrun's own reports.
+"""Crash and restart incidents, from the launcher's structured report of a failed worker round.
 
-torchrun prints one line per failed worker ("failed (exitcode: -9) local_rank: 5 (pid: 27998)") and,
-when it has budget left, "will restart worker group". ``WorkerFailureRecorder`` turns each such round into one
-incident: ``crash`` when a worker died of a signal or a non-zero exit that was not the watchdog's abort,
-``restart`` otherwise (the watchdog's own hang incident already explains an abort). The incident is
-``acting`` while the group restarts and ``resolved`` when steps complete again; if the restart budget is
-spent, ``failed``.
+The launcher (agent/launch/elastic.py) reports each failed round with every failed worker's global and
+local rank, pid, exit code and error-file message, then whether it restarts the group. ``WorkerFailureRecorder``
+turns each failed round into one incident: ``crash`` when a worker died of a signal or a non-zero exit
+that neither the watchdog's abort nor torchrun caused, ``restart`` otherwise: exit code ``EXIT_ABORTED``, a
+SIGKILL the agent sent to a worker that could not obey the abort (``killed_by_agent``), and SIGTERM (torchrun
+stopping the survivors of a failed round) are consequences; the watchdog's own hang incident explains an
+abort. The incident is ``acting`` while the group restarts and ``resolved`` when a step of a later round
+completes; if the restart budget is spent, ``failed``.
 
-torchrun names the first failure it noticed, which is often a peer the dead rank took down (rank 5 is
-SIGKILLed, rank 0's next collective fails, torchrun reports "local_rank 0, exit code 1"). When the agent
-is in the same process, ``ended_streams`` tells who left first and how. The rank that fails first leaves
-first: its peers notice only when their next collective with it fails. A crash incident therefore names
-the first rank whose telemetry stream ended (global rank), unless that rank said it was leaving because a
-peer was gone (``runtime.goodbye("peer gone: ...")``: the first failure was on another node) — then
-torchrun's report stands. The order and manner of every ending (said goodbye and why, or just broke, as
-a rank killed by a signal does) are kept as evidence.
+torchrun reports the failures it noticed, which often include peers the dead rank took down (rank 5 is
+SIGKILLed, rank 0's next collective fails with exit code 1). When the agent is in the same process,
+``ended_streams`` tells who left first and how. The rank that fails first leaves first: its peers notice
+only when their next collective with it fails. A crash incident therefore names the first rank whose
+telemetry stream ended, unless that rank said it was leaving because a peer was gone
+(``runtime.goodbye("peer gone: ...")``: the first failure was on another node) — then the launcher's
+report stands. The order and manner of every ending (said goodbye and why, or just broke, as a rank killed
+by a signal does) are kept as evidence.
 """
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
-from trainwarden.agent.proto.contract import EXIT_ABORTED, PEER_GONE
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.proto.contract import EXIT_ABORTED, PEER_GONE
 
-__all__ = ["WorkerFailureRecorder", "WORKER_FAILED_LINE"]
-
-WORKER_FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+__all__ = ["WorkerFailureRecorder", "describe_exit"]
 
 
-def _describe(exitcode: int) -> str:
+def describe_exit(exitcode: int) -> str:
+    """"SIGKILL", "aborted by the agent", "exit code 1"."""
     if exitcode < 0:
         try:
             return signal.Signals(-exitcode).name
@@ -45,26 +45,35 @@ def _describe(exitcode: int) -> str:
 
 
 class WorkerFailureRecorder:
+    """One incident per failed worker round; see the module docstring."""
+
     def __init__(self, job: str, record: Callable[[Incident], Incident], *, node: str | None = None,
                  wall: Callable[[], float] = time.time,
-                 ended_streams: Callable[[float], list[dict]] | None = None) -> None:
+                 ended_streams: Callable[[float], list[dict]] | None = None,
+                 killed_by_agent: Callable[[int], bool] = lambda pid: False) -> None:
         self._job, self._record, self._wall = job, record, wall
         self._ended_streams = ended_streams
+        self._killed_by_agent = killed_by_agent
         self._since = wall()  # streams that ended before this belong to an earlier round
         self._node = node or socket.gethostname()
         self._failures: list[dict] = []
         self._open: Incident | None = None
 
-    def feed(self, line: str, *, restarting: bool, step: int | None) -> None:
-        """One output line; ``restarting`` when it announces a restart, ``step`` when it reports one."""
-        match = WORKER_FAILED_LINE.search(line)
-        if match:
-            code = int(match.group(1))
-            self._failures.append({"local_rank": int(match.group(2)), "pid": int(match.group(3)),
-                                   "exitcode": code, "cause": _describe(code)})
-        elif restarting:
-            self._start(IncidentState.ACTING, "torchrun restarts the worker group")
-        elif step is not None and self._open is not None:
+    def round_failed(self, failures: Sequence[Mapping]) -> None:
+        """The launcher's report of the failed workers (global_rank, local_rank, pid, exitcode, message)."""
+        self._failures = [{"global_rank": int(f["global_rank"]), "local_rank": int(f["local_rank"]),
+                           "pid": f.get("pid"), "exitcode": int(f["exitcode"]),
+                           "cause": describe_exit(int(f["exitcode"])),
+                           **({"error": str(f["message"])[:500]} if f.get("message") else {})}
+                          for f in failures]
+
+    def restarting(self) -> None:
+        """The launcher restarts the group after the failure: the incident is acting until a step completes."""
+        self._start(IncidentState.ACTING, "torchrun restarts the worker group")
+
+    def resumed(self, step: int) -> None:
+        """A step of the new round completed."""
+        if self._open is not None:
             self._open = self._record(self._open.transition(
                 IncidentState.RESOLVED, outcome=f"running again at step {step}", now=self._wall()))
             self._open = None
@@ -83,29 +92,15 @@ class WorkerFailureRecorder:
                                                now=self._wall()))
             self._open = None
         failures, self._failures = self._failures, []
-        crashed = any(f["exitcode"] not in (0, EXIT_ABORTED) for f in failures)
+        own = [f for f in failures if self._caused_here(f)]
+        crashed = bool(own)
         now = self._wall()
-        ranks = tuple(sorted({f["local_rank"] for f in failures}))
-        evidence: dict = {"failed_workers": failures, "ranks_are": "local ranks on this node (torchrun's report)"}
+        ranks = tuple(sorted({f["global_rank"] for f in own or failures}))
+        evidence: dict = {"failed_workers": failures, "ranks_are": "global ranks the launcher reported failed"}
         if crashed and self._ended_streams is not None:
-            try:
-                ended = self._ended_streams(self._since)
-            except Exception:  # evidence only: never lose the incident over it
-                ended = []
-            if ended:
-                evidence["telemetry_streams_ended"] = ended
-                first = ended[0]
-                goodbye = first["goodbye"]
-                if not (goodbye or "").startswith(PEER_GONE):
-                    ranks = (first["rank"],)
-                    evidence["ranks_are"] = ("global rank whose telemetry stream ended first (the first to fail; "
-                                             "its peers followed)")
-                    how = "without a goodbye (killed by a signal or died hard)" if goodbye is None \
-                        else f"saying {goodbye!r}"
-                    reported = ", ".join(f"local rank {f['local_rank']} ({f['cause']})" for f in failures)
-                    evidence["summary"] = (f"rank {first['rank']} failed first: its stream ended {how}, "
-                                           f"{len(ended) - 1} other rank(s) followed; torchrun reported "
-                                           f"{reported or 'nothing'}")
+            first = self._attribute(evidence, failures)
+            if first is not None:
+                ranks = (first,)
         self._since = now
         incident = Incident(
             id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,
@@ -116,3 +111,31 @@ class WorkerFailureRecorder:
         if state != IncidentState.OPEN:
             incident = self._record(incident.transition(state, outcome=outcome or None, now=now))
         self._open = incident if state == IncidentState.ACTING else None
+
+    def _caused_here(self, failure: dict) -> bool:
+        """The worker failed of its own accord (not the agent's abort, nor torchrun stopping it)."""
+        code = failure["exitcode"]
+        if code in (0, EXIT_ABORTED, -signal.SIGTERM):
+            return False
+        return not (code == -signal.SIGKILL and failure.get("pid") is not None
+                    and self._killed_by_agent(int(failure["pid"])))
+
+    def _attribute(self, evidence: dict, failures: list[dict]) -> int | None:
+        """The rank that failed first, from the order the telemetry streams ended (evidence added)."""
+        try:
+            ended = self._ended_streams(self._since)
+        except Exception:  # evidence only: never lose the incident over it
+            ended = []
+        if not ended:
+            return None
+        evidence["telemetry_streams_ended"] = ended
+        first = ended[0]
+        goodbye = first["goodbye"]
+        if (goodbye or "").startswith(PEER_GONE):
+            return None
+        evidence["ranks_are"] = "global rank whose telemetry stream ended first (the first to fail; its peers followed)"
+        how = "without a goodbye (killed by a signal or died hard)" if goodbye is None else f"saying {goodbye!r}"
+        reported = ", ".join(f"rank {f['global_rank']} ({f['cause']})" for f in failures)
+        evidence["summary"] = (f"rank {first['rank']} failed first: its stream ended {how}, {len(ended) - 1} "
+                               f"other rank(s) followed; the launcher reported {reported or 'nothing'}")
+        return first["rank"]

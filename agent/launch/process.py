@@ -25,12 +25,13 @@ __all__ = ["TorchrunProcess"]
 class TorchrunProcess:
     """A running torchrun and every process it started; ``stop()`` leaves none of them behind."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], *, stdout=None, cwd: str | None = None) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], *, stdout=None, cwd: str | None = None,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.cmd = cmd
         self._proc = subprocess.Popen(
             cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
             stderr=subprocess.STDOUT if stdout is not None else None,
-            start_new_session=True,
+            start_new_session=True, pass_fds=pass_fds,
         )
         self._known: dict[int, float] = {}  # pid -> create_time of every descendant seen
         logger.info("started torchrun pid=%d: %s", self._proc.pid, " ".join(cmd))

@@ -1,97 +1,168 @@
-"""Job progress as seen from the launcher's side of the process boundary.
+"""A job's progress as the supervisor of `trainwarden run` sees it: steps, worker rounds, failures and the
+time each failure cost.
 
-``ProgressTracker`` reads the lines a job prints (the reference job's ``step N loss X time Ys`` and
-torchrun's "will restart worker group") and keeps what a person wants at the end of a run: steps
-done, restarts, and the wall time each failure cost. It works with any script that prints step
-lines in that shape and needs no agent, which is what makes the `trainwarden run` summary
-trustworthy even when telemetry is off.
+Structured sources, in this order of trust:
 
-Time lost to a failure = from the last step completed before it to the moment the job passes that
-step again (the restart, the rendezvous, the restore and the recomputed steps), measured with the
-monotonic clock.
+- the launcher's events (agent/launch/elastic.py): a worker round started, the round failed (which workers,
+  exit codes, error files), the agent restarts the group;
+- the workers' telemetry (every ``rt.step`` of every rank, through the in-process agent): step indices and
+  their wall-clock end times.
+
+Log lines are a fallback for scripts that send no telemetry (run with ``--no-agent``, or scripts that never
+call ``rt.step``): ``feed_line`` reads the reference job's ``step N loss X time Ys`` lines, and is ignored
+once telemetry has reported a step. torchrun's wording is never read.
+
+Time lost to a failure = from the end of the last step completed before it to the end of the first step
+that passes it again (the restart, the rendezvous, the restore and the recomputed steps), in the workers'
+wall-clock time (the steps' own timestamps; one host's clock).
 """
 
 from __future__ import annotations
 
 import re
+import statistics
+import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
-__all__ = ["Failure", "ProgressTracker", "RESTART_LINE", "STEP_LINE"]
+__all__ = ["Failure", "JobProgress", "STEP_LINE"]
 
 STEP_LINE = re.compile(r"\bstep (\d+) loss (\S+) time ([0-9.]+)s")
-RESTART_LINE = re.compile(r"will restart worker group")
+"""The reference job's step line; read only for scripts that send no telemetry."""
 
 
 @dataclass
 class Failure:
-    """One worker-group failure and what it cost."""
+    """One failed worker round and what it cost."""
 
     at: float
-    """Monotonic time the restart was announced."""
+    """Wall time the launcher reported the failure."""
     last_step: int | None
     """Highest step completed before it."""
     last_step_at: float | None
-    """Monotonic time of that step."""
+    """Wall time that step ended."""
     recovered_at: float | None = None
-    """When the job passed ``last_step`` again."""
+    """Wall time the job passed ``last_step`` again."""
     resumed_from: int | None = None
-    """First step printed after the restart (checkpoint step + 1)."""
+    """First step completed in the next round (the checkpoint's step + 1)."""
+    next_round_at: float | None = None
+    """Wall time the next worker round started."""
 
     @property
     def lost_seconds(self) -> float | None:
         if self.recovered_at is None:
             return None
-        return self.recovered_at - (self.last_step_at if self.last_step_at is not None else self.at)
+        return max(0.0, self.recovered_at - (self.last_step_at if self.last_step_at is not None else self.at))
 
 
-@dataclass
-class ProgressTracker:
-    """Feed it every output line; read steps, losses, restarts and failures from it."""
+class JobProgress:
+    """Feed it launcher events, telemetry steps and (as a fallback) output lines; read the job's progress.
 
-    clock: callable = time.monotonic
-    started_at: float = field(default=None)
-    max_step: int | None = None
-    last_loss: str | None = None
-    steps_seen: int = 0
-    step_seconds: list[float] = field(default_factory=list)
-    failures: list[Failure] = field(default_factory=list)
-    _last_step_at: float | None = None
+    Thread-safe: the telemetry reader, the event reader and the output pump feed it concurrently.
+    """
 
-    def __post_init__(self) -> None:
-        if self.started_at is None:
-            self.started_at = self.clock()
+    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
+        self._lock = threading.Lock()
+        self.max_step: int | None = None
+        self.last_loss: str | None = None
+        self.source: str | None = None
+        """"telemetry" or "log": where the steps came from."""
+        self.failures: list[Failure] = []
+        self.restarts = 0
+        """Worker-group restarts after a failure (membership changes are not counted)."""
+        self.rounds = 0
+        self._round_started_at: float | None = None
+        self._round_has_step = False
+        self._max_step_at: float | None = None
+        self._durations: deque[float] = deque(maxlen=4096)
+        self._seen: set[tuple[int, int]] = set()  # (pid, index): one step counted once per worker process
+
+    # ---- feeds ---------------------------------------------------------------------------------------
+
+    def round_started(self, at: float | None = None) -> None:
+        """The launcher started a worker round."""
+        with self._lock:
+            self.rounds += 1
+            self._round_started_at = self._wall() if at is None else at
+            self._round_has_step = False
+            for failure in self.failures:
+                if failure.next_round_at is None:
+                    failure.next_round_at = self._round_started_at
+
+    def round_failed(self, at: float | None = None) -> Failure:
+        """The launcher reported the round failed."""
+        with self._lock:
+            failure = Failure(at=self._wall() if at is None else at, last_step=self.max_step,
+                              last_step_at=self._max_step_at)
+            self.failures.append(failure)
+            return failure
+
+    def restarting(self, after_failure: bool) -> None:
+        with self._lock:
+            if after_failure:
+                self.restarts += 1
+
+    def step(self, index: int, end_wall: float, duration_s: float, *, source: str = "telemetry",
+             worker: int = 0) -> bool:
+        """A completed step (any rank; each (worker, index) counts once). True when it is the first step of
+        the current worker round."""
+        with self._lock:
+            if source == "log" and self.source == "telemetry":
+                return False
+            if source == "telemetry" and self.source == "log":  # telemetry arrived after all: trust it
+                self._reset_steps()
+            self.source = source
+            key = (worker, index)
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            if len(self._seen) > 200_000:
+                self._seen.clear()
+            self._durations.append(duration_s)
+            first_in_round = not self._round_has_step and (
+                self._round_started_at is None or end_wall >= self._round_started_at)
+            if first_in_round:
+                self._round_has_step = True
+            for failure in self.failures:
+                if failure.next_round_at is None or end_wall < failure.next_round_at:
+                    continue  # a step of the failed round, reported late
+                if failure.resumed_from is None:
+                    failure.resumed_from = index
+                if failure.recovered_at is None and (failure.last_step is None or index > failure.last_step):
+                    failure.recovered_at = end_wall
+            if self.max_step is None or index > self.max_step:
+                self.max_step, self._max_step_at = index, end_wall
+            return first_in_round
+
+    def feed_line(self, line: str) -> tuple[int, bool] | None:
+        """Fallback for scripts without telemetry: a ``step N loss X time Ys`` line. (step, first in round)
+        when the line is one; the loss shown in the summary comes only from here."""
+        match = STEP_LINE.search(line)
+        if not match:
+            return None
+        index = int(match.group(1))
+        self.last_loss = match.group(2)
+        return index, self.step(index, self._wall(), float(match.group(3)), source="log", worker=self.rounds)
+
+    def _reset_steps(self) -> None:
+        self.max_step = self._max_step_at = None
+        self._durations.clear()
+        self._seen.clear()
+
+    # ---- readers -------------------------------------------------------------------------------------
 
     @property
-    def restarts(self) -> int:
-        return len(self.failures)
+    def in_round(self) -> bool:
+        """A step completed in the current worker round."""
+        return self._round_has_step
 
     @property
     def lost_seconds(self) -> float:
         return sum(f.lost_seconds or 0.0 for f in self.failures)
 
-    def feed(self, line: str) -> None:
-        now = self.clock()
-        match = STEP_LINE.search(line)
-        if match:
-            step = int(match.group(1))
-            self.steps_seen += 1
-            self.last_loss = match.group(2)
-            self.step_seconds.append(float(match.group(3)))
-            for failure in self.failures:
-                if failure.resumed_from is None:
-                    failure.resumed_from = step
-                if failure.recovered_at is None and (failure.last_step is None or step > failure.last_step):
-                    failure.recovered_at = now
-            if self.max_step is None or step > self.max_step:
-                self.max_step = step
-                self._last_step_at = now
-            return
-        if RESTART_LINE.search(line):
-            self.failures.append(Failure(at=now, last_step=self.max_step, last_step_at=self._last_step_at))
-
     def median_step_seconds(self) -> float | None:
-        if not self.step_seconds:
-            return None
-        ordered = sorted(self.step_seconds)
-        return ordered[len(ordered) // 2]
+        with self._lock:
+            return statistics.median(self._durations) if self._durations else None

@@ -36,10 +36,12 @@ from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.etcd.client import split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder
+from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
-from trainwarden.agent.launch.progress import RESTART_LINE, STEP_LINE, ProgressTracker
+from trainwarden.agent.launch.elastic import EVENTS_FD_ENV
+from trainwarden.agent.launch.events import LaunchEventReader
+from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.summary import print_summary
 from trainwarden.agent.launch.torchrun import LaunchSpec, torchrun_command, validate_launch, worker_environment
 from trainwarden.agent.metrics.exporter import ExporterError
@@ -122,6 +124,17 @@ def _announce(signum: int) -> None:
     print(f"\ntrainwarden: {signal.Signals(signum).name} received; stopping the job", file=sys.stderr, flush=True)
 
 
+def _describe_failures(failures: list[dict]) -> str:
+    """"rank 2 (SIGKILL); torchrun stopped ranks 0,1,3": the ranks torchrun terminated itself come last."""
+    stopped = sorted(f["global_rank"] for f in failures if int(f["exitcode"]) == -signal.SIGTERM)
+    failed = [f"rank {f['global_rank']} ({describe_exit(int(f['exitcode']))})" for f in failures
+              if int(f["exitcode"]) != -signal.SIGTERM]
+    parts = ["; ".join(failed)] if failed else []
+    if stopped:
+        parts.append(f"torchrun stopped rank{'s' if len(stopped) > 1 else ''} {','.join(map(str, stopped))}")
+    return "; ".join(parts) or "no worker reported"
+
+
 def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
@@ -137,7 +150,7 @@ class _JobRun:
         self.started = time.monotonic()
         self.record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
                                                      "started": psutil.Process().create_time()})
-        self.tracker = ProgressTracker()
+        self.progress = JobProgress()
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
@@ -146,6 +159,7 @@ class _JobRun:
         self.failures: WorkerFailureRecorder | None = None
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
+        self.events: LaunchEventReader | None = None
         self.env: dict[str, str] = {}
         self.cmd: list[str] = []
 
@@ -195,7 +209,9 @@ class _JobRun:
         print(f"trainwarden: agent metrics at {agent.metrics_url}", file=self.out, flush=True)
         self.failures = WorkerFailureRecorder(
             opts.job, agent.incidents.record,
-            ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since))
+            ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
+            killed_by_agent=agent.actions.killed_by_agent)
+        agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
 
     def claim(self, signals: StopOnSignals) -> None:
         """Record the job's spec and take it over in etcd: refused while another live run supervises it."""
@@ -226,13 +242,20 @@ class _JobRun:
     def launch(self, cleanup: ExitStack) -> None:
         """torchrun in a session of its own, its output pumped to the terminal and the run log."""
         log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
+        events_read, events_write = os.pipe()  # the launcher's structured events (agent/launch/elastic.py)
         try:
-            self.torchrun = TorchrunProcess(self.cmd, self.env, stdout=subprocess.PIPE)
+            self.torchrun = TorchrunProcess(self.cmd, {**self.env, EVENTS_FD_ENV: str(events_write)},
+                                            stdout=subprocess.PIPE, pass_fds=(events_write,))
         except OSError as exc:
+            os.close(events_read)
             self.transition(JobPhase.FAILED, str(exc))
             raise _Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
+        finally:
+            os.close(events_write)
         cleanup.callback(self.torchrun.stop)
-        self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self.tracker, self._on_line)
+        self.events = LaunchEventReader(events_read, self._on_launch_event)
+        self.events.start()
+        self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self._on_line)
         self.pump.start()
 
     def supervise(self, signals: StopOnSignals) -> int:
@@ -244,10 +267,12 @@ class _JobRun:
             pump.quiet = True
             torchrun.stop(grace=10.0)
             pump.join(5)
+            self.events.join(5)
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             return _exit_code(signals.received)
         torchrun_rc = torchrun.wait()
         pump.join(10)
+        self.events.join(5)
         if torchrun_rc == 0:
             self.transition(JobPhase.SUCCEEDED)
             return exit_codes.EXIT_OK
@@ -257,7 +282,7 @@ class _JobRun:
         return exit_codes.EXIT_JOB_FAILED
 
     def print_summary(self) -> None:
-        print_summary(self.out, record=self.record, state_dir=self.state_dir, tracker=self.tracker,
+        print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
                       log_path=self.logs / "run.log")
 
@@ -293,22 +318,55 @@ class _JobRun:
         self.record.generation = int(previous.get("generation", 0)) + 1
         self.records.reset_rendezvous(opts.job)
 
-    def transition(self, to: JobPhase, reason: str = "") -> None:
+    def transition(self, to: JobPhase, reason: str = "", *, failure: bool = True) -> None:
         with self._lock:  # publish under the lock too: puts from two threads must not land out of order
             if self.record.phase.terminal or self.record.phase == to:
                 return
-            self.record.transition(to, reason)
+            self.record.transition(to, reason, failure=failure)
             try:
                 self.records.put_state(self.opts.job, self.record.to_json())
             except EtcdUnavailable as exc:
                 logger.warning("%s", exc)
 
+    # ---- what the job reports -------------------------------------------------------------------------
+
+    def _on_launch_event(self, event: dict) -> None:
+        """The launcher's structured events: rounds, failures with exit codes, restarts."""
+        kind, at = event.get("event"), float(event.get("t") or time.time())
+        if kind == "started":
+            self.progress.round_started(at)
+        elif kind == "failed":
+            self.progress.round_failed(at)
+            failures = event.get("failures") or []
+            if self.failures is not None:
+                self.failures.round_failed(failures)
+            print(f"trainwarden: the worker round failed: {_describe_failures(failures)}", file=self.out, flush=True)
+        elif kind == "restarting":
+            after_failure = event.get("reason") == "failed"
+            self.progress.restarting(after_failure)
+            if after_failure and self.failures is not None:
+                self.failures.restarting()
+            why = "worker group failed" if after_failure else "nodes are waiting to join"
+            print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
+                  "left)", file=self.out, flush=True)
+            self.transition(JobPhase.RESTARTING, why, failure=after_failure)
+
+    def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
+        """A worker's step (telemetry listener, on the agent's reader thread)."""
+        if job == self.opts.job and self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
+            self._round_running(index)
+
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int) -> None:
+        pass
+
     def _on_line(self, line: str) -> None:
-        restarting = bool(RESTART_LINE.search(line))
-        step = STEP_LINE.search(line)
+        """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""
+        seen = self.progress.feed_line(line)
+        if seen is not None and seen[1]:
+            self._round_running(seen[0])
+
+    def _round_running(self, step: int) -> None:
+        """The first step of a worker round completed."""
+        self.transition(JobPhase.RUNNING)
         if self.failures is not None:
-            self.failures.feed(line, restarting=restarting, step=int(step.group(1)) if step else None)
-        if restarting:
-            self.transition(JobPhase.RESTARTING, "worker group failed")
-        elif step and self.record.phase in (JobPhase.STARTING, JobPhase.RESTARTING):
-            self.transition(JobPhase.RUNNING)
+            self.failures.resumed(step)

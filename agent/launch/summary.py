@@ -9,7 +9,7 @@ from typing import TextIO
 
 from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
-from trainwarden.agent.launch.progress import ProgressTracker
+from trainwarden.agent.launch.progress import JobProgress
 
 __all__ = ["print_summary"]
 
@@ -25,25 +25,26 @@ def _latest_checkpoint(directory: Path) -> str:
         return f"unreadable pointer {pointer}: {exc}"
 
 
-def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, tracker: ProgressTracker, elapsed: float,
+def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
                   ckpt_dir: Path, log_path: Path) -> None:
     """The end-of-run summary of the job ``record`` names."""
     lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
-    if tracker.max_step is not None:
-        median = tracker.median_step_seconds()
-        lines.append(f"  steps        last step {tracker.max_step}, last loss {tracker.last_loss}, "
-                     f"median step {median:.3f}s")
+    if progress.max_step is not None:
+        median = progress.median_step_seconds()
+        loss = f", last loss {progress.last_loss}" if progress.last_loss is not None else ""
+        lines.append(f"  steps        last step {progress.max_step}{loss}, median step {median:.3f}s")
     else:
-        lines.append("  steps        none reported (the script prints no 'step N loss X time Ys' lines)")
-    if tracker.failures:
+        lines.append("  steps        none reported (the script sends no telemetry: wrap each step in "
+                     "trainwarden.runtime's rt.step)")
+    if progress.failures:
         parts = []
-        for f in tracker.failures:
+        for f in progress.failures:
             lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
             where = f"failed after step {f.last_step}" if f.last_step is not None else "failed before any step"
             resumed = f", resumed at step {f.resumed_from}" if f.resumed_from is not None else ""
             parts.append(f"{where}{resumed}, {lost}")
-        lines.append(f"  restarts     {tracker.restarts} ({'; '.join(parts)})")
-        lines.append(f"  time lost    {tracker.lost_seconds:.1f}s to failures")
+        lines.append(f"  restarts     {progress.restarts} ({'; '.join(parts)})")
+        lines.append(f"  time lost    {progress.lost_seconds:.1f}s to failures")
     else:
         lines.append("  restarts     0")
     lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")

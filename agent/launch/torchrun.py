@@ -92,7 +92,7 @@ class LaunchSpec:
 
 def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str]:
     cmd = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "trainwarden.agent.launch.elastic",  # torchrun, reporting structured events
         "--nnodes", spec.nnodes,
         "--nproc-per-node", str(spec.nproc_per_node),
         "--rdzv-backend", "etcd3",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,6 +39,11 @@ class AgentActions:
                  kill: Callable[[int, int], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
         self._server, self._job_telemetry, self._incidents = server, job_telemetry, incidents
         self._kill, self._sleep = kill, sleep
+        self._killed: deque[int] = deque(maxlen=4096)  # pids this node SIGKILLed after an abort
+
+    def killed_by_agent(self, pid: int) -> bool:
+        """True when the agent itself SIGKILLed `pid` (a worker that could not obey an abort)."""
+        return pid in self._killed
 
     def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
         command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
@@ -60,6 +66,7 @@ class AgentActions:
             if not proc.is_running() or process_state(proc.pid) == "dead":  # exited (or its pid was reused)
                 continue
             logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, proc.pid)
+            self._killed.append(proc.pid)
             try:
                 if self._kill is None:
                     proc.send_signal(signal.SIGKILL)  # psutil refuses if the pid was reused meanwhile

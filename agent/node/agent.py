@@ -22,10 +22,8 @@ import logging
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from trainwarden.agent import __version__
@@ -35,7 +33,8 @@ from trainwarden.agent.incidents import IncidentCollector, IncidentStore
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.common.paths import job_state_dir
-from trainwarden.agent.etcd.job_records import JobRecords, EtcdUnavailable
+from trainwarden.agent.etcd.job_records import JobRecords
+from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.telemetry.server import TelemetryServer
@@ -92,9 +91,8 @@ class NodeAgent:
         state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
         # committed checkpoints are published to etcd from one thread of their own, never from the telemetry
         # reader that heard of them
-        self._records = JobRecords(etcd_client) if etcd_client is not None else None
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="trainwarden-publish") if etcd_client else None
-        self.job_telemetry = JobTelemetry(on_checkpoint_committed=self._publish_checkpoint)
+        self.publisher = CheckpointPublisher(JobRecords(etcd_client)) if etcd_client is not None else None
+        self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
         self.incident_counts = IncidentCollector(node=config.node)
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd_client, collector=self.incident_counts)
@@ -136,8 +134,8 @@ class NodeAgent:
             pruner = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
             pruner.start()
             self._stops.append(self._pruner.set)
-            if self._publisher is not None:
-                self._stops.append(lambda: self._publisher.shutdown(wait=True, cancel_futures=False))
+            if self.publisher is not None:
+                self._stops.append(self.publisher.stop)
         except BaseException:
             self.stop()
             raise
@@ -152,22 +150,6 @@ class NodeAgent:
                 stop()
             except Exception:
                 logger.exception("error while stopping the agent; continuing")
-
-    def _publish_checkpoint(self, job: str, step: int, path: str, nbytes: int) -> None:
-        """A worker committed a checkpoint: make it the job's latest in etcd (``jobs/<job>/checkpoint``)."""
-        if self._publisher is None:
-            return
-        info = {"step": step, "path": path, "time": time.time(), "bytes": nbytes}
-        try:
-            self._publisher.submit(self._put_checkpoint, job, info)
-        except RuntimeError:  # the agent is stopping
-            pass
-
-    def _put_checkpoint(self, job: str, info: dict) -> None:
-        try:
-            self._records.put_checkpoint(job, info)
-        except EtcdUnavailable as exc:  # the `latest` file beside the checkpoints stays the truth
-            logger.warning("could not publish checkpoint step %s of job %s: %s", info["step"], job, exc)
 
     def _worker_pids(self) -> list[int]:
         return [r.pid for job in self.job_telemetry.snapshot() for r in job.ranks if r.connected and r.pid > 0]

@@ -11,7 +11,7 @@ import re
 
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "FLIGHT_RECORDER_ENV",
-    "JOB_ENV", "JOB_NAME_RE", "MAIN_THREAD_HEADER", "PEER_GONE", "SERVICE_NAME", "STATE_DIR_ENV",
+    "JOB_ENV", "JOB_NAME_RE", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
     "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -21,6 +21,14 @@ SERVICE_NAME = "trainwarden.v1.Telemetry"
 """The telemetry service (agent/proto/telemetry.proto); also the name its health status is kept under."""
 STREAM_METHOD = f"/{SERVICE_NAME}/Stream"
 STATUS_METHOD = f"/{SERVICE_NAME}/Status"
+
+
+
+def peer_credential_socket(telemetry_socket: str) -> str:
+    """The unix socket beside the telemetry socket where a worker fetches the token that proves its pid
+    (agent/telemetry/peer_credentials.py)."""
+    return telemetry_socket + ".cred"
+
 
 # ---- the environment the launcher gives workers ----------------------------------------------------------
 

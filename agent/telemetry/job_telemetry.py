@@ -28,14 +28,17 @@ Design:
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 from trainwarden.agent.proto.contract import CHECKPOINT_STAGES
 from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_STAGES",
@@ -44,6 +47,7 @@ __all__ = [
     "CollectiveTotals",
     "JobSnapshot",
     "JobTelemetry",
+    "TelemetryListener",
     "RankSnapshot",
     "WorkerInfo",
 ]
@@ -188,15 +192,32 @@ class _JobRanks:
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
 
+class TelemetryListener(Protocol):
+    """Hears of steps and checkpoint stages as they are recorded (outside the store's lock, on the telemetry
+    reader's thread: it must be quick and must not block). The supervisor of `trainwarden run` follows
+    progress this way; the node agent publishes committed checkpoints."""
+
+    def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
+        ...
+
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int) -> None:
+        ...
+
+
+def _notify(method, *args) -> None:
+    try:
+        method(*args)
+    except Exception:  # a listener's bug must not lose telemetry
+        log.exception("telemetry listener %s failed", method)
+
+
 class JobTelemetry:
     """Thread-safe store of every job's and rank's telemetry on this node."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, recent_steps: int = 256,
                  wall: Callable[[], float] = time.time,
-                 on_checkpoint_committed: Callable[[str, int, str, int], None] | None = None) -> None:
-        """``on_checkpoint_committed(job, step, path, bytes)`` hears of every committed checkpoint a worker
-        reports with its path (the node agent publishes it to etcd); it must not block."""
-        self._on_checkpoint_committed = on_checkpoint_committed
+                 listeners: Iterable["TelemetryListener"] = ()) -> None:
+        self._listeners: list[TelemetryListener] = list(listeners)
         if recent_steps < 2:
             raise ValueError(f"recent_steps must be at least 2, got {recent_steps}")
         self._clock = clock
@@ -263,6 +284,7 @@ class JobTelemetry:
             state = self._rank(job, rank)
             if state is None:
                 return
+            pid = state.info.pid
             duration = max(0.0, float(duration_seconds))
             state.last_seen = self._clock()
             state.last_step = max(state.last_step, int(index))
@@ -272,6 +294,13 @@ class JobTelemetry:
             state.tokens_total += max(0, int(tokens))
             state.last_step_end_ns = max(state.last_step_end_ns, int((float(start_unix) + duration) * 1e9))
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
+        for listener in self._listeners:
+            _notify(listener.on_step, job, rank, pid, int(index), float(start_unix), duration)
+
+    def add_listener(self, listener: "TelemetryListener") -> None:
+        """Also tell `listener` of steps and checkpoint stages from now on."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
 
 
     def record_collectives(self, job: str, rank: int, totals: Iterable[CollectiveTotals], *,
@@ -336,7 +365,7 @@ class JobTelemetry:
     def record_checkpoint(self, job: str, rank: int, *, stage: str, step: int, seconds: float,
                           bytes_: int = 0, path: str = "") -> None:
         """A checkpoint stage reported by a worker; a ``committed`` one with its path goes to
-        ``on_checkpoint_committed`` (outside the lock)."""
+        the listeners (outside the lock)."""
         if stage not in CHECKPOINT_STAGES:
             raise ValueError(f"unknown checkpoint stage {stage!r}; expected one of {CHECKPOINT_STAGES}")
         with self._lock:
@@ -352,8 +381,8 @@ class JobTelemetry:
                 owner.checkpoint_last_step = max(owner.checkpoint_last_step, int(step))
             elif stage == "failed":
                 owner.checkpoint_failures += 1
-        if stage == "committed" and path and self._on_checkpoint_committed is not None:
-            self._on_checkpoint_committed(job, int(step), path, int(bytes_))
+        for listener in self._listeners:
+            _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_))
 
     def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
         """The worker's cumulative count of dropped records (per process)."""

@@ -105,3 +105,31 @@ def test_same_job_runs_again_on_external_etcd(tmp_path, procs, etcd_server):
     state = json.loads(client.get("/trainwarden/v1/jobs/again/state")[0])
     client.close()
     assert state["phase"] == "succeeded" and state["generation"] == 1
+
+
+def test_a_users_script_gets_progress_phases_and_restarts_from_telemetry_not_its_log(tmp_path, procs, etcd_server):
+    """A DDP script that prints nothing in trainwarden's format: the summary, the phases and the restart
+    accounting come from its rt.step telemetry and the launcher's structured events."""
+    import json
+
+    import etcd3
+
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="crash:rank=2,step=50")
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--etcd", etcd_server.url,
+         "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "0.5", "--job", "users", "--",
+         str(HERE.parent / "jobs" / "ddp_mlp.py"), "--steps", "150", "--ckpt-every", "20",
+         "--ckpt-dir", str(tmp_path / "ckpt")],
+        log=tmp_path / "run.log", env=env,
+    )
+    assert run.wait(170) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    log = (tmp_path / "run.log").read_text()
+    assert "step 1 loss" not in log  # nothing for a log parser to read
+    assert "  steps        last step 150, median step" in log
+    assert "  restarts     1 (failed after step 49, resumed at step 41" in log
+    assert "the worker round failed: rank 2 (SIGKILL)" in log
+    assert "job users: starting -> running" in log and "job users: restarting -> running" in log
+    client = etcd3.client(host="127.0.0.1", port=etcd_server.client_port)
+    state = json.loads(client.get("/trainwarden/v1/jobs/users/state")[0])
+    client.close()
+    assert state["phase"] == "succeeded" and state["restarts"] == 1

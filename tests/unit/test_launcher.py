@@ -16,7 +16,7 @@ def spec(**kw):
 
 def test_command_uses_etcd3_rendezvous_and_module():
     cmd = torchrun_command(spec(rdzv_conf={"join_timeout": "60"}), python="python")
-    assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+    assert cmd[:3] == ["python", "-m", "trainwarden.agent.launch.elastic"]  # torchrun, reporting events
     joined = " ".join(cmd)
     assert "--rdzv-backend etcd3" in joined
     assert "--rdzv-endpoint 127.0.0.1:2379" in joined

@@ -84,7 +84,7 @@ def test_a_committed_checkpoint_reported_by_a_worker_is_published_to_etcd_by_the
     agent.job_telemetry.record_checkpoint("j", 0, stage="staged", step=10, seconds=0.1)  # not a commit
     agent.job_telemetry.record_checkpoint("j", 0, stage="committed", step=10, seconds=0.0, bytes_=123,
                                           path="/ckpt/step-00000010")
-    agent._publisher.shutdown(wait=True)
+    agent.publisher.stop()
     published = json.loads(etcd.puts["/trainwarden/v1/jobs/j/checkpoint"])
     assert (published["step"], published["path"], published["bytes"]) == (10, "/ckpt/step-00000010", 123)
     assert list(etcd.puts) == ["/trainwarden/v1/jobs/j/checkpoint"]

@@ -1,7 +1,7 @@
 import pytest
 
 from trainwarden.agent.common.job_lifecycle import IllegalTransition, JobPhase, JobRecord
-from trainwarden.agent.launch.progress import ProgressTracker
+from trainwarden.agent.launch.progress import JobProgress
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -14,32 +14,53 @@ class Clock:
         return self.now
 
 
-def test_tracks_steps_restart_and_time_lost():
+def test_steps_rounds_and_time_lost_from_telemetry_and_launcher_events():
     clock = Clock()
-    t = ProgressTracker(clock=clock)
+    p = JobProgress(wall=clock)
+    p.round_started(clock.now)
+    firsts = []
     for step in range(1, 26):
         clock.now += 0.3
-        t.feed(f"step {step} loss {5 - step * 0.1:.6f} time 0.300s\n")
+        for pid in (11, 12):  # every rank reports every step: counted once per worker
+            firsts.append(p.step(step, clock.now, 0.3, worker=pid))
+    assert firsts.count(True) == 1 and firsts[0] is True
     last_good = clock.now
     clock.now += 2
-    t.feed("[default] Worker group FAILED. 2/2 attempts left; will restart worker group\n")
+    failure = p.round_failed(clock.now)
+    p.step(25, last_good, 0.3, worker=12)  # a late report from the failed round changes nothing
+    p.restarting(after_failure=True)
     clock.now += 10  # rendezvous + restore
+    p.round_started(clock.now)
+    assert not p.in_round
     for step in range(21, 27):  # resumed from the checkpoint at step 20
         clock.now += 0.3
-        t.feed(f"step {step} loss 3.0 time 0.300s\n")
-    assert t.restarts == 1
-    failure = t.failures[0]
+        p.step(step, clock.now, 0.3, worker=21)
+    assert p.in_round and p.restarts == 1
     assert failure.last_step == 25 and failure.resumed_from == 21
-    # recovered when step 26 (past 25) completed
-    assert failure.lost_seconds == pytest.approx(clock.now - last_good)
-    assert t.max_step == 26 and t.last_loss == "3.0"
-    assert t.median_step_seconds() == pytest.approx(0.3)
+    assert failure.lost_seconds == pytest.approx(clock.now - last_good)  # recovered when step 26 completed
+    assert p.max_step == 26 and p.source == "telemetry" and p.last_loss is None
+    assert p.median_step_seconds() == pytest.approx(0.3)
 
 
-def test_unrecovered_failure_costs_nothing_yet():
-    t = ProgressTracker(clock=Clock())
-    t.feed("will restart worker group")
-    assert t.restarts == 1 and t.failures[0].lost_seconds is None and t.lost_seconds == 0
+def test_log_lines_are_only_a_fallback():
+    clock = Clock()
+    p = JobProgress(wall=clock)
+    p.round_started()
+    assert p.feed_line("step 1 loss 5.0 time 0.300s\n") == (1, True)
+    assert p.feed_line("rank 0 says hello\n") is None
+    assert p.max_step == 1 and p.source == "log" and p.last_loss == "5.0"
+    p.step(1, clock.now, 0.2, worker=7)  # telemetry turns up: it replaces what the log said
+    p.feed_line("step 9 loss 4.0 time 0.300s\n")
+    assert p.source == "telemetry" and p.max_step == 1
+
+
+def test_membership_restarts_are_not_failures_and_an_unrecovered_failure_costs_nothing_yet():
+    p = JobProgress(wall=Clock())
+    p.restarting(after_failure=False)
+    assert p.restarts == 0
+    p.round_failed()
+    p.restarting(after_failure=True)
+    assert p.restarts == 1 and p.failures[0].lost_seconds is None and p.lost_seconds == 0
 
 
 def test_job_lifecycle_transitions():
@@ -47,6 +68,8 @@ def test_job_lifecycle_transitions():
     rec.transition(JobPhase.STARTING)
     rec.transition(JobPhase.RUNNING)
     rec.transition(JobPhase.RESTARTING)
+    rec.transition(JobPhase.RUNNING)
+    rec.transition(JobPhase.RESTARTING, "nodes joined", failure=False)
     rec.transition(JobPhase.RUNNING)
     rec.transition(JobPhase.SUCCEEDED)
     assert rec.restarts == 1 and rec.to_json()["phase"] == "succeeded"
