@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, stacks_file, trace_file
+from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, stacks_file, trace_file,
+                                             validate_job_name)
 
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
@@ -251,6 +252,11 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
     job = job or env.get(JOB_ENV) or env.get("TORCHELASTIC_RUN_ID") or "default"
     socket_path = socket_path or env.get(AGENT_SOCKET_ENV)
     if not socket_path:
+        return Session(job=job, rank=rank, world_size=world_size, client_config=None)
+    try:
+        validate_job_name(job)
+    except ValueError as exc:  # the agent would refuse the stream: say so here, and train on without telemetry
+        log.error("trainwarden: %s; telemetry is off for this worker (set %s to a valid name)", exc, JOB_ENV)
         return Session(job=job, rank=rank, world_size=world_size, client_config=None)
     from trainwarden.agent.proto import telemetry_pb2 as pb
 

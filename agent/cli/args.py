@@ -1,10 +1,20 @@
-"""Argument types shared by the commands: a positive number of seconds, a positive count."""
+"""Argument types shared by the commands: a job name (the one rule), a positive number of seconds, a count."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_float", "positive_int"]
+from trainwarden.agent.proto.contract import validate_job_name
+
+__all__ = ["job_name", "positive_float", "positive_int"]
+
+
+def job_name(text: str) -> str:
+    """A job name by the one rule (agent/proto/contract.py); argparse says what is wrong and exits 2."""
+    try:
+        return validate_job_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_float(text: str) -> float:

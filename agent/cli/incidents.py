@@ -15,6 +15,7 @@ import sys
 import os
 from typing import TextIO
 
+from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.incidents import Incident, list_incidents
 
@@ -113,7 +114,7 @@ def incidents_show(out: TextIO, incident_id: str, *, root: str | os.PathLike | N
 def add_parser(sub) -> None:
     p = sub.add_parser("incidents", help="hangs, stragglers and failures recorded on this node",
                        description="List recorded incidents (oldest first), or `incidents show ID` for one.")
-    p.add_argument("--job", metavar="NAME", help="only this job's incidents")
+    p.add_argument("--job", type=job_name, metavar="NAME", help="only this job's incidents")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
@@ -128,17 +129,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd_incidents(args) -> int:
-    from trainwarden.agent.common.paths import validate_job_name
-
-    if args.job:
-        try:
-            validate_job_name(args.job)
-        except ValueError as exc:
-            print(f"trainwarden incidents: {exc}", file=sys.stderr)
-            return exit_codes.EXIT_USAGE
     return incidents_list(sys.stdout, root=args.state_home, job=args.job, as_json=args.json)
 
 
 def _cmd_incidents_show(args) -> int:
-
     return incidents_show(sys.stdout, args.id, root=args.state_home, as_json=args.json, err=sys.stderr)

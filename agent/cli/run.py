@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["add_parser"]
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
                    "instead of starting an embedded one")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K",
                    help="worker-group restarts before the job fails (default 3)")
-    p.add_argument("--job", metavar="NAME", help="job name (default: run-<time>)")
+    p.add_argument("--job", type=job_name, metavar="NAME", help="job name (default: run-<time>)")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
     p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, TextIO
 
-from trainwarden.agent.cli.args import positive_float, positive_int
+from trainwarden.agent.cli.args import job_name, positive_float, positive_int
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.node.endpoints import (DEFAULT_METRICS_URL, AgentUnavailable, fetch_status, resolve_metrics_url,
                                              resolve_socket)
@@ -221,7 +221,7 @@ def add_parser(sub) -> None:
                        description="Print the jobs and ranks the node agent sees: step, step-time p50/p99, "
                                    "collective wait share, tokens/s, restarts and flags per rank.")
     p.add_argument("--socket", metavar="PATH", help=where)
-    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--job", type=job_name, metavar="NAME", help="only this job")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_status)
@@ -230,7 +230,7 @@ def add_parser(sub) -> None:
                        description="Redraw per-rank progress, step times, wait share, throughput and GPU "
                                    "utilization/temperature every --interval seconds.")
     p.add_argument("--socket", metavar="PATH", help=where)
-    p.add_argument("--job", metavar="NAME", help="only this job")
+    p.add_argument("--job", type=job_name, metavar="NAME", help="only this job")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
     p.add_argument("--interval", type=positive_float, default=2.0, metavar="S",
                    help="seconds between frames (default 2)")

@@ -36,10 +36,15 @@ def connect(endpoint: str, *, timeout: float = 5.0):
 
 
 class JobRecords:
-    """A job's records in etcd: ``jobs/<job>/spec``, ``state`` and ``checkpoint`` (JSON values)."""
+    """A job's records in etcd: ``jobs/<job>/spec``, ``state`` and ``checkpoint`` (JSON values).
 
-    def __init__(self, client, *, prefix: str = DEFAULT_PREFIX, endpoint: str = "etcd") -> None:
+    Reads and ``put_spec`` go to etcd at once (start-up must know that etcd answers); with a ``writer``
+    (agent/etcd/writer.py), ``put_state`` and ``put_checkpoint`` are queued and never wait for etcd: they are
+    called from threads that must not stall (the output pump, the telemetry reader)."""
+
+    def __init__(self, client, *, prefix: str = DEFAULT_PREFIX, endpoint: str = "etcd", writer=None) -> None:
         self._client = client
+        self._writer = writer
         self._prefix = prefix.rstrip("/")
         self._endpoint = endpoint
 
@@ -69,10 +74,16 @@ class JobRecords:
         self._put(self.key(job, "spec"), spec)
 
     def put_state(self, job: str, state: dict[str, Any]) -> None:
-        self._put(self.key(job, "state"), state)
+        self._put_later(self.key(job, "state"), state)
 
     def put_checkpoint(self, job: str, info: dict[str, Any]) -> None:
-        self._put(self.key(job, "checkpoint"), info)
+        self._put_later(self.key(job, "checkpoint"), info)
+
+    def _put_later(self, key: str, value: dict[str, Any]) -> None:
+        if self._writer is None:
+            self._put(key, value)
+        else:
+            self._writer.put(key, json.dumps(value, sort_keys=True))
 
     def reset_rendezvous(self, job: str) -> None:
         """Delete a finished generation's rendezvous and store keys: a closed rendezvous cannot be rejoined."""

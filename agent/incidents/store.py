@@ -43,12 +43,13 @@ class IncidentStore:
 
     def record(self, incident: Incident) -> Incident:
         """Store this version of `incident`; the first version of an id is counted and logged."""
-        directory = Path(self._state_dir(incident.job)) / "incidents"
         data = json.dumps(incident.to_json(), indent=1, sort_keys=True, default=str)
+        directory: Path | str = f"the state directory of job {incident.job!r}"
         try:
+            directory = Path(self._state_dir(incident.job)) / "incidents"
             directory.mkdir(parents=True, exist_ok=True)
             atomic_write(directory / f"{incident.id}.json", data.encode())
-        except OSError as exc:  # a full disk must not stop the action the incident is about
+        except (OSError, ValueError) as exc:  # a full disk (or a bad name) must not stop the action it is about
             self.write_errors += 1
             log.error("cannot write incident %s to %s (%s); it is logged here and mirrored to etcd if set: %s",
                       incident.id, directory, exc, data.replace("\n", " "))

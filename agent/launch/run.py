@@ -36,6 +36,7 @@ from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.etcd.client import split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
+from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
@@ -184,7 +185,10 @@ class _JobRun:
         except (EtcdUnavailable, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
         cleanup.callback(self.client.close)
-        self.records = JobRecords(self.client, endpoint=self.endpoint)
+        # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
+        self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=socket.gethostname())
+        cleanup.callback(self.writer.stop, 5.0)
+        self.records = JobRecords(self.client, endpoint=self.endpoint, writer=self.writer)
 
     def start_agent(self, cleanup: ExitStack) -> None:
         """The in-process node agent, and the records that let `status`/`top --job` find it."""
@@ -197,7 +201,7 @@ class _JobRun:
             agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
                                           metrics_port=opts.metrics_port, state_home=opts.state_home,
                                           watchdog=watchdog_config(opts.straggler_policy)),
-                              etcd_client=self.client)
+                              etcd=self.writer)
             agent.start()
         except (ExporterError, TelemetryServerError, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
@@ -323,10 +327,7 @@ class _JobRun:
             if self.record.phase.terminal or self.record.phase == to:
                 return
             self.record.transition(to, reason, failure=failure)
-            try:
-                self.records.put_state(self.opts.job, self.record.to_json())
-            except EtcdUnavailable as exc:
-                logger.warning("%s", exc)
+            self.records.put_state(self.opts.job, self.record.to_json())  # queued, in order: never waits
 
     # ---- what the job reports -------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.etcd.job_records import JobRecords
+from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
@@ -86,16 +87,19 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
 
 
 class NodeAgent:
-    def __init__(self, config: AgentConfig, *, etcd_client=None) -> None:
+    def __init__(self, config: AgentConfig, *, etcd: EtcdWriter | None = None) -> None:
+        """``etcd``: the node's queued etcd writes (incident copies, exclusion requests, checkpoint pointers);
+        None keeps everything on local disk."""
         self.config = config
         state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
         # committed checkpoints are published to etcd from one thread of their own, never from the telemetry
         # reader that heard of them
-        self.publisher = CheckpointPublisher(JobRecords(etcd_client)) if etcd_client is not None else None
+        self.etcd = etcd
+        self.publisher = CheckpointPublisher(JobRecords(None, writer=etcd)) if etcd is not None else None
         self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
         self.incident_counts = IncidentCollector(node=config.node)
-        self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd_client, collector=self.incident_counts)
+        self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents)
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
                                  diagnostics_dir=lambda job: state_dir(job) / "diagnostics")
@@ -107,6 +111,8 @@ class NodeAgent:
                       self.watchdog.collector(), self.incident_counts]
         if self.gpus is not None:
             collectors.append(self.gpus)
+        if etcd is not None:
+            collectors.append(etcd)
         self.registry = build_registry(collectors)
         self.exporter = (MetricsExporter(self.registry, host=config.metrics_host, port=config.metrics_port)
                          if config.metrics_port is not None else None)
@@ -134,8 +140,6 @@ class NodeAgent:
             pruner = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
             pruner.start()
             self._stops.append(self._pruner.set)
-            if self.publisher is not None:
-                self._stops.append(self.publisher.stop)
         except BaseException:
             self.stop()
             raise

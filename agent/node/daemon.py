@@ -23,6 +23,7 @@ from typing import TextIO
 
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
+from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import check_agent
 
@@ -59,7 +60,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
 
     err = err or sys.stderr
     config = options.agent
-    client = None
+    client, writer = None, None
     if options.etcd:
         try:
             client = _connect_etcd(options.etcd)
@@ -73,7 +74,8 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             return exit_codes.EXIT_ETCD_UNAVAILABLE
     try:
         with StopOnSignals() if stop is None else ExternalStop(stop) as signals:
-            agent = NodeAgent(config, etcd_client=client)
+            writer = EtcdWriter(client, endpoint=options.etcd, node=config.node) if client is not None else None
+            agent = NodeAgent(config, etcd=writer)
             try:
                 agent.start()
             except (ExporterError, TelemetryServerError, ValueError) as exc:
@@ -95,6 +97,8 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             finally:
                 agent.stop()
     finally:
+        if writer is not None:
+            writer.stop(5.0)
         if client is not None:
             client.close()
     return exit_codes.EXIT_OK

@@ -75,6 +75,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, EtcdAccessDenied, EtcdConfig, EtcdUnavailable,
                                           describe_etcd_error, open_etcd)
+from trainwarden.agent.proto.contract import validate_job_name
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
@@ -360,11 +361,11 @@ def _parse_token(token: Token) -> int | None:
 
 
 def _check_run_id(run_id: str) -> None:
-    if not run_id or "/" in run_id or run_id.strip() != run_id:
-        raise ValueError(
-            f"rendezvous id {run_id!r} must be a non-empty name without '/' or surrounding spaces; "
-            "pass --rdzv-id JOB"
-        )
+    """The rendezvous id is the job's name: the one job-name rule (agent/proto/contract.py)."""
+    try:
+        validate_job_name(run_id)
+    except ValueError as exc:
+        raise ValueError(f"rendezvous id: {exc}; pass --rdzv-id JOB") from None
 
 
 def _disable_shared_tcp_store() -> None:

@@ -43,7 +43,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import SERVICE_NAME
+from trainwarden.agent.proto.contract import JOB_NAME_RE, SERVICE_NAME
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 
@@ -212,6 +212,9 @@ class TelemetryServer:
             self._reject(context, first)
         if first.WhichOneof("record") != "hello":
             self._reject(context, _Rejected("no_hello", "the first message on a stream must be a Hello"))
+        if not JOB_NAME_RE.match(first.hello.job):
+            self._reject(context, _Rejected("invalid", f"job name {first.hello.job[:80]!r} breaks the job-name rule "
+                                            "(1-63 lowercase letters, digits, '.', '_' or '-'); set TRAINWARDEN_JOB"))
         info = self._worker_info(first.hello)
         if info is None:
             self._reject(context, _Rejected("invalid", f"invalid Hello: {first.hello}".replace("\n", " ")))

@@ -46,7 +46,7 @@ def shared_etcd(tmp_path_factory):
 
 @pytest.fixture
 def run_id(request) -> str:
-    return re.sub(r"[^\w.-]", "_", request.node.name)
+    return re.sub(r"[^a-z0-9._-]+", "-", request.node.name.lower()).strip("-._")[:63].rstrip("-._")
 
 
 def _connect(server, read_timeout: float = 10):

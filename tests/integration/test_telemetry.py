@@ -229,3 +229,24 @@ def test_an_inconsistent_arrivals_batch_is_refused_whole_and_counted(server):
     srv._apply(info, worse)                                                      # rank 9 of a world of 2
     assert js.rejected()["invalid"] == 2
     assert rank_state(js, "arr", 0).connected                                     # the stream lives on
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("job", ["MyJob", "x" * 64, "a/b"])
+def test_a_job_name_the_state_directory_would_refuse_is_refused_at_the_door(server, job):
+    """One job-name rule at every entry: a name the watchdog could not make a state directory of used to
+    be accepted here, and every hang of that job then failed to record and to abort."""
+    srv, js = server
+    hello = pb.WorkerMessage(hello=pb.Hello(job=job, rank=0, world_size=1, pid=1)).SerializeToString()
+    assert raw_stream(srv.address, [hello]) == grpc.StatusCode.INVALID_ARGUMENT
+    assert js.snapshot() == () and js.rejected()["invalid"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_the_runtime_says_what_is_wrong_with_its_job_name_and_trains_on(server, caplog):
+    srv, _ = server
+    rt = init(env={"TRAINWARDEN_AGENT_SOCKET": str(srv.socket_path), "TRAINWARDEN_JOB": "MyJob", "RANK": "0",
+                   "WORLD_SIZE": "1"})
+    assert not rt.enabled and "job name 'MyJob' is invalid" in caplog.text and "TRAINWARDEN_JOB" in caplog.text
+    with rt.step(1):
+        pass

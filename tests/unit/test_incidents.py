@@ -170,3 +170,35 @@ def test_show_puts_an_incidents_summary_first(tmp_path):
     text = format_incident(incident)
     assert "  summary:   rank 6 has been busy 91%" in text and "    score: 1.35" in text
     assert "summary:" not in text.split("evidence:")[1]
+
+
+def test_an_etcd_that_hangs_does_not_hold_up_incidents(tmp_path):
+    """An incident is written on the watchdog's thread just before an abort: its etcd copy is queued, never
+    waited for (it used to be a synchronous put with a 5 s timeout per attempt)."""
+    import threading
+    import time
+
+    from trainwarden.agent.etcd.writer import EtcdWriter
+    from trainwarden.agent.incidents import Incident, IncidentKind, IncidentStore
+
+    release = threading.Event()
+
+    class HangingEtcd:
+        def __init__(self):
+            self.data = {}
+
+        def put(self, key, value):
+            release.wait(10)  # a partitioned etcd: the call hangs until its deadline
+            self.data[key] = value
+
+    etcd = HangingEtcd()
+    writer = EtcdWriter(etcd)
+    store = IncidentStore(state_dir=lambda job: tmp_path / job, etcd=writer)
+    started = time.monotonic()
+    for i in range(3):
+        store.record(Incident(id=f"2026112{i}", kind=IncidentKind.HANG, job="j", node="n", detected_at=1.0))
+    assert time.monotonic() - started < 1.0
+    assert len(list((tmp_path / "j" / "incidents").glob("*.json"))) == 3  # the files are the record
+    release.set()
+    assert writer.flush(5) and len(etcd.data) == 3
+    writer.stop()

@@ -77,14 +77,18 @@ def test_a_committed_checkpoint_reported_by_a_worker_is_published_to_etcd_by_the
     from trainwarden.agent.node.agent import AgentConfig, NodeAgent
     from trainwarden.agent.telemetry.job_telemetry import WorkerInfo
 
+    from trainwarden.agent.etcd.writer import EtcdWriter
+
     etcd = FakeEtcd()
+    writer = EtcdWriter(etcd)
     agent = NodeAgent(AgentConfig(socket_path=tmp_path / "a.sock", metrics_port=None, gpu_health=False,
-                                  state_home=tmp_path), etcd_client=etcd)
+                                  state_home=tmp_path), etcd=writer)
     agent.job_telemetry.connect(WorkerInfo(job="j", rank=0, pid=1))
     agent.job_telemetry.record_checkpoint("j", 0, stage="staged", step=10, seconds=0.1)  # not a commit
     agent.job_telemetry.record_checkpoint("j", 0, stage="committed", step=10, seconds=0.0, bytes_=123,
                                           path="/ckpt/step-00000010")
-    agent.publisher.stop()
+    assert writer.flush(5)
+    writer.stop()
     published = json.loads(etcd.puts["/trainwarden/v1/jobs/j/checkpoint"])
     assert (published["step"], published["path"], published["bytes"]) == (10, "/ckpt/step-00000010", 123)
     assert list(etcd.puts) == ["/trainwarden/v1/jobs/j/checkpoint"]

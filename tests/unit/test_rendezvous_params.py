@@ -115,7 +115,7 @@ def test_bad_port_is_rejected():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("run_id", ["", "a/b", " padded "])
+@pytest.mark.parametrize("run_id", ["", "a/b", " padded ", "MyJob", "x" * 64])
 def test_bad_run_id_is_rejected_before_connecting(run_id):
     with pytest.raises(ValueError, match="--rdzv-id"):
         create_rdzv_handler(params(run_id=run_id))
