@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -203,7 +204,10 @@ class TelemetryClient:
             log.exception("handling agent command %s failed", command.WhichOneof("command"))
 
     def _requests(self, stream_done: threading.Event) -> Iterator[pb.WorkerMessage]:
-        yield pb.WorkerMessage(hello=self._hello)
+        hello = pb.Hello()
+        hello.CopyFrom(self._hello)
+        hello.peer_token = fetch_peer_token(self.config.socket_path)  # "" if the agent has none for us
+        yield pb.WorkerMessage(hello=hello)
         while not stream_done.is_set():
             closing = self._closing.is_set()
             if not closing:
@@ -290,6 +294,18 @@ class TelemetryClient:
         return pb.WorkerMessage(collectives=pb.Collectives(
             ops=ops, has_durations=self._reducer.has_durations, entries_missed=fr.missed if fr else 0,
             arrivals=arrivals))
+
+
+def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
+    """A single-use token from the agent's ``<socket>.cred``, bound by the kernel to this process's pid
+    (agent/telemetry/peer_credentials.py); "" when there is none to be had. Runs on the sender thread."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(contract.peer_credential_socket(socket_path))
+            return conn.recv(128).decode("ascii", errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _arrivals_message(batch) -> pb.Arrivals:

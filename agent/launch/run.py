@@ -257,6 +257,8 @@ class _JobRun:
         finally:
             os.close(events_write)
         cleanup.callback(self.torchrun.stop)
+        if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
+            self.agent.actions.register_launcher(self.opts.job, self.torchrun.pid)
         self.events = LaunchEventReader(events_read, self._on_launch_event)
         self.events.start()
         self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self._on_line)

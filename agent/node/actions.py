@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import psutil
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from trainwarden.agent.incidents import Incident, IncidentStore
 from trainwarden.agent.proto import telemetry_pb2 as pb
@@ -33,17 +35,37 @@ ABORT_GRACE_S = 1.5
 
 
 class AgentActions:
-    """What the watchdog may do on this node: talk to workers, kill them, record incidents."""
+    """What the watchdog may do on this node: talk to workers, kill them, record incidents.
+
+    A signal goes only to a process the agent owns, checked just before it is sent: the rank's pid came
+    from the kernel (peer credentials, not the Hello's claim), the process at that pid still has the start
+    time it had when verified, and, when the job's launcher is registered (``register_launcher``: the
+    torchrun that `trainwarden run` started), it descends from that launcher. Anything else is refused,
+    logged and counted (``trainwarden_signals_refused_total{reason}``).
+    """
 
     def __init__(self, server: TelemetryServer, job_telemetry: JobTelemetry, incidents: IncidentStore, *,
-                 kill: Callable[[int, int], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> None:
+                 kill: Callable[[int, int], None] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 node: str = "") -> None:
         self._server, self._job_telemetry, self._incidents = server, job_telemetry, incidents
-        self._kill, self._sleep = kill, sleep
+        self._kill, self._sleep, self._node = kill, sleep, node
         self._killed: deque[int] = deque(maxlen=4096)  # pids this node SIGKILLed after an abort
+        self._launchers: dict[str, tuple[int, float]] = {}  # job -> (pid, start time) of its launcher
+        self._lock = threading.Lock()
+        self.refused: dict[str, int] = {}
 
     def killed_by_agent(self, pid: int) -> bool:
         """True when the agent itself SIGKILLed `pid` (a worker that could not obey an abort)."""
         return pid in self._killed
+
+    def register_launcher(self, job: str, pid: int) -> None:
+        """The job's workers descend from `pid` (its torchrun): only those may be signalled for it."""
+        try:
+            started = psutil.Process(pid).create_time()
+        except psutil.Error:
+            return
+        with self._lock:
+            self._launchers[job] = (pid, started)
 
     def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
         command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
@@ -54,11 +76,10 @@ class AgentActions:
         # hold each worker by (pid, start time) before asking: after the grace period a pid that exited
         # may already belong to someone else, and only the process we asked may be killed
         procs = {}
-        for rank, pid in self._pids(job, ranks).items():
-            try:
-                procs[rank] = psutil.Process(pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-                pass
+        for rank, snap in self._ranks(job, ranks).items():
+            proc = self._owned(job, rank, snap)
+            if proc is not None:
+                procs[rank] = proc
         for rank in ranks:
             self._server.send_command(job, rank, command)
         self._sleep(ABORT_GRACE_S)
@@ -76,6 +97,31 @@ class AgentActions:
                 pass
         return True
 
+    def _owned(self, job: str, rank: int, snap) -> psutil.Process | None:
+        """The rank's process if this agent may signal it, else None (refusal logged and counted)."""
+        if not snap.verified:
+            return self._refuse(job, rank, snap.pid, "unverified", "its pid is the worker's claim, not the kernel's")
+        try:
+            proc = psutil.Process(snap.pid)
+            started = proc.create_time()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            return None  # gone already: nothing to signal
+        if abs(started - snap.started) > 0.01:
+            return self._refuse(job, rank, snap.pid, "reused_pid", "another process has its pid now")
+        with self._lock:
+            launcher = self._launchers.get(job)
+        if launcher is not None and not _descends_from(proc, *launcher):
+            return self._refuse(job, rank, snap.pid, "not_in_job", f"it does not descend from the job's launcher "
+                                f"(pid {launcher[0]})")
+        return proc
+
+    def _refuse(self, job: str, rank: int, pid: int, reason: str, why: str) -> None:
+        with self._lock:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+        logger.error("job %s rank %d: not signalling pid %d: %s", job, rank, pid, why,
+                     extra={"job": job, "rank": rank, "reason": reason})
+        return None
+
     def record(self, incident: Incident) -> Incident:
         return self._incidents.record(incident)
 
@@ -85,8 +131,26 @@ class AgentActions:
     def withdraw_exclusion(self, job: str, node: str) -> None:
         self._incidents.withdraw_exclusion(job, node)
 
-    def _pids(self, job: str, ranks: Sequence[int]) -> dict[int, int]:
+    def _ranks(self, job: str, ranks: Sequence[int]) -> dict[int, Any]:
         wanted = set(ranks)
         for snap in self._job_telemetry.snapshot(job):
-            return {r.rank: r.pid for r in snap.ranks if r.rank in wanted and r.pid > 0}
+            return {r.rank: r for r in snap.ranks if r.rank in wanted and r.pid > 0}
         return {}
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily("trainwarden_signals_refused", "Signals the agent did not send because the "
+                                      "target was not verifiably the job's worker.", labels=["node", "reason"])
+        with self._lock:
+            for reason, n in sorted(self.refused.items()):
+                refused.add_metric([self._node, reason], n)
+        yield refused
+
+
+def _descends_from(proc: psutil.Process, pid: int, started: float) -> bool:
+    try:
+        for parent in proc.parents():
+            if parent.pid == pid:
+                return abs(parent.create_time() - started) <= 0.01
+    except psutil.Error:
+        return False
+    return False

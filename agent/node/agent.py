@@ -68,9 +68,9 @@ class AgentConfig:
     """Filesystems whose usage is exported."""
 
     def __post_init__(self) -> None:
-        if len(str(self.socket_path)) > 107:
-            raise ValueError(f"socket path {self.socket_path} is longer than a unix socket allows (107); "
-                             "choose a shorter --socket")
+        if len(str(self.socket_path)) > 102:  # the peer-credential socket beside it adds ".cred"
+            raise ValueError(f"socket path {self.socket_path} is too long: a unix socket path may have 107 bytes "
+                             "and the agent adds '.cred' for a second one; choose a shorter --socket")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port {self.metrics_port} is not a TCP port")
 
@@ -100,7 +100,7 @@ class NodeAgent:
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
         self.incident_counts = IncidentCollector(node=config.node)
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
-        self.actions = AgentActions(self.server, self.job_telemetry, self.incidents)
+        self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
                                  diagnostics_dir=lambda job: state_dir(job) / "diagnostics")
         self.gpus = GpuHealthSampler(GpuHealthConfig(node=config.node)) if config.gpu_health else None
@@ -108,7 +108,7 @@ class NodeAgent:
                                       worker_pids=self._worker_pids)
         collectors = [AgentInfoCollector(node=config.node, version=__version__),
                       JobMetricsCollector(self.job_telemetry, node=config.node), self.host,
-                      self.watchdog.collector(), self.incident_counts]
+                      self.watchdog.collector(), self.incident_counts, self.actions]
         if self.gpus is not None:
             collectors.append(self.gpus)
         if etcd is not None:

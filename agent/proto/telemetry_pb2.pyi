@@ -25,7 +25,7 @@ RESTORED: CheckpointStage
 FAILED: CheckpointStage
 
 class Hello(_message.Message):
-    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname")
+    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Hello(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     local_rank: int
@@ -49,7 +50,8 @@ class Hello(_message.Message):
     pid: int
     restart_count: int
     hostname: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    peer_token: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ..., peer_token: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("index", "start_unix", "duration_seconds", "tokens", "phases")

@@ -78,6 +78,10 @@ class WorkerInfo:
     """torchrun's restart count when the worker started."""
     hostname: str = ""
     """Host the worker runs on."""
+    verified: bool = False
+    """`pid` is the kernel's (peer credentials), not the worker's claim: only then may the agent signal it."""
+    started: float = 0.0
+    """The process's start time when it was verified (a reused pid has another)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +129,10 @@ class RankSnapshot:
     dropped_total: int
     flags: tuple[str, ...]
     straggler_score: float = 0.0
+    verified: bool = False
+    """The pid is the kernel's (see WorkerInfo.verified)."""
+    started: float = 0.0
+    """The process's start time when verified."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -469,6 +477,7 @@ class JobTelemetry:
             flags.add("disconnected")
         return RankSnapshot(
             rank=r.info.rank, local_rank=r.info.local_rank, pid=r.info.pid, hostname=r.info.hostname,
+            verified=r.info.verified, started=r.info.started,
             connected=r.connected, restart_count=r.info.restart_count, last_step=r.last_step,
             last_seen_monotonic=r.last_seen, step_count=r.step_count, step_seconds_total=r.step_seconds_total,
             step_bucket_counts=tuple(r.bucket_counts), tokens_total=r.tokens_total,

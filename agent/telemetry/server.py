@@ -18,13 +18,18 @@ Design:
   transport limit are refused by gRPC itself, uncounted.
 - Records with bad values inside a well-formed stream (negative durations, unknown stages) are counted as
   "invalid" and skipped; the stream goes on.
-- The socket's parent directory is created (0770) and the socket chmod 0660 after binding. A stale socket
-  file left by a killed agent (nobody accepts on it) is removed; a live socket or any other file at the path
-  is an error.
+- The socket's parent directory is created (0770) and the socket is bound under a umask of 0117, so it is
+  0660 from the moment it exists. A stale socket file left by a killed agent (nobody accepts on it) is
+  removed; a live socket or any other file at the path is an error.
+- Who is streaming is the kernel's answer, not the Hello's: beside the socket, ``<socket>.cred``
+  (agent/telemetry/peer_credentials.py) gives each worker a single-use token bound to its SO_PEERCRED pid;
+  a Hello with a token gets the verified pid and start time (``WorkerInfo.verified``), one with a bad token
+  is refused, one without a token streams unverified and is never signalled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -40,6 +45,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo
 from trainwarden.agent.proto import telemetry_pb2 as pb
@@ -51,7 +57,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
 _TRANSPORT_LIMIT_FLOOR = 4 * 1024 * 1024
-_MAX_UNIX_PATH = 107
+_MAX_UNIX_PATH = 102  # 107 bytes, less the '.cred' of the peer-credential socket beside it
 _STAGE_NAMES = {getattr(pb, s.upper()): s for s in CHECKPOINT_STAGES}
 
 
@@ -109,6 +115,7 @@ class TelemetryServer:
         self._streams: dict[tuple[str, int], _StreamHandle] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._credentials: PeerCredentialServer | None = None
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
 
@@ -140,10 +147,15 @@ class TelemetryServer:
         }),))
         self._health = health.HealthServicer()  # a stopped one stays NOT_SERVING: a fresh one per start
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        if server.add_insecure_port(self.address) == 0:
-            raise TelemetryServerError(f"cannot bind {self.address}; is another agent using it?")
-        server.start()
-        os.chmod(self.socket_path, 0o660)
+        old = os.umask(0o117)  # the socket is created 0660: never open to others, not even before a chmod
+        try:
+            if server.add_insecure_port(self.address) == 0:
+                raise TelemetryServerError(f"cannot bind {self.address}; is another agent using it?")
+            server.start()
+        finally:
+            os.umask(old)
+        self._credentials = PeerCredentialServer(self.socket_path)
+        self._credentials.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._stopping.clear()
@@ -162,6 +174,8 @@ class TelemetryServer:
         for handle in handles:
             _offer(handle.commands, _End())
         server.stop(grace).wait()
+        if self._credentials is not None:
+            self._credentials.stop()
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
@@ -218,6 +232,13 @@ class TelemetryServer:
         info = self._worker_info(first.hello)
         if info is None:
             self._reject(context, _Rejected("invalid", f"invalid Hello: {first.hello}".replace("\n", " ")))
+        if first.hello.peer_token:
+            cred = self._credentials.take(first.hello.peer_token) if self._credentials else None
+            if cred is None:
+                self._reject(context, _Rejected("invalid", "unknown, used or expired peer token: fetch a new one "
+                                                "from the agent's .cred socket for every stream"))
+            # the kernel's pid (the agent's pid namespace), not the claim: a container states its own
+            info = dataclasses.replace(info, pid=cred.pid, verified=True, started=cred.started)
         key = (info.job, info.rank)
         handle = _StreamHandle(info.pid, self._command_queue_size)
         with self._lock:

@@ -250,3 +250,39 @@ def test_the_runtime_says_what_is_wrong_with_its_job_name_and_trains_on(server, 
     assert not rt.enabled and "job name 'MyJob' is invalid" in caplog.text and "TRAINWARDEN_JOB" in caplog.text
     with rt.step(1):
         pass
+
+
+@pytest.mark.timeout(60)
+def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(server):
+    srv, js = server
+    assert oct(os.stat(str(srv.socket_path) + ".cred").st_mode & 0o777) == "0o660"
+    # a real runtime client fetches a token first: its pid is verified
+    rt = init(env={"TRAINWARDEN_AGENT_SOCKET": str(srv.socket_path), "TRAINWARDEN_JOB": "real", "RANK": "0",
+                   "WORLD_SIZE": "1"})
+    try:
+        wait_for(lambda: rank_state(js, "real", 0), 10, what="the runtime's stream")
+        real = rank_state(js, "real", 0)
+        assert real.verified and real.pid == os.getpid() and real.started > 0
+    finally:
+        rt.close()
+    # a Hello that only claims a pid (here init's) streams, unverified: the agent will never signal it
+    claim = pb.WorkerMessage(hello=pb.Hello(job="claim", rank=0, world_size=1, pid=1))
+    done = threading.Event()
+
+    def messages():
+        yield claim
+        done.wait(10)
+
+    with grpc.insecure_channel(srv.address) as channel:
+        call = channel.stream_stream("/trainwarden.v1.Telemetry/Stream",
+                                     request_serializer=pb.WorkerMessage.SerializeToString)(messages(), timeout=20)
+        try:
+            wait_for(lambda: rank_state(js, "claim", 0), 10, what="the claimed stream")
+            claimed = rank_state(js, "claim", 0)
+            assert not claimed.verified and claimed.pid == 1
+        finally:
+            done.set()
+            call.cancel()
+    # a token nobody was given is refused outright
+    forged = pb.WorkerMessage(hello=pb.Hello(job="forged", rank=0, world_size=1, pid=1, peer_token="0" * 32))
+    assert raw_stream(srv.address, [forged.SerializeToString()]) == grpc.StatusCode.INVALID_ARGUMENT

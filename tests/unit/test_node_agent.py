@@ -19,17 +19,25 @@ class FakeServer:
 
 
 class FakeSnapshotRank:
-    def __init__(self, rank, pid):
-        self.rank, self.pid = rank, pid
+    """A rank as the telemetry server would list it: its pid verified by the kernel unless `verified=False`."""
+
+    def __init__(self, rank, pid, verified=True):
+        import psutil
+
+        self.rank, self.pid, self.verified = rank, pid, verified
+        try:
+            self.started = psutil.Process(pid).create_time()
+        except psutil.Error:
+            self.started = 0.0
 
 
 class FakeJobState:
-    def __init__(self, pids):
-        self.pids = pids
+    def __init__(self, pids, verified=True):
+        self.pids, self.verified = pids, verified
 
     def snapshot(self, job=None):
         class Snap:
-            ranks = [FakeSnapshotRank(r, p) for r, p in self.pids.items()]
+            ranks = [FakeSnapshotRank(r, p, self.verified) for r, p in self.pids.items()]
         return (Snap(),)
 
 
@@ -92,3 +100,49 @@ def test_a_committed_checkpoint_reported_by_a_worker_is_published_to_etcd_by_the
     published = json.loads(etcd.puts["/trainwarden/v1/jobs/j/checkpoint"])
     assert (published["step"], published["path"], published["bytes"]) == (10, "/ckpt/step-00000010", 123)
     assert list(etcd.puts) == ["/trainwarden/v1/jobs/j/checkpoint"]
+
+
+def test_a_pid_a_worker_only_claims_is_never_signalled(procs, tmp_path):
+    """Anyone who can reach the socket could name any process in a Hello: before, a stopped 'rank' claiming a
+    victim's pid got the victim SIGKILLed by the abort that followed."""
+    victim = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "v.log")
+    victim.send_signal(signal.SIGSTOP)  # looks exactly like a rank that cannot obey
+    kills = []
+    actions = AgentActions(FakeServer(), FakeJobState({0: victim.pid}, verified=False), incidents=None,
+                           kill=lambda pid, sig: kills.append(pid), sleep=lambda s: None)
+    assert actions.abort("j", [0], "hang")
+    assert kills == [] and actions.refused == {"unverified": 1}
+    assert 'trainwarden_signals_refused_total{node="",reason="unverified"} 1.0' in _exposition(actions)
+
+
+def test_a_reused_pid_and_a_process_outside_the_job_are_not_signalled(procs, tmp_path):
+    worker = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "w.log")
+    worker.send_signal(signal.SIGSTOP)
+    kills = []
+    state = FakeJobState({0: worker.pid})
+    actions = AgentActions(FakeServer(), state, incidents=None, kill=lambda pid, sig: kills.append(pid),
+                           sleep=lambda s: None)
+    launcher = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "l.log")
+    actions.register_launcher("j", launcher.pid)  # the worker is not its child
+    actions.abort("j", [0], "hang")
+    assert kills == [] and actions.refused == {"not_in_job": 1}
+
+    class Reused(FakeJobState):
+        def snapshot(self, job=None):
+            (snap,) = super().snapshot(job)
+            for r in snap.ranks:
+                r.started -= 100.0  # verified back then, a different process now
+            return (snap,)
+
+    actions = AgentActions(FakeServer(), Reused({0: worker.pid}), incidents=None,
+                           kill=lambda pid, sig: kills.append(pid), sleep=lambda s: None)
+    actions.abort("j", [0], "hang")
+    assert kills == [] and actions.refused == {"reused_pid": 1}
+
+
+def _exposition(collector):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()
