@@ -33,6 +33,7 @@ import faulthandler
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -44,6 +45,8 @@ from typing import Mapping
 
 from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, stacks_file, trace_file,
                                              validate_job_name)
+
+from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_parent
 
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
@@ -253,6 +256,9 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
     socket_path = socket_path or env.get(AGENT_SOCKET_ENV)
     if not socket_path:
         return Session(job=job, rank=rank, world_size=world_size, client_config=None)
+    launcher = env.get(LAUNCHER_PID_ENV)
+    if launcher and launcher.isdigit():  # started by trainwarden's launcher: die with it, even if killed hard
+        die_with_parent(signal.SIGKILL, int(launcher))
     try:
         validate_job_name(job)
     except ValueError as exc:  # the agent would refuse the stream: say so here, and train on without telemetry

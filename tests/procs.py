@@ -34,7 +34,21 @@ class ProcessGroup:
         except ProcessLookupError:
             pass
 
+    def _descendants(self) -> list:
+        """Every live descendant of every child, by (pid, start time): torchrun starts each worker in a
+        session of its own, so killing a child's process group does not reach them."""
+        import psutil
+
+        found = []
+        for proc in self._procs:
+            try:
+                found += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                continue
+        return found
+
     def close(self) -> None:
+        descendants = self._descendants()
         for proc in self._procs:
             if proc.poll() is None:
                 self.kill(proc, signal.SIGTERM)
@@ -51,6 +65,11 @@ class ProcessGroup:
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
+                pass
+        for child in descendants:  # psutil refuses a pid that another process has taken since
+            try:
+                child.kill()
+            except Exception:
                 pass
 
 

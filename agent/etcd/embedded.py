@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainwarden.agent.proto.parent_death import exec_dying_with_parent
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedEtcd", "EtcdNotFoundError", "EtcdStartError", "find_etcd_binary", "free_port"]
@@ -111,7 +113,7 @@ class EmbeddedEtcd:
         ]
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
-            cmd,
+            exec_dying_with_parent(cmd),  # a supervisor killed hard takes its etcd with it
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,

@@ -31,10 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from typing import Any
+
+from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
 __all__ = ["EVENTS_FD_ENV", "EventSink", "main", "reporting_agent_class"]
 
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.launcher import api as launcher_api
 
+    supervisor = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    if supervisor:  # trainwarden run killed hard: SIGTERM makes torchrun stop its workers before it goes
+        die_with_parent(signal.SIGTERM, int(supervisor))
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # and the workers that can, die with this process
     fd = os.environ.pop(EVENTS_FD_ENV, None)
     if fd:
         launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)))

@@ -43,6 +43,7 @@ from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
 from trainwarden.agent.launch.torchrun import LaunchSpec, torchrun_command, validate_launch, worker_environment
 from trainwarden.agent.metrics.exporter import ExporterError
@@ -50,6 +51,7 @@ from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.proto.atomic_file import atomic_write
 from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV
+from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
     with StopOnSignals(on_first=_announce) as signals, ExitStack() as cleanup:
         try:
+            job.check_leftovers(cleanup)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
             job.claim(signals)
@@ -166,6 +169,19 @@ class _JobRun:
 
     # ---- steps, in order ---------------------------------------------------------------------------
 
+    def check_leftovers(self, cleanup: ExitStack) -> None:
+        """Never beside a live run of the job or its leftovers on this host (agent/launch/run_record.py)."""
+        self.run_record = RunRecord(self.state_dir)
+        try:
+            stopped = self.run_record.adopt_or_clear()
+        except RunRecordError as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
+        if stopped:
+            print(f"trainwarden: stopped {len(stopped)} process(es) a killed run of job {self.opts.job} had left "
+                  f"running (pids {', '.join(map(str, stopped))})", file=self.out, flush=True)
+        self.run_record.set("supervisor", os.getpid())
+        cleanup.callback(self.run_record.remove)
+
     def start_etcd(self, cleanup: ExitStack) -> None:
         """An embedded etcd unless --etcd names one; a client checked to answer."""
         endpoint = self.opts.etcd
@@ -176,6 +192,7 @@ class _JobRun:
             except (EtcdNotFoundError, EtcdStartError) as exc:
                 raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
             cleanup.callback(etcd.stop)
+            self.run_record.set("etcd", etcd.pid)
             endpoint = etcd.endpoint
             print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=self.out, flush=True)
         try:
@@ -248,7 +265,8 @@ class _JobRun:
         log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
         events_read, events_write = os.pipe()  # the launcher's structured events (agent/launch/elastic.py)
         try:
-            self.torchrun = TorchrunProcess(self.cmd, {**self.env, EVENTS_FD_ENV: str(events_write)},
+            env = {**self.env, EVENTS_FD_ENV: str(events_write), SUPERVISOR_PID_ENV: str(os.getpid())}
+            self.torchrun = TorchrunProcess(self.cmd, env,
                                             stdout=subprocess.PIPE, pass_fds=(events_write,))
         except OSError as exc:
             os.close(events_read)
@@ -257,6 +275,7 @@ class _JobRun:
         finally:
             os.close(events_write)
         cleanup.callback(self.torchrun.stop)
+        self.run_record.set("torchrun", self.torchrun.pid)
         if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
             self.agent.actions.register_launcher(self.opts.job, self.torchrun.pid)
         self.events = LaunchEventReader(events_read, self._on_launch_event)
@@ -338,6 +357,7 @@ class _JobRun:
         kind, at = event.get("event"), float(event.get("t") or time.time())
         if kind == "started":
             self.progress.round_started(at)
+            self.run_record.set_workers([w["pid"] for w in event.get("workers") or [] if w.get("pid")])
         elif kind == "failed":
             self.progress.round_failed(at)
             failures = event.get("failures") or []

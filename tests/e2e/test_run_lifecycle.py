@@ -133,3 +133,23 @@ def test_a_users_script_gets_progress_phases_and_restarts_from_telemetry_not_its
     state = json.loads(client.get("/trainwarden/v1/jobs/users/state")[0])
     client.close()
     assert state["phase"] == "succeeded" and state["restarts"] == 1
+
+
+def test_a_run_killed_hard_takes_torchrun_the_workers_and_etcd_with_it(tmp_path, procs):
+    """SIGKILL (or the OOM killer) gives `trainwarden run` no chance to clean up: the children must go by
+    themselves (parent-death signals), or they train on beside the next run."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = dict(os.environ, PIDS_DIR=str(pids_dir), TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "2",
+         "--job", "killed", "--", str(HERE / "idle_worker.py")],
+        log=tmp_path / "run.log", env=env,
+    )
+    wait_for(lambda: "step 3 " in (tmp_path / "run.log").read_text(), 90, what="three steps")
+    tree = [c.pid for c in psutil.Process(run.pid).children(recursive=True)]
+    assert any(psutil.Process(p).name() == "etcd" for p in tree if _alive(p))
+    assert len(list(pids_dir.glob("rank*.pid"))) == 2
+    os.kill(run.pid, signal.SIGKILL)  # the leader only: no Ctrl-C reaching the whole group
+    run.wait(10)
+    wait_for(lambda: not any(_alive(p) for p in tree), 30, what="torchrun, the workers and etcd to exit")
