@@ -148,6 +148,11 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
             parts.append(f"rank {rank} never entered {g.op} #{g.peer_seq} of group {g.desc or g.group} "
                          f"(its last is #{g.seq}; ranks {_ranks(g.waiting)} wait in it){where}")
         summary = "; ".join(parts) + silent
+    elif unresponsive and in_flight == set(answered):
+        # every answering rank waits inside a collective: the ranks that could not answer are the ones that
+        # never entered the collective the others wait in
+        culprits = tuple(sorted(unresponsive))
+        summary = _unresponsive_summary(unresponsive, answered, in_flight)
     elif lags:
         summary = (f"ranks {_ranks(sorted({g.rank for g in lags}))} lag but each waits inside another "
                    f"collective: the cause is outside the answering ranks{silent}")
@@ -158,6 +163,33 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
                    f"ranks {_ranks(sorted(set(answered) - in_flight))} outside any collective{silent}")
     return Verdict(culprits=culprits, summary=summary, lags=tuple(lags), unresponsive=unresponsive,
                    stacks=stacks)
+
+
+_WHY = {
+    "stopped": "is stopped (SIGSTOP, a debugger or a frozen container holds it)",
+    "dead": "is dead (its process is gone)",
+    "disconnected": "lost its telemetry stream (it died or wedged before it could answer)",
+    "no_answer": "is alive but did not answer (stuck in native code, or holding the GIL)",
+}
+
+
+def _unresponsive_summary(unresponsive: Mapping[int, str], answered: Mapping[int, RankEvidence],
+                          in_flight: set[int]) -> str:
+    """"rank 2 is stopped (...) and never entered all_reduce #41 of group default_pg, which ranks 0,1,3 wait in"."""
+    waits: dict[tuple[str, int], list[tuple[int, GroupPosition]]] = {}
+    for rank in sorted(in_flight):
+        for pos in answered[rank].positions.values():
+            if pos.in_flight:
+                waits.setdefault((pos.group, pos.seq), []).append((rank, pos))
+    where = ""
+    if waits:
+        (_, seq), members = max(waits.items(), key=lambda kv: (len(kv[1]), kv[0][1]))
+        pos = members[0][1]
+        where = (f" and never entered {pos.op} #{seq} of group {pos.desc or pos.group}, which ranks "
+                 f"{_ranks(r for r, _ in members)} wait in")
+    parts = [f"rank {rank} {_WHY.get(status, f'did not answer ({status})')}" for rank, status in
+             sorted(unresponsive.items())]
+    return "; ".join(parts) + where
 
 
 def positions_from_trace(trace: Mapping) -> dict[str, GroupPosition]:

@@ -129,3 +129,24 @@ def test_clean_jobs_of_other_shapes_raise_no_straggler(procs, tmp_path, name):
     assert rc == 0, text[-3000:]
     assert [i for i in incidents(tmp_path, name) if i["kind"].startswith("straggler")] == []
     assert incidents(tmp_path, name) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_of_a_ddp_job_is_named_the_culprit_in_plain_words(procs, tmp_path):
+    """In DDP every rank is in one all-reduce group: when rank 2 is SIGSTOPped the others lag each other
+    inside their collectives and only the unanswering rank can be the cause."""
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="stop:rank=2,step=60")
+    log = tmp_path / "ddpstop.log"
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "4",
+                        "--max-restarts", "1", "--metrics-port", "0", "--job", "ddpstop", "--",
+                        str(JOBS / "ddp_mlp.py"), "--steps", "150", "--width", "256", "--ckpt-every", "50",
+                        "--ckpt-dir", str(tmp_path / "ckpt")], log=log, env=env)
+    rc = proc.wait(240)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    [hang] = [i for i in incidents(tmp_path, "ddpstop") if i["kind"] == "hang"]
+    assert hang["ranks"] == [2], hang["evidence"]["verdict"]
+    summary = hang["evidence"]["verdict"]["summary"]
+    assert summary.startswith("rank 2 is stopped"), summary
+    assert "never entered" in summary and "ranks 0,1,3" in summary, summary

@@ -65,20 +65,37 @@ def test_unresponsive_ranks_are_recorded_as_such():
     evidence = {r: _ev(r, _pos("default_pg", 7, in_flight=True)) for r in (0, 2, 3)}
     evidence[1] = RankEvidence(rank=1, status="stopped")
     verdict = name_culprit(evidence)
-    assert verdict.culprits == ()
+    assert verdict.culprits == (1,)  # the others all wait in #7: the stopped rank never entered it
     assert verdict.unresponsive == {1: "stopped"}
-    assert "every rank is inside the same collective" in verdict.summary and "1 (stopped)" in verdict.summary
+    assert "rank 1 is stopped" in verdict.summary and "ranks 0,2,3 wait in" in verdict.summary
 
 
-def test_lagging_ranks_that_all_wait_elsewhere_are_not_named():
-    # rank 2 (the root) did not answer; rank 1 waits for it in group b and so lags in group a.
+def test_lagging_ranks_that_all_wait_elsewhere_point_at_the_rank_that_did_not_answer():
+    # rank 2 (the root) did not answer; rank 1 waits for it in group b and so lags in group a: every answering
+    # rank waits inside a collective, so the dead rank is the one that never entered
     evidence = {0: _ev(0, _pos("a", 5, in_flight=True)),
                 1: _ev(1, _pos("a", 4), _pos("b", 9, in_flight=True)),
                 2: RankEvidence(rank=2, status="dead")}
     verdict = name_culprit(evidence)
-    assert verdict.culprits == ()
+    assert verdict.culprits == (2,)
     assert [(g.rank, g.blocked) for g in verdict.lags] == [(1, True)]
-    assert "cause is outside the answering ranks" in verdict.summary and "2 (dead)" in verdict.summary
+    assert verdict.summary.startswith("rank 2 is dead (its process is gone) and never entered"), verdict.summary
+
+
+def test_without_an_unanswering_rank_lagging_blocked_ranks_are_not_named():
+    evidence = {0: _ev(0, _pos("a", 5, in_flight=True)), 1: _ev(1, _pos("a", 4), _pos("b", 9, in_flight=True))}
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == () and "cause is outside the answering ranks" in verdict.summary
+
+
+def test_a_stopped_rank_in_a_single_group_job_is_named_in_plain_words():
+    """The DDP shape: one all-reduce group, ranks 0,1,3 inside all_reduce #41, rank 2 stopped."""
+    evidence = {r: _ev(r, _pos("default_pg", 41, in_flight=True)) for r in (0, 1, 3)}
+    evidence[2] = RankEvidence(rank=2, status="stopped")
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == (2,)
+    assert verdict.summary == ("rank 2 is stopped (SIGSTOP, a debugger or a frozen container holds it) and never "
+                               "entered all_reduce #41 of group default_pg, which ranks 0,1,3 wait in")
 
 
 def test_without_flight_recorder_data_nothing_is_named():

@@ -274,7 +274,7 @@ def test_loop_survives_a_bad_iteration_and_stops(tmp_path):
         WatchdogConfig(interval_s=0)
 
 
-def test_a_silent_stopped_rank_is_recorded_not_guessed(tmp_path):
+def test_a_silent_stopped_rank_that_the_others_wait_for_is_named(tmp_path):
     sim = Sim(ranks=4)
     actions = Actions(answer={0, 2, 3})  # rank 1 is SIGSTOPped: it cannot answer; the others wait
     wd = _watchdog(sim, actions, tmp_path)
@@ -285,8 +285,8 @@ def test_a_silent_stopped_rank_is_recorded_not_guessed(tmp_path):
     wd.check_once()
     opened = actions.records[0]
     verdict = opened.evidence["verdict"]
-    assert verdict["culprits"] == [] and verdict["unresponsive"] == {"1": "stopped"}
-    assert verdict["summary"].startswith("no lagging rank: every rank is inside the same collective")
+    assert verdict["culprits"] == [1] and verdict["unresponsive"] == {"1": "stopped"}
+    assert verdict["summary"].startswith("rank 1 is stopped"), verdict["summary"]
     assert opened.ranks == (1,)
 
 
