@@ -310,9 +310,12 @@ def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
 
 def _arrivals_message(batch) -> pb.Arrivals:
     index: dict[str, int] = {}
-    group = [index.setdefault(name, len(index)) for name, _, _ in batch.arrivals]
+    ops: dict[str, int] = {}
+    group = [index.setdefault(a[0], len(index)) for a in batch.arrivals]
+    op = [ops.setdefault(a[3], len(ops)) for a in batch.arrivals]
     return pb.Arrivals(groups=list(index), group=group, seq=[a[1] for a in batch.arrivals],
                        enqueued_ns=[a[2] for a in batch.arrivals], continues=batch.continues,
+                       ops=list(ops), op=op,
                        members=[pb.GroupMembers(name=n, ranks=r) for n, r in sorted(batch.members.items())])
 
 

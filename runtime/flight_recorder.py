@@ -239,8 +239,8 @@ class CollectiveReducer:
 class ArrivalBatch:
     """The training thread's collectives since the last batch, oldest first."""
 
-    arrivals: tuple[tuple[str, int, int], ...]
-    """(process group name, collective sequence id, wall-clock enqueue ns)."""
+    arrivals: tuple[tuple[str, int, int, str], ...]
+    """(process group name, collective sequence id, wall-clock enqueue ns, op)."""
     continues: bool
     """True when the first arrival directly follows the previous batch's last (nothing missed between)."""
     members: dict[str, tuple[int, ...]]
@@ -279,8 +279,8 @@ class ArrivalLog:
         self._held.sort(key=lambda e: e["record_id"])
         ready = [e for e in self._held if e["record_id"] < complete_below]
         self._held = self._held[len(ready):]
-        arrivals = tuple((_group_id(e), int(e.get("collective_seq_id") or 0), int(e["time_created_ns"]))
-                         for e in ready)
+        arrivals = tuple((_group_id(e), int(e.get("collective_seq_id") or 0), int(e["time_created_ns"]),
+                          _op_name(e)) for e in ready)
         members: dict[str, tuple[int, ...]] = {}
         for name in {a[0] for a in arrivals} - self._described:
             self._described.add(name)

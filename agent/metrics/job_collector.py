@@ -59,7 +59,10 @@ class JobMetricsCollector(Collector):
         step_seconds = CounterMetricFamily("trainwarden_step_seconds", "Seconds spent in training steps.",
                                            labels=rank_labels)
         wait = CounterMetricFamily("trainwarden_collective_wait_seconds",
-                                   "Seconds in collectives (measured on NCCL, estimated on gloo).",
+                                   "Seconds the rank waited in collectives for its peers: on NCCL the measured "
+                                   "durations; on gloo the time from its arrival to the last local member's "
+                                   "(arrivals matched across the node's ranks; collectives with no other member "
+                                   "on the node count no wait).",
                                    labels=rank_labels + ["op"])
         compute = CounterMetricFamily("trainwarden_compute_seconds",
                                       "Step seconds not spent waiting in collectives.", labels=rank_labels)
@@ -81,6 +84,9 @@ class JobMetricsCollector(Collector):
                                       labels=rank_labels)
         rejected = CounterMetricFamily("trainwarden_telemetry_rejected",
                                        "Telemetry messages the agent refused.", labels=["node", "reason"])
+        overflow = CounterMetricFamily("trainwarden_telemetry_overflow",
+                                       "Telemetry not stored to keep label sets bounded (more process-group/op "
+                                       "pairs or ops than a rank may have).", labels=["node", "reason"])
 
         for job in self._job_telemetry.snapshot():
             for r in job.ranks:
@@ -108,5 +114,7 @@ class JobMetricsCollector(Collector):
             restarts.add_metric([job.job, node], job.restarts_total)
         for reason, count in sorted(self._job_telemetry.rejected().items()):
             rejected.add_metric([node, reason], count)
+        for kind, count in sorted(self._job_telemetry.overflow().items()):
+            overflow.add_metric([node, kind], count)
         yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed,
-                    restarts, up, dropped, rejected)
+                    restarts, up, dropped, rejected, overflow)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftelemetry.proto\x12\x0etrainwarden.v1\"\xf0\x01\n\x05Hello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x04mesh\x18\x05 \x03(\x0b\x32\x1f.trainwarden.v1.Hello.MeshEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x12\n\npeer_token\x18\t \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xb4\x01\n\x04Step\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x12\n\nstart_unix\x18\x02 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x30\n\x06phases\x18\x05 \x03(\x0b\x32 .trainwarden.v1.Step.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\x05Steps\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.trainwarden.v1.Step\"p\n\x11\x43ollectiveSummary\x12\x15\n\rprocess_group\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x13\n\x0blast_seq_id\x18\x05 \x01(\x03\"+\n\x0cGroupMembers\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\x8d\x01\n\x08\x41rrivals\x12\x0e\n\x06groups\x18\x01 \x03(\t\x12\r\n\x05group\x18\x02 \x03(\x05\x12\x0b\n\x03seq\x18\x03 \x03(\x03\x12\x13\n\x0b\x65nqueued_ns\x18\x04 \x03(\x03\x12\x11\n\tcontinues\x18\x05 \x01(\x08\x12-\n\x07members\x18\x06 \x03(\x0b\x32\x1c.trainwarden.v1.GroupMembers\"\x98\x01\n\x0b\x43ollectives\x12.\n\x03ops\x18\x01 \x03(\x0b\x32!.trainwarden.v1.CollectiveSummary\x12\x15\n\rhas_durations\x18\x02 \x01(\x08\x12\x16\n\x0e\x65ntries_missed\x18\x03 \x01(\x03\x12*\n\x08\x61rrivals\x18\x04 \x01(\x0b\x32\x18.trainwarden.v1.Arrivals\"x\n\nCheckpoint\x12.\n\x05stage\x18\x01 \x01(\x0e\x32\x1f.trainwarden.v1.CheckpointStage\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0c\n\x04path\x18\x05 \x01(\t\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"2\n\x0b\x43lientStats\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x12\n\nreconnects\x18\x02 \x01(\x03\"\xcf\x02\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.trainwarden.v1.HelloH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.trainwarden.v1.StepH\x00\x12\x32\n\x0b\x63ollectives\x18\x03 \x01(\x0b\x32\x1b.trainwarden.v1.CollectivesH\x00\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1a.trainwarden.v1.CheckpointH\x00\x12*\n\x07goodbye\x18\x05 \x01(\x0b\x32\x17.trainwarden.v1.GoodbyeH\x00\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.trainwarden.v1.ClientStatsH\x00\x12&\n\x05steps\x18\x07 \x01(\x0b\x32\x15.trainwarden.v1.StepsH\x00\x42\x08\n\x06record\"\x1e\n\x0f\x44umpDiagnostics\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\"\x0f\n\rCheckpointNow\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0c\x41gentCommand\x12;\n\x10\x64ump_diagnostics\x18\x01 \x01(\x0b\x32\x1f.trainwarden.v1.DumpDiagnosticsH\x00\x12\x37\n\x0e\x63heckpoint_now\x18\x02 \x01(\x0b\x32\x1d.trainwarden.v1.CheckpointNowH\x00\x12&\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x15.trainwarden.v1.AbortH\x00\x42\t\n\x07\x63ommand\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xb4\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x1d\n\x15last_seen_seconds_ago\x18\x07 \x01(\x01\x12\x18\n\x10step_p50_seconds\x18\x08 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\t \x01(\x01\x12\x12\n\nwait_share\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rrestart_count\x18\x0c \x01(\x05\x12\r\n\x05\x66lags\x18\r \x03(\t\x12\x17\n\x0fstraggler_score\x18\x0e \x01(\x01\"\xc6\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x31\n\x04mesh\x18\x03 \x03(\x0b\x32#.trainwarden.v1.JobStatus.MeshEntry\x12\x11\n\tlast_step\x18\x04 \x01(\x03\x12\x18\n\x10step_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14\x63heckpoint_last_step\x18\x08 \x01(\x03\x12)\n\x05ranks\x18\t \x03(\x0b\x32\x1a.trainwarden.v1.RankStatus\x12\r\n\x05\x66lags\x18\n \x03(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"D\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04jobs\x18\x02 \x03(\x0b\x32\x19.trainwarden.v1.JobStatus*\x8b\x01\n\x0f\x43heckpointStage\x12 \n\x1c\x43HECKPOINT_STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSAVE_START\x10\x01\x12\n\n\x06STAGED\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x11\n\rRESTORE_START\x10\x04\x12\x0c\n\x08RESTORED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x32\x9c\x01\n\tTelemetry\x12I\n\x06Stream\x12\x1d.trainwarden.v1.WorkerMessage\x1a\x1c.trainwarden.v1.AgentCommand(\x01\x30\x01\x12\x44\n\x06Status\x12\x1d.trainwarden.v1.StatusRequest\x1a\x1b.trainwarden.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftelemetry.proto\x12\x0etrainwarden.v1\"\xf0\x01\n\x05Hello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nlocal_rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x04mesh\x18\x05 \x03(\x0b\x32\x1f.trainwarden.v1.Hello.MeshEntry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rrestart_count\x18\x07 \x01(\x05\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x12\n\npeer_token\x18\t \x01(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xb4\x01\n\x04Step\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x12\n\nstart_unix\x18\x02 \x01(\x01\x12\x18\n\x10\x64uration_seconds\x18\x03 \x01(\x01\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x30\n\x06phases\x18\x05 \x03(\x0b\x32 .trainwarden.v1.Step.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\x05Steps\x12#\n\x05steps\x18\x01 \x03(\x0b\x32\x14.trainwarden.v1.Step\"p\n\x11\x43ollectiveSummary\x12\x15\n\rprocess_group\x18\x01 \x01(\t\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x13\n\x0blast_seq_id\x18\x05 \x01(\x03\"+\n\x0cGroupMembers\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x03(\x05\"\xa6\x01\n\x08\x41rrivals\x12\x0e\n\x06groups\x18\x01 \x03(\t\x12\r\n\x05group\x18\x02 \x03(\x05\x12\x0b\n\x03seq\x18\x03 \x03(\x03\x12\x13\n\x0b\x65nqueued_ns\x18\x04 \x03(\x03\x12\x11\n\tcontinues\x18\x05 \x01(\x08\x12-\n\x07members\x18\x06 \x03(\x0b\x32\x1c.trainwarden.v1.GroupMembers\x12\x0b\n\x03ops\x18\x07 \x03(\t\x12\n\n\x02op\x18\x08 \x03(\x05\"\x98\x01\n\x0b\x43ollectives\x12.\n\x03ops\x18\x01 \x03(\x0b\x32!.trainwarden.v1.CollectiveSummary\x12\x15\n\rhas_durations\x18\x02 \x01(\x08\x12\x16\n\x0e\x65ntries_missed\x18\x03 \x01(\x03\x12*\n\x08\x61rrivals\x18\x04 \x01(\x0b\x32\x18.trainwarden.v1.Arrivals\"x\n\nCheckpoint\x12.\n\x05stage\x18\x01 \x01(\x0e\x32\x1f.trainwarden.v1.CheckpointStage\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0c\n\x04path\x18\x05 \x01(\t\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"2\n\x0b\x43lientStats\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x03\x12\x12\n\nreconnects\x18\x02 \x01(\x03\"\xcf\x02\n\rWorkerMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.trainwarden.v1.HelloH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.trainwarden.v1.StepH\x00\x12\x32\n\x0b\x63ollectives\x18\x03 \x01(\x0b\x32\x1b.trainwarden.v1.CollectivesH\x00\x12\x30\n\ncheckpoint\x18\x04 \x01(\x0b\x32\x1a.trainwarden.v1.CheckpointH\x00\x12*\n\x07goodbye\x18\x05 \x01(\x0b\x32\x17.trainwarden.v1.GoodbyeH\x00\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1b.trainwarden.v1.ClientStatsH\x00\x12&\n\x05steps\x18\x07 \x01(\x0b\x32\x15.trainwarden.v1.StepsH\x00\x42\x08\n\x06record\"\x1e\n\x0f\x44umpDiagnostics\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\"\x0f\n\rCheckpointNow\"\x17\n\x05\x41\x62ort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0c\x41gentCommand\x12;\n\x10\x64ump_diagnostics\x18\x01 \x01(\x0b\x32\x1f.trainwarden.v1.DumpDiagnosticsH\x00\x12\x37\n\x0e\x63heckpoint_now\x18\x02 \x01(\x0b\x32\x1d.trainwarden.v1.CheckpointNowH\x00\x12&\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x15.trainwarden.v1.AbortH\x00\x42\t\n\x07\x63ommand\"\x1c\n\rStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\xb4\x02\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nlocal_rank\x18\x02 \x01(\x05\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x11\n\tconnected\x18\x05 \x01(\x08\x12\x11\n\tlast_step\x18\x06 \x01(\x03\x12\x1d\n\x15last_seen_seconds_ago\x18\x07 \x01(\x01\x12\x18\n\x10step_p50_seconds\x18\x08 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\t \x01(\x01\x12\x12\n\nwait_share\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x15\n\rrestart_count\x18\x0c \x01(\x05\x12\r\n\x05\x66lags\x18\r \x03(\t\x12\x17\n\x0fstraggler_score\x18\x0e \x01(\x01\"\xc6\x02\n\tJobStatus\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x31\n\x04mesh\x18\x03 \x03(\x0b\x32#.trainwarden.v1.JobStatus.MeshEntry\x12\x11\n\tlast_step\x18\x04 \x01(\x03\x12\x18\n\x10step_p50_seconds\x18\x05 \x01(\x01\x12\x18\n\x10step_p99_seconds\x18\x06 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14\x63heckpoint_last_step\x18\x08 \x01(\x03\x12)\n\x05ranks\x18\t \x03(\x0b\x32\x1a.trainwarden.v1.RankStatus\x12\r\n\x05\x66lags\x18\n \x03(\t\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"D\n\x0bStatusReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\'\n\x04jobs\x18\x02 \x03(\x0b\x32\x19.trainwarden.v1.JobStatus*\x8b\x01\n\x0f\x43heckpointStage\x12 \n\x1c\x43HECKPOINT_STAGE_UNSPECIFIED\x10\x00\x12\x0e\n\nSAVE_START\x10\x01\x12\n\n\x06STAGED\x10\x02\x12\r\n\tCOMMITTED\x10\x03\x12\x11\n\rRESTORE_START\x10\x04\x12\x0c\n\x08RESTORED\x10\x05\x12\n\n\x06\x46\x41ILED\x10\x06\x32\x9c\x01\n\tTelemetry\x12I\n\x06Stream\x12\x1d.trainwarden.v1.WorkerMessage\x1a\x1c.trainwarden.v1.AgentCommand(\x01\x30\x01\x12\x44\n\x06Status\x12\x1d.trainwarden.v1.StatusRequest\x1a\x1b.trainwarden.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEP_PHASESENTRY']._serialized_options = b'8\001'
   _globals['_JOBSTATUS_MESHENTRY']._loaded_options = None
   _globals['_JOBSTATUS_MESHENTRY']._serialized_options = b'8\001'
-  _globals['_CHECKPOINTSTAGE']._serialized_start=2505
-  _globals['_CHECKPOINTSTAGE']._serialized_end=2644
+  _globals['_CHECKPOINTSTAGE']._serialized_start=2530
+  _globals['_CHECKPOINTSTAGE']._serialized_end=2669
   _globals['_HELLO']._serialized_start=36
   _globals['_HELLO']._serialized_end=276
   _globals['_HELLO_MESHENTRY']._serialized_start=233
@@ -54,35 +54,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPMEMBERS']._serialized_start=621
   _globals['_GROUPMEMBERS']._serialized_end=664
   _globals['_ARRIVALS']._serialized_start=667
-  _globals['_ARRIVALS']._serialized_end=808
-  _globals['_COLLECTIVES']._serialized_start=811
-  _globals['_COLLECTIVES']._serialized_end=963
-  _globals['_CHECKPOINT']._serialized_start=965
-  _globals['_CHECKPOINT']._serialized_end=1085
-  _globals['_GOODBYE']._serialized_start=1087
-  _globals['_GOODBYE']._serialized_end=1112
-  _globals['_CLIENTSTATS']._serialized_start=1114
-  _globals['_CLIENTSTATS']._serialized_end=1164
-  _globals['_WORKERMESSAGE']._serialized_start=1167
-  _globals['_WORKERMESSAGE']._serialized_end=1502
-  _globals['_DUMPDIAGNOSTICS']._serialized_start=1504
-  _globals['_DUMPDIAGNOSTICS']._serialized_end=1534
-  _globals['_CHECKPOINTNOW']._serialized_start=1536
-  _globals['_CHECKPOINTNOW']._serialized_end=1551
-  _globals['_ABORT']._serialized_start=1553
-  _globals['_ABORT']._serialized_end=1576
-  _globals['_AGENTCOMMAND']._serialized_start=1579
-  _globals['_AGENTCOMMAND']._serialized_end=1762
-  _globals['_STATUSREQUEST']._serialized_start=1764
-  _globals['_STATUSREQUEST']._serialized_end=1792
-  _globals['_RANKSTATUS']._serialized_start=1795
-  _globals['_RANKSTATUS']._serialized_end=2103
-  _globals['_JOBSTATUS']._serialized_start=2106
-  _globals['_JOBSTATUS']._serialized_end=2432
+  _globals['_ARRIVALS']._serialized_end=833
+  _globals['_COLLECTIVES']._serialized_start=836
+  _globals['_COLLECTIVES']._serialized_end=988
+  _globals['_CHECKPOINT']._serialized_start=990
+  _globals['_CHECKPOINT']._serialized_end=1110
+  _globals['_GOODBYE']._serialized_start=1112
+  _globals['_GOODBYE']._serialized_end=1137
+  _globals['_CLIENTSTATS']._serialized_start=1139
+  _globals['_CLIENTSTATS']._serialized_end=1189
+  _globals['_WORKERMESSAGE']._serialized_start=1192
+  _globals['_WORKERMESSAGE']._serialized_end=1527
+  _globals['_DUMPDIAGNOSTICS']._serialized_start=1529
+  _globals['_DUMPDIAGNOSTICS']._serialized_end=1559
+  _globals['_CHECKPOINTNOW']._serialized_start=1561
+  _globals['_CHECKPOINTNOW']._serialized_end=1576
+  _globals['_ABORT']._serialized_start=1578
+  _globals['_ABORT']._serialized_end=1601
+  _globals['_AGENTCOMMAND']._serialized_start=1604
+  _globals['_AGENTCOMMAND']._serialized_end=1787
+  _globals['_STATUSREQUEST']._serialized_start=1789
+  _globals['_STATUSREQUEST']._serialized_end=1817
+  _globals['_RANKSTATUS']._serialized_start=1820
+  _globals['_RANKSTATUS']._serialized_end=2128
+  _globals['_JOBSTATUS']._serialized_start=2131
+  _globals['_JOBSTATUS']._serialized_end=2457
   _globals['_JOBSTATUS_MESHENTRY']._serialized_start=233
   _globals['_JOBSTATUS_MESHENTRY']._serialized_end=276
-  _globals['_STATUSREPLY']._serialized_start=2434
-  _globals['_STATUSREPLY']._serialized_end=2502
-  _globals['_TELEMETRY']._serialized_start=2647
-  _globals['_TELEMETRY']._serialized_end=2803
+  _globals['_STATUSREPLY']._serialized_start=2459
+  _globals['_STATUSREPLY']._serialized_end=2527
+  _globals['_TELEMETRY']._serialized_start=2672
+  _globals['_TELEMETRY']._serialized_end=2828
 # @@protoc_insertion_point(module_scope)

@@ -103,20 +103,24 @@ class GroupMembers(_message.Message):
     def __init__(self, name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Arrivals(_message.Message):
-    __slots__ = ("groups", "group", "seq", "enqueued_ns", "continues", "members")
+    __slots__ = ("groups", "group", "seq", "enqueued_ns", "continues", "members", "ops", "op")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENQUEUED_NS_FIELD_NUMBER: _ClassVar[int]
     CONTINUES_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
     group: _containers.RepeatedScalarFieldContainer[int]
     seq: _containers.RepeatedScalarFieldContainer[int]
     enqueued_ns: _containers.RepeatedScalarFieldContainer[int]
     continues: bool
     members: _containers.RepeatedCompositeFieldContainer[GroupMembers]
-    def __init__(self, groups: _Optional[_Iterable[str]] = ..., group: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., enqueued_ns: _Optional[_Iterable[int]] = ..., continues: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[GroupMembers, _Mapping]]] = ...) -> None: ...
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    op: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., group: _Optional[_Iterable[int]] = ..., seq: _Optional[_Iterable[int]] = ..., enqueued_ns: _Optional[_Iterable[int]] = ..., continues: _Optional[bool] = ..., members: _Optional[_Iterable[_Union[GroupMembers, _Mapping]]] = ..., ops: _Optional[_Iterable[str]] = ..., op: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Collectives(_message.Message):
     __slots__ = ("ops", "has_durations", "entries_missed", "arrivals")

@@ -41,6 +41,7 @@ __all__ = ["Arrival", "ArrivalMatcher", "Interval"]
 _MAX_QUEUE = 20_000      # arrivals waiting per rank for their collective's other members
 _MAX_KEYS = 200_000      # collectives being matched
 _MAX_INTERVALS = 50_000  # resolved intervals per rank not yet taken by the watchdog
+_MAX_OPS = 32            # distinct op names whose waits are kept per rank
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Arrival:
     group: str
     seq: int
     enqueued_ns: int
+    op: str = ""
+    """The collective ("all_reduce"); names the wait it ends in."""
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,14 @@ class Interval:
 
 
 class _RankArrivals:
-    __slots__ = ("queue", "newest_ns", "last_seq", "intervals")
+    __slots__ = ("queue", "newest_ns", "last_seq", "intervals", "waits")
 
     def __init__(self) -> None:
         self.queue: deque[tuple[Arrival, bool]] = deque()  # (arrival, starts a new unbroken stretch)
         self.newest_ns = 0
         self.last_seq: dict[str, int] = {}  # highest sequence id reported per group
         self.intervals: deque[Interval] = deque(maxlen=_MAX_INTERVALS)
+        self.waits: dict[str, int] = {}  # op -> ns waited in matched collectives, not yet taken
 
 
 class ArrivalMatcher:
@@ -123,6 +127,16 @@ class ArrivalMatcher:
                 state.intervals.clear()
         return out
 
+    def take_waits(self) -> dict[int, dict[str, float]]:
+        """Seconds each rank waited in matched collectives since the last call, per op: its departure (the
+        last member's arrival) minus its own arrival. Collectives with no other local member are not in it."""
+        out = {}
+        for rank, state in self._ranks.items():
+            if state.waits:
+                out[rank] = {op: ns / 1e9 for op, ns in state.waits.items()}
+                state.waits.clear()
+        return out
+
     def pending(self) -> Mapping[int, int]:
         """Arrivals waiting per rank (for tests and debugging)."""
         return {r: len(s.queue) for r, s in self._ranks.items()}
@@ -161,6 +175,10 @@ class ArrivalMatcher:
             queue.popleft()
             if departure is False:
                 continue
+            waited = max(0, departure - a.enqueued_ns)
+            op = a.op or "unknown"
+            if op in state.waits or len(state.waits) < _MAX_OPS:  # a zero wait still names the op
+                state.waits[op] = state.waits.get(op, 0) + waited
             total = b.enqueued_ns - a.enqueued_ns
             if total <= 0:
                 continue

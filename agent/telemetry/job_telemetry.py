@@ -56,6 +56,11 @@ __all__ = [
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Bounded `reason` label values for trainwarden_telemetry_rejected_total.
 REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid")
+MAX_COLLECTIVE_KEYS = 64
+"""(process group, op) pairs kept per rank; a worker naming more is counted, not stored (bounded labels)."""
+MAX_OPS = 32
+"""Distinct op label values per rank; more fold into "other"."""
+OVERFLOW_KINDS = ("collective_keys", "ops")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +240,7 @@ class JobTelemetry:
         self._lock = threading.Lock()
         self._jobs: dict[str, _JobRanks] = {}
         self._rejected: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
+        self._overflow: dict[str, int] = {kind: 0 for kind in OVERFLOW_KINDS}
 
     # ---- writers -------------------------------------------------------------------------------------
 
@@ -322,6 +328,9 @@ class JobTelemetry:
             state.has_durations = has_durations
             for t in totals:
                 key = (t.process_group, t.op)
+                if key not in state.prev_cumulative and len(state.prev_cumulative) >= MAX_COLLECTIVE_KEYS:
+                    self._overflow["collective_keys"] += 1
+                    continue
                 prev_count, prev_wait = state.prev_cumulative.get(key, (0, 0.0))
                 if t.count < prev_count or t.wait_seconds < prev_wait:  # counters reset: take all as new
                     prev_count, prev_wait = 0, 0.0
@@ -334,8 +343,8 @@ class JobTelemetry:
                     wait_seconds=(old.wait_seconds if old else 0.0) + d_wait,
                     last_seq_id=t.last_seq_id,
                 )
-                state.wait_by_op[t.op] = state.wait_by_op.get(t.op, 0.0) + d_wait
-                state.wait_total += d_wait
+                if has_durations:  # measured on NCCL; on gloo the waits come from matched arrivals
+                    self._add_wait(state, t.op, d_wait)
             state.update_compute()
             state.share_window.append((state.step_seconds_total, state.wait_total))
             if has_durations:
@@ -357,6 +366,20 @@ class JobTelemetry:
                 owner.matcher.set_members(group, ranks)
             owner.matcher.add(rank, arrivals, continues=continues)
             owner.matcher.resolve(r for r, st in owner.ranks.items() if st.connected)
+            for r, waits in owner.matcher.take_waits().items():
+                target = owner.ranks.get(r)
+                if target is None or target.has_durations:
+                    continue
+                for op, seconds in waits.items():
+                    self._add_wait(target, op, seconds)
+                target.update_compute()
+
+    def _add_wait(self, state: "_RankTelemetry", op: str, seconds: float) -> None:
+        if op not in state.wait_by_op and len(state.wait_by_op) >= MAX_OPS:
+            self._overflow["ops"] += 1
+            op = "other"
+        state.wait_by_op[op] = state.wait_by_op.get(op, 0.0) + seconds
+        state.wait_total += seconds
 
     def take_intervals(self, job: str) -> dict[int, list[Interval]]:
         """Straggler intervals per rank since the last call (one consumer: the watchdog)."""
@@ -438,6 +461,11 @@ class JobTelemetry:
     def rejected(self) -> dict[str, int]:
         with self._lock:
             return dict(self._rejected)
+
+    def overflow(self) -> dict[str, int]:
+        """Telemetry not stored because it would grow the label sets without bound, by kind."""
+        with self._lock:
+            return dict(self._overflow)
 
     def snapshot(self, job: str | None = None) -> tuple[JobSnapshot, ...]:
         with self._lock:

@@ -304,11 +304,13 @@ class TelemetryServer:
         """Collective arrivals for straggler matching; an inconsistent batch is refused whole."""
         n = len(a.group)
         if len(a.seq) != n or len(a.enqueued_ns) != n or any(g < 0 or g >= len(a.groups) for g in a.group) \
+                or (a.op and (len(a.op) != n or any(o < 0 or o >= len(a.ops) for o in a.op))) \
                 or any(not 0 <= r < max(1, info.world_size) for m in a.members for r in m.ranks):
             self._job_telemetry.count_rejected("invalid")
             return
-        groups = list(a.groups)
-        arrivals = [Arrival(groups[g], seq, t) for g, seq, t in zip(a.group, a.seq, a.enqueued_ns)]
+        groups, ops = list(a.groups), list(a.ops)
+        op_of = (ops[o] for o in a.op) if a.op else iter(lambda: "", None)
+        arrivals = [Arrival(groups[g], seq, t, next(op_of)) for g, seq, t in zip(a.group, a.seq, a.enqueued_ns)]
         self._job_telemetry.record_arrivals(info.job, info.rank, arrivals, continues=a.continues,
                                        members={m.name: list(m.ranks) for m in a.members})
 

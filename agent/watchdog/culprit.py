@@ -27,6 +27,7 @@ lists, strings and numbers, and the agent must not run code from files that work
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from typing import Iterable, Mapping
 import psutil
 
 from trainwarden.agent.proto.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "main_thread_frames",
            "name_culprit", "positions_from_trace", "process_state", "read_diagnostics"]
@@ -253,10 +256,17 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing {module}.{name}: a Flight Recorder dump holds plain data only")
 
 
-def read_diagnostics(directory: str | Path, ranks: Iterable[int]) -> dict[int, RankEvidence]:
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+"""A Flight Recorder dump larger than this is not read (a worker must not make the agent load gigabytes)."""
+MAX_STACKS_BYTES = 4 * 1024 * 1024
+
+
+def read_diagnostics(directory: str | Path, ranks: Iterable[int], *,
+                     max_trace_bytes: int = MAX_TRACE_BYTES) -> dict[int, RankEvidence]:
     """Evidence of the ranks whose diagnostics are in `directory` (ranks without any file are left out).
 
-    A rank answered when its ``.fr`` dump parses, or when only ``.stacks`` exist (no Flight Recorder).
+    A rank answered when its ``.fr`` dump parses, or when only ``.stacks`` exist (no Flight Recorder). A dump
+    over ``max_trace_bytes`` is skipped with a warning; stacks are read up to ``MAX_STACKS_BYTES``.
     """
     directory = Path(directory)
     found: dict[int, RankEvidence] = {}
@@ -264,13 +274,18 @@ def read_diagnostics(directory: str | Path, ranks: Iterable[int]) -> dict[int, R
         stacks_path, fr_path = directory / stacks_file(rank), directory / trace_file(rank)
         positions: dict[str, GroupPosition] = {}
         try:
+            size = fr_path.stat().st_size
+            if size > max_trace_bytes:
+                log.warning("not reading %s: %d bytes, over the %d-byte limit", fr_path, size, max_trace_bytes)
+                raise ValueError("dump too large")
             trace = _NoGlobals(io.BytesIO(fr_path.read_bytes())).load()
             positions = positions_from_trace(trace) if isinstance(trace, dict) else {}
             fr_ok = True
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError):
             fr_ok = False
         try:
-            stack = main_thread_frames(stacks_path.read_text(errors="replace"))
+            with open(stacks_path, errors="replace") as f:
+                stack = main_thread_frames(f.read(MAX_STACKS_BYTES))
         except OSError:
             if not fr_ok:
                 continue

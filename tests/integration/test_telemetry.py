@@ -199,7 +199,7 @@ def test_gloo_job_reports_steps_collectives_and_obeys_commands(tmp_path, procs, 
         (ar,) = [c for c in r.collectives if c.op == "all_reduce"]
         assert ar.count >= steps and ar.last_seq_id >= steps
         assert not r.connected  # the worker said goodbye and hung up
-    # rank 0 waits for slow rank 1 (estimated from gloo enqueue times). Ideally 30x apart; a busy machine
+    # rank 0 waits for slow rank 1 (matched arrivals: departure - own arrival). Ideally 30x apart; a busy machine
     # adds scheduling delay to both ranks' compute, so the margin is wide.
     wait0, wait1 = r0.wait_seconds_by_op["all_reduce"], r1.wait_seconds_by_op["all_reduce"]
     print(f"wait rank0 {wait0:.3f}s rank1 {wait1:.3f}s; compute rank0 {r0.compute_seconds_total:.3f}s "

@@ -213,3 +213,15 @@ def test_process_state_of_a_stopped_and_a_dead_worker(procs, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     assert process_state(proc.pid) == "dead"
+
+
+def test_a_flight_recorder_dump_over_the_size_limit_is_not_read(tmp_path):
+    import pickle
+
+    from trainwarden.agent.watchdog.culprit import read_diagnostics
+
+    trace = {"entries": [{"process_group": ("0", "default_pg"), "collective_seq_id": 5, "state": "scheduled",
+                          "profiling_name": "gloo:all_reduce"}]}
+    (tmp_path / "rank0.fr").write_bytes(pickle.dumps(trace))
+    assert read_diagnostics(tmp_path, [0])[0].positions  # under the limit: read
+    assert read_diagnostics(tmp_path, [0], max_trace_bytes=16) == {}  # over it (and no stacks): not read

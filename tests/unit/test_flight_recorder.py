@@ -123,7 +123,7 @@ def test_launcher_environment_enables_the_recorder():
 
 def _arrival(rid, seq, t, *, pg="7", thread="11", p2p=False):
     return {"record_id": rid, "process_group": (pg, "mesh_tp"), "collective_seq_id": seq, "thread_id": thread,
-            "time_created_ns": t, "is_p2p": p2p}
+            "time_created_ns": t, "is_p2p": p2p, "profiling_name": "gloo:all_reduce"}
 
 
 def test_arrival_log_keeps_the_training_threads_collectives_in_record_order():
@@ -132,13 +132,13 @@ def test_arrival_log_keeps_the_training_threads_collectives_in_record_order():
     log = ArrivalLog(11, members=lambda name: (0, 1) if name == "7" else None)
     batch = log.add([_arrival(0, 0, 100), _arrival(2, 1, 300), _arrival(1, 0, 200, pg="9", thread="12"),
                      _arrival(3, 0, 400, p2p=True)], complete_below=4, missed=0)
-    assert batch.arrivals == (("7", 0, 100), ("7", 1, 300))
+    assert batch.arrivals == (("7", 0, 100, "all_reduce"), ("7", 1, 300, "all_reduce"))
     assert batch.members == {"7": (0, 1)} and batch.continues is False
     # record 5 retired before record 4: it is held back until 4 is read
     batch = log.add([_arrival(5, 3, 600)], complete_below=4, missed=0)
     assert batch.arrivals == () and batch.members == {}
     batch = log.add([_arrival(4, 2, 500)], complete_below=6, missed=0)
-    assert batch.arrivals == (("7", 2, 500), ("7", 3, 600)) and batch.continues is True
+    assert batch.arrivals == (("7", 2, 500, "all_reduce"), ("7", 3, 600, "all_reduce")) and batch.continues is True
 
 
 def test_arrival_log_marks_a_gap_when_entries_were_missed():
@@ -148,5 +148,5 @@ def test_arrival_log_marks_a_gap_when_entries_were_missed():
     assert log.add([_arrival(0, 0, 100)], complete_below=1, missed=0).continues is False
     assert log.add([_arrival(1, 1, 200)], complete_below=2, missed=0).continues is True
     batch = log.add([_arrival(9, 9, 900)], complete_below=10, missed=7)
-    assert batch.arrivals == (("7", 9, 900),) and batch.continues is False and batch.members == {}
+    assert batch.arrivals == (("7", 9, 900, "all_reduce"),) and batch.continues is False and batch.members == {}
     assert log.add([_arrival(10, 10, 1000)], complete_below=11, missed=7).continues is True

@@ -43,11 +43,11 @@ def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restar
     js = JobTelemetry(clock=FakeClock())
     js.connect(hello(pid=10))
     js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
-    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=False)
-    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=False)  # a repeat counts nothing
+    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=True)
+    js.record_collectives("j", 0, totals(5, 2.0, 5), has_durations=True)  # a repeat counts nothing
     assert js.snapshot()[0].ranks[0].compute_seconds_total == pytest.approx(8.0)
     js.record_step("j", 0, index=1, start_unix=10, duration_seconds=2.0)
-    js.record_collectives("j", 0, totals(8, 3.0, 8), has_durations=False)
+    js.record_collectives("j", 0, totals(8, 3.0, 8), has_durations=True)
     r = js.snapshot()[0].ranks[0]
     assert r.collectives[0].count == 8 and r.wait_seconds_by_op == {"all_reduce": pytest.approx(3.0)}
     assert r.compute_seconds_total == pytest.approx(9.0)
@@ -55,7 +55,7 @@ def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restar
     js.connect(hello(rank=1, pid=20))
     js.connect(hello(rank=1, pid=21, restart_count=1))  # torchrun restarts every rank: one restart
     js.connect(hello(pid=11, restart_count=1))  # new process: its totals start from zero
-    js.record_collectives("j", 0, totals(2, 0.5, 2), has_durations=False)
+    js.record_collectives("j", 0, totals(2, 0.5, 2), has_durations=True)
     job = js.snapshot()[0]
     r = job.ranks[0]
     assert r.collectives[0].count == 10 and r.collectives[0].last_seq_id == 2
@@ -69,9 +69,9 @@ def test_wait_share_uses_the_recent_window():
     js = JobTelemetry(clock=FakeClock())
     js.connect(hello())
     js.record_step("j", 0, index=0, start_unix=0, duration_seconds=10.0)
-    js.record_collectives("j", 0, totals(1, 1.0, 1), has_durations=False)
+    js.record_collectives("j", 0, totals(1, 1.0, 1), has_durations=True)
     js.record_step("j", 0, index=1, start_unix=10, duration_seconds=10.0)
-    js.record_collectives("j", 0, totals(2, 6.0, 2), has_durations=False)
+    js.record_collectives("j", 0, totals(2, 6.0, 2), has_durations=True)
     assert js.snapshot()[0].ranks[0].wait_share == pytest.approx(0.5)
 
 
@@ -149,3 +149,43 @@ def test_measured_durations_give_one_interval_per_collectives_record():
     (interval,), = js.take_intervals("j").values()
     assert interval.total_ns == 4_000_000_000 and interval.compute_ns == 2_000_000_000
     assert interval.end_ns == 1_008_000_000_000
+
+
+@pytest.mark.timeout(10)
+def test_on_gloo_the_wait_is_the_matched_arrivals_not_the_enqueue_estimate():
+    """A balanced job used to show WAIT 100 % for every rank: the enqueue-to-next-enqueue estimate counted a
+    tensor-parallel rank's compute as waiting. On gloo the wait is departure - own arrival."""
+    from trainwarden.agent.telemetry.arrivals import Arrival
+
+    js = JobTelemetry(clock=FakeClock())
+    for r in (0, 1):
+        js.connect(hello(rank=r, pid=10 + r))
+    members = {"g": [0, 1]}
+    for step in range(10):
+        start = 1000.0 + step * 0.1
+        for r in (0, 1):
+            js.record_step("j", r, index=step, start_unix=start, duration_seconds=0.1)
+        # rank 1 arrives 10 ms after rank 0 at the step's one all-reduce: rank 0 waits 10 ms, rank 1 not at all
+        for r, late in ((0, 0.0), (1, 0.01)):
+            js.record_arrivals("j", r, [Arrival("g", step, int((start + 0.05 + late) * 1e9), "all_reduce")],
+                               continues=step > 0, members=members)
+        for r in (0, 1):  # the worker's own estimate claims the whole step was waiting: ignored on gloo
+            js.record_collectives("j", r, totals(step + 1, 0.1 * (step + 1), step), has_durations=False)
+    ranks = {r.rank: r for r in js.snapshot("j")[0].ranks}
+    # 9 collectives resolved (the last waits for its successor): 9 x 10 ms for rank 0
+    assert ranks[0].wait_seconds_by_op == {"all_reduce": pytest.approx(0.09, abs=1e-6)}
+    assert ranks[1].wait_seconds_by_op == {"all_reduce": pytest.approx(0.0, abs=1e-6)}
+    assert ranks[0].wait_share == pytest.approx(0.09, abs=0.02) and ranks[1].wait_share < 0.01
+    assert ranks[0].compute_seconds_total == pytest.approx(1.0 - 0.09, abs=1e-6)
+
+
+@pytest.mark.timeout(10)
+def test_a_worker_cannot_grow_the_label_sets_without_bound():
+    js = JobTelemetry()
+    js.connect(hello())
+    many = [CollectiveTotals(process_group=f"pg{i}", op=f"op{i}", count=1, wait_seconds=0.1, last_seq_id=1)
+            for i in range(500)]
+    js.record_collectives("j", 0, many, has_durations=True)
+    (r,) = js.snapshot("j")[0].ranks
+    assert len(r.collectives) == 64 and len(r.wait_seconds_by_op) == 33  # 32 ops, the rest in "other"
+    assert js.overflow() == {"collective_keys": 436, "ops": 32}

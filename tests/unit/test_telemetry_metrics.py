@@ -35,7 +35,7 @@ def test_collector_exports_job_metrics_with_bounded_labels():
             CollectiveTotals(process_group="default_pg", op="all_reduce", count=3, wait_seconds=0.15, last_seq_id=3),
             CollectiveTotals(process_group="tp", op="all_reduce", count=3, wait_seconds=0.05, last_seq_id=3),
             CollectiveTotals(process_group="tp", op="broadcast", count=1, wait_seconds=0.1, last_seq_id=4)],
-            has_durations=False)
+            has_durations=True)
     js.record_checkpoint("train", 0, stage="staged", step=2, seconds=0.5)
     js.record_checkpoint("train", 0, stage="committed", step=2, seconds=1.5)
     js.disconnect("train", 1, pid=101)
@@ -64,9 +64,10 @@ def test_collector_exports_job_metrics_with_bounded_labels():
 
 
 @pytest.mark.timeout(10)
-def test_empty_store_exports_only_rejection_counters():
+def test_empty_store_exports_only_rejection_and_overflow_counters():
     _, samples = scrape(JobTelemetry())
-    assert {name for name, _ in samples} == {"trainwarden_telemetry_rejected_total"}
+    assert {name for name, _ in samples} == {"trainwarden_telemetry_rejected_total",
+                                             "trainwarden_telemetry_overflow_total"}
     with pytest.raises(ValueError):
         JobMetricsCollector(JobTelemetry(), node="")
 
@@ -79,7 +80,7 @@ def test_promtool_accepts_the_job_metrics_exposition():
     js.connect(WorkerInfo(job="train", rank=0, world_size=1, pid=1))
     js.record_step("train", 0, index=0, start_unix=0, duration_seconds=0.3, tokens=10)
     js.record_collectives("train", 0, [CollectiveTotals(process_group="default_pg", op="all_reduce", count=1,
-                                                        wait_seconds=0.1, last_seq_id=1)], has_durations=False)
+                                                        wait_seconds=0.1, last_seq_id=1)], has_durations=True)
     js.record_checkpoint("train", 0, stage="committed", step=0, seconds=1.0)
     text, _ = scrape(js)
     proc = subprocess.run([shutil.which("promtool"), "check", "metrics"], input=text, capture_output=True,
