@@ -51,7 +51,7 @@ CHECKPOINT_STAGES = {name: pb.CheckpointStage.Value(name.upper()) for name in co
 STEP_RECORD = "step"
 """Tag of a queued step: (STEP_RECORD, index, start wall ns, duration ns, tokens, phases)."""
 CHECKPOINT_RECORD = "checkpoint"
-"""Tag of a queued checkpoint event: (CHECKPOINT_RECORD, stage enum, step, seconds, bytes, path)."""
+"""Tag of a queued checkpoint event: (CHECKPOINT_RECORD, stage enum, step, seconds, bytes, path, detail)."""
 _ESTABLISHED_AFTER_S = 1.0
 _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
 
@@ -246,12 +246,12 @@ class TelemetryClient:
                     messages.append(pb.WorkerMessage(steps=steps))
                     steps = pb.Steps()
             elif kind == CHECKPOINT_RECORD:
-                _, stage, step, seconds, nbytes, path = item
+                _, stage, step, seconds, nbytes, path, detail = item
                 if steps.steps:  # keep the order of steps and checkpoint events
                     messages.append(pb.WorkerMessage(steps=steps))
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(checkpoint=pb.Checkpoint(
-                    stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path)))
+                    stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
         now = time.monotonic()

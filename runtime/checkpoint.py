@@ -50,17 +50,20 @@ from trainwarden.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointNotFoundError,
+    CheckpointUnloadableError,
     CheckpointSaveError,
     find_complete,
     validate,
 )
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, write_sidecar
+from trainwarden.runtime.session import current as current_session
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointUnloadableError",
     "Checkpointer",
     "ModelState",
     "RNGState",
@@ -129,13 +132,16 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
                  process_group: dist.ProcessGroup | None = None,
-                 on_commit: Callable[[CheckpointInfo], None] | None = None) -> None:
+                 on_commit: Callable[[CheckpointInfo], None] | None = None,
+                 session=None, before_save: Callable[[int], None] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
         self.directory = Path(directory)
         self.keep = keep
         self.async_save = async_save
         self._on_commit = on_commit
+        self._events = session  # reports stages to the node agent; None: the process's current runtime session
+        self._before_save = before_save  # e.g. the fault injector's slow_save
         self._distributed = dist.is_available() and dist.is_initialized()
         self._owns_pg = False
         if self._distributed and process_group is None:
@@ -175,6 +181,9 @@ class Checkpointer:
         if step == self._last_saved_step:  # e.g. an on-demand save at a scheduled step: already written
             logger.info("step %d is already checkpointed; not saving it again", step)
             return
+        self._report("save_start", step)  # the watchdog allows a blocking save its own, longer deadline
+        if self._before_save is not None:
+            self._before_save(step)
         path = store.step_dir(self.directory, step)
         rng = {k: v.state_dict() for k, v in state.items() if isinstance(v, RNGState)}
         dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
@@ -194,6 +203,7 @@ class Checkpointer:
         if not self.async_save:
             self.wait()
             self.last_stall_seconds = time.monotonic() - start
+        self._report("staged", step, seconds=self.last_stall_seconds)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the in-flight save (if any) is written and committed, and its ``on_commit`` and
@@ -238,6 +248,7 @@ class Checkpointer:
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
                     info.bytes, self.last_stall_seconds, self.last_save_seconds,
                     extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
+        self._report("committed", step, bytes=info.bytes, path=info.path)  # the agent publishes it to etcd
         self._post_commit.submit(self._after_commit, info, path)
         return info
 
@@ -253,13 +264,20 @@ class Checkpointer:
             logger.exception("retention after %s failed; old checkpoints are kept", path)
 
     def _apply_retention(self) -> None:
-        for status in store.retention_candidates(store.scan(self.directory), self.keep):
+        """The only deleter (checkpoint_store.choose_deletions): complete checkpoints beyond ``keep``, saves
+        that never finished older than the newest complete one, and their quarantined kind."""
+        statuses = store.scan(self.directory)
+        doomed = [(s.path, "complete checkpoint" if s.complete else "unfinished save")
+                  for s in store.retention_candidates(statuses, self.keep)]
+        newest = next((s.step for s in statuses if s.complete), None)
+        if newest is not None:
+            doomed += [(p, "unfinished save") for p in store.quarantined_unfinished(self.directory, older_than=newest)]
+        for path, what in doomed:
             try:
-                store.remove_checkpoint(status.path)
-                logger.info("retention (keep=%d): removed %s checkpoint %s", self.keep,
-                            "complete" if status.complete else "incomplete", status.path)
+                store.remove_checkpoint(path)
+                logger.info("retention (keep=%d): removed %s %s", self.keep, what, path)
             except OSError as exc:
-                logger.warning("retention could not remove %s: %s; remove it by hand", status.path, exc)
+                logger.warning("retention could not remove %s: %s; remove it by hand", path, exc)
 
     def _record_failure(self, step: int, path: Path, exc: BaseException) -> None:
         self.failed_saves += 1
@@ -274,32 +292,51 @@ class Checkpointer:
                      "committed checkpoint is unchanged. Check free space and permissions of %s.", step, path,
                      describe(exc), self.directory,
                      extra={"event": "checkpoint_failed", "step": step})
+        self._report("failed", step, path=str(path), detail=describe(exc))  # counted, and an incident
+
+    def _report(self, stage: str, step: int, *, seconds: float = 0.0, bytes: int = 0, path: str = "",
+                detail: str = "") -> None:
+        """Tell the node agent (through the runtime's session) about a checkpoint stage; never raises."""
+        try:
+            (self._events or current_session()).checkpoint_event(stage, step, seconds, bytes, path=path, detail=detail)
+        except Exception:
+            logger.debug("could not report checkpoint stage %s", stage, exc_info=True)
 
     # -- restore --------------------------------------------------------------------------------------
 
-    def restore(self, state: Mapping[str, Any], *, require: bool = False) -> int | None:
-        """Load the newest complete checkpoint in place into ``state``; its step, or None when none is
-        loadable. Raises ``CheckpointNotFoundError`` in that case only when ``require`` is true.
+    def restore(self, state: Mapping[str, Any], *, require: bool = False, allow_fresh_start: bool = False,
+                load_attempts: int = 3, retry_delay_s: float = 1.0) -> int | None:
+        """Load the newest complete checkpoint in place into ``state``; its step, or None to start fresh.
 
-        If every candidate failed to load and ``require`` is false, tensors in ``state`` may hold part of a
-        failed load: re-initialize them before training from scratch."""
+        Nothing is deleted here. Saves newer than the newest complete checkpoint that never finished or are
+        corrupt are quarantined (``step-N.unfinished``/``.corrupt`` with a note); unreadable ones (an I/O or
+        permission error, metadata of another torch) are skipped and left where they are. A checkpoint that
+        fails to load is tried ``load_attempts`` times (a transient error on one rank must not cost a good
+        checkpoint) and only then quarantined (``.unloadable``); all ranks move on together.
+
+        When checkpoints exist but none loads, ``CheckpointUnloadableError`` is raised (training from step 1
+        would silently throw the run away) unless ``allow_fresh_start``; when none exists at all, None is
+        returned, or ``CheckpointNotFoundError`` raised with ``require``. If every candidate failed and a
+        fresh start is allowed, tensors in ``state`` may hold part of a failed load: re-initialize them."""
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer; create a new one")
         self.wait()
+        began = time.monotonic()
+        self._report("restore_start", 0)
         # rank 0 decides; an error there must reach every rank, or they would wait in the broadcast forever
-        choice: tuple[list[tuple[int, str]], str] = ([], "")
+        choice: tuple[list[tuple[int, str]], list[str], str] = ([], [], "")
         if self.rank == 0:
             try:
-                choice = (self._candidates(), "")
+                candidates, passed_over = self._candidates()
+                choice = (candidates, passed_over, "")
             except OSError as exc:
-                choice = ([], f"cannot list checkpoints in {self.directory}: {exc}; check that it exists and "
-                              f"is readable from every node")
-        candidates, error = self._broadcast(choice)
+                choice = ([], [], f"cannot list checkpoints in {self.directory}: {exc}; check that it exists and "
+                                  f"is readable from every node")
+        candidates, passed_over, error = self._broadcast(choice)
         if error:
             raise CheckpointError(error)
         for step, path in candidates:
-            errors = self._gather(self._try_load(Path(path), state))
-            failed = {r: e for r, e in enumerate(errors) if e}
+            failed = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
                 self._restore_rng(Path(path), state)
                 self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
@@ -310,28 +347,56 @@ class Checkpointer:
                         logger.warning("could not update the checkpoint pointer in %s: %s", self.directory, exc)
                 logger.info("restored checkpoint step %d from %s", step, path,
                             extra={"event": "checkpoint_restore", "step": step})
+                self._report("restored", step, seconds=time.monotonic() - began, path=str(path))
                 return step
+            passed_over.append(f"{path}: failed to load on every attempt ({failed})")
             if self.rank == 0:
-                by_error: dict[str, list[int]] = {}
-                for r, e in sorted(failed.items()):
-                    by_error.setdefault(e, []).append(r)
-                detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
-                try:
-                    target = str(store.quarantine(Path(path)))
-                except OSError as exc:
-                    target = f"nowhere (could not move it: {exc}; remove it by hand)"
-                logger.error("checkpoint %s failed to load (%s); moved to %s for inspection, falling back to the "
-                             "previous checkpoint. If the model or optimizer definition changed since it was "
-                             "saved, that is the cause.", path, detail, target,
-                             extra={"event": "checkpoint_unloadable", "step": step})
+                self._quarantine(step, Path(path), store.UNLOADABLE, failed)
             self._barrier()
-        message = (f"no loadable checkpoint in {self.directory}; "
-                   + ("the job requires one: restore one there or run without require=True" if require
-                      else "starting fresh"))
+        self._report("restored", 0, seconds=time.monotonic() - began)
+        if passed_over and not allow_fresh_start:
+            raise CheckpointUnloadableError(
+                f"checkpoints exist in {self.directory} but none could be loaded; not starting from scratch, which "
+                f"would throw the run away: {'; '.join(passed_over)[:3000]}. Fix or restore a checkpoint there, or "
+                "start fresh on purpose (allow_fresh_start=True; the reference job's --allow-fresh-start)")
+        message = f"no loadable checkpoint in {self.directory}; starting fresh"
         if require:
-            raise CheckpointNotFoundError(message)
+            raise CheckpointNotFoundError(f"no loadable checkpoint in {self.directory}; the job requires one: "
+                                          "restore one there or run without require=True")
         logger.warning(message)
         return None
+
+    def _load_with_retries(self, path: Path, state: Mapping[str, Any], attempts: int, delay: float) -> str:
+        """"" once every rank loaded `path`; else what failed, after `attempts` tries that all failed."""
+        detail = ""
+        for attempt in range(1, max(1, attempts) + 1):
+            errors = self._gather(self._try_load(path, state))
+            failed = {r: e for r, e in enumerate(errors) if e}
+            if not failed:
+                return ""
+            by_error: dict[str, list[int]] = {}
+            for r, e in sorted(failed.items()):
+                by_error.setdefault(e, []).append(r)
+            detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
+            if attempt < attempts:
+                logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s", path,
+                               attempt, attempts, detail, delay)
+                self._barrier()
+                time.sleep(delay)
+        logger.error("checkpoint %s failed to load on all %d attempts (%s). If the model or optimizer definition "
+                     "changed since it was saved, that is the cause.", path, attempts, detail,
+                     extra={"event": "checkpoint_unloadable"})
+        return detail
+
+    def _quarantine(self, step: int, path: Path, state: str, reason: str) -> None:
+        """Rank 0: move a checkpoint aside (never delete it) and report it."""
+        try:
+            target = str(store.quarantine(path, state=state, reason=reason))
+        except OSError as exc:
+            target = f"nowhere (could not move it: {exc})"
+        logger.error("checkpoint %s is %s; moved to %s for inspection (%s)", path, state, target, reason[:500],
+                     extra={"event": "checkpoint_quarantined", "step": step})
+        self._report("set_aside", step, path=target, detail=f"{state}: {reason}"[:1000])
 
     def _repoint(self, step: int, path: Path) -> None:
         """After a fallback (or a crash between ``.metadata`` and the pointer) the pointer may name another
@@ -343,27 +408,42 @@ class Checkpointer:
         store.write_latest(self.directory, info)
         logger.warning("checkpoint pointer %s now names step %d (was %s)", self.directory / store.POINTER_NAME,
                        step, latest.path if latest else "absent")
+        self._report("committed", step, bytes=info.bytes, path=info.path)
         if self._on_commit is not None:
             try:
                 self._on_commit(info)
             except Exception:
                 logger.exception("on_commit callback failed for %s", path)
 
-    def _candidates(self) -> list[tuple[int, str]]:
+    def _candidates(self) -> tuple[list[tuple[int, str]], list[str]]:
+        """Rank 0: the complete checkpoints, newest first, and why the others were passed over. Saves newer
+        than the newest complete one that never finished or are corrupt are quarantined; an unreadable one is
+        looked at again (a flaky filesystem) and, if still unreadable, left in place."""
         statuses = store.scan(self.directory)
+        for attempt in range(2):
+            if not any(s.state == store.UNREADABLE for s in statuses):
+                break
+            time.sleep(1.0 + attempt)
+            statuses = store.scan(self.directory)
         complete = [s for s in statuses if s.complete]
         newest = complete[0].step if complete else -1
+        passed_over = []
         for status in statuses:
             if status.complete:
                 continue
-            logger.warning("skipping incomplete checkpoint: %s", "; ".join(status.problems),
+            reason = "; ".join(status.problems)
+            logger.warning("skipping incomplete checkpoint: %s", reason,
                            extra={"event": "checkpoint_incomplete", "step": status.step})
-            if status.step > newest:  # a save that never finished; the resumed run will write this step again
-                try:
-                    store.remove_checkpoint(status.path)
-                except OSError as exc:
-                    logger.warning("could not remove incomplete checkpoint %s: %s", status.path, exc)
-        return [(s.step, str(s.path)) for s in complete]
+            if status.state == store.UNFINISHED:
+                if status.step > newest:  # the resumed run will write this step again: keep the old one aside
+                    self._quarantine(status.step, status.path, status.state, reason)
+                continue  # an unfinished save is no checkpoint: it does not count as one that failed to load
+            passed_over.append(reason)
+            if status.state == store.CORRUPT and status.step > newest:
+                self._quarantine(status.step, status.path, status.state, reason)
+            elif status.state == store.UNREADABLE:
+                self._report("set_aside", status.step, path=str(status.path), detail=f"unreadable: {reason}"[:1000])
+        return [(s.step, str(s.path)) for s in complete], passed_over
 
     def _try_load(self, path: Path, state: Mapping[str, Any]) -> str:
         dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}

@@ -12,7 +12,9 @@ Layout::
         rng-rank<R>.pt              per-rank RNG sidecar (see ``checkpoint.RNGState``), one per saved rank
         .metadata                   DCP metadata; the coordinator writes it last, after every rank's data
     <dir>/latest                    JSON pointer to the newest committed checkpoint {step, path, time, bytes}
-    <dir>/step-00000300.unloadable  a checkpoint that validated but failed to load, moved aside by restore
+    <dir>/step-00000300.unloadable  moved aside by restore: validated but failed to load, again and again
+    <dir>/step-00000310.unfinished  moved aside by restore: a save newer than the one resumed that never
+                                    finished (``.corrupt`` likewise); each holds QUARANTINE.json saying why
 
 Completeness (``validate``): ``.metadata`` exists and unpickles, every file it references is present with at
 least the bytes it references, and, when the manifest lists RNG keys, every saved rank's sidecar is present.
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
+    "CheckpointUnloadableError",
     "CheckpointStatus",
     "MANIFEST_NAME",
     "METADATA_NAME",
@@ -53,7 +56,9 @@ __all__ = [
     "choose_deletions",
     "find_complete",
     "info_for",
+    "classify",
     "quarantine",
+    "quarantined_unfinished",
     "read_latest",
     "read_manifest",
     "remove_checkpoint",
@@ -72,6 +77,16 @@ MANIFEST_NAME = "trainwarden.json"
 METADATA_NAME = ".metadata"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
+COMPLETE, UNFINISHED, UNREADABLE, CORRUPT = "complete", "unfinished", "unreadable", "corrupt"
+UNLOADABLE = "unloadable"
+"""Complete by its files, but loading it failed on every attempt (quarantined by restore)."""
+"""What ``classify`` finds: complete; a save that never finished (no ``.metadata``); a checkpoint that could
+not be read here (an I/O or permission error, or metadata classes this torch does not have: it may be fine
+elsewhere or later); a checkpoint whose own bytes are wrong (garbage metadata, missing or short files)."""
+
+# errors that say "this process cannot read it", not "the bytes are bad"
+_UNREADABLE_ERRORS = (OSError, ImportError, AttributeError)
+
 
 class CheckpointError(Exception):
     """Base class of checkpoint errors."""
@@ -80,6 +95,11 @@ class CheckpointError(Exception):
 class CheckpointNotFoundError(CheckpointError):
     """No complete, loadable checkpoint exists and one was required. Retrying does not help: point the job at
     a directory that holds one, or start without ``require=True``."""
+
+
+class CheckpointUnloadableError(CheckpointError):
+    """Checkpoints exist but none could be loaded; the job stops rather than silently train from step 1.
+    Retrying does not help: fix or restore a checkpoint, or allow a fresh start on purpose."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -125,6 +145,8 @@ class CheckpointStatus:
     """The directory."""
     problems: tuple[str, ...]
     """Why it is incomplete; empty when complete."""
+    state: str = COMPLETE
+    """complete, unfinished, unreadable or corrupt (``classify``)."""
 
     @property
     def complete(self) -> bool:
@@ -155,24 +177,44 @@ def _referenced_sizes(metadata) -> dict[str, int]:
     return need
 
 
-def validate(path: str | os.PathLike) -> list[str]:
-    """Problems that make the checkpoint at ``path`` unusable; an empty list means complete.
+def classify(path: str | os.PathLike) -> tuple[str, list[str]]:
+    """(state, problems) of the checkpoint at ``path``; see the states above.
 
     Cheap: reads ``.metadata`` and the manifest, stats the data files, never reads tensor data. A complete
     checkpoint can still fail to load (bytes corrupted in place); ``Checkpointer.restore`` handles that.
     """
     path = Path(path)
-    if not path.is_dir():
-        return [f"{path} is not a directory"]
-    meta_path = path / METADATA_NAME
-    if not meta_path.exists():
-        return [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes it last)"]
+    try:
+        if not path.is_dir():
+            return CORRUPT, [f"{path} is not a directory"]
+        meta_path = path / METADATA_NAME
+        if not meta_path.exists():
+            return UNFINISHED, [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes "
+                                "it last)"]
+    except OSError as exc:
+        return UNREADABLE, [f"{path}: cannot be read ({exc})"]
     try:
         with open(meta_path, "rb") as f:
             metadata = pickle.load(f)
         need = _referenced_sizes(metadata)
+    except _UNREADABLE_ERRORS as exc:
+        return UNREADABLE, [f"{path}: cannot read {METADATA_NAME} here ({type(exc).__name__}: {exc}); the "
+                            "checkpoint may be intact (an I/O or permission error, or another torch version)"]
     except Exception as exc:  # pickle raises many types on garbage
-        return [f"{path}: unreadable {METADATA_NAME} ({type(exc).__name__}: {exc})"]
+        return CORRUPT, [f"{path}: unreadable {METADATA_NAME} ({type(exc).__name__}: {exc})"]
+    try:
+        problems = _file_problems(path, need)
+    except OSError as exc:
+        return UNREADABLE, [f"{path}: cannot stat its data files ({exc})"]
+    return (CORRUPT if problems else COMPLETE), problems
+
+
+def validate(path: str | os.PathLike) -> list[str]:
+    """Problems that make the checkpoint at ``path`` unusable; an empty list means complete (``classify``)."""
+    return classify(path)[1]
+
+
+def _file_problems(path: Path, need: dict[str, int]) -> list[str]:
     problems = []
     for rel, size in sorted(need.items()):
         try:
@@ -233,7 +275,11 @@ def scan(directory: str | os.PathLike) -> list[CheckpointStatus]:
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     found.sort(key=lambda item: item[0], reverse=True)
-    return [CheckpointStatus(step=step, path=p, problems=tuple(validate(p))) for step, p in found]
+    statuses = []
+    for step, p in found:
+        state, problems = classify(p)
+        statuses.append(CheckpointStatus(step=step, path=p, problems=tuple(problems), state=state))
+    return statuses
 
 
 def info_for(status: CheckpointStatus) -> CheckpointInfo:
@@ -268,22 +314,24 @@ def read_latest(directory: str | os.PathLike) -> CheckpointInfo | None:
         return None
 
 
-def choose_deletions(entries: Iterable[tuple[int, bool]], keep: int) -> list[int]:
-    """Steps to delete, given ``(step, complete)`` for each checkpoint directory.
+def choose_deletions(entries: Iterable[tuple[int, str]], keep: int) -> list[int]:
+    """Steps retention deletes, given ``(step, state)`` for each checkpoint directory (``classify``).
 
-    Keeps the newest ``keep`` complete checkpoints (never fewer than one), deletes older complete ones, and
-    deletes incomplete ones older than the newest complete one. Incomplete directories newer than the newest
-    complete one are kept: they may be a save in flight.
+    Retention is the only deleter, and it deletes only what cannot be the only good copy: complete
+    checkpoints beyond the newest ``keep`` (never fewer than one is kept, so a newer complete one always
+    exists for what goes) and saves that never finished (no ``.metadata``) older than the newest complete
+    one. Unreadable and corrupt checkpoints are never deleted (an unreadable one may be intact; a person
+    decides), nor is anything newer than the newest complete one (a save may be in flight).
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     entries = sorted(entries, key=lambda e: e[0], reverse=True)
-    complete = [step for step, ok in entries if ok]
+    complete = [step for step, state in entries if state == COMPLETE]
     if not complete:
         return []
     newest = complete[0]
     doomed = set(complete[keep:])
-    doomed.update(step for step, ok in entries if not ok and step < newest)
+    doomed.update(step for step, state in entries if state == UNFINISHED and step < newest)
     return sorted(doomed)
 
 
@@ -295,16 +343,39 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def quarantine(path: Path) -> Path:
-    """Move a checkpoint that validated but failed to load out of the ``step-*`` namespace, kept for
-    inspection: ``step-N.unloadable``."""
-    target = path.with_name(f"{path.name}.unloadable")
-    if target.exists():
-        shutil.rmtree(target, ignore_errors=True)
+QUARANTINE_NOTE = "QUARANTINE.json"
+
+
+def quarantine(path: Path, *, state: str, reason: str) -> Path:
+    """Move a checkpoint out of the ``step-*`` namespace, kept whole for inspection: ``step-N.<state>`` (a
+    number appended if taken), with ``QUARANTINE.json`` inside saying why, when and who. Nothing is deleted."""
+    target = path.with_name(f"{path.name}.{state}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{state}.{n}")
     os.replace(path, target)
+    note = {"state": state, "reason": reason, "time": time.time(), "host": os.uname().nodename, "pid": os.getpid(),
+            "was": path.name}
+    try:
+        atomic_write(target / QUARANTINE_NOTE, json.dumps(note, indent=1).encode())
+    except OSError as exc:
+        logger.warning("quarantined %s as %s but could not write its note: %s", path, target, exc)
     return target
 
 
+def quarantined_unfinished(directory: str | os.PathLike, older_than: int) -> list[Path]:
+    """Quarantined saves that never finished (``step-N.unfinished*``) with N below ``older_than``: retention
+    may delete them, they were never a usable checkpoint."""
+    directory = Path(directory)
+    found = []
+    for entry in directory.glob("step-*.unfinished*"):
+        match = re.match(r"^step-(\d{8,})\.unfinished(\.\d+)?$", entry.name)
+        if match and int(match.group(1)) < older_than and entry.is_dir():
+            found.append(entry)
+    return sorted(found)
+
+
 def retention_candidates(statuses: Sequence[CheckpointStatus], keep: int) -> list[CheckpointStatus]:
-    doomed = set(choose_deletions(((s.step, s.complete) for s in statuses), keep))
+    doomed = set(choose_deletions(((s.step, s.state) for s in statuses), keep))
     return [s for s in statuses if s.step in doomed]

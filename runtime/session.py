@@ -52,7 +52,7 @@ from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
                            TelemetryClient, abort_process)
 
-__all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "goodbye", "init"]
+__all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +170,18 @@ class Session:
             return _NULL
         return _PhaseContext(self, name)
 
-    def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0, path: str = "") -> None:
-        """Report a checkpoint stage: save_start, staged, committed, restore_start, restored, failed. With
-        ``committed``, give the checkpoint's ``path``: the agent publishes it as the job's latest in etcd."""
+    def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0, path: str = "",
+                         detail: str = "") -> None:
+        """Report a checkpoint stage (``CHECKPOINT_STAGES``: save_start, staged, committed, failed, set_aside,
+        restore_start, restored). With ``committed``, give the checkpoint's ``path``: the agent publishes it
+        as the job's latest in etcd; ``failed`` and ``set_aside`` carry a ``detail`` for their incident.
+        ``trainwarden.runtime.checkpoint.Checkpointer`` reports its own stages."""
         code = CHECKPOINT_STAGES.get(stage)
         if code is None:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
         if self._client is not None:
-            self._client.record((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path)))
+            self._client.record((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
+                                 str(detail)[:2000]))
 
     def poll_command(self) -> Command | None:
         """The oldest agent command not yet polled, or None (never blocks)."""
@@ -255,7 +259,7 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
     job = job or env.get(JOB_ENV) or env.get("TORCHELASTIC_RUN_ID") or "default"
     socket_path = socket_path or env.get(AGENT_SOCKET_ENV)
     if not socket_path:
-        return Session(job=job, rank=rank, world_size=world_size, client_config=None)
+        return _remember(Session(job=job, rank=rank, world_size=world_size, client_config=None))
     launcher = env.get(LAUNCHER_PID_ENV)
     if launcher and launcher.isdigit():  # started by trainwarden's launcher: die with it, even if killed hard
         die_with_parent(signal.SIGKILL, int(launcher))
@@ -263,7 +267,7 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
         validate_job_name(job)
     except ValueError as exc:  # the agent would refuse the stream: say so here, and train on without telemetry
         log.error("trainwarden: %s; telemetry is off for this worker (set %s to a valid name)", exc, JOB_ENV)
-        return Session(job=job, rank=rank, world_size=world_size, client_config=None)
+        return _remember(Session(job=job, rank=rank, world_size=world_size, client_config=None))
     from trainwarden.agent.proto import telemetry_pb2 as pb
 
     hello = pb.Hello(job=job, rank=rank, local_rank=int(env.get("LOCAL_RANK", "0")), world_size=world_size,
@@ -276,7 +280,7 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
         except ValueError:
             raise ValueError(f"{FR_DUTY_ENV}={env[FR_DUTY_ENV]!r} is not a number (e.g. 0.002)") from None
     config = ClientConfig(socket_path=socket_path, **client_options)
-    return Session(job=job, rank=rank, world_size=world_size, client_config=config, hello=hello)
+    return _remember(Session(job=job, rank=rank, world_size=world_size, client_config=config, hello=hello))
 
 
 def _rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
@@ -288,6 +292,28 @@ def _rank_and_world(env: Mapping[str, str]) -> tuple[int, int]:
     except ImportError:
         pass
     return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+
+
+_current: "weakref.ref[Session] | None" = None
+_NO_SESSION = None
+
+
+def _remember(session: Session) -> Session:
+    global _current
+    _current = weakref.ref(session)
+    return session
+
+
+def current() -> Session:
+    """The session this process's last `init()` returned, or a no-op one: for libraries that report to the
+    agent without being handed the session (the Checkpointer)."""
+    global _NO_SESSION
+    session = _current() if _current is not None else None
+    if session is None:
+        if _NO_SESSION is None:
+            _NO_SESSION = Session(job="default", rank=0, world_size=1, client_config=None)
+        session = _NO_SESSION
+    return session
 
 
 _exit_reason: str | None = None

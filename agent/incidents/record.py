@@ -36,6 +36,10 @@ class IncidentKind(str, enum.Enum):
     STRAGGLER_END = "straggler_end"
     CRASH = "crash"
     RESTART = "restart"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    """A save failed (disk full, I/O error); the latest committed checkpoint is unchanged."""
+    CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
+    """A restore passed a checkpoint over: quarantined (unfinished, corrupt, unloadable) or unreadable."""
 
 
 class IncidentState(str, enum.Enum):

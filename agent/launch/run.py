@@ -379,7 +379,8 @@ class _JobRun:
         if job == self.opts.job and self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 
-    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int) -> None:
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
+                      detail: str = "") -> None:
         pass
 
     def _on_line(self, line: str) -> None:

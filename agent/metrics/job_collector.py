@@ -20,6 +20,9 @@ Families (all prefixed trainwarden_):
     checkpoint_stall_seconds         gauge      job, node, rank   (step blocked by the last checkpoint's staging)
     checkpoint_last_step             gauge      job, node         (newest committed checkpoint)
     checkpoint_failures_total        counter    job, node
+    checkpoint_age_seconds           gauge      job, node         (since the newest commit)
+    checkpoint_last_commit_time_seconds gauge   job, node
+    checkpoints_set_aside_total      counter    job, node         (passed over by a restore)
     worker_restarts_total            counter    job, node
     worker_up                        gauge      job, node, rank
     telemetry_dropped_total          counter    job, node, rank   (records the worker dropped)
@@ -28,6 +31,7 @@ Families (all prefixed trainwarden_):
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -42,11 +46,12 @@ __all__ = ["JobMetricsCollector"]
 class JobMetricsCollector(Collector):
     """Job metric families computed from `job_telemetry` on every scrape."""
 
-    def __init__(self, job_telemetry: JobTelemetry, *, node: str) -> None:
+    def __init__(self, job_telemetry: JobTelemetry, *, node: str, wall=time.time) -> None:
         if not node:
             raise ValueError("node must be a non-empty name (the host name of this agent)")
         self._job_telemetry = job_telemetry
         self._node = node
+        self._wall = wall
 
     def collect(self) -> Iterator[Metric]:
         node = self._node
@@ -73,8 +78,15 @@ class JobMetricsCollector(Collector):
                                   "Seconds the last checkpoint blocked the training step.", labels=rank_labels)
         ckpt_step = GaugeMetricFamily("trainwarden_checkpoint_last_step",
                                       "Step of the newest committed checkpoint.", labels=["job", "node"])
-        ckpt_failed = CounterMetricFamily("trainwarden_checkpoint_failures", "Checkpoints that failed.",
+        ckpt_failed = CounterMetricFamily("trainwarden_checkpoint_failures", "Checkpoint saves that failed.",
                                           labels=["job", "node"])
+        ckpt_age = GaugeMetricFamily("trainwarden_checkpoint_age_seconds",
+                                     "Seconds since the job's newest checkpoint was committed.", labels=["job", "node"])
+        ckpt_time = GaugeMetricFamily("trainwarden_checkpoint_last_commit_time_seconds",
+                                      "Unix time the job's newest checkpoint was committed.", labels=["job", "node"])
+        ckpt_aside = CounterMetricFamily("trainwarden_checkpoints_set_aside",
+                                         "Checkpoints a restore passed over: quarantined (unfinished, corrupt, "
+                                         "unloadable) or unreadable and left in place.", labels=["job", "node"])
         restarts = CounterMetricFamily("trainwarden_worker_restarts", "Worker group restarts of the job.",
                                        labels=["job", "node"])
         up = GaugeMetricFamily("trainwarden_worker_up", "1 while the rank's telemetry stream is connected.",
@@ -111,10 +123,14 @@ class JobMetricsCollector(Collector):
             if job.checkpoint_last_step >= 0:
                 ckpt_step.add_metric([job.job, node], job.checkpoint_last_step)
             ckpt_failed.add_metric([job.job, node], job.checkpoint_failures_total)
+            ckpt_aside.add_metric([job.job, node], job.checkpoint_set_aside_total)
+            if job.checkpoint_committed_unix > 0:
+                ckpt_time.add_metric([job.job, node], job.checkpoint_committed_unix)
+                ckpt_age.add_metric([job.job, node], max(0.0, self._wall() - job.checkpoint_committed_unix))
             restarts.add_metric([job.job, node], job.restarts_total)
         for reason, count in sorted(self._job_telemetry.rejected().items()):
             rejected.add_metric([node, reason], count)
         for kind, count in sorted(self._job_telemetry.overflow().items()):
             overflow.add_metric([node, kind], count)
-        yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed,
+        yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed, ckpt_age, ckpt_time, ckpt_aside,
                     restarts, up, dropped, rejected, overflow)

@@ -35,6 +35,7 @@ from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.etcd.job_records import JobRecords
 from trainwarden.agent.etcd.writer import EtcdWriter
+from trainwarden.agent.node.checkpoint_incidents import CheckpointIncidents
 from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
@@ -100,6 +101,7 @@ class NodeAgent:
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
         self.incident_counts = IncidentCollector(node=config.node)
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
+        self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
                                  diagnostics_dir=lambda job: state_dir(job) / "diagnostics")

@@ -25,7 +25,8 @@ class CheckpointPublisher:
     def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
         pass
 
-    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int) -> None:
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
+                      detail: str = "") -> None:
         if stage != "committed" or not path:
             return
         self._records.put_checkpoint(job, {"step": step, "path": path, "time": self._wall(), "bytes": nbytes})

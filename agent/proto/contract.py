@@ -57,7 +57,7 @@ PEER_GONE = "peer gone"
 """How a worker's goodbye reason starts when it left because another rank had failed
 (``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""
 
-CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed")
+CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
 has the same names, upper-case)."""
 

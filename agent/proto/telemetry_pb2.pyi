@@ -16,6 +16,7 @@ class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESTORE_START: _ClassVar[CheckpointStage]
     RESTORED: _ClassVar[CheckpointStage]
     FAILED: _ClassVar[CheckpointStage]
+    SET_ASIDE: _ClassVar[CheckpointStage]
 CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
 SAVE_START: CheckpointStage
 STAGED: CheckpointStage
@@ -23,6 +24,7 @@ COMMITTED: CheckpointStage
 RESTORE_START: CheckpointStage
 RESTORED: CheckpointStage
 FAILED: CheckpointStage
+SET_ASIDE: CheckpointStage
 
 class Hello(_message.Message):
     __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token")
@@ -135,18 +137,20 @@ class Collectives(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[_Union[CollectiveSummary, _Mapping]]] = ..., has_durations: _Optional[bool] = ..., entries_missed: _Optional[int] = ..., arrivals: _Optional[_Union[Arrivals, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
-    __slots__ = ("stage", "step", "seconds", "bytes", "path")
+    __slots__ = ("stage", "step", "seconds", "bytes", "path", "detail")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     stage: CheckpointStage
     step: int
     seconds: float
     bytes: int
     path: str
-    def __init__(self, stage: _Optional[_Union[CheckpointStage, str]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, stage: _Optional[_Union[CheckpointStage, str]] = ..., step: _Optional[int] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., path: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Goodbye(_message.Message):
     __slots__ = ("reason",)

@@ -151,6 +151,10 @@ class JobSnapshot:
     restarts_total: int
     checkpoint_last_step: int
     checkpoint_failures_total: int
+    checkpoint_committed_unix: float = 0.0
+    """Wall time the newest checkpoint was committed (as the agent heard it); 0: none yet."""
+    checkpoint_set_aside_total: int = 0
+    """Checkpoints a restore passed over (quarantined, or unreadable and left)."""
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -201,6 +205,8 @@ class _JobRanks:
         self.restarts_seen = 0
         self.checkpoint_last_step = -1
         self.checkpoint_failures = 0
+        self.checkpoint_committed_unix = 0.0
+        self.checkpoint_set_aside = 0
         self.matcher = ArrivalMatcher()
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
@@ -213,7 +219,8 @@ class TelemetryListener(Protocol):
     def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
         ...
 
-    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int) -> None:
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
+                      detail: str) -> None:
         ...
 
 
@@ -394,7 +401,7 @@ class JobTelemetry:
             return out
 
     def record_checkpoint(self, job: str, rank: int, *, stage: str, step: int, seconds: float,
-                          bytes_: int = 0, path: str = "") -> None:
+                          bytes_: int = 0, path: str = "", detail: str = "") -> None:
         """A checkpoint stage reported by a worker; a ``committed`` one with its path goes to
         the listeners (outside the lock)."""
         if stage not in CHECKPOINT_STAGES:
@@ -405,15 +412,19 @@ class JobTelemetry:
                 return
             state.last_seen = self._clock()
             owner = self._jobs[job]
-            state.checkpoint_stage = stage
+            if stage == "set_aside":  # reported in the middle of a restore: the rank is still restoring
+                owner.checkpoint_set_aside += 1
+            else:
+                state.checkpoint_stage = stage
             if stage == "staged":
                 state.checkpoint_stall = max(0.0, float(seconds))
             elif stage == "committed":
                 owner.checkpoint_last_step = max(owner.checkpoint_last_step, int(step))
+                owner.checkpoint_committed_unix = self._wall()
             elif stage == "failed":
                 owner.checkpoint_failures += 1
         for listener in self._listeners:
-            _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_))
+            _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_), detail)
 
     def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
         """The worker's cumulative count of dropped records (per process)."""
@@ -482,6 +493,7 @@ class JobTelemetry:
             ranks=tuple(self._rank_snapshot(r) for _, r in sorted(job.ranks.items())),
             restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
             checkpoint_failures_total=job.checkpoint_failures,
+            checkpoint_committed_unix=job.checkpoint_committed_unix, checkpoint_set_aside_total=job.checkpoint_set_aside,
         )
 
     @staticmethod

@@ -340,7 +340,8 @@ class TelemetryServer:
             if stage is None or not math.isfinite(c.seconds):
                 js.count_rejected("invalid")
                 return
-            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes, path=c.path)
+            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes, path=c.path[:4096],
+                                 detail=c.detail[:2000])
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
         elif kind == "goodbye":

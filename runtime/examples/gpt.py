@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
 from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, PEER_GONE
-from trainwarden.runtime.checkpoint import Checkpointer, RNGState
+from trainwarden.runtime.checkpoint import Checkpointer, CheckpointUnloadableError, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
@@ -56,6 +56,8 @@ EXIT_TRAINING_FAILED = 1
 """Training raised; a restart from the last checkpoint may help."""
 EXIT_BAD_CONFIG = 2
 """Flags, mesh or fault specification are invalid: fix the command line, a restart will not help."""
+EXIT_NO_CHECKPOINT = 3
+"""Checkpoints exist but none loads: fix or restore one, or pass --allow-fresh-start."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +86,8 @@ class TrainConfig:
     """Complete checkpoints kept."""
     log_every: int
     """Log every this many steps (and always the last)."""
+    allow_fresh_start: bool = False
+    """Train from step 1 even when checkpoints exist but none loads (otherwise the run stops and says so)."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "steps", "ckpt_every", "keep", "log_every"):
@@ -120,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--ckpt-every", type=int, default=10, help="save after every N-th step")
     add("--keep", type=int, default=3, help="complete checkpoints to keep")
     add("--log-every", type=int, default=1)
+    add("--allow-fresh-start", action="store_true",
+        help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
     return p
 
 
@@ -130,7 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         model=ModelConfig(vocab=a.vocab, dim=a.dim, heads=a.heads, layers=a.layers, seq=a.seq),
         mesh=MeshConfig(dp=a.dp, tp=a.tp, pp=a.pp, micro_batches=a.micro_batches),
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
-        ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every)
+        ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start)
 
 
 # Optimizer state keyed by parameter FQN (``param_groups.<fqn>.lr``), not by group index: pipeline stages own
@@ -177,18 +183,14 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
 
-    def on_commit(info) -> None:  # rank 0, the checkpointer's commit thread; the agent publishes it to etcd
-        rt.checkpoint_event("committed", info.step, 0.0, info.bytes, path=info.path)
-
     ckpt_state = {"app": train_state, "rng": RNGState()}
     ckpt = None
     start = 1
     if cfg.ckpt_dir is not None:
-        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, on_commit=on_commit)
-        rt.checkpoint_event("restore_start", 0)
-        restore_began = time.monotonic()
-        restored = ckpt.restore(ckpt_state)
-        rt.checkpoint_event("restored", restored or 0, time.monotonic() - restore_began)
+        # the Checkpointer reports its stages to the agent itself (the watchdog's checkpoint allowance, the
+        # etcd pointer, failure incidents); a slow_save fault blocks inside the save, as slow storage would
+        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, session=rt, before_save=faults.before_save)
+        restored = ckpt.restore(ckpt_state, allow_fresh_start=cfg.allow_fresh_start)
         if restored is not None:
             if restored != train_state.step:
                 raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
@@ -220,10 +222,7 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
                      tokens_per_step / last_seconds)
         requested = rt.take_checkpoint_request()  # the agent's "checkpoint now"
         if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
-            rt.checkpoint_event("save_start", step)
-            faults.before_save(step)
             ckpt.save(step, ckpt_state)
-            rt.checkpoint_event("staged", step, ckpt.last_stall_seconds, ckpt.last_bytes)
     if ckpt is not None:
         ckpt.close()    # waits for the last save to commit
     rt.close()
@@ -268,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, device)
     except FaultSpecError as exc:
         _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
+    except CheckpointUnloadableError as exc:
+        _exit_now(EXIT_NO_CHECKPOINT, str(exc))
     except Exception as exc:
         lost = peer_failure(exc)
         if lost:  # the echo of another rank's failure: one line, the failed rank has the traceback

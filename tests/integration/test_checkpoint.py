@@ -135,7 +135,9 @@ def test_reshard_dp2_to_dp1_ignores_directory_without_metadata(trained, tmp_path
     assert restored["step"] == 8, log[-3000:]
     assert_same_state(load(root / "dump-8.pt"), restored, rng=False)
     assert "step-00000010: no .metadata" in log
-    assert not partial.exists()  # a save that never finished, newer than what we resume from: removed
+    assert not partial.exists()  # a save that never finished, newer than what we resume from: set aside,
+    assert (ckpt / "step-00000010.unfinished" / ".metadata").exists() is False  # kept whole, never deleted
+    assert (ckpt / "step-00000010.unfinished" / "QUARANTINE.json").exists()
     assert "saved at world size 2, now 1: RNG states not restored" in log
 
 

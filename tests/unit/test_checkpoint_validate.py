@@ -129,12 +129,19 @@ def test_unreadable_pointer_is_ignored(tmp_path, caplog):
     assert store.read_latest(tmp_path / "absent") is None
 
 
+C, U, R, X = store.COMPLETE, store.UNFINISHED, store.UNREADABLE, store.CORRUPT
+
+
 @pytest.mark.parametrize("entries, keep, doomed", [
-    ([(10, True), (8, True), (6, True), (4, False), (12, False)], 2, [4, 6]),  # newer incomplete: maybe in flight
-    ([(10, True), (8, True)], 3, []),
-    ([(10, False), (8, False)], 1, []),                                         # nothing complete: delete nothing
-    ([(10, True), (8, True), (6, True)], 1, [6, 8]),                            # newest complete always kept
-    ([(3, False), (5, True), (1, True)], 5, [3]),                               # stale partial below newest
+    ([(10, C), (8, C), (6, C), (4, U), (12, U)], 2, [4, 6]),  # newer unfinished: maybe a save in flight
+    ([(10, C), (8, C)], 3, []),
+    ([(10, U), (8, U)], 1, []),                               # nothing complete: delete nothing
+    ([(10, C), (8, C), (6, C)], 1, [6, 8]),                   # newest complete always kept
+    ([(3, U), (5, C), (1, C)], 5, [3]),                       # a save that never finished, below the newest
+    # what might be the only good copy is never deleted: unreadable here (EIO, permissions, another torch's
+    # metadata) or corrupt, old or new
+    ([(12, R), (10, C), (8, X), (6, R), (4, C)], 1, [4]),
+    ([(10, R), (8, R)], 1, []),
 ])
 def test_choose_deletions(entries, keep, doomed):
     assert store.choose_deletions(entries, keep) == doomed
@@ -142,7 +149,7 @@ def test_choose_deletions(entries, keep, doomed):
 
 def test_choose_deletions_rejects_keep_zero():
     with pytest.raises(ValueError, match="keep must be >= 1"):
-        store.choose_deletions([(1, True)], 0)
+        store.choose_deletions([(1, store.COMPLETE)], 0)
 
 
 class Box:

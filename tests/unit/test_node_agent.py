@@ -146,3 +146,34 @@ def _exposition(collector):
     registry = CollectorRegistry()
     registry.register(collector)
     return generate_latest(registry).decode()
+
+
+def test_checkpoint_failures_and_set_asides_are_incidents_and_the_checkpoint_age_is_exported(tmp_path):
+    from prometheus_client import generate_latest
+
+    from trainwarden.agent.incidents import list_incidents
+    from trainwarden.agent.node.agent import AgentConfig, NodeAgent
+    from trainwarden.agent.telemetry.job_telemetry import WorkerInfo
+
+    agent = NodeAgent(AgentConfig(socket_path=tmp_path / "a.sock", metrics_port=None, gpu_health=False,
+                                  state_home=tmp_path))
+    js = agent.job_telemetry
+    for rank in (0, 1):
+        js.connect(WorkerInfo(job="j", rank=rank, world_size=2, pid=100 + rank))
+    text = generate_latest(agent.registry).decode()
+    assert "trainwarden_checkpoint_age_seconds{" not in text  # nothing committed yet: no age to show
+    for rank in (0, 1):  # every rank's save of step 20 failed: one incident
+        js.record_checkpoint("j", rank, stage="failed", step=20, seconds=0.0, detail="OSError: No space left")
+    js.record_checkpoint("j", 0, stage="set_aside", step=30, seconds=0.0, path="/c/step-00000030.corrupt",
+                         detail="corrupt: truncated data file")
+    js.record_checkpoint("j", 0, stage="committed", step=10, seconds=0.0, bytes_=5, path="/c/step-00000010")
+    found = {i.kind.value: i for i in list_incidents(tmp_path, "j")}
+    assert set(found) == {"checkpoint_failed", "checkpoint_set_aside"}
+    assert "No space left" in found["checkpoint_failed"].evidence["summary"]
+    assert found["checkpoint_set_aside"].evidence["path"] == "/c/step-00000030.corrupt"
+    text = generate_latest(agent.registry).decode()
+    assert 'trainwarden_checkpoint_failures_total{job="j",node=' in text
+    assert 'trainwarden_checkpoints_set_aside_total{job="j"' in text
+    age = next(line for line in text.splitlines() if line.startswith("trainwarden_checkpoint_age_seconds{"))
+    assert 0 <= float(age.split()[-1]) < 60
+    agent.stop()
