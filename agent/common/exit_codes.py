@@ -6,7 +6,7 @@ Shell users and supervisors (systemd, Kubernetes) act on these, so they never ch
 from trainwarden.agent.proto.contract import EXIT_ABORTED  # the workers' code, defined with the protocol
 
 __all__ = [
-    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE",
+    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE", "EXIT_CONFIG",
     "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
 ]
 
@@ -20,6 +20,9 @@ EXIT_ETCD_UNAVAILABLE = 3
 """etcd could not be reached or started: retry once it is up."""
 EXIT_LAUNCH_FAILED = 4
 """torchrun could not be started."""
+EXIT_CONFIG = 6
+"""The job cannot start as configured (a missing script, a malformed fault spec, workers that fail the same
+way before their first step twice): fix it; restarting does not help."""
 EXIT_AGENT_UNAVAILABLE = 5
 """No node agent answers on the socket (`trainwarden status/top`, `agent --check`): start one, or retry."""
 EXIT_INTERRUPTED = 130

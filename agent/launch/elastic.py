@@ -96,7 +96,7 @@ def reporting_agent_class(sink: EventSink):
                           restarts_left=self._remaining_restarts, failures=[
                               {"global_rank": rank, "local_rank": f.local_rank, "pid": f.pid,
                                "exitcode": f.exitcode, "at": f.timestamp,
-                               "message": _error_message(f) if f.error_file_data else ""}
+                               "message": _error_message(f) if os.path.isfile(f.error_file or "") else ""}
                               for rank, f in sorted(result.failures.items())])
             return result
 

@@ -42,6 +42,7 @@ from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
+from trainwarden.agent.launch.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
@@ -50,7 +51,7 @@ from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_ABORTED
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
@@ -102,6 +103,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
     with StopOnSignals(on_first=_announce) as signals, ExitStack() as cleanup:
         try:
+            job.preflight()
             job.check_leftovers(cleanup)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
@@ -164,10 +166,19 @@ class _JobRun:
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
+        self.config_error: str | None = None
+        self._startup_failure: tuple | None = None  # how the last round failed, if before its first step
+        self._wake: threading.Event | None = None
         self.env: dict[str, str] = {}
         self.cmd: list[str] = []
 
     # ---- steps, in order ---------------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """What would make every worker fail at once is one clear error before anything starts."""
+        problems = preflight(self.opts.script, {**os.environ, **self.opts.extra_env})
+        if problems:
+            raise _Abandon(exit_codes.EXIT_CONFIG, "; ".join(problems))
 
     def check_leftovers(self, cleanup: ExitStack) -> None:
         """Never beside a live run of the job or its leftovers on this host (agent/launch/run_record.py)."""
@@ -286,8 +297,19 @@ class _JobRun:
     def supervise(self, signals: StopOnSignals) -> int:
         """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
         torchrun, pump = self.torchrun, self.pump
-        while torchrun.poll() is None and not signals.event.wait(0.5):
+        self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
+        while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None:
             pass
+        if self.config_error is not None:  # the same failure twice before a step: restarting does not help
+            pump.quiet = True
+            torchrun.stop(grace=10.0)
+            pump.join(5)
+            self.events.join(5)
+            print(f"trainwarden: {self.config_error}", file=self.out, flush=True)
+            self.transition(JobPhase.FAILED, "configuration error: " + self.config_error[:200])
+            if self.failures is not None:
+                self.failures.job_failed("configuration error: the workers fail the same way before any step")
+            return exit_codes.EXIT_CONFIG
         if signals.received is not None:
             pump.quiet = True
             torchrun.stop(grace=10.0)
@@ -361,6 +383,7 @@ class _JobRun:
         elif kind == "failed":
             self.progress.round_failed(at)
             failures = event.get("failures") or []
+            self._check_deterministic(failures)
             if self.failures is not None:
                 self.failures.round_failed(failures)
             print(f"trainwarden: the worker round failed: {_describe_failures(failures)}", file=self.out, flush=True)
@@ -373,6 +396,26 @@ class _JobRun:
             print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
                   "left)", file=self.out, flush=True)
             self.transition(JobPhase.RESTARTING, why, failure=after_failure)
+
+    def _check_deterministic(self, failures: list[dict]) -> None:
+        """A round that fails before its first step exactly as the previous one did is a configuration error
+        (a missing file, a bad flag, an import error), not a fault a restart cures."""
+        killed = self.agent.actions.killed_by_agent if self.agent is not None else (lambda pid: False)
+        own = tuple(sorted((int(f["global_rank"]), int(f["exitcode"]), str(f.get("message") or "")[:300])
+                           for f in failures if int(f["exitcode"]) not in (-signal.SIGTERM, EXIT_ABORTED)
+                           and not killed(int(f.get("pid") or 0))))
+        if self.progress.in_round or not own:
+            self._startup_failure = None
+            return
+        if own == self._startup_failure and self.config_error is None:
+            rank, code, message = own[0]
+            self.config_error = (f"the workers failed the same way twice before their first step (rank {rank}: "
+                                 f"{describe_exit(code)}{f': {message}' if message else ''}); this is a "
+                                 "configuration error, not a transient fault: not restarting. See the job's log "
+                                 f"({self.logs / 'run.log'}) for the workers' own output.")
+            if self._wake is not None:
+                self._wake.set()
+        self._startup_failure = own
 
     def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
         """A worker's step (telemetry listener, on the agent's reader thread)."""

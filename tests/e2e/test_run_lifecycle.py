@@ -51,19 +51,36 @@ def test_signal_stops_everything(tmp_path, procs, sig):
     assert "job sig stopped" in log
 
 
-def test_failing_job_exits_nonzero_after_budget(tmp_path, procs):
+def test_a_job_that_fails_the_same_way_before_any_step_stops_as_a_configuration_error(tmp_path, procs):
+    """It used to burn the whole restart budget (a crash incident per attempt); twice is enough to know."""
     script = tmp_path / "boom.py"
     script.write_text("import sys\nprint('boom', flush=True)\nsys.exit(3)\n")
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--max-restarts", "1", "--job", "boom",
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--max-restarts", "5", "--job", "boom",
          "--monitor-interval", "0.2", "--", str(script)],
         log=tmp_path / "run.log", env=env,
     )
-    assert run.wait(120) == 1
+    assert run.wait(120) == 6  # EXIT_CONFIG
     log = (tmp_path / "run.log").read_text()
-    assert log.count("boom\n") == 2, log  # first try + one restart
+    # first try + one restart, not six (torchrun may have begun a third round before it is stopped)
+    assert 2 <= log.count("boom\n") <= 3, log
+    assert "the workers failed the same way twice before their first step (rank 0: exit code 3)" in log
     assert "job boom failed" in log
+
+
+def test_what_can_be_checked_is_checked_before_anything_starts(tmp_path, procs):
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="crash:rank=x")
+    run = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--job", "badspec", "--",
+         str(tmp_path / "missing.py")],
+        log=tmp_path / "run.log", env=env,
+    )
+    assert run.wait(60) == 6
+    log = (tmp_path / "run.log").read_text()
+    assert "script" in log and "missing.py" in log and "does not exist" in log
+    assert "TRAINWARDEN_FAULTS: fault 'crash:rank=x'" in log
+    assert "embedded etcd" not in log  # nothing was started
 
 
 def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
