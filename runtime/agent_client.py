@@ -42,7 +42,7 @@ from trainwarden.agent.proto.contract import EXIT_ABORTED
 
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder
 
-__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_process"]
+__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_collectives", "abort_process"]
 
 log = logging.getLogger(__name__)
 
@@ -319,11 +319,13 @@ def _arrivals_message(batch) -> pb.Arrivals:
                        members=[pb.GroupMembers(name=n, ranks=r) for n, r in sorted(batch.members.items())])
 
 
-def abort_process(reason: str, flush: Callable[[], None]) -> None:
-    """Log `reason`, flush, and exit the whole process now with EXIT_ABORTED (from any thread)."""
+def abort_process(reason: str, flush: Callable[[], None], *, collectives_timeout_s: float = 10.0) -> None:
+    """Log `reason`, flush, abort NCCL communicators, and exit the whole process now with EXIT_ABORTED
+    (from any thread)."""
     log.error("aborted by the trainwarden agent: %s", reason)
     try:
         flush()
+        abort_collectives(collectives_timeout_s)
         for handler in logging.getLogger().handlers:
             handler.flush()
     finally:
@@ -333,3 +335,39 @@ def abort_process(reason: str, flush: Callable[[], None]) -> None:
             except Exception:
                 pass
         os._exit(EXIT_ABORTED)
+
+
+def abort_collectives(timeout_s: float, *, dist=None) -> str:
+    """On NCCL, abort every process group before the process exits: a kernel wedged in a collective
+    otherwise keeps the GPU (and its peers' communicators) busy into the restart. Gloo needs nothing: its
+    collectives end with the process. Bounded by `timeout_s` (an abort can itself block on a wedged
+    driver); returns what was done, for the log and the tests."""
+    if dist is None:
+        dist = sys.modules.get("torch.distributed")  # not imported: no process group to abort
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return "no process group"
+        backend = str(dist.get_backend())
+    except Exception as exc:  # a half-torn-down default group: exiting is all that is left
+        return f"process group state unknown ({exc})"
+    if "nccl" not in backend:
+        return f"{backend}: nothing to abort"
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:
+        log.warning("this torch cannot abort NCCL process groups; exiting with them open")
+        return "abort unavailable"
+    outcome = []
+
+    def run() -> None:
+        try:
+            abort()
+            outcome.append("aborted")
+        except Exception as exc:
+            outcome.append(f"abort failed: {exc}")
+
+    thread = threading.Thread(target=run, name="trainwarden-nccl-abort", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    result = outcome[0] if outcome else f"abort still blocked after {timeout_s:g}s"
+    log.info("NCCL process groups: %s", result)
+    return result
