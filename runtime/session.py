@@ -24,6 +24,11 @@ DumpDiagnostics writes faulthandler stacks of every thread to `<dir>/rank<R>.sta
 `# trainwarden main_thread=0x...` naming the training thread in faulthandler's format) and the Flight
 Recorder trace to `<dir>/rank<R>.fr`; CheckpointNow raises `checkpoint_requested`; Abort logs the reason,
 flushes telemetry and exits the process with EXIT_ABORTED.
+
+A child forked from the worker (DataLoader workers, ``os.fork``) inherits the session but not the client's
+thread nor gRPC's: in the child the session turns into the no-op one and never calls into gRPC again;
+the parent's stream is untouched. Leave GRPC_ENABLE_FORK_SUPPORT unset (gRPC's default): with it, every
+fork waits for gRPC's threads (about 1 s each, measured with a streaming client).
 """
 
 from __future__ import annotations
@@ -228,6 +233,16 @@ class Session:
         if self._client is not None:
             self._client.close(timeout=timeout, reason=reason)
 
+    def _detach_in_forked_child(self) -> None:
+        """In a child forked from this worker (a DataLoader worker, a user's ``os.fork``): the client's
+        thread and gRPC's own threads did not survive the fork, and its channel shares the parent's
+        connection. The child goes quiet: steps, phases and checkpoint events are no-ops and closing
+        (also at the child's exit) touches nothing. The client object is kept, never finalized here:
+        its destructor would call into gRPC's copied state."""
+        if self._client is not None:
+            _ABANDONED_IN_CHILD.append(self._client)
+            self._client = None
+
     def _on_command(self, message) -> None:
         kind = message.WhichOneof("command")
         if kind == "dump_diagnostics":
@@ -280,6 +295,10 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
         except ValueError:
             raise ValueError(f"{FR_DUTY_ENV}={env[FR_DUTY_ENV]!r} is not a number (e.g. 0.002)") from None
     config = ClientConfig(socket_path=socket_path, **client_options)
+    if str(env.get("GRPC_ENABLE_FORK_SUPPORT", "")).lower() in ("1", "true", "yes"):
+        log.warning("trainwarden: GRPC_ENABLE_FORK_SUPPORT is set: every fork of this worker (a DataLoader "
+                    "worker) waits for gRPC's threads, about 1 s each with telemetry streaming; unset it: "
+                    "trainwarden's client goes quiet in forked children by itself")
     return _remember(Session(job=job, rank=rank, world_size=world_size, client_config=config, hello=hello))
 
 
@@ -318,6 +337,15 @@ def current() -> Session:
 
 _exit_reason: str | None = None
 _live: "weakref.WeakSet[Session]" = weakref.WeakSet()
+_ABANDONED_IN_CHILD: list = []
+
+
+def _after_fork_in_child() -> None:
+    for session in list(_live):
+        session._detach_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def goodbye(reason: str, timeout: float = 1.0) -> None:

@@ -86,10 +86,12 @@ def test_what_can_be_checked_is_checked_before_anything_starts(tmp_path, procs):
 def test_unreachable_etcd_is_a_clear_error(tmp_path, procs):
     from trainwarden.agent.etcd.embedded import free_port
 
+    script = tmp_path / "x.py"
+    script.write_text("print('never runs')\n")
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
     run = procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--etcd", f"127.0.0.1:{free_port()}",
-         "--job", "noetcd", "--", "x.py"],
+         "--job", "noetcd", "--", str(script)],
         log=tmp_path / "run.log", env=env,
     )
     assert run.wait(60) == 3
@@ -126,7 +128,8 @@ def test_same_job_runs_again_on_external_etcd(tmp_path, procs, etcd_server):
 
 def test_a_users_script_gets_progress_phases_and_restarts_from_telemetry_not_its_log(tmp_path, procs, etcd_server):
     """A DDP script that prints nothing in trainwarden's format: the summary, the phases and the restart
-    accounting come from its rt.step telemetry and the launcher's structured events."""
+    accounting come from its rt.step telemetry and the launcher's structured events. Its DataLoader forks
+    two workers per rank after the runtime's gRPC client started: telemetry stays intact through them."""
     import json
 
     import etcd3
@@ -136,7 +139,7 @@ def test_a_users_script_gets_progress_phases_and_restarts_from_telemetry_not_its
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--etcd", etcd_server.url,
          "--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "0.5", "--job", "users", "--",
          str(HERE.parent / "jobs" / "ddp_mlp.py"), "--steps", "150", "--ckpt-every", "20",
-         "--ckpt-dir", str(tmp_path / "ckpt")],
+         "--ckpt-dir", str(tmp_path / "ckpt"), "--num-workers", "2"],  # a forking DataLoader (defect 14)
         log=tmp_path / "run.log", env=env,
     )
     assert run.wait(170) == 0, (tmp_path / "run.log").read_text()[-3000:]

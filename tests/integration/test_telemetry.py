@@ -286,3 +286,41 @@ def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(serve
     # a token nobody was given is refused outright
     forged = pb.WorkerMessage(hello=pb.Hello(job="forged", rank=0, world_size=1, pid=1, peer_token="0" * 32))
     assert raw_stream(srv.address, [forged.SerializeToString()]) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_goes_quiet_and_leaves_the_workers_stream_alone(server):
+    """A DataLoader worker or a user's ``os.fork`` inherits a gRPC client whose threads did not survive the
+    fork. Before the fix the child's session still claimed to be live: its steps went into a queue nobody
+    sends and ``close`` (also run by its exit hook) waited out its whole timeout on a thread that does not
+    exist. Now the child is a no-op session and never touches the parent's gRPC state."""
+    srv, js = server
+    rt = init("forky", env={"RANK": "0", "WORLD_SIZE": "1"}, socket_path=str(srv.socket_path), flush_interval_s=0.05)
+    try:
+        with rt.step(1):
+            pass
+        wait_for(lambda: (rank_state(js, "forky", 0) or None) and rank_state(js, "forky", 0).last_step == 1, 10,
+                 what="the parent's first step")
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what its session says, use it as a careless script would, leave
+            try:
+                with rt.step(99):
+                    pass
+                before = rt.enabled
+                rt.close(timeout=30)
+                os.write(write_end, pickle.dumps((before, rt.enabled, rt.stats)))
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            enabled_in_child, enabled_after_close, stats = pickle.loads(pipe.read())
+        os.waitpid(pid, 0)
+        assert (enabled_in_child, enabled_after_close, stats["sent"]) == (False, False, 0)
+        # the parent's stream is untouched: no goodbye, and its next steps arrive
+        with rt.step(2):
+            pass
+        wait_for(lambda: rank_state(js, "forky", 0).last_step == 2, 10, what="the parent's step after the fork")
+        assert rank_state(js, "forky", 0).connected and js.ended_streams("forky", since=0) == []
+    finally:
+        rt.close()
