@@ -307,6 +307,16 @@ def process_state(pid: int) -> str:
     return "dead" if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "no_answer"
 
 
+def process_io_bytes(pid: int) -> int | None:
+    """Bytes the process has read and written so far (/proc/<pid>/io: through read/write calls, and at the
+    storage layer, which also sees mmap'd reads); None when it cannot be read (gone, not ours to read)."""
+    try:
+        io = psutil.Process(pid).io_counters()
+    except (psutil.Error, OSError, ValueError, AttributeError):
+        return None
+    return io.read_chars + io.write_chars + io.read_bytes + io.write_bytes
+
+
 def _ranks(ranks: Iterable[int]) -> str:
     return ",".join(str(r) for r in ranks) or "none"
 

@@ -16,6 +16,9 @@ The deadline adapts to the job:
   checkpoint restore all happen before the first steps, and the first steps are slow.
 - checkpoint: while any rank is inside a blocking checkpoint stage (``save_start`` until ``staged``,
   ``restore_start`` until ``restored``; see BLOCKING_CHECKPOINT_STAGES) the deadline is at least
+  ``checkpoint_s``, counted from the last time the ranks in such a stage moved ``checkpoint_io_bytes``
+  (read or written, from /proc/<pid>/io): a restore of 2 TB from a slow filesystem that keeps reading
+  is never aborted, however long it takes, and one that stopped moving bytes is a hang after
   ``checkpoint_s``. After ``staged`` the write continues in the background and steps go on.
 
 Work between steps that the runtime does not report (a long evaluation pass, say) looks like a hang:
@@ -51,8 +54,12 @@ class HangConfig:
     """Deadline until `warmup_steps` steps completed since the (re)start."""
     warmup_steps: int = 3
     """Steps that must complete after a (re)start before the steady-state deadline applies."""
-    checkpoint_s: float = 600.0
-    """Deadline while a rank is inside a blocking checkpoint stage."""
+    checkpoint_s: float = 180.0
+    """Deadline while a rank is inside a blocking checkpoint stage, counted from the stage's last I/O
+    progress (a constant allowance turned every restore longer than it into an abort-restore loop)."""
+    checkpoint_io_bytes: int = 1 << 20
+    """Bytes the ranks in a blocking checkpoint stage must read or write to count as progress (more than
+    their own telemetry and log lines move while stuck)."""
 
     def __post_init__(self) -> None:
         if not self.multiplier >= 1.0:
@@ -62,6 +69,8 @@ class HangConfig:
         if self.startup_s < self.floor_s or self.checkpoint_s < self.floor_s:
             raise ValueError(f"startup_s ({self.startup_s}) and checkpoint_s ({self.checkpoint_s}) must not be "
                              f"below floor_s ({self.floor_s}): they extend the deadline")
+        if self.checkpoint_io_bytes < 1:
+            raise ValueError(f"checkpoint_io_bytes must be at least 1, got {self.checkpoint_io_bytes}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be 0 or more, got {self.warmup_steps}")
 
@@ -100,6 +109,8 @@ class _JobProgress:
     last_progress: float = 0.0
     armed: bool = True
     in_checkpoint: bool = False
+    io_seen: dict[int, int] = field(default_factory=dict)  # rank -> bytes moved, while in a blocking stage
+    io_moved: int = 0  # bytes moved since the last progress
 
 
 class HangDetector:
@@ -111,11 +122,13 @@ class HangDetector:
         self._jobs: dict[str, _JobProgress] = {}
 
     def observe(self, job: str, *, round_id: Hashable, step_counts: Mapping[int, int], step_p99_s: float,
-                in_checkpoint: bool, running: bool) -> HangCheck:
+                in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
-        its cumulative count of completed steps; `running` is False while no rank is connected.
+        its cumulative count of completed steps; `running` is False while no rank is connected;
+        `checkpoint_io` maps each rank inside a blocking checkpoint stage to the cumulative bytes its process
+        read and wrote (ranks whose counters cannot be read are left out).
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -131,7 +144,8 @@ class HangDetector:
         # measuring from the last step would call a long save a hang the moment it ends
         left_checkpoint = state.in_checkpoint and not in_checkpoint
         state.in_checkpoint = in_checkpoint
-        if progressed or left_checkpoint or not running:
+        io_progressed = self._checkpoint_io(state, checkpoint_io if in_checkpoint else None)
+        if progressed or left_checkpoint or io_progressed or not running:
             state.last_progress = now  # not running: the clock is paused
         if progressed:
             state.armed = True
@@ -149,6 +163,25 @@ class HangDetector:
         return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
                          steps_since_start=steps, min_steps_since_start=min(done, default=0),
                          progressed=progressed)
+
+    def _checkpoint_io(self, state: _JobProgress, io: Mapping[int, int] | None) -> bool:
+        """True when the ranks in a blocking checkpoint stage moved enough bytes since the last progress.
+        A rank's first reading (it just entered the stage, or its process changed) is only a baseline."""
+        if not io:
+            state.io_seen.clear()
+            state.io_moved = 0
+            return False
+        for rank, total in io.items():
+            before = state.io_seen.get(rank)
+            if before is not None and total > before:
+                state.io_moved += total - before
+            state.io_seen[rank] = total
+        for rank in set(state.io_seen) - set(io):
+            del state.io_seen[rank]
+        if state.io_moved >= self.config.checkpoint_io_bytes:
+            state.io_moved = 0
+            return True
+        return False
 
     def forget(self, job: str) -> None:
         """Drop a job that disappeared."""

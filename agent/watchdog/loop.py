@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from trainwarden.agent.watchdog.culprit import RankEvidence, name_culprit, process_state, read_diagnostics
+from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_io_bytes, process_state,
+                                                read_diagnostics)
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
@@ -102,10 +103,12 @@ class Watchdog:
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  sleep: Callable[[float], object] | None = None,
                  probe: Callable[[int], str] = process_state,
+                 io_bytes: Callable[[int], int | None] = process_io_bytes,
                  diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics") -> None:
         self.config = config or WatchdogConfig()
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
+        self._io_bytes = io_bytes
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
@@ -173,12 +176,17 @@ class Watchdog:
 
     def _check_job(self, snap: JobSnapshot) -> HangCheck:
         connected = [r for r in snap.ranks if r.connected]
+        in_stage = [r for r in connected if r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES]
+        checkpoint_io = {}
+        for r in in_stage:  # a save or restore that keeps reading or writing is not hung, however long
+            moved = self._io_bytes(r.pid) if r.pid > 0 else None
+            if moved is not None:
+                checkpoint_io[r.rank] = moved
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
-            in_checkpoint=any(r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES for r in connected),
-            running=bool(connected))
+            in_checkpoint=bool(in_stage), running=bool(connected), checkpoint_io=checkpoint_io)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:

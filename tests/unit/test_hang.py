@@ -156,3 +156,55 @@ def test_the_end_of_a_long_save_is_not_a_hang():
     assert not check.hung and check.reason == "steady"
     clock.now += 10  # and then nothing: a real hang after the save is still caught
     assert _run(det, clock, counts).hung
+
+
+def test_a_restore_that_keeps_reading_is_never_a_hang_however_long():
+    """Issue 9, defect 15: the allowance was a constant 600 s, so a restore longer than it was aborted,
+    restarted, restored again and aborted again. Now it runs from the last I/O progress."""
+    clock = Clock()
+    det = HangDetector(HangConfig(checkpoint_s=120, checkpoint_io_bytes=1 << 20), clock=clock)
+    counts = _warm(det, clock)
+    read = {0: 5_000, 1: 7_000}
+    for _ in range(40):  # 40 minutes inside restore_start, each rank reading 64 MiB a minute
+        clock.now += 60
+        read = {r: b + (64 << 20) for r, b in read.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=True,
+                            running=True, checkpoint_io=read)
+        assert not check.hung and check.reason == "checkpoint"
+    # the filesystem stops answering: a few KiB of telemetry and log lines are not progress
+    for _ in range(3):
+        clock.now += 40
+        read = {r: b + 4096 for r, b in read.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=True,
+                            running=True, checkpoint_io=read)
+    assert check.hung and check.stalled_s == 120
+
+
+def test_checkpoint_io_needs_a_baseline_per_rank():
+    """A rank's first reading (it entered the stage; a new process) is its baseline, not progress."""
+    clock = Clock()
+    det = HangDetector(HangConfig(checkpoint_s=120), clock=clock)
+    counts = _warm(det, clock)
+
+    def observe(io):
+        return det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=True,
+                           running=True, checkpoint_io=io)
+
+    clock.now += 100
+    assert not observe({0: 10 << 30}).hung  # 10 GiB read before the stage began
+    clock.now += 30
+    assert observe({0: 10 << 30, 1: 20 << 30}).hung  # rank 1 joins the stage: a baseline, not progress
+
+
+def test_without_io_counters_the_allowance_is_the_plain_deadline():
+    clock = Clock()
+    det = HangDetector(HangConfig(checkpoint_s=120), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 119
+    assert not det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=True,
+                           running=True, checkpoint_io={}).hung
+    clock.now += 1
+    assert det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=True,
+                       running=True, checkpoint_io={}).hung
+    with pytest.raises(ValueError, match="checkpoint_io_bytes"):
+        HangConfig(checkpoint_io_bytes=0)

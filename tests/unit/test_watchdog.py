@@ -329,3 +329,54 @@ def test_one_open_straggler_incident_per_rank(tmp_path):
     wd._on_straggler(snap, event)  # the detector lost its state (a pruned job came back) and flags again
     assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
     assert wd.suppressed == {"j": 1}
+
+
+def test_a_long_restore_that_reads_is_not_aborted_and_one_that_stops_reading_is(tmp_path):
+    """The watchdog reads each rank's /proc/<pid>/io while it is in a blocking checkpoint stage."""
+    sim = Sim(ranks=2)
+    actions = Actions()
+    moved = {100: 0, 101: 0}
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, checkpoint_s=60))
+    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=lambda: 1_790_000_000.0,
+                  sleep=sim.clock.sleep, probe=lambda pid: "no_answer", io_bytes=moved.get,
+                  diagnostics_dir=lambda job: tmp_path / "j")
+    sim.run(10)
+    wd.check_once()
+    for r in range(2):
+        sim.js.record_checkpoint("j", r, stage="restore_start", step=10, seconds=0.0)
+    for _ in range(20):  # ten minutes of restore, 8 MiB read per rank every 30 s
+        sim.clock.now += 30
+        for pid in moved:
+            moved[pid] += 8 << 20
+        wd.check_once()
+    assert actions.records == []
+    sim.clock.now += 61  # then the storage stops answering
+    wd.check_once()
+    hangs = [r for r in actions.records if r.kind is IncidentKind.HANG]
+    assert len({h.id for h in hangs}) == 1
+    assert hangs[0].evidence["deadline"] == "checkpoint" and hangs[0].evidence["stalled_seconds"] == 61
+
+
+def test_process_io_bytes_reads_a_real_process():
+    import subprocess
+    import sys
+
+    from trainwarden.agent.watchdog.culprit import process_io_bytes
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys\nsys.stdin.readline()\n"
+                              "open('/dev/null', 'wb').write(b'x' * (4 << 20))\nsys.stdin.readline()\n"],
+                             stdin=subprocess.PIPE)
+    try:
+        before = process_io_bytes(child.pid)
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        for _ in range(200):
+            after = process_io_bytes(child.pid)
+            if after - before >= 4 << 20:
+                break
+            threading.Event().wait(0.05)
+        assert after - before >= 4 << 20
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    assert process_io_bytes(child.pid) is None
