@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from trainwarden.agent.cli.args import add_etcd_security, etcd_security
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["add_parser"]
@@ -23,12 +24,14 @@ def add_parser(sub) -> None:
                    help="port of the Prometheus endpoint (default 9478; 0: any free port)")
     p.add_argument("--node", metavar="NAME", help="this node's name in metrics and incidents (default: host name)")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories (incidents, diagnostics)")
-    p.add_argument("--etcd", metavar="HOST:PORT", help="also record incidents in this etcd")
+    p.add_argument("--etcd", metavar="URL", help="also record incidents in this etcd (host:port or "
+                   "http[s]://host:port)")
     p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
     p.add_argument("--check", action="store_true",
                    help="do not start: exit 0 if an agent serves on --socket, 5 if not (for probes)")
+    add_etcd_security(p)
     p.set_defaults(func=_cmd_agent)
 
 
@@ -46,7 +49,7 @@ def _cmd_agent(args) -> int:
                              state_home=Path(args.state_home) if args.state_home else None,
                              watchdog=watchdog_config(args.straggler_policy),
                              **({"node": args.node} if args.node else {}))
-        options = DaemonOptions(agent=config, etcd=args.etcd)
+        options = DaemonOptions(agent=config, etcd=args.etcd, etcd_security=etcd_security(args))
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

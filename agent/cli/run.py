@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from trainwarden.agent.cli.args import job_name
+from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["add_parser"]
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
-    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port or http://host:port) "
+    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port) "
                    "instead of starting an embedded one")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K",
                    help="worker-group restarts before the job fails (default 3)")
@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
                    help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
+    add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
                    help="the training script and its arguments, or -m MODULE ARGS...")
     p.set_defaults(func=_cmd_run)
@@ -70,7 +71,7 @@ def _cmd_run(args) -> int:
     job = args.job or time.strftime("run-%Y%m%d-%H%M%S")
     try:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                          etcd=args.etcd, max_restarts=args.max_restarts,
+                          etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,

@@ -26,8 +26,9 @@ import etcd3
 import grpc
 
 __all__ = [
-    "ETCD_CLIENT_ERRORS", "EtcdAccessDenied", "EtcdConfig", "EtcdError", "EtcdUnavailable",
-    "GRPC_OPTIONS", "describe_etcd_error", "open_client", "open_etcd", "split_endpoint",
+    "ETCD_CLIENT_ERRORS", "RETIRED_PASSWORD_ENV", "SECURITY_ENV", "EtcdAccessDenied", "EtcdConfig", "EtcdError",
+    "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "open_client", "open_etcd",
+    "read_password_file", "split_endpoint",
 ]
 
 GRPC_OPTIONS = [
@@ -82,6 +83,8 @@ class EtcdConfig:
     """etcd user (with ``password``)."""
     password: str | None = field(default=None, repr=False)
     """etcd password of ``user``; never logged, never put on a command line."""
+    password_file: str | None = None
+    """File holding the password (instead of ``password``; one trailing newline is ignored)."""
     timeout: float = 5.0
     """Deadline of each request, in seconds."""
     connect_timeout: float = 2.0
@@ -101,6 +104,10 @@ class EtcdConfig:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}={path!r}: no such file")
+        if self.password_file:
+            if self.password:
+                raise ValueError("password and password_file both given; give one")
+            object.__setattr__(self, "password", read_password_file(self.password_file))
         if bool(self.user) != bool(self.password):
             raise ValueError("user and password go together; give both or neither")
         for name in ("timeout", "connect_timeout"):
@@ -124,6 +131,84 @@ class EtcdConfig:
     def describe(self) -> str:
         """The endpoints for messages (never the password)."""
         return ",".join(self.netlocs)
+
+
+def read_password_file(path: str) -> str:
+    """The password a file holds (one trailing newline dropped); ValueError naming the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4097)
+    except OSError as exc:
+        raise ValueError(f"password_file={path!r}: cannot read it ({exc.strerror or exc})") from None
+    if len(raw) > 4096:
+        raise ValueError(f"password_file={path!r}: longer than 4096 bytes; is it the right file?")
+    text = raw.decode("utf-8", errors="strict").removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise ValueError(f"password_file={path!r} is empty")
+    return text
+
+
+SECURITY_ENV = {
+    "ca_cert": "TRAINWARDEN_ETCD_CA",
+    "cert_cert": "TRAINWARDEN_ETCD_CERT",
+    "cert_key": "TRAINWARDEN_ETCD_KEY",
+    "user": "TRAINWARDEN_ETCD_USER",
+    "password_file": "TRAINWARDEN_ETCD_PASSWORD_FILE",
+}
+"""The environment variable behind each ``EtcdSecurity`` setting (a flag given wins)."""
+RETIRED_PASSWORD_ENV = "TRAINWARDEN_ETCD_PASSWORD"
+"""A password in the environment is copied into every worker's: refused; use the password file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdSecurity:
+    """TLS and auth settings for an etcd named elsewhere: what ``--etcd-ca/--etcd-cert/--etcd-key/
+    --etcd-user/--etcd-password-file`` (or ``TRAINWARDEN_ETCD_*``) say. Holds the password's file,
+    never the password: it can be handed to torchrun's rendezvous on a command line."""
+
+    ca_cert: str | None = None
+    cert_cert: str | None = None
+    cert_key: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+
+    @classmethod
+    def from_env(cls, environ=os.environ, **given: str | None) -> "EtcdSecurity":
+        """The settings ``given`` (flags), each missing one from its environment variable."""
+        if environ.get(RETIRED_PASSWORD_ENV):
+            raise ValueError(f"{RETIRED_PASSWORD_ENV} is not read: a password in the environment reaches every "
+                             f"worker's; write it to a file only you can read and set "
+                             f"{SECURITY_ENV['password_file']} (or --etcd-password-file) to its path")
+        values = {name: given.get(name) or environ.get(var) or None for name, var in SECURITY_ENV.items()}
+        return cls(**values)
+
+    @property
+    def given(self) -> bool:
+        return any((self.ca_cert, self.cert_cert, self.cert_key, self.user, self.password_file))
+
+    def config(self, endpoints, **options) -> EtcdConfig:
+        """The client settings for ``endpoints`` (ValueError naming the flag at fault)."""
+        if bool(self.user) != bool(self.password_file):
+            raise ValueError("--etcd-user and --etcd-password-file go together (or TRAINWARDEN_ETCD_USER and "
+                             "TRAINWARDEN_ETCD_PASSWORD_FILE); give both or neither")
+        try:
+            return EtcdConfig(endpoints=endpoints, ca_cert=self.ca_cert, cert_cert=self.cert_cert,
+                              cert_key=self.cert_key, user=self.user, password_file=self.password_file, **options)
+        except ValueError as exc:
+            raise ValueError(_flag_names(str(exc))) from None
+
+    def rdzv_conf(self) -> dict[str, str]:
+        """The etcd3 rendezvous options that carry these settings (the password's file, not the password)."""
+        conf = {"ca_cert": self.ca_cert, "cert_cert": self.cert_cert, "cert_key": self.cert_key, "user": self.user,
+                "password_file": self.password_file}
+        return {k: v for k, v in conf.items() if v}
+
+
+def _flag_names(message: str) -> str:
+    for name, flag in (("password_file", "--etcd-password-file"), ("ca_cert", "--etcd-ca"),
+                       ("cert_cert", "--etcd-cert"), ("cert_key", "--etcd-key"), ("user", "--etcd-user")):
+        message = message.replace(name, flag)
+    return message
 
 
 def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials | None:

@@ -11,28 +11,43 @@ import json
 import logging
 from typing import Any
 
-from trainwarden.agent.etcd.client import EtcdUnavailable, open_client, split_endpoint
+from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdConfig, EtcdUnavailable, describe_etcd_error, open_etcd
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EtcdUnavailable", "JobRecords", "connect"]
+__all__ = ["EtcdAccessDenied", "EtcdUnavailable", "JobRecords", "connect"]
 
 
-def connect(endpoint: str, *, timeout: float = 5.0):
-    """An etcd client for ``[http://]host:port``, checked to answer; ``EtcdUnavailable`` if it does not."""
-    host, port, scheme = split_endpoint(endpoint)
-    if scheme != "http":
-        raise ValueError(f"etcd endpoint {endpoint!r}: TLS is not supported here yet; use an http endpoint")
+def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0):
+    """An etcd client for ``etcd`` (``[http[s]://]host:port``, or settings with TLS and auth), checked to
+    answer; ``EtcdUnavailable`` if it does not, ``EtcdAccessDenied`` if it refuses the credentials."""
+    config = etcd if isinstance(etcd, EtcdConfig) else \
+        EtcdConfig(endpoints=(etcd,), timeout=timeout, connect_timeout=min(timeout, 2.0))
     try:
-        client = open_client(host, port, timeout=timeout, connect_timeout=min(timeout, 2.0))
-        client.get(DEFAULT_PREFIX + "/_probe")
+        client = open_etcd(config)
+    except EtcdAccessDenied:
+        raise
     except Exception as exc:
         raise EtcdUnavailable(
-            f"cannot reach etcd at {host}:{port} ({type(exc).__name__}); start etcd there, "
+            f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); start etcd there, "
             "or leave out --etcd to use an embedded one"
         ) from exc
+    try:
+        client.get(DEFAULT_PREFIX + "/_probe")
+    except Exception as exc:
+        client.close()
+        if _denied(exc):
+            raise EtcdAccessDenied(f"etcd at {config.describe()} refused to serve user {config.user!r}: "
+                                   f"{describe_etcd_error(exc)}; grant it read/write on {DEFAULT_PREFIX}/") from exc
+        raise EtcdUnavailable(f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); start etcd "
+                              "there, or leave out --etcd to use an embedded one") from exc
     return client
+
+
+def _denied(exc: BaseException) -> bool:
+    text = describe_etcd_error(exc).lower()
+    return "permission denied" in text or "unauthenticated" in text or "user name is empty" in text
 
 
 class JobRecords:

@@ -33,7 +33,7 @@ from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.signals import StopOnSignals
-from trainwarden.agent.etcd.client import split_endpoint
+from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.writer import EtcdWriter
@@ -73,7 +73,9 @@ class RunOptions:
     nnodes: str = "1"
     """``N`` or ``MIN:MAX``."""
     etcd: str | None = None
-    """``host:port`` (or ``http://host:port``) of a running etcd; None starts an embedded one."""
+    """``host:port`` (or ``http[s]://host:port``) of a running etcd; None starts an embedded one."""
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    """TLS and auth for ``etcd``: the run's own clients and torchrun's rendezvous take the same settings."""
     max_restarts: int = 3
     """Worker-group restarts before the job fails."""
     monitor_interval: float = 1.0
@@ -171,6 +173,7 @@ class _JobRun:
         self._wake: threading.Event | None = None
         self.env: dict[str, str] = {}
         self.cmd: list[str] = []
+        self.rdzv_conf: dict[str, str] = {}
 
     # ---- steps, in order ---------------------------------------------------------------------------
 
@@ -195,7 +198,11 @@ class _JobRun:
 
     def start_etcd(self, cleanup: ExitStack) -> None:
         """An embedded etcd unless --etcd names one; a client checked to answer."""
-        endpoint = self.opts.etcd
+        endpoint, security = self.opts.etcd, self.opts.etcd_security
+        if endpoint is None and security.given:
+            raise _Abandon(exit_codes.EXIT_USAGE, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
+                           "(or TRAINWARDEN_ETCD_*) apply to an etcd named with --etcd; the embedded one listens on "
+                           "loopback without TLS or auth")
         if endpoint is None:
             etcd = EmbeddedEtcd(log_path=self.logs / "etcd.log")
             try:
@@ -207,11 +214,19 @@ class _JobRun:
             endpoint = etcd.endpoint
             print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=self.out, flush=True)
         try:
-            self.client = connect(endpoint)  # validates [http://]host:port, and that etcd answers
+            config = security.config((endpoint,), timeout=5.0, connect_timeout=2.0)
+        except ValueError as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
+        try:
+            self.client = connect(config)  # etcd answers, and serves these credentials
             host, port, _ = split_endpoint(endpoint)
             self.endpoint = f"{host}:{port}"
-        except (EtcdUnavailable, ValueError) as exc:
+        except (EtcdUnavailable, EtcdAccessDenied, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
+        # torchrun's rendezvous gets the same settings: the password's file, never the password
+        self.rdzv_conf = security.rdzv_conf()
+        if config.secure:
+            self.rdzv_conf["protocol"] = "https"
         cleanup.callback(self.client.close)
         # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
         self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=socket.gethostname())
@@ -253,8 +268,12 @@ class _JobRun:
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, extra_env=opts.extra_env, local_addr=opts.local_addr,
+            rdzv_conf=self.rdzv_conf,
         )
-        self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
+        try:
+            self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
+        except ValueError as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
         try:
             self.records.put_spec(opts.job, {
                 "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,

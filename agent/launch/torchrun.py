@@ -107,6 +107,10 @@ def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str
     if local_addr:
         cmd += ["--local-addr", local_addr]
     if spec.rdzv_conf:
+        odd = [f"{k}={v}" for k, v in spec.rdzv_conf.items() if any(c in str(v) for c in ",=")]
+        if odd:
+            raise ValueError(f"torchrun's --rdzv-conf cannot carry {', '.join(odd)}: ',' and '=' separate its "
+                             "options; use paths without them")
         cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in sorted(spec.rdzv_conf.items()))]
     script = list(spec.script)
     if script[0] == "-m":

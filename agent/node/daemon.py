@@ -17,12 +17,13 @@ import logging
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
+from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import check_agent
@@ -39,23 +40,35 @@ class DaemonOptions:
     agent: AgentConfig
     """The node agent's configuration (socket, metrics address, node name, state home)."""
     etcd: str | None = None
-    """``host:port`` of the cluster's etcd, for incidents; None: incidents stay on local disk."""
+    """``[http[s]://]host:port`` of the cluster's etcd, for incidents; None: incidents stay on local disk."""
+    etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
+    """TLS and auth for ``etcd``."""
 
     def __post_init__(self) -> None:
-        if self.etcd is not None and not self.etcd.rpartition(":")[2].isdigit():
+        if self.etcd is None:
+            if self.etcd_security.given:
+                raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file apply to the "
+                                 "etcd named with --etcd; give --etcd too")
+            return
+        if not self.etcd.rstrip("/").rpartition(":")[2].isdigit():
             raise ValueError(f"--etcd {self.etcd!r}: expected HOST:PORT, e.g. 10.0.0.5:2379")
+        object.__setattr__(self, "_config", self.etcd_security.config((self.etcd,)))  # ValueError names the flag
+
+    @property
+    def etcd_config(self) -> EtcdConfig | None:
+        return getattr(self, "_config", None)
 
 
-def _connect_etcd(endpoint: str):
+def _connect_etcd(config: EtcdConfig):
     from trainwarden.agent.etcd.job_records import connect
 
-    return connect(endpoint)  # accepts [http://]host:port and says so when it is anything else
+    return connect(config)
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
     from trainwarden.agent.metrics.exporter import ExporterError
-    from trainwarden.agent.etcd.job_records import EtcdUnavailable
+    from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
@@ -63,10 +76,13 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
     client, writer = None, None
     if options.etcd:
         try:
-            client = _connect_etcd(options.etcd)
+            client = _connect_etcd(options.etcd_config)
         except ValueError as exc:
             err.write(f"trainwarden agent: {exc}\n")
             return exit_codes.EXIT_USAGE
+        except EtcdAccessDenied as exc:
+            err.write(f"trainwarden agent: {exc}\n")
+            return exit_codes.EXIT_ETCD_UNAVAILABLE
         except EtcdUnavailable as exc:
             cause = type(exc.__cause__).__name__ if exc.__cause__ else "no answer"
             err.write(f"trainwarden agent: cannot reach etcd at {options.etcd} ({cause}); start it, or leave out "

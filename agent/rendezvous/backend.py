@@ -39,8 +39,9 @@ round instead of one per job) is negligible.
 
 rdzv-conf options: ``key_prefix``, ``read_timeout`` (s, default 60), ``protocol`` (http|https; https when
 a certificate is given), ``ca_cert``, ``cert_key`` (alias ``ssl_cert_key``), ``cert_cert`` (alias
-``ssl_cert``), ``user``, ``password`` (or ``$TRAINWARDEN_ETCD_PASSWORD``, kept out of torchrun's launch
-log), and the dynamic rendezvous' own ``join_timeout``,
+``ssl_cert``), ``user``, ``password_file`` (or ``$TRAINWARDEN_ETCD_PASSWORD_FILE``: the password is read
+from the file; an inline ``password`` is refused, since torchrun logs its options and ``ps`` shows them),
+and the dynamic rendezvous' own ``join_timeout``,
 ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
 ``keep_alive_max_attempt``. torchrun adds ``timeout`` itself (unused by the dynamic handler, as with c10d).
 Anything else is rejected with ``ValueError``.
@@ -73,8 +74,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, EtcdAccessDenied, EtcdConfig, EtcdUnavailable,
-                                          describe_etcd_error, open_etcd)
+from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, SECURITY_ENV, EtcdAccessDenied, EtcdConfig,
+                                          EtcdUnavailable, describe_etcd_error, open_etcd, read_password_file)
 from trainwarden.agent.proto.contract import validate_job_name
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
@@ -94,11 +95,11 @@ BACKEND_NAME = "etcd3"
 DEFAULT_KEY_PREFIX = DEFAULT_PREFIX
 DEFAULT_PORT = 2379
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-PASSWORD_ENV = "TRAINWARDEN_ETCD_PASSWORD"
+PASSWORD_FILE_ENV = SECURITY_ENV["password_file"]
 
 _ALIASES = {"ssl_cert_key": "cert_key", "ssl_cert": "cert_cert"}
 _ETCD_KEYS = frozenset(
-    {"key_prefix", "read_timeout", "protocol", "ca_cert", "cert_key", "cert_cert", "user", "password"}
+    {"key_prefix", "read_timeout", "protocol", "ca_cert", "cert_key", "cert_cert", "user", "password_file"}
 )
 _HANDLER_INT_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
@@ -138,7 +139,7 @@ class Etcd3RendezvousConfig:
     user: str | None = None
     """etcd user for authentication (with ``password``)."""
     password: str | None = field(default=None, repr=False)
-    """etcd password for ``user``."""
+    """etcd password for ``user`` (read from ``password_file`` by ``from_params``)."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -186,12 +187,22 @@ class Etcd3RendezvousConfig:
     ) -> "Etcd3RendezvousConfig":
         """Build from torchrun's parameters (``--rdzv-endpoint``, ``--rdzv-conf``); ``ValueError`` if invalid.
 
-        The password may come from ``$TRAINWARDEN_ETCD_PASSWORD`` instead of rdzv-conf, which torchrun
-        prints in its launch log.
+        The password comes from a file: rdzv-conf ``password_file=PATH``, else ``$TRAINWARDEN_ETCD_PASSWORD_FILE``.
+        Never from rdzv-conf itself: torchrun prints its options in its launch log, and ``ps`` shows them.
         """
         conf = _canonical_conf(params.config)
-        if not conf.get("password") and environ.get(PASSWORD_ENV):
-            conf["password"] = environ[PASSWORD_ENV]
+        given_file = conf.pop("password_file", None)
+        password_file = given_file or environ.get(PASSWORD_FILE_ENV)
+        if conf.get("user"):
+            if not password_file:
+                raise ValueError(f"rdzv-conf user={conf['user']!r} needs password_file=PATH (or "
+                                 f"${PASSWORD_FILE_ENV}): the file holding the user's etcd password")
+            try:
+                conf["password"] = read_password_file(str(password_file))
+            except ValueError as exc:
+                raise ValueError(f"rdzv-conf {exc}") from None
+        elif given_file:
+            raise ValueError("rdzv-conf password_file given without user; give both")
         endpoint = (params.endpoint or "").strip()
         scheme = None
         for prefix in ("http://", "https://"):
@@ -215,6 +226,10 @@ class Etcd3RendezvousConfig:
 
 def _canonical_conf(config: dict[str, Any]) -> dict[str, Any]:
     """Reject unknown keys, fold aliases, and check the dynamic handler's integer options."""
+    if "password" in config:
+        raise ValueError("rdzv-conf password=... would put the etcd password on torchrun's command line (ps shows "
+                         "it; torchrun logs it): write it to a file only the job's user can read and pass "
+                         "password_file=PATH")
     unknown = sorted(set(config) - _KNOWN_KEYS)
     if unknown:
         raise ValueError(
@@ -257,7 +272,7 @@ def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
             f"{config.connect_timeout:.1f}s; start etcd or pass the right --rdzv-endpoint"
         ) from None
     except EtcdAccessDenied as exc:
-        raise RendezvousConnectionError(f"{exc}; check rdzv-conf user/password") from exc
+        raise RendezvousConnectionError(f"{exc}; check rdzv-conf user and password_file") from exc
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):

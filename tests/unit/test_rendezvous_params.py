@@ -55,8 +55,11 @@ def test_options_and_aliases(tmp_path):
     key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
     key.write_text("k")
     cert.write_text("c")
+    secret = tmp_path / "pw"
+    secret.write_text("secret\n")
     c = config(key_prefix="/tw", read_timeout="2.5", ssl_cert_key=str(key), ssl_cert=str(cert),
-               user="u", password="secret", join_timeout="30", keep_alive_interval=1)
+               user="u", password_file=str(secret), join_timeout="30", keep_alive_interval=1)
+    assert c.password == "secret"
     assert (c.key_prefix, c.read_timeout, c.protocol) == ("/tw", 2.5, "https")  # https implied by certs
     assert (c.cert_key, c.cert_cert, c.user) == (str(key), str(cert), "u")
     assert "secret" not in repr(c)
@@ -75,8 +78,10 @@ def test_options_and_aliases(tmp_path):
         ({"key_prefix": "relative"}, "key_prefix='relative' must start with '/'"),
         ({"key_prefix": "/trailing/"}, "must start with '/' and not end with one"),
         ({"ca_cert": "/nonexistent/ca.pem"}, r"ca_cert='/nonexistent/ca.pem': no such file"),
-        ({"user": "u"}, "user and password go together"),
-        ({"password": "p"}, "user and password go together"),
+        ({"user": "u"}, "user='u' needs password_file=PATH"),
+        ({"password": "p"}, "password=... would put the etcd password on torchrun's command line"),
+        ({"user": "u", "password_file": "/nonexistent/pw"}, "password_file='/nonexistent/pw': cannot read it"),
+        ({"password_file": "/etc/hostname"}, "password_file given without user"),
         ({"cert_key": "a", "ssl_cert_key": "b"}, "ssl_cert_key and cert_key name the same option"),
     ],
 )
@@ -124,13 +129,11 @@ def test_bad_run_id_is_rejected_before_connecting(run_id):
 
 
 @pytest.mark.timeout(30)
-def test_password_from_environment():
+def test_password_from_a_file_named_in_the_environment_never_the_environment_itself(tmp_path):
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
     p = params(user="u")
-    c = Etcd3RendezvousConfig.from_params(p, environ={"TRAINWARDEN_ETCD_PASSWORD": "from-env"})
-    assert (c.user, c.password) == ("u", "from-env")
-    c = Etcd3RendezvousConfig.from_params(
-        params(user="u", password="conf"), environ={"TRAINWARDEN_ETCD_PASSWORD": "x"}
-    )
-    assert c.password == "conf"
-    with pytest.raises(ValueError, match="user and password go together"):
-        Etcd3RendezvousConfig.from_params(p, environ={})
+    c = Etcd3RendezvousConfig.from_params(p, environ={"TRAINWARDEN_ETCD_PASSWORD_FILE": str(secret)})
+    assert (c.user, c.password) == ("u", "from-file")
+    with pytest.raises(ValueError, match="needs password_file"):
+        Etcd3RendezvousConfig.from_params(p, environ={"TRAINWARDEN_ETCD_PASSWORD": "x"})
