@@ -8,7 +8,18 @@ together. It imports ``node`` (the in-process agent), ``incidents``, ``etcd`` an
 imports it.
 """
 
-from trainwarden.agent.launch.run import RunOptions, run
-from trainwarden.agent.launch.torchrun import LaunchSpec, parse_nnodes, torchrun_command, worker_environment
-
 __all__ = ["LaunchSpec", "RunOptions", "parse_nnodes", "run", "torchrun_command", "worker_environment"]
+
+_HOMES = {"RunOptions": "run", "run": "run", "LaunchSpec": "torchrun", "parse_nnodes": "torchrun",
+          "torchrun_command": "torchrun", "worker_environment": "torchrun"}
+
+
+def __getattr__(name: str):
+    # imported on first use: torchrun runs ``python -m trainwarden.agent.launch.elastic``, which imports this
+    # package first; an eager import of ``run`` would load the whole agent into torchrun (and runpy warns
+    # that ``elastic`` was already imported when ``run`` pulls it in)
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"trainwarden.agent.launch.{_HOMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
