@@ -80,9 +80,9 @@ def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     ends = [i for i in found if i["kind"] == "straggler_end"]
     assert [i["ranks"] for i in starts] == [[3]], found
     assert [i["ranks"] for i in ends] == [[3]], found
-    # the job's latest step when the agent raised the flag: within 30 steps of the slowdown's start, and
-    # cleared after it ended
-    assert starts[0]["evidence"]["step"] <= 15 + 30, starts[0]["evidence"]
+    # the job's latest step when the agent raised the flag: within 40 steps (about 8 s of 0.2 s steps: a
+    # window of 0.5 s slices, then 3 s of persistence) of the slowdown's start, and cleared after it ended
+    assert starts[0]["evidence"]["step"] <= 15 + 40, starts[0]["evidence"]
     assert ends[0]["evidence"]["step"] >= 55, ends[0]["evidence"]
     assert starts[0]["evidence"]["score"] > 1.15
     # policy exclude: the node was proposed for exclusion while rank 3 straggled, withdrawn when it recovered
