@@ -114,12 +114,27 @@ def test_run_is_still_there(capsys):
 
 # ---- deploy/ ------------------------------------------------------------------------------------------
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_unit_is_one_systemd_accepts(tmp_path):
+    """systemd's own parser: an unknown or misspelt key, a bad value or a missing section is an error here.
+    ExecStart points at where `pip install` puts the command; the copy points at this environment's."""
+    import sys
+
+    unit = (DEPLOY / "trainwarden-agent.service").read_text()
+    assert "/usr/local/bin/trainwarden " in unit
+    copy = tmp_path / "trainwarden-agent.service"
+    copy.write_text(unit.replace("/usr/local/bin/trainwarden ", str(Path(sys.executable).parent / "trainwarden") + " "))
+    result = subprocess.run(["systemd-analyze", "verify", str(copy)], capture_output=True, text=True, timeout=60)
+    problems = [line for line in (result.stdout + result.stderr).splitlines() if str(copy) in line or "Unknown" in line]
+    assert result.returncode == 0 and not problems, result.stdout + result.stderr
+
+
 def test_systemd_unit_runs_the_agent_with_flags_the_cli_accepts():
     unit = (DEPLOY / "trainwarden-agent.service").read_text()
     settings = dict(line.split("=", 1) for line in unit.replace("\\\n", " ").splitlines()
                     if re.match(r"^[A-Z]\w*=", line))
-    assert settings["Restart"] == "always" and settings["KillMode"] == "process"
-    assert settings["RuntimeDirectory"] == "trainwarden"
+    # the socket lives in the RuntimeDirectory systemd creates, where --socket points
+    assert "/run/" + settings["RuntimeDirectory"] + "/agent.sock" == "/run/trainwarden/agent.sock"
     argv = shlex.split(settings["ExecStart"].replace("$TRAINWARDEN_AGENT_ARGS", ""))
     assert Path(argv[0]).name == "trainwarden"
     args = build_parser().parse_args(argv[1:])
@@ -135,21 +150,33 @@ def test_daemonset_probe_is_a_command_the_cli_accepts():
         assert args.command == "agent" and args.check and args.socket == "/run/trainwarden/agent.sock"
 
 
-def test_deploy_yaml_parses_and_says_what_it_should():
+def test_daemonset_is_valid_kubernetes():
+    """Kubernetes' own schema (kubernetes-validate, offline): a misspelt field, a wrong type or a missing
+    required one fails here, not at `kubectl apply` on a user's cluster."""
+    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed (the test extra has it)")
+    import sys
+
+    result = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict",
+                             str(DEPLOY / "kubernetes" / "daemonset.yaml")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") + result.stderr.count("passed") == 2  # the namespace and the DaemonSet
+
+
+def test_deploy_files_agree_with_the_agent_on_its_port_and_socket():
+    """The contract between files: what Prometheus scrapes and the pod exposes is the port the agent serves,
+    and the workers' socket is where the agent's default puts it."""
     yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
-    namespace, daemonset = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
-    assert namespace["kind"] == "Namespace" and daemonset["kind"] == "DaemonSet"
+    defaults = build_parser().parse_args(["agent"])
+    _, daemonset = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
     pod = daemonset["spec"]["template"]
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9478"
     container = pod["spec"]["containers"][0]
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9478, "protocol": "TCP"}]
-    assert container["resources"]["requests"] and container["resources"]["limits"]
-    assert container["readinessProbe"]["exec"]["command"][:3] == ["trainwarden", "agent", "--check"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(defaults.metrics_port)
+    assert [p["containerPort"] for p in container["ports"]] == [defaults.metrics_port]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert volumes["run"]["hostPath"]["path"] == mounts["run"] == "/run/trainwarden"
+    assert volumes["run"]["hostPath"]["path"] == mounts["run"] == str(Path(defaults.socket).parent)
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    assert config["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(":9478")
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(f":{defaults.metrics_port}")
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
