@@ -319,9 +319,10 @@ def _arrivals_message(batch) -> pb.Arrivals:
                        members=[pb.GroupMembers(name=n, ranks=r) for n, r in sorted(batch.members.items())])
 
 
-def abort_process(reason: str, flush: Callable[[], None], *, collectives_timeout_s: float = 10.0) -> None:
+def abort_process(reason: str, flush: Callable[[], None], *, collectives_timeout_s: float = 1.0) -> None:
     """Log `reason`, flush, abort NCCL communicators, and exit the whole process now with EXIT_ABORTED
-    (from any thread)."""
+    (from any thread). The abort gets `collectives_timeout_s`: within the agent's grace (ABORT_GRACE_S,
+    1.5 s) before it SIGKILLs what has not exited."""
     log.error("aborted by the trainwarden agent: %s", reason)
     try:
         flush()

@@ -15,9 +15,12 @@ Save (``Checkpointer.save``):
 
 Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and skips incomplete ones (logging
 why); the candidate list is broadcast; every rank tries to load the first candidate, and the ranks agree
-with an all_gather of their errors: if any rank failed, all of them move on to the next candidate together,
-and rank 0 quarantines the one that failed (``step-N.unloadable``). Ranks never end up on different
-checkpoints. Nothing loadable returns None (fresh start) unless ``require=True``.
+with an all_gather of their errors: a failure is retried (``load_attempts``) and only one that repeats
+moves every rank on to the next candidate together, while rank 0 sets the failed one aside
+(``step-N.unloadable``, with QUARANTINE.json saying why). Restore never deletes, and ranks never end up on
+different checkpoints. No checkpoint at all returns None (fresh start) unless ``require=True``;
+checkpoints that exist but none of which loads raise ``CheckpointUnloadableError`` unless
+``allow_fresh_start=True``.
 
 RNG state is per rank and cannot go through DCP (a key saved by 8 ranks does not exist for rank 8 of 16):
 ``RNGState`` entries of the state dict are taken out of the DCP state and written as ``rng-rank<R>.pt``

@@ -1,11 +1,15 @@
 """What ``trainwarden run`` does on a node: torchrun's command line and environment, the process tree it
 starts, the job's output and progress, the run summary and the job's lifecycle in etcd.
 
-``torchrun`` builds the torchrun invocation (``LaunchSpec``), ``process`` owns the running torchrun and every
-process it started, ``output`` copies the job's output to the terminal and its log, ``progress`` reads step
-lines for scripts that send no telemetry, ``summary`` prints the end-of-run summary, ``run`` puts them
-together. It imports ``node`` (the in-process agent), ``incidents``, ``etcd`` and ``common``; only ``cli``
-imports it.
+``preflight`` checks what would fail every worker at once (the script, the fault spec) before anything
+starts; ``run_record`` keeps what a run started (``supervisor.json``) so a rerun stops a killed run's
+leftovers; ``torchrun`` builds the torchrun invocation (``LaunchSpec``); ``elastic`` is torchrun with a
+launcher that reports structured events (round started, failed with which ranks and exit codes,
+restarting, finished) which ``events`` reads; ``process`` owns the running torchrun and every process it
+started; ``output`` copies the job's output to the terminal and its log; ``progress`` accounts steps,
+rounds and restarts from telemetry and those events (step lines in the log only for scripts without the
+runtime); ``summary`` prints the end-of-run summary; ``run`` puts them together. It imports ``node`` (the
+in-process agent), ``incidents``, ``etcd`` and ``common``; only ``cli`` imports it.
 """
 
 __all__ = ["LaunchSpec", "RunOptions", "parse_nnodes", "run", "torchrun_command", "worker_environment"]

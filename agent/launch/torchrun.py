@@ -126,7 +126,8 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
         env.setdefault(key, value)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    # torchrun announces restarts ("will restart worker group") at INFO; `run` reads and logs them
+    # torchrun's own INFO lines (rendezvous, restarts) belong in the job's log; `run` learns of restarts from
+    # the launcher's structured events (agent/launch/elastic.py), not from these lines
     env.setdefault("LOGLEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
     env[JOB_ENV] = spec.job

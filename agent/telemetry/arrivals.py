@@ -12,7 +12,7 @@ of a group that run on this node:
 Each rank's consecutive collectives (a, b) on its training thread give one interval: total time
 ``arrival(b) - arrival(a)`` of which ``arrival(b) - departure(a)`` was the rank's own work. A straggler
 arrives last, never waits, and its intervals are all compute; its peers' intervals are mostly waiting.
-The straggler detector (agent/straggler.py) compares the compute share of these intervals across ranks.
+The straggler detector (agent/watchdog/straggler.py) compares the compute share of these intervals across ranks.
 
 This is exact where the estimate from enqueue times alone (enqueue to next enqueue) is not: tensor-parallel
 layers compute between collectives, which that estimate counts as waiting. Limits, documented rather

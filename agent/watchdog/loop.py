@@ -2,14 +2,14 @@
 
 Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
 
-- feeds the ranks' completed-step counts to `HangDetector` (agent/hang.py). On a hang it asks every
+- feeds the ranks' completed-step counts to `HangDetector` (agent/watchdog/hang.py). On a hang it asks every
   connected local rank for diagnostics (`actions.request_diagnostics`), waits up to `diagnostics_wait_s`
-  for their dumps, names the culprit (agent/culprit.py; ranks that did not answer are probed: stopped,
+  for their dumps, names the culprit (agent/watchdog/culprit.py; ranks that did not answer are probed: stopped,
   dead, disconnected), records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the
   incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
   `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
 - feeds the job's straggler intervals (`JobTelemetry.take_intervals`: collective arrivals matched across the
-  node's ranks, agent/telemetry/arrivals.py) to `StragglerDetector` (agent/straggler.py), with the pipeline stage
+  node's ranks, agent/telemetry/arrivals.py) to `StragglerDetector` (agent/watchdog/straggler.py), with the pipeline stage
   as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
   rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
