@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
     p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "
-                   "(default: 127.0.0.1 for a one-node job, the host name otherwise)")
+                   "and that gloo binds (default: 127.0.0.1 for a one-node job, otherwise the address of the interface that "
+                   "routes to etcd, never the host name)")
     p.add_argument("--metrics-port", type=int, default=9478, metavar="PORT",
                    help="port of the in-process agent's Prometheus endpoint on --metrics-host (default 9478; 0: any free port)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",

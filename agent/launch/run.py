@@ -33,6 +33,7 @@ from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.signals import StopOnSignals
+from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
@@ -46,7 +47,8 @@ from trainwarden.agent.launch.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
-from trainwarden.agent.launch.torchrun import LaunchSpec, torchrun_command, validate_launch, worker_environment
+from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchrun_command, validate_launch,
+                                             worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
@@ -260,6 +262,29 @@ class _JobRun:
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
 
+    @property
+    def local_addr(self) -> str | None:
+        """What this node advertises: --local-addr, loopback for a one-node job, else the address of the
+        interface that routes to etcd (never the host name: agent/common/netaddr.py)."""
+        if self.opts.local_addr or parse_nnodes(self.opts.nnodes)[1] == 1:
+            return self.opts.local_addr
+        host = split_endpoint(self.endpoint)[0]
+        try:
+            return route_address(host, split_endpoint(self.endpoint)[1])
+        except OSError as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, f"no route to etcd at {self.endpoint} to pick this node's "
+                           f"address from ({exc}); pass --local-addr ADDR") from None
+
+    def _network_env(self) -> dict[str, str]:
+        """Gloo binds the interface of the advertised address unless the user chose one (GLOO_SOCKET_IFNAME)."""
+        env = dict(self.opts.extra_env)
+        address = self.local_addr
+        if address and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
+            interface = interface_of(address)
+            if interface:
+                env["GLOO_SOCKET_IFNAME"] = interface
+        return env
+
     def claim(self, signals: StopOnSignals) -> None:
         """Record the job's spec and take it over in etcd: refused while another live run supervises it."""
         opts = self.opts
@@ -267,7 +292,7 @@ class _JobRun:
             job=opts.job, script=opts.script, rdzv_endpoint=self.endpoint, state_dir=self.state_dir,
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
-            monitor_interval=opts.monitor_interval, extra_env=opts.extra_env, local_addr=opts.local_addr,
+            monitor_interval=opts.monitor_interval, extra_env=self._network_env(), local_addr=self.local_addr,
             rdzv_conf=self.rdzv_conf,
         )
         try:

@@ -103,3 +103,14 @@ def test_the_etcd_cluster_serves_from_every_node_and_survives_one_member(tmp_pat
             time.sleep(0.3)
         assert bed.etcd_healthy("e0")
     assert bed.leftovers() == []
+
+
+def test_a_node_advertises_the_address_that_routes_to_etcd_not_its_host_name(tmp_path):
+    """All simulated nodes share the machine's host name; `trainwarden run` picks each node's own address
+    (and gloo's interface) from the route to etcd."""
+    code = ("import sys; from trainwarden.agent.common.netaddr import interface_of, route_address; "
+            "a = route_address(sys.argv[1]); print(a, interface_of(a))")
+    with TestBed(nodes=2, workdir=tmp_path / "bed") as bed:
+        for node, peer in (("n0", "n1"), ("n1", "n0")):
+            result = bed.run(node, [sys.executable, "-c", code, bed.address(peer)], check=True)
+            assert result.stdout.split() == [bed.address(node), "eth0"]
