@@ -19,16 +19,21 @@ No torch here: the agent and the CLI import it.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import etcd3
 import grpc
 
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
 __all__ = [
     "ETCD_CLIENT_ERRORS", "RETIRED_PASSWORD_ENV", "SECURITY_ENV", "EtcdAccessDenied", "EtcdConfig", "EtcdError",
     "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "open_client", "open_etcd",
-    "read_password_file", "split_endpoint",
+    "read_password_file", "split_endpoint", "with_failover",
 ]
 
 GRPC_OPTIONS = [
@@ -277,6 +282,24 @@ def _is_auth_error(exc: BaseException) -> bool:
     text = describe_etcd_error(exc).lower()
     return "authentication failed" in text or "permission denied" in text or "unauthenticated" in text \
         or "invalid auth token" in text or "user name is empty" in text
+
+
+def with_failover(client, op: Callable[[], _T]) -> _T:
+    """``op()``, tried once more on each other member when a member refuses the connection.
+
+    ``python3-etcd3`` marks the member that failed and uses the next one only for the *next* call; the
+    failed call itself raises. Only ``ConnectionFailedError`` (UNAVAILABLE: the request never reached etcd)
+    is retried, so an operation is never applied twice; a timeout, which may have been applied, is raised.
+    """
+    attempts = max(1, len(getattr(client, "endpoints", None) or ()))
+    for attempt in range(attempts):
+        try:
+            return op()
+        except etcd3.exceptions.ConnectionFailedError:
+            if attempt == attempts - 1:
+                raise
+            logger.warning("etcd member failed; retrying on the next of %d", attempts)
+    raise AssertionError("unreachable")
 
 
 def describe_etcd_error(exc: BaseException) -> str:

@@ -216,13 +216,13 @@ class _JobRun:
             endpoint = etcd.endpoint
             print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=self.out, flush=True)
         try:
-            config = security.config((endpoint,), timeout=5.0, connect_timeout=2.0)
+            members = tuple(e.strip() for e in endpoint.split(",") if e.strip())
+            config = security.config(members, timeout=5.0, connect_timeout=2.0)
         except ValueError as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
         try:
             self.client = connect(config)  # etcd answers, and serves these credentials
-            host, port, _ = split_endpoint(endpoint)
-            self.endpoint = f"{host}:{port}"
+            self.endpoint = ",".join(config.netlocs)  # the rendezvous gets every member too
         except (EtcdUnavailable, EtcdAccessDenied, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
         # torchrun's rendezvous gets the same settings: the password's file, never the password
@@ -268,9 +268,9 @@ class _JobRun:
         interface that routes to etcd (never the host name: agent/common/netaddr.py)."""
         if self.opts.local_addr or parse_nnodes(self.opts.nnodes)[1] == 1:
             return self.opts.local_addr
-        host = split_endpoint(self.endpoint)[0]
+        host, port, _ = split_endpoint(self.endpoint.split(",")[0])
         try:
-            return route_address(host, split_endpoint(self.endpoint)[1])
+            return route_address(host, port)
         except OSError as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, f"no route to etcd at {self.endpoint} to pick this node's "
                            f"address from ({exc}); pass --local-addr ADDR") from None

@@ -52,7 +52,8 @@ class DaemonOptions:
             return
         if not self.etcd.rstrip("/").rpartition(":")[2].isdigit():
             raise ValueError(f"--etcd {self.etcd!r}: expected HOST:PORT, e.g. 10.0.0.5:2379")
-        object.__setattr__(self, "_config", self.etcd_security.config((self.etcd,)))  # ValueError names the flag
+        members = tuple(e.strip() for e in self.etcd.split(",") if e.strip())
+        object.__setattr__(self, "_config", self.etcd_security.config(members))  # ValueError names the flag
 
     @property
     def etcd_config(self) -> EtcdConfig | None:

@@ -75,7 +75,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, SECURITY_ENV, EtcdAccessDenied, EtcdConfig,
-                                          EtcdUnavailable, describe_etcd_error, open_etcd, read_password_file)
+                                          EtcdUnavailable, describe_etcd_error, open_etcd, read_password_file,
+                                          with_failover)
 from trainwarden.agent.proto.contract import validate_job_name
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
@@ -122,6 +123,8 @@ class Etcd3RendezvousConfig:
     """etcd host name or address (from ``--rdzv-endpoint``)."""
     port: int = DEFAULT_PORT
     """etcd client port."""
+    other_members: tuple[str, ...] = ()
+    """``host:port`` of the cluster's other members (``--rdzv-endpoint a:2379,b:2379,c:2379``)."""
     key_prefix: str = DEFAULT_KEY_PREFIX
     """Root of trainwarden's keys; the job's keys go under ``<key_prefix>/jobs/<run_id>/``."""
     read_timeout: float = 60.0
@@ -162,7 +165,8 @@ class Etcd3RendezvousConfig:
                 f"rdzv-conf {', '.join(tls_files)} given with protocol=http; set protocol=https or drop them"
             )
         try:  # the TLS and auth rules are the etcd client's own; say which flags they came from
-            etcd = EtcdConfig(endpoints=(f"{self.protocol}://{self.netloc}",), ca_cert=self.ca_cert,
+            etcd = EtcdConfig(endpoints=tuple(f"{self.protocol}://{n}" for n in (self.netloc, *self.other_members)),
+                              ca_cert=self.ca_cert,
                               cert_key=self.cert_key, cert_cert=self.cert_cert, user=self.user,
                               password=self.password, timeout=self.read_timeout,
                               connect_timeout=self.connect_timeout)
@@ -203,17 +207,22 @@ class Etcd3RendezvousConfig:
                 raise ValueError(f"rdzv-conf {exc}") from None
         elif given_file:
             raise ValueError("rdzv-conf password_file given without user; give both")
-        endpoint = (params.endpoint or "").strip()
-        scheme = None
-        for prefix in ("http://", "https://"):
-            if endpoint.startswith(prefix):
-                scheme, endpoint = prefix[:-3], endpoint[len(prefix):].rstrip("/")
-        if not endpoint:
-            raise ValueError("the etcd3 rendezvous needs --rdzv-endpoint HOST[:PORT] (etcd's client URL)")
-        host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+        # several members: HOST:PORT,HOST:PORT,... (any one that answers serves; the loss of one is survived)
+        members, scheme = [], None
+        for part in (params.endpoint or "").split(","):
+            endpoint = part.strip()
+            for prefix in ("http://", "https://"):
+                if endpoint.startswith(prefix):
+                    scheme, endpoint = prefix[:-3], endpoint[len(prefix):].rstrip("/")
+            if endpoint:
+                members.append(parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT))
+        if not members:
+            raise ValueError("the etcd3 rendezvous needs --rdzv-endpoint HOST[:PORT][,HOST:PORT...] (etcd's client URLs)")
+        (host, port), others = members[0], members[1:]
         tls_given = any(conf.get(k) for k in ("ca_cert", "cert_key", "cert_cert"))
         protocol = str(conf.get("protocol", scheme or ("https" if tls_given else "http"))).strip().lower()
-        kwargs: dict[str, Any] = {"host": host, "port": port, "protocol": protocol}
+        kwargs: dict[str, Any] = {"host": host, "port": port, "protocol": protocol,
+                                  "other_members": tuple(_netloc(h, p) for h, p in others)}
         if "key_prefix" in conf:
             kwargs["key_prefix"] = str(conf["key_prefix"]).strip()
         if "read_timeout" in conf:
@@ -222,6 +231,10 @@ class Etcd3RendezvousConfig:
             if conf.get(name):
                 kwargs[name] = str(conf[name])
         return cls(**kwargs)
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _canonical_conf(config: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +281,7 @@ def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
         return open_etcd(config.etcd)
     except EtcdUnavailable:
         raise RendezvousConnectionError(
-            f"cannot reach etcd at {config.netloc}: no {config.protocol} connection within "
+            f"cannot reach etcd at {config.etcd.describe()}: no {config.protocol} connection within "
             f"{config.connect_timeout:.1f}s; start etcd or pass the right --rdzv-endpoint"
         ) from None
     except EtcdAccessDenied as exc:
@@ -300,7 +313,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         try:
-            value, meta = self._client.get(self.key)
+            value, meta = with_failover(self._client, lambda: self._client.get(self.key))
         except ETCD_CLIENT_ERRORS as exc:
             raise self._connection_error("read", exc) from exc
         if value is None:
@@ -318,11 +331,11 @@ class Etcd3RendezvousBackend(RendezvousBackend):
                 return None if current is None else (*current, False)
             guard = tx.mod(self.key) == revision
         try:
-            ok, responses = self._client.transaction(
+            ok, responses = with_failover(self._client, lambda: self._client.transaction(
                 compare=[guard],
                 success=[tx.put(self.key, _encode(state)), tx.get(self.key)],
                 failure=[tx.get(self.key)],
-            )
+            ))
         except ETCD_CLIENT_ERRORS as exc:
             raise self._connection_error("write", exc) from exc
         kvs = responses[-1]

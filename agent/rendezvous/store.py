@@ -37,7 +37,7 @@ from typing import TypeVar
 import etcd3
 from torch.distributed import DistNetworkError, DistStoreError, Store
 
-from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error
+from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, with_failover
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class Etcd3Store(Store):
 
     def _call(self, what: str, op: Callable[[], _T]) -> _T:
         try:
-            return op()
+            return with_failover(self._client, op)
         except ETCD_CLIENT_ERRORS as exc:
             raise DistNetworkError(
                 f"etcd store {what} failed at {self._endpoint}: {describe_etcd_error(exc)}; "

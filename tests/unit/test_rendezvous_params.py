@@ -137,3 +137,11 @@ def test_password_from_a_file_named_in_the_environment_never_the_environment_its
     assert (c.user, c.password) == ("u", "from-file")
     with pytest.raises(ValueError, match="needs password_file"):
         Etcd3RendezvousConfig.from_params(p, environ={"TRAINWARDEN_ETCD_PASSWORD": "x"})
+
+
+@pytest.mark.timeout(30)
+def test_several_members_in_the_endpoint():
+    c = config("10.0.0.1:2379, 10.0.0.2:2379,[::1]:2380")
+    assert (c.host, c.port, c.other_members) == ("10.0.0.1", 2379, ("10.0.0.2:2379", "[::1]:2380"))
+    assert c.etcd.netlocs == ["10.0.0.1:2379", "10.0.0.2:2379", "[::1]:2380"]
+    assert config("10.0.0.1:2379").other_members == ()

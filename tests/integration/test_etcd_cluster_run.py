@@ -1,0 +1,51 @@
+"""A job on an etcd cluster survives the loss of a member (issue 10, item 6, first half): the run's clients
+and torchrun's rendezvous are given every member (``--etcd a:2379,b:2379,c:2379``) and fail over.
+
+On the multi-host test bed (tests/testbed.py): the job runs on node n0, the three etcd members on hosts of
+their own; the member listed first, the one the clients start on, is killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import wait_for
+from testbed import TestBed
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+if TestBed.unavailable():
+    pytest.skip(TestBed.unavailable(), allow_module_level=True)
+
+JOBS = Path(__file__).parents[1] / "jobs"
+
+
+def test_killing_the_etcd_member_the_clients_use_costs_the_job_nothing(tmp_path):
+    with TestBed(nodes=1, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+        log = tmp_path / "run.log"
+        run = bed.spawn("n0", [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                               "--nproc-per-node", "2", "--max-restarts", "1", "--job", "cluster",
+                               "--etcd", bed.etcd_endpoints, "--",
+                               str(JOBS / "ddp_mlp.py"), "--steps", "300", "--sleep-ms", "40"], log=log, env=env)
+        wait_for(lambda: "job cluster: starting -> running" in log.read_text() or run.poll() is not None, 120,
+                 what="the job to start training")
+        assert run.poll() is None, log.read_text()[-3000:]
+        time.sleep(2)
+        bed.kill("e0")  # the first member: where every client of the run and of torchrun started
+        assert run.wait(180) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "last step 300" in text and "restarts     0" in text, text[-2000:]
+        assert "round failed" not in text and "incidents" not in text.split("trainwarden: job cluster")[-1]
+        # the run's final phase reached the cluster through a surviving member
+        ctl = [str(Path(sys.executable).parent / "etcdctl"), "--endpoints", bed.etcd_endpoints,
+               "--dial-timeout", "2s", "--command-timeout", "5s"]
+        state = bed.run("n0", [*ctl, "get", "/trainwarden/v1/jobs/cluster/state", "--print-value-only"])
+        assert '"phase": "succeeded"' in state.stdout, state.stdout + state.stderr
+    assert bed.leftovers() == []
+    assert "cluster" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
