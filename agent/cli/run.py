@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
-    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port) "
+    p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port; "
+                   "several members separated by commas) "
                    "instead of starting an embedded one")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K",
                    help="worker-group restarts before the job fails (default 3)")

@@ -54,6 +54,7 @@ delete ``<key_prefix>/jobs/<run_id>/``.
 from __future__ import annotations
 
 import logging
+import time
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -418,5 +419,33 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, endpoint=config.netloc)
     store = Etcd3Store(client, f"{job_prefix}/store", endpoint=config.netloc)
     _disable_shared_tcp_store()
-    logger.info("etcd3 rendezvous for %r at %s under %s", params.run_id, config.netloc, job_prefix)
-    return create_handler(store, backend, params)
+    logger.info("etcd3 rendezvous for %r at %s under %s", params.run_id, config.etcd.describe(), job_prefix)
+    handler = create_handler(store, backend, params)
+    keep_training_through_etcd_outages(handler)
+    return handler
+
+
+def keep_training_through_etcd_outages(handler: RendezvousHandler, *, clock=time.monotonic) -> None:
+    """A running round trains on while etcd cannot serve (quorum lost, every member down).
+
+    torchrun's agent asks ``num_nodes_waiting()`` every monitor interval; an error there ends the agent and
+    with it the workers, although they need nothing from etcd between rounds. While etcd is away the
+    answer is 0 (no node can join anyway), said once in the log; a round that has to be formed (a restart,
+    a node joining) still waits for etcd in ``next_rendezvous``."""
+    ask = handler.num_nodes_waiting
+    down_since: list[float] = []
+
+    def num_nodes_waiting() -> int:
+        try:
+            waiting = ask()
+        except RendezvousConnectionError as exc:
+            if not down_since:
+                down_since.append(clock())
+                logger.warning("etcd cannot serve the rendezvous (%s); the running round trains on, and no "
+                               "node can join or leave until etcd is back", exc)
+            return 0
+        if down_since:
+            logger.warning("etcd serves the rendezvous again after %.0f s", clock() - down_since.pop())
+        return waiting
+
+    handler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]

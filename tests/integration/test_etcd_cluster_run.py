@@ -49,3 +49,28 @@ def test_killing_the_etcd_member_the_clients_use_costs_the_job_nothing(tmp_path)
         assert '"phase": "succeeded"' in state.stdout, state.stdout + state.stderr
     assert bed.leftovers() == []
     assert "cluster" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_losing_etcd_quorum_stops_coordination_not_training(tmp_path):
+    """Two of three members killed: no new rendezvous round can happen, but the running round trains on;
+    the members come back and the job finishes without a restart."""
+    with TestBed(nodes=1, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+        log = tmp_path / "run.log"
+        run = bed.spawn("n0", [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                               "--nproc-per-node", "2", "--max-restarts", "1", "--job", "quorum",
+                               "--etcd", bed.etcd_endpoints, "--",
+                               str(JOBS / "ddp_mlp.py"), "--steps", "400", "--sleep-ms", "40"], log=log, env=env)
+        wait_for(lambda: "job quorum: starting -> running" in log.read_text() or run.poll() is not None, 120,
+                 what="the job to start training")
+        assert run.poll() is None, log.read_text()[-3000:]
+        bed.kill("e0")
+        bed.kill("e1")
+        time.sleep(8)  # longer than torchrun's monitor interval and the rendezvous keep-alive
+        assert run.poll() is None, log.read_text()[-3000:]
+        bed.start_etcd_member("e0")
+        bed.start_etcd_member("e1")
+        assert run.wait(240) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "last step 400" in text and "restarts     0" in text, text[-2000:]
+    assert bed.leftovers() == []

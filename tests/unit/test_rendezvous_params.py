@@ -145,3 +145,26 @@ def test_several_members_in_the_endpoint():
     assert (c.host, c.port, c.other_members) == ("10.0.0.1", 2379, ("10.0.0.2:2379", "[::1]:2380"))
     assert c.etcd.netlocs == ["10.0.0.1:2379", "10.0.0.2:2379", "[::1]:2380"]
     assert config("10.0.0.1:2379").other_members == ()
+
+
+@pytest.mark.timeout(30)
+def test_an_etcd_outage_between_rounds_does_not_end_the_agent(caplog):
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from trainwarden.agent.rendezvous.backend import keep_training_through_etcd_outages
+
+    answers = [2, RendezvousConnectionError("quorum lost"), RendezvousConnectionError("quorum lost"), 1]
+
+    class Handler:
+        def num_nodes_waiting(self):
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    handler = Handler()
+    keep_training_through_etcd_outages(handler, clock=iter([10.0, 25.0]).__next__)
+    assert [handler.num_nodes_waiting() for _ in range(4)] == [2, 0, 0, 1]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("the running round trains on" in m for m in said) == 1  # once per outage, not per poll
+    assert any("again after 15 s" in m for m in said)
