@@ -23,6 +23,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 __all__ = ["LAUNCHER_PID_ENV", "SUPERVISOR_PID_ENV", "die_with_parent", "exec_dying_with_parent"]
 
@@ -60,7 +61,9 @@ _SHIM = (
 
 def exec_dying_with_parent(cmd: list[str], sig: int = signal.SIGTERM) -> list[str]:
     """`cmd` wrapped so that the program it runs gets `sig` when the calling process dies (the parent-death
-    signal survives exec); the caller must start it from its main thread."""
-    if not sys.platform.startswith("linux"):
+    signal survives exec). Called from another thread than the main one, `cmd` is returned as it is: the
+    kernel would signal the child when that *thread* ends (an etcd restarted from a timer thread died the
+    moment the timer returned)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return list(cmd)
     return [sys.executable, "-S", "-c", _SHIM, str(int(sig)), str(os.getpid()), *cmd]
