@@ -229,7 +229,10 @@ class Watchdog:
         evidence = self._collect(directory, reached)
         for r in snap.ranks:
             if r.rank not in evidence:
-                status = "disconnected" if not r.connected else self._probe(r.pid)
+                # the process says more than the stream: a SIGSTOPped rank's stream may have been dropped
+                status = self._probe(r.pid) if r.pid > 0 else "no_answer"
+                if not r.connected and status not in ("stopped", "dead"):
+                    status = "disconnected"
                 evidence[r.rank] = RankEvidence(rank=r.rank, status=status)
         verdict = name_culprit(evidence)
         ranks = [r.rank for r in snap.ranks]

@@ -290,6 +290,22 @@ def test_a_silent_stopped_rank_that_the_others_wait_for_is_named(tmp_path):
     assert opened.ranks == (1,)
 
 
+def test_a_stopped_rank_whose_stream_was_dropped_is_still_named_stopped(tmp_path):
+    """Seen in CI: the stopped rank's telemetry stream ended before the hang was declared, and the verdict
+    said it "lost its telemetry stream" instead of "is stopped"; the process state is the better witness."""
+    sim = Sim(ranks=4)
+    actions = Actions(answer={0, 2, 3})
+    wd = _watchdog(sim, actions, tmp_path)
+    wd.check_once()
+    sim.run(10)
+    wd.check_once()
+    sim.js.disconnect("j", 1, 101)
+    sim.clock.now += 6
+    wd.check_once()
+    verdict = actions.records[0].evidence["verdict"]
+    assert verdict["unresponsive"] == {"1": "stopped"} and verdict["summary"].startswith("rank 1 is stopped")
+
+
 def test_a_flapping_straggler_is_rate_limited_per_job_and_counted(tmp_path):
     sim = Sim(ranks=4)
     actions = Actions()
