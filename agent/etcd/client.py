@@ -32,7 +32,7 @@ _T = TypeVar("_T")
 
 __all__ = [
     "ETCD_CLIENT_ERRORS", "RETIRED_PASSWORD_ENV", "SECURITY_ENV", "EtcdAccessDenied", "EtcdConfig", "EtcdError",
-    "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "open_client", "open_etcd",
+    "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "is_auth_error", "open_client", "open_etcd",
     "read_password_file", "split_endpoint", "with_failover",
 ]
 
@@ -262,7 +262,7 @@ def open_etcd(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
     except ETCD_CLIENT_ERRORS as exc:
         for endpoint in endpoints:
             endpoint.close()
-        if _is_auth_error(exc):
+        if is_auth_error(exc):
             raise EtcdAccessDenied(f"etcd at {config.describe()} refused the credentials of user {config.user!r}: "
                                    f"{describe_etcd_error(exc)}") from exc
         raise EtcdUnavailable(f"etcd at {config.describe()} did not complete the session: "
@@ -278,7 +278,8 @@ def open_client(host: str, port: int, *, timeout: float, connect_timeout: float 
     return open_etcd(EtcdConfig(endpoints=(netloc,), timeout=timeout, connect_timeout=connect_timeout))
 
 
-def _is_auth_error(exc: BaseException) -> bool:
+def is_auth_error(exc: BaseException) -> bool:
+    """etcd refused the credentials or the permission (not retryable), as opposed to being unreachable."""
     text = describe_etcd_error(exc).lower()
     return "authentication failed" in text or "permission denied" in text or "unauthenticated" in text \
         or "invalid auth token" in text or "user name is empty" in text

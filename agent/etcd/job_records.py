@@ -11,7 +11,8 @@ import json
 import logging
 from typing import Any
 
-from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdConfig, EtcdUnavailable, describe_etcd_error, open_etcd
+from trainwarden.agent.etcd.client import (EtcdAccessDenied, EtcdConfig, EtcdUnavailable, describe_etcd_error,
+                                          is_auth_error, open_etcd)
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
@@ -37,17 +38,13 @@ def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0):
         client.get(DEFAULT_PREFIX + "/_probe")
     except Exception as exc:
         client.close()
-        if _denied(exc):
+        if is_auth_error(exc):
             raise EtcdAccessDenied(f"etcd at {config.describe()} refused to serve user {config.user!r}: "
                                    f"{describe_etcd_error(exc)}; grant it read/write on {DEFAULT_PREFIX}/") from exc
         raise EtcdUnavailable(f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); start etcd "
                               "there, or leave out --etcd to use an embedded one") from exc
     return client
 
-
-def _denied(exc: BaseException) -> bool:
-    text = describe_etcd_error(exc).lower()
-    return "permission denied" in text or "unauthenticated" in text or "user name is empty" in text
 
 
 class JobRecords:

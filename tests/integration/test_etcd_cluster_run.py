@@ -25,17 +25,23 @@ if TestBed.unavailable():
 JOBS = Path(__file__).parents[1] / "jobs"
 
 
+def _start_job(bed, tmp_path, job, steps):
+    """``ddp_mlp.py`` on node n0 under `trainwarden run` against the bed's etcd cluster, once it trains."""
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    log = tmp_path / "run.log"
+    run = bed.spawn("n0", [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                           "--nproc-per-node", "2", "--max-restarts", "1", "--job", job,
+                           "--etcd", bed.etcd_endpoints, "--",
+                           str(JOBS / "ddp_mlp.py"), "--steps", str(steps), "--sleep-ms", "40"], log=log, env=env)
+    wait_for(lambda: f"job {job}: starting -> running" in log.read_text() or run.poll() is not None, 120,
+             what="the job to start training")
+    assert run.poll() is None, log.read_text()[-3000:]
+    return run, log
+
+
 def test_killing_the_etcd_member_the_clients_use_costs_the_job_nothing(tmp_path):
     with TestBed(nodes=1, etcd_members=3, workdir=tmp_path / "bed") as bed:
-        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
-        log = tmp_path / "run.log"
-        run = bed.spawn("n0", [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
-                               "--nproc-per-node", "2", "--max-restarts", "1", "--job", "cluster",
-                               "--etcd", bed.etcd_endpoints, "--",
-                               str(JOBS / "ddp_mlp.py"), "--steps", "300", "--sleep-ms", "40"], log=log, env=env)
-        wait_for(lambda: "job cluster: starting -> running" in log.read_text() or run.poll() is not None, 120,
-                 what="the job to start training")
-        assert run.poll() is None, log.read_text()[-3000:]
+        run, log = _start_job(bed, tmp_path, "cluster", 300)
         time.sleep(2)
         bed.kill("e0")  # the first member: where every client of the run and of torchrun started
         assert run.wait(180) == 0, log.read_text()[-3000:]
@@ -55,15 +61,7 @@ def test_losing_etcd_quorum_stops_coordination_not_training(tmp_path):
     """Two of three members killed: no new rendezvous round can happen, but the running round trains on;
     the members come back and the job finishes without a restart."""
     with TestBed(nodes=1, etcd_members=3, workdir=tmp_path / "bed") as bed:
-        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
-        log = tmp_path / "run.log"
-        run = bed.spawn("n0", [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
-                               "--nproc-per-node", "2", "--max-restarts", "1", "--job", "quorum",
-                               "--etcd", bed.etcd_endpoints, "--",
-                               str(JOBS / "ddp_mlp.py"), "--steps", "400", "--sleep-ms", "40"], log=log, env=env)
-        wait_for(lambda: "job quorum: starting -> running" in log.read_text() or run.poll() is not None, 120,
-                 what="the job to start training")
-        assert run.poll() is None, log.read_text()[-3000:]
+        run, log = _start_job(bed, tmp_path, "quorum", 400)
         bed.kill("e0")
         bed.kill("e1")
         time.sleep(8)  # longer than torchrun's monitor interval and the rendezvous keep-alive
