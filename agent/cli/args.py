@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from trainwarden.agent.proto.contract import validate_job_name
+from trainwarden.agent.proto.contract import validate_job_name, validate_node_name
 
 __all__ = ["add_etcd_security", "etcd_security", "job_name", "positive_float", "positive_int"]
 
@@ -14,6 +14,14 @@ def job_name(text: str) -> str:
     """A job name by the one rule (agent/proto/contract.py); argparse says what is wrong and exits 2."""
     try:
         return validate_job_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def node_name(text: str) -> str:
+    """A node name (agent/proto/contract.py); argparse says what is wrong and exits 2."""
+    try:
+        return validate_node_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

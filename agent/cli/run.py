@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name
+from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["add_parser"]
@@ -17,6 +17,12 @@ example:
       -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps 60 --ckpt-every 10
 
 With no --etcd, an embedded etcd is started on a free loopback port and stopped on exit.
+
+Several nodes: run the same command on each node, with --nnodes MIN:MAX and an etcd they all reach:
+  trainwarden run --nnodes 2:3 --nproc-per-node 8 --etcd e0:2379,e1:2379,e2:2379 --job big -- \
+      -m trainwarden.runtime.examples.gpt --tp 2 --pp 2 --steps 1000 --ckpt-dir /shared/ckpt
+A node that is lost is left out of the next rendezvous round and the job goes on with the others (data
+parallelism shrinks; --dp may be omitted: world size / (tp x pp)).
 Job state (logs, checkpoints unless --ckpt-dir is given, fault markers) goes to
 $TRAINWARDEN_STATE_HOME/jobs/JOB (default ~/.local/state/trainwarden/jobs/JOB).
 Faults for testing: TRAINWARDEN_FAULTS='crash:rank=3,step=12' (see trainwarden.runtime.faults).
@@ -38,6 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=3, metavar="K",
                    help="worker-group restarts before the job fails (default 3)")
     p.add_argument("--job", type=job_name, metavar="NAME", help="job name (default: run-<time>)")
+    p.add_argument("--node", type=node_name, metavar="NAME", help="this node's name in the job (default: the host "
+                   "name); one `trainwarden run` per node and job")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
     p.add_argument("--local-addr", metavar="ADDR", help="address this node advertises to its peers "
@@ -75,7 +83,7 @@ def _cmd_run(args) -> int:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
-                          state_home=args.state_home, local_addr=args.local_addr, agent=not args.no_agent,
+                          state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy)
     except ValueError as exc:

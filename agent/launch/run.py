@@ -30,13 +30,14 @@ from typing import TextIO
 import psutil
 
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord, supervisor_gone
+from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.common.netaddr import interface_of, route_address
-from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, split_endpoint
+from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
+from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
@@ -53,7 +54,7 @@ from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_ABORTED
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_ABORTED, validate_node_name
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
@@ -87,7 +88,11 @@ class RunOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for the workers."""
     local_addr: str | None = None
-    """Address this node advertises in the rendezvous; None: loopback for a one-node job, else the hostname."""
+    """Address this node advertises in the rendezvous; None: loopback for a one-node job, else the address
+    of the interface that routes to etcd."""
+    node: str | None = None
+    """This node's name in the job (its record ``jobs/<job>/nodes/<node>``, metric labels, incidents);
+    None: the host name."""
     agent: bool = True
     """Run a node agent in-process (telemetry, metrics, watchdog)."""
     metrics_host: str = "127.0.0.1"
@@ -99,6 +104,19 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         validate_launch(self)
+        if self.node is not None:
+            validate_node_name(self.node)
+        if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
+            raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
+                             "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")
+
+
+MULTI_NODE_RDZV = {"last_call_timeout": "3", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+"""torch's dynamic-rendezvous timings for jobs of several nodes. torch's defaults (last call 30 s, a node
+declared dead after 3 missed 5 s heartbeats) put 45 s into every recovery from a lost node; with these a
+dead node leaves the rendezvous 4-6 s after it died, and a round with at least MIN nodes closes 3 s after
+the last one joined. The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
+N/2 of them a second (not measured beyond the test bed's few nodes)."""
 
 
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
@@ -111,7 +129,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             job.check_leftovers(cleanup)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
-            job.claim(signals)
+            job.claim(signals, cleanup)
             job.launch(cleanup)
             rc = job.supervise(signals)
         except _Abandon as stop:
@@ -158,8 +176,10 @@ class _JobRun:
         self.logs = self.state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
+        self.node = opts.node or socket.gethostname()
         self.record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
-                                                     "started": psutil.Process().create_time()})
+                                                     "started": psutil.Process().create_time(), "node": self.node})
+        self.membership: NodeMembership | None = None
         self.progress = JobProgress()
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -229,9 +249,11 @@ class _JobRun:
         self.rdzv_conf = security.rdzv_conf()
         if config.secure:
             self.rdzv_conf["protocol"] = "https"
+        if parse_nnodes(self.opts.nnodes)[1] > 1:
+            self.rdzv_conf.update(MULTI_NODE_RDZV)
         cleanup.callback(self.client.close)
         # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
-        self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=socket.gethostname())
+        self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=self.node)
         cleanup.callback(self.writer.stop, 5.0)
         self.records = JobRecords(self.client, endpoint=self.endpoint, writer=self.writer)
 
@@ -245,6 +267,7 @@ class _JobRun:
         try:
             agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
                                           metrics_port=opts.metrics_port, state_home=opts.state_home,
+                                          node=self.node,
                                           watchdog=watchdog_config(opts.straggler_policy)),
                               etcd=self.writer)
             agent.start()
@@ -257,7 +280,7 @@ class _JobRun:
             self._write_record(cleanup, AGENT_METRICS_RECORD, agent.metrics_url)
         print(f"trainwarden: agent metrics at {agent.metrics_url}", file=self.out, flush=True)
         self.failures = WorkerFailureRecorder(
-            opts.job, agent.incidents.record,
+            opts.job, agent.incidents.record, node=self.node,
             ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
@@ -285,8 +308,10 @@ class _JobRun:
                 env["GLOO_SOCKET_IFNAME"] = interface
         return env
 
-    def claim(self, signals: StopOnSignals) -> None:
-        """Record the job's spec and take it over in etcd: refused while another live run supervises it."""
+    def claim(self, signals: StopOnSignals, cleanup: ExitStack) -> None:
+        """Enter the job in etcd as this node (agent/etcd/membership.py): refused while another live run holds
+        this node; the first node of a (new) generation records the spec and resets the rendezvous, the
+        others join the generation it started."""
         opts = self.opts
         spec = LaunchSpec(
             job=opts.job, script=opts.script, rdzv_endpoint=self.endpoint, state_dir=self.state_dir,
@@ -300,16 +325,36 @@ class _JobRun:
         except ValueError as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
         try:
-            self.records.put_spec(opts.job, {
-                "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
-                "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
-                "checkpoint_dir": str(self.checkpoint_dir),
-            })
+            admission, release = admit(self.client, opts.job, self.node)
+        except NodeTaken as exc:
+            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
+        except Exception as exc:  # TimeoutError, or etcd gone since connect()
+            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
+                           f"{self.endpoint}: {describe_etcd_error(exc)}") from None
+        try:
             previous = self.records.get_state(opts.job)
-            if previous is not None:
-                self._take_over(previous)
-        except EtcdUnavailable as exc:
-            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
+            if admission.starts_job:
+                self.records.put_spec(opts.job, {
+                    "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
+                    "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
+                    "checkpoint_dir": str(self.checkpoint_dir),
+                })
+                if previous is not None:
+                    self._take_over(previous)
+            else:
+                self.record.generation = int((previous or {}).get("generation", 0))
+                print(f"trainwarden: node {self.node} joins job {opts.job} (generation {self.record.generation}) "
+                      f"beside {', '.join(sorted(admission.peers))}", file=self.out, flush=True)
+            self.membership = NodeMembership(self.client, opts.job, self.node, {
+                "owner": self.record.owner, "address": self.local_addr or "", "nproc_per_node": opts.nproc_per_node,
+                "generation": self.record.generation, "phase": JobPhase.STARTING.value})
+            self.membership.start()
+            cleanup.callback(self.membership.stop)
+        except Exception as exc:
+            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
+                           f"{self.endpoint}: {describe_etcd_error(exc)}") from None
+        finally:
+            release()
         if signals.event.is_set():  # Ctrl-C during start-up: nothing launched yet
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             raise _Abandon(_exit_code(signals.received))
@@ -396,14 +441,11 @@ class _JobRun:
         cleanup.callback(path.unlink, missing_ok=True)
 
     def _take_over(self, previous: dict) -> None:
-        """A job already in etcd: refuse if its supervisor lives, else continue it with the next generation."""
+        """A job already in etcd and no node of it live: continue it with the next generation. A non-terminal
+        phase was left by runs that are gone (killed hard, or cut off from etcd for longer than their
+        record's lease: those stop their workers themselves)."""
         opts, phase = self.opts, previous.get("phase")
         if phase not in (p.value for p in JobPhase if p.terminal):
-            if not supervisor_gone(previous.get("owner") or {}, host=socket.gethostname()):
-                raise _Abandon(exit_codes.EXIT_USAGE,
-                               f"job {opts.job} is already {phase} in etcd at {self.endpoint} "
-                               f"(supervised by {previous.get('owner') or 'an unknown process'}); stop that run "
-                               "first or choose another --job")
             logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
                            opts.job, phase, previous.get("owner"))
         self.record.generation = int(previous.get("generation", 0)) + 1
@@ -415,6 +457,8 @@ class _JobRun:
                 return
             self.record.transition(to, reason, failure=failure)
             self.records.put_state(self.opts.job, self.record.to_json())  # queued, in order: never waits
+            if self.membership is not None:
+                self.membership.update(phase=to.value, restarts=self.record.restarts)
 
     # ---- what the job reports -------------------------------------------------------------------------
 

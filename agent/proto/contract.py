@@ -11,7 +11,7 @@ import re
 
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "FLIGHT_RECORDER_ENV",
-    "JOB_ENV", "JOB_NAME_RE", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
+    "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
     "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -89,4 +89,15 @@ def validate_job_name(name: str) -> str:
             f"job name {name!r} is invalid: use 1-63 lowercase letters, digits, '.', '_' or '-', "
             "starting and ending with a letter or digit"
         )
+    return name
+
+
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+def validate_node_name(name: str) -> str:
+    """Node names (host names by default) become etcd keys and metric labels (ValueError if unfit)."""
+    if not isinstance(name, str) or not NODE_NAME_RE.match(name):
+        raise ValueError(f"node name {name!r} is invalid: use letters, digits, '.', '_' or '-' (at most 253), "
+                         "starting and ending with a letter or digit")
     return name

@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainwarden.runtime.examples.gpt",
                                 description="3-D parallel GPT on synthetic data (run under torchrun)")
     add = p.add_argument
-    add("--dp", type=int, default=1, help="data-parallel (FSDP2) degree")
+    add("--dp", type=int, default=None, help="data-parallel (FSDP2) degree (default: world size / (tp x pp), "
+        "so a job that lost or gained nodes resumes with the data parallelism that fits)")
     add("--tp", type=int, default=1, help="tensor-parallel degree (divides --heads)")
     add("--pp", type=int, default=1, help="pipeline stages (<= --layers)")
     add("--layers", type=int, default=4)
@@ -134,9 +135,17 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     a = _parser().parse_args(argv)
     return TrainConfig(
         model=ModelConfig(vocab=a.vocab, dim=a.dim, heads=a.heads, layers=a.layers, seq=a.seq),
-        mesh=MeshConfig(dp=a.dp, tp=a.tp, pp=a.pp, micro_batches=a.micro_batches),
+        mesh=MeshConfig(dp=a.dp if a.dp is not None else _fitting_dp(a.tp, a.pp), tp=a.tp, pp=a.pp,
+                        micro_batches=a.micro_batches),
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start)
+
+
+def _fitting_dp(tp: int, pp: int) -> int:
+    """The data-parallel degree that fills the world torchrun gave this round (MeshConfig.check says what is
+    wrong when tp x pp does not divide it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // max(1, tp * pp))
 
 
 # Optimizer state keyed by parameter FQN (``param_groups.<fqn>.lr``), not by group index: pipeline stages own

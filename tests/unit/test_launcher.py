@@ -58,3 +58,26 @@ def test_bad_launch_specs(kw, words):
     with pytest.raises(ValueError) as err:
         spec(**kw)
     assert words in str(err.value)
+
+
+def test_a_job_of_several_nodes_needs_an_etcd_they_all_reach():
+    from trainwarden.agent.launch.run import RunOptions
+
+    with pytest.raises(ValueError, match="needs an etcd they all reach; pass --etcd"):
+        RunOptions(script=["t.py"], job="j", nnodes="2:3")
+    RunOptions(script=["t.py"], job="j", nnodes="2:3", etcd="10.0.0.1:2379", node="gpu-node-7.dc1")
+
+
+@pytest.mark.parametrize("node", ["", "-a", "a b", "n/1", "x" * 254])
+def test_node_names_that_cannot_be_keys_or_labels_are_refused(node):
+    from trainwarden.agent.launch.run import RunOptions
+
+    with pytest.raises(ValueError, match="node name"):
+        RunOptions(script=["t.py"], job="j", node=node)
+
+
+def test_multi_node_jobs_get_rendezvous_timings_that_recover_in_seconds():
+    from trainwarden.agent.launch.run import MULTI_NODE_RDZV
+
+    expiry = int(MULTI_NODE_RDZV["keep_alive_interval"]) * int(MULTI_NODE_RDZV["keep_alive_max_attempt"])
+    assert expiry + int(MULTI_NODE_RDZV["last_call_timeout"]) <= 10  # torch's defaults: 15 + 30 s

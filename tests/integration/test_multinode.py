@@ -1,0 +1,95 @@
+"""A job over several simulated nodes (issue 10): `trainwarden run` on each node, as torchrun is run per node.
+
+On the multi-host test bed (tests/testbed.py): three training nodes of two ranks each, a 3-member etcd
+cluster on hosts of its own, checkpoints on storage the nodes share (a directory: the bed shares the
+machine's file system). The reference GPT runs with tensor parallelism 2 inside each node and data
+parallelism across nodes, ``--dp`` left out so that each round takes the degree its world allows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import wait_for
+from testbed import TestBed
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
+
+if TestBed.unavailable():
+    pytest.skip(TestBed.unavailable(), allow_module_level=True)
+
+STEP_RE = re.compile(r"\[rank 0\] [\w.]+: step (\d+) loss ([\d.]+)")
+RESUMED_RE = re.compile(r"\[rank 0\] [\w.]+: resumed from checkpoint step (\d+)")
+
+
+def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: Path, nnodes: str = "2:3"):
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / node / "state"))
+    log = tmp_path / node / "run.log"
+    proc = bed.spawn(node, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                            "--nnodes", nnodes, "--nproc-per-node", "2", "--node", node, "--max-restarts", "3",
+                            "--job", job, "--etcd", bed.etcd_endpoints, "--",
+                            "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12",
+                            "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "5"],
+                     log=log, env=env)
+    return proc, log
+
+
+def _rank0(text: str) -> list[tuple[str, int, float]]:
+    """Rank 0's story in order: ("step", n, loss) and ("resumed", n, 0.0)."""
+    events = [(m.start(), "step", int(m.group(1)), float(m.group(2))) for m in STEP_RE.finditer(text)]
+    events += [(m.start(), "resumed", int(m.group(1)), 0.0) for m in RESUMED_RE.finditer(text)]
+    return [e[1:] for e in sorted(events)]
+
+
+def _steps(text: str) -> list[int]:
+    return [n for kind, n, _ in _rank0(text) if kind == "step"]
+
+
+def _check_continuation(story: list[tuple[str, int, float]], steps: int) -> int:
+    """The last resume went on from the step after its checkpoint to the end, every step once, and the steps
+    it replayed have the losses the larger world had: the same global batch, the same samples. Returns the
+    checkpoint step it resumed from."""
+    last = max(i for i, e in enumerate(story) if e[0] == "resumed")
+    resumed = story[last][1]
+    after = [n for kind, n, _ in story[last:] if kind == "step"]
+    assert after == list(range(resumed + 1, steps + 1)), after
+    first_losses = {}
+    for kind, n, loss in story[:last]:
+        if kind == "step":
+            first_losses.setdefault(n, loss)
+    replayed = [(n, first_losses[n], loss) for kind, n, loss in story[last:] if kind == "step" and n in first_losses]
+    assert replayed, "no step ran in both worlds"
+    for n, before, again in replayed:
+        assert again == pytest.approx(before, rel=1e-3), f"step {n}: loss {before} before the shrink, {again} after"
+    return resumed
+
+
+def test_a_killed_node_leaves_and_the_survivors_shrink_and_train_to_completion(tmp_path):
+    steps, ckpt = 60, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=3, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        runs = {n: _start(bed, tmp_path, n, "mn", steps, ckpt) for n in ("n0", "n1", "n2")}
+        logs = {n: log for n, (_, log) in runs.items()}
+
+        def all_text() -> str:
+            return "".join(p.read_text() for p in logs.values() if p.exists())
+
+        wait_for(lambda: max(_steps(all_text()) or [0]) >= 12 or any(p.poll() is not None for p, _ in runs.values()),
+                 240, what="the three-node job to reach step 12")
+        assert all(p.poll() is None for p, _ in runs.values()), all_text()[-4000:]
+        killed_at = time.time()
+        bed.kill("n2")  # a power loss: torchrun, workers and the supervisor of n2 vanish at once
+        for node in ("n0", "n1"):
+            proc, log = runs[node]
+            assert proc.wait(300) == 0, log.read_text()[-4000:]
+        text = logs["n0"].read_text() + logs["n1"].read_text()
+        assert f"last step {steps}" in text, text[-3000:]
+        story = _rank0(all_text())
+        resumed = _check_continuation(story, steps)
+        print(f"kill -> job over: {time.time() - killed_at:.1f} s; resumed from step {resumed}")
+    assert bed.leftovers() == []
