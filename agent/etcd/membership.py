@@ -200,6 +200,16 @@ class NodeMembership:
             return None
         return confirmed + self._ttl
 
+    def unconfirmed_for(self) -> float:
+        """Seconds since etcd last confirmed the record (it is confirmed every TTL/3 while etcd answers)."""
+        confirmed = self.confirmed_at
+        return 0.0 if confirmed is None else max(0.0, self._clock() - confirmed)
+
+    @property
+    def period(self) -> float:
+        """Seconds between confirmations while etcd answers."""
+        return max(0.5, self._ttl / 3)
+
     def stop(self, timeout: float = 3.0) -> None:
         """Stop the keep-alive and revoke the lease: the record goes at once (best effort)."""
         with self._cond:
@@ -226,7 +236,7 @@ class NodeMembership:
         self.confirmed_at = self._clock()
 
     def _run(self) -> None:
-        period = max(0.5, self._ttl / 3)
+        period = self.period
         down_since: float | None = None
         while True:
             with self._cond:

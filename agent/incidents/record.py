@@ -40,6 +40,9 @@ class IncidentKind(str, enum.Enum):
     """A save failed (disk full, I/O error); the latest committed checkpoint is unchanged."""
     CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
     """A restore passed a checkpoint over: quarantined (unfinished, corrupt, unloadable) or unreadable."""
+    FENCED = "fenced"
+    """The node lost etcd for longer than its membership lease and stopped its workers; it rejoins the job as
+    a new member when etcd answers again."""
 
 
 class IncidentState(str, enum.Enum):

@@ -39,6 +39,7 @@ from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, Etc
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit
 from trainwarden.agent.etcd.writer import EtcdWriter
+from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
@@ -132,12 +133,20 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             job.claim(signals, cleanup)
             job.launch(cleanup)
             rc = job.supervise(signals)
+            while rc is _FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
+                job.wait_for_etcd(signals)
+                job.launch(cleanup)
+                rc = job.supervise(signals)
         except _Abandon as stop:
             if stop.message:
                 print(f"trainwarden: {stop.message}", file=sys.stderr)
             return stop.code
         job.print_summary()
     return rc
+
+
+_FENCED = object()
+"""``supervise``'s answer when this node lost etcd and stopped its workers (fencing)."""
 
 
 class _Abandon(Exception):
@@ -180,6 +189,7 @@ class _JobRun:
         self.record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
                                                      "started": psutil.Process().create_time(), "node": self.node})
         self.membership: NodeMembership | None = None
+        self.fenced = 0
         self.progress = JobProgress()
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -387,8 +397,11 @@ class _JobRun:
         """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
         torchrun, pump = self.torchrun, self.pump
         self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
-        while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None:
+        while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
+                and not self._cut_off():
             pass
+        if signals.received is None and self.config_error is None and self._cut_off():
+            return self._fence(f"lost etcd {self.membership.unconfirmed_for():.0f} s ago")
         if self.config_error is not None:  # the same failure twice before a step: restarting does not help
             pump.quiet = True
             torchrun.stop(grace=10.0)
@@ -409,6 +422,8 @@ class _JobRun:
         torchrun_rc = torchrun.wait()
         pump.join(10)
         self.events.join(5)
+        if torchrun_rc != 0 and self._etcd_trouble():  # its rendezvous failed because etcd is away, not the job
+            return self._fence(f"torchrun exited with {torchrun_rc} while etcd was unreachable")
         if torchrun_rc == 0:
             self.transition(JobPhase.SUCCEEDED)
             return exit_codes.EXIT_OK
@@ -416,6 +431,44 @@ class _JobRun:
         if self.failures is not None:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
+
+    def _cut_off(self) -> bool:
+        """This node's membership lapsed: etcd has not confirmed it for longer than its lease, so the other
+        nodes have seen it leave and may already train without it."""
+        return self.membership is not None and self.membership.lost_since is not None
+
+    def _etcd_trouble(self) -> bool:
+        return self.membership is not None and self.membership.unconfirmed_for() > 2 * self.membership.period
+
+    def _fence(self, why: str) -> object:
+        """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
+        comes back only as a new member, through a new rendezvous (``wait_for_etcd``, then ``launch``)."""
+        print(f"trainwarden: node {self.node} {why}: fencing (stopping its workers); it rejoins job "
+              f"{self.opts.job} as a new member when etcd answers again", file=self.out, flush=True)
+        self.pump.quiet = True
+        self.torchrun.stop(grace=10.0)
+        self.pump.join(5)
+        self.events.join(5)
+        self.pump.quiet = False
+        if self.agent is not None:
+            self.agent.incidents.record(Incident(
+                id=new_incident_id(), kind=IncidentKind.FENCED, job=self.opts.job, node=self.node,
+                evidence={"unconfirmed_s": round(self.membership.unconfirmed_for(), 1), "why": why},
+                detected_at=time.time(), state=IncidentState.RESOLVED,
+                action="stopped this node's workers; rejoining as a new member when etcd answers"))
+        self.transition(JobPhase.RESTARTING, f"fenced: {why}")
+        self.fenced += 1
+        return _FENCED
+
+    def wait_for_etcd(self, signals: StopOnSignals) -> None:
+        """Until etcd confirms this node's membership again (or a signal stops the run)."""
+        started = time.monotonic()
+        while self._etcd_trouble() or self._cut_off():
+            if signals.event.wait(0.5):
+                self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
+                raise _Abandon(_exit_code(signals.received))
+        print(f"trainwarden: etcd answers again after {time.monotonic() - started:.0f} s; node {self.node} rejoins "
+              f"job {self.opts.job}", file=self.out, flush=True)
 
     def print_summary(self) -> None:
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,

@@ -93,3 +93,37 @@ def test_a_killed_node_leaves_and_the_survivors_shrink_and_train_to_completion(t
         resumed = _check_continuation(story, steps)
         print(f"kill -> job over: {time.time() - killed_at:.1f} s; resumed from step {resumed}")
     assert bed.leftovers() == []
+
+
+def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_back_when_healed(tmp_path):
+    """The partitioned node's peers get no connection reset: they sit in a collective until the watchdog
+    turns the silent wait into a restart. The node itself loses etcd, stops its workers (fencing) and, once
+    healed, rejoins as a new member: the job grows back to three nodes and finishes."""
+    steps, ckpt = 160, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=3, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        runs = {n: _start(bed, tmp_path, n, "mp", steps, ckpt) for n in ("n0", "n1", "n2")}
+        logs = {n: log for n, (_, log) in runs.items()}
+
+        def text(*nodes) -> str:
+            return "".join(logs[n].read_text() for n in nodes or logs if logs[n].exists())
+
+        wait_for(lambda: max(_steps(text()) or [0]) >= 12 or any(p.poll() is not None for p, _ in runs.values()),
+                 240, what="the three-node job to reach step 12")
+        assert all(p.poll() is None for p, _ in runs.values()), text()[-4000:]
+        partitioned_at = time.monotonic()
+        bed.partition("n2")
+        wait_for(lambda: "fencing" in text("n2"), 60, what="n2 to fence itself")
+        fenced_after = time.monotonic() - partitioned_at
+        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2, 120,
+                 what="the other nodes to resume as two")
+        bed.heal("n2")
+        wait_for(lambda: "rejoins job mp" in text("n2"), 60, what="n2 to rejoin")
+        for node, (proc, log) in runs.items():
+            assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
+        story = _rank0(text())
+        _check_continuation(story, steps)
+        assert "now 6" in text(), "the job never grew back to six ranks"
+        assert fenced_after < 30, f"n2 trained on for {fenced_after:.0f} s without etcd"
+        assert "hang" in text("n0", "n1")  # the silent wait was the watchdog's to end, not gloo's timeout
+        print(f"partition -> n2 fenced after {fenced_after:.1f} s")
+    assert bed.leftovers() == []
