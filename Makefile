@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2
 DEMO_STEPS ?= 70
 
-.PHONY: demo test venv install install-test system-packages bench clean
+.PHONY: demo demo-cluster test venv install install-test system-packages bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ demo: $(VENV)/.installed
 	TRAINWARDEN_STATE_HOME=$(CURDIR)/runs TRAINWARDEN_FAULTS='$(DEMO_FAULTS)' \
 	  $(BIN)/trainwarden run --nproc-per-node 8 --max-restarts 2 --job demo -- \
 	  -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps $(DEMO_STEPS) --ckpt-every 10
+
+# three simulated nodes (network namespaces; root) and a 3-member etcd cluster; node n2 is lost at step 12
+DEMO_CLUSTER_FAULT ?= kill
+demo-cluster: $(VENV)/.installed
+	$(BIN)/python tests/demo_cluster.py --fault $(DEMO_CLUSTER_FAULT)
 
 test: $(VENV)/.installed-test system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

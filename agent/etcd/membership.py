@@ -38,7 +38,7 @@ from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Admission", "MEMBERSHIP_TTL_S", "NodeMembership", "NodeTaken", "admit", "live_nodes"]
+__all__ = ["Admission", "MEMBERSHIP_TTL_S", "NodeMembership", "NodeTaken", "admit", "live_nodes", "should_fence"]
 
 MEMBERSHIP_TTL_S = 10
 """Lease TTL of a node record: how long a dead node stays listed (and how long etcd may be away before a
@@ -46,6 +46,20 @@ live node's record lapses and is written again)."""
 
 CLAIM_LOCK_TTL_S = 30
 """A claim lock whose holder died frees itself after this long."""
+
+
+def should_fence(*, unconfirmed_s: float, ttl_s: float, median_step_s: float | None,
+                 stepped_since_confirmed: bool) -> bool:
+    """Whether a node of a multi-node job must stop its workers because it lost etcd.
+
+    Its record lapsed (etcd unconfirmed for longer than the lease, and for three of the job's median steps, so
+    a job of long steps is not fenced between two of them) and its workers have completed no step since etcd
+    last confirmed it. The second condition tells a node cut off from the others, whose round they have left
+    (its collectives cannot complete), from an etcd outage that every node sees: then all the nodes still
+    train together, and stopping them would turn etcd's absence into a lost job."""
+    if unconfirmed_s <= max(ttl_s, 3 * (median_step_s or 0.0)):
+        return False
+    return not stepped_since_confirmed
 
 
 class NodeTaken(RuntimeError):
@@ -204,6 +218,10 @@ class NodeMembership:
         """Seconds since etcd last confirmed the record (it is confirmed every TTL/3 while etcd answers)."""
         confirmed = self.confirmed_at
         return 0.0 if confirmed is None else max(0.0, self._clock() - confirmed)
+
+    @property
+    def ttl(self) -> float:
+        return float(self._ttl)
 
     @property
     def period(self) -> float:

@@ -37,7 +37,7 @@ from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit
+from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
@@ -190,6 +190,7 @@ class _JobRun:
                                                      "started": psutil.Process().create_time(), "node": self.node})
         self.membership: NodeMembership | None = None
         self.fenced = 0
+        self._last_step_at: float | None = None  # monotonic: when a worker last completed a step
         self.progress = JobProgress()
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -432,13 +433,25 @@ class _JobRun:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
 
+    @property
+    def _multi_node(self) -> bool:
+        return parse_nnodes(self.opts.nnodes)[1] > 1
+
     def _cut_off(self) -> bool:
-        """This node's membership lapsed: etcd has not confirmed it for longer than its lease, so the other
-        nodes have seen it leave and may already train without it."""
-        return self.membership is not None and self.membership.lost_since is not None
+        """This node's membership lapsed (etcd has not confirmed it for longer than its lease, so the other
+        nodes have seen it leave) and its workers stopped stepping: the others train without it
+        (agent/etcd/membership.py ``should_fence``). Never for a one-node job: nobody can take its place."""
+        m = self.membership
+        if m is None or not self._multi_node or m.confirmed_at is None:
+            return False
+        return should_fence(unconfirmed_s=m.unconfirmed_for(), ttl_s=m.ttl,
+                            median_step_s=self.progress.median_step_seconds(),
+                            stepped_since_confirmed=self._last_step_at is not None
+                            and self._last_step_at >= m.confirmed_at)
 
     def _etcd_trouble(self) -> bool:
-        return self.membership is not None and self.membership.unconfirmed_for() > 2 * self.membership.period
+        m = self.membership
+        return m is not None and self._multi_node and m.unconfirmed_for() > 2 * m.period
 
     def _fence(self, why: str) -> object:
         """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
@@ -560,7 +573,10 @@ class _JobRun:
 
     def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
         """A worker's step (telemetry listener, on the agent's reader thread)."""
-        if job == self.opts.job and self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
+        if job != self.opts.job:
+            return
+        self._last_step_at = time.monotonic()
+        if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
@@ -570,6 +586,8 @@ class _JobRun:
     def _on_line(self, line: str) -> None:
         """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""
         seen = self.progress.feed_line(line)
+        if seen is not None:
+            self._last_step_at = time.monotonic()
         if seen is not None and seen[1]:
             self._round_running(seen[0])
 

@@ -1,0 +1,171 @@
+"""Benchmark: node loss on the multi-host test bed, trainwarden vs plain torchrun, same job and fault.
+
+    python tests/bench/bench_node_loss.py [--runs 1] [--bound 120] [--only tw-kill,...] [--json]
+
+Three simulated nodes of two CPU ranks each (tests/testbed.py, root needed) train the reference GPT with
+tensor parallelism 2 inside a node and data parallelism across nodes (``--dp`` left to the world), a
+checkpoint every 5 steps on storage the nodes share. When rank 0 has logged step 12, node n2 is killed
+(SIGKILL of everything in it: a power loss) or partitioned (its link down: processes alive, network gone).
+Measured from the fault, on the surviving nodes:
+
+* detect: the launcher on a survivor starts a new rendezvous (its workers failed, or were aborted);
+* rdzv: the new round is complete (``Rendezvous complete``);
+* restore: rank 0 restored the checkpoint ("resumed from checkpoint step");
+* step: rank 0 completed its first step in the smaller world: the recovery time.
+
+Scenarios: ``tw-kill`` and ``tw-partition`` run `trainwarden run` on every node against a 3-member etcd
+cluster on hosts of their own; ``torchrun-kill`` and ``torchrun-partition`` run plain torchrun with its c10d
+rendezvous, the store on a surviving node (n0), and ``torchrun-kill-store`` with the store on the node that
+is lost (n2); all with the shared-store workaround (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and the same
+``--max-restarts``. A scenario that does not train again within ``--bound`` seconds is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from testbed import TestBed  # noqa: E402
+
+RANK0_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: step (\d+) loss", re.M)
+RANK0_RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint",
+                           re.M)
+TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\] (Rendezvous'ing worker group|"
+                       r"Rendezvous complete for workers)", re.M)
+GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
+SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition")
+
+
+def _stamp(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _torch_stamp(mmdd: str, hms: str) -> float:
+    year = dt.date.today().year
+    return dt.datetime.strptime(f"{year}{mmdd} {hms}", "%Y%m%d %H:%M:%S.%f").timestamp()
+
+
+def _command(scenario: str, bed: TestBed, node: str, ckpt: Path, state: Path) -> tuple[list[str], dict]:
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(state / node), LOGLEVEL="INFO", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
+    job = GPT + ["--steps", "400", "--ckpt-dir", str(ckpt)]
+    if scenario.startswith("tw-"):
+        return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:3",
+                "--nproc-per-node", "2", "--node", node, "--max-restarts", "3", "--job", "bench",
+                "--etcd", bed.etcd_endpoints, "--", *job], env
+    store = "n2" if scenario == "torchrun-kill-store" else "n0"
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="eth0")
+    env.pop("TRAINWARDEN_AGENT_SOCKET", None)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{bed.address(store)}:29400", "--rdzv-id", "bench",
+            "--max-restarts", "3", "--monitor-interval", "1", "--local-addr", bed.address(node),
+            # every simulated node has the machine's host name: say which one hosts the store
+            "--rdzv-conf", f"is_host={'true' if node == store else 'false'}", *job], env
+
+
+def _texts(logs: dict[str, Path], nodes) -> str:
+    return "".join(logs[n].read_text(errors="replace") for n in nodes if logs[n].exists())
+
+
+def _survivor_logs(logs: dict[str, Path], state: Path) -> str:
+    """The survivors' output and, for `trainwarden run`, torchrun's own log lines kept in the job's log."""
+    extra = [p for n in ("n0", "n1") for p in (state / n).glob("jobs/*/logs/run.log")]
+    return _texts(logs, ("n0", "n1")) + "".join(p.read_text(errors="replace") for p in extra)
+
+
+def run_scenario(scenario: str, bound: float, workdir: Path) -> dict:
+    fault = "partition" if scenario.endswith("partition") else "kill"
+    ckpt, state = workdir / "ckpt", workdir / "state"
+    with TestBed(nodes=3, etcd_members=3 if scenario.startswith("tw-") else 0, workdir=workdir / "bed") as bed:
+        logs = {n: workdir / f"{n}.log" for n in ("n0", "n1", "n2")}
+        for node in ("n0", "n1", "n2"):
+            cmd, env = _command(scenario, bed, node, ckpt, state)
+            bed.spawn(node, cmd, log=logs[node], env=env)
+        deadline = time.monotonic() + 300
+        while max((int(m.group(2)) for m in RANK0_STEP.finditer(_texts(logs, logs))), default=0) < 12:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{scenario}: the job did not reach step 12 in 300 s; see {workdir}")
+            time.sleep(0.2)
+        t0 = time.time()
+        (bed.partition if fault == "partition" else bed.kill)("n2")
+        result = {"scenario": scenario, "fault": fault}
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            text = _survivor_logs(logs, state)
+            resumed = [_stamp(m.group(1)) for m in RANK0_RESUMED.finditer(text) if _stamp(m.group(1)) > t0]
+            steps = [_stamp(m.group(1)) for m in RANK0_STEP.finditer(text)]
+            if resumed and [s for s in steps if s > min(resumed)]:
+                torch_events = [(_torch_stamp(*m.groups()[:2]), m.group(3)) for m in TORCH_LOG.finditer(text)]
+                after = [(t, what) for t, what in torch_events if t > t0]
+                detect = min((t for t, w in after if w.startswith("Rendezvous'ing")), default=None)
+                rdzv = min((t for t, w in after if w.startswith("Rendezvous complete")), default=None)
+                result.update(
+                    detect_s=round(detect - t0, 1) if detect else None, rdzv_s=round(rdzv - t0, 1) if rdzv else None,
+                    restore_s=round(min(resumed) - t0, 1),
+                    step_s=round(min(s for s in steps if s > min(resumed)) - t0, 1))
+                return result
+            time.sleep(0.5)
+        result["step_s"] = None
+        result["note"] = f"not training again {bound:.0f} s after the fault"
+        return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=1, help="runs of each scenario (medians printed)")
+    p.add_argument("--bound", type=float, default=120.0, help="seconds to wait for training after the fault")
+    p.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", metavar="DIR", help="keep each run's logs under DIR (default: a temporary directory)")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the test bed tears itself down
+    reason = TestBed.unavailable()
+    if reason:
+        print(f"bench_node_loss: {reason}", file=sys.stderr)
+        return 2
+    scenarios = [s for s in args.only.split(",") if s]
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
+    rows = []
+    for scenario in scenarios:
+        for i in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix=f"nodeloss-{scenario}-", dir=args.keep) as tmp:
+                print(f"[{scenario} run {i + 1}/{args.runs}] ...", file=sys.stderr, flush=True)
+                row = run_scenario(scenario, args.bound, Path(tmp))
+                print(f"[{scenario} run {i + 1}/{args.runs}] {row}", file=sys.stderr, flush=True)
+                rows.append(row)
+                if args.keep:  # TemporaryDirectory would delete it
+                    kept = Path(args.keep) / f"{scenario}-{i + 1}"
+                    Path(tmp).rename(kept)
+                    Path(tmp).mkdir()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'scenario':22} {'runs':>4} {'detect':>7} {'rdzv':>6} {'restore':>8} {'step':>6}   (s after the fault, "
+          "medians)")
+    for scenario in scenarios:
+        mine = [r for r in rows if r["scenario"] == scenario]
+
+        def med(key):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            return f"{statistics.median(values):.1f}" if len(values) == len(mine) else "-"
+        line = f"{scenario:22} {len(mine):>4} {med('detect_s'):>7} {med('rdzv_s'):>6} {med('restore_s'):>8} " \
+               f"{med('step_s'):>6}"
+        notes = {r["note"] for r in mine if r.get("note")}
+        print(line + (f"   {'; '.join(notes)}" if notes else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
