@@ -49,17 +49,16 @@ CLAIM_LOCK_TTL_S = 30
 
 
 def should_fence(*, unconfirmed_s: float, ttl_s: float, median_step_s: float | None,
-                 stepped_since_confirmed: bool) -> bool:
+                 since_last_step_s: float | None) -> bool:
     """Whether a node of a multi-node job must stop its workers because it lost etcd.
 
     Its record lapsed (etcd unconfirmed for longer than the lease, and for three of the job's median steps, so
-    a job of long steps is not fenced between two of them) and its workers have completed no step since etcd
-    last confirmed it. The second condition tells a node cut off from the others, whose round they have left
-    (its collectives cannot complete), from an etcd outage that every node sees: then all the nodes still
-    train together, and stopping them would turn etcd's absence into a lost job."""
-    if unconfirmed_s <= max(ttl_s, 3 * (median_step_s or 0.0)):
-        return False
-    return not stepped_since_confirmed
+    a job of long steps is not fenced between two of them) and its workers have completed no step for as
+    long (None: none since they started). The second condition tells a node cut off from the others, whose
+    round they have left (its collectives cannot complete), from an etcd outage that every node sees: then
+    all the nodes still train together, and stopping them would turn etcd's absence into a lost job."""
+    patience = max(ttl_s, 3 * (median_step_s or 0.0))
+    return unconfirmed_s > patience and (since_last_step_s is None or since_last_step_s > patience)
 
 
 class NodeTaken(RuntimeError):

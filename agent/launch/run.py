@@ -446,8 +446,8 @@ class _JobRun:
             return False
         return should_fence(unconfirmed_s=m.unconfirmed_for(), ttl_s=m.ttl,
                             median_step_s=self.progress.median_step_seconds(),
-                            stepped_since_confirmed=self._last_step_at is not None
-                            and self._last_step_at >= m.confirmed_at)
+                            since_last_step_s=None if self._last_step_at is None
+                            else time.monotonic() - self._last_step_at)
 
     def _etcd_trouble(self) -> bool:
         m = self.membership

@@ -127,3 +127,29 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
         assert "hang" in text("n0", "n1")  # the silent wait was the watchdog's to end, not gloo's timeout
         print(f"partition -> n2 fenced after {fenced_after:.1f} s")
     assert bed.leftovers() == []
+
+
+def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
+    """Two of the three etcd members down for longer than a node's membership lease: every node loses etcd
+    at once, but their workers go on stepping together, so nobody is fenced and nothing restarts."""
+    steps, ckpt = 120, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=2, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        runs = {n: _start(bed, tmp_path, n, "mq", steps, ckpt, nnodes="2") for n in ("n0", "n1")}
+        logs = {n: log for n, (_, log) in runs.items()}
+
+        def text() -> str:
+            return "".join(p.read_text() for p in logs.values() if p.exists())
+
+        wait_for(lambda: max(_steps(text()) or [0]) >= 10 or any(p.poll() is not None for p, _ in runs.values()),
+                 240, what="the two-node job to reach step 10")
+        bed.kill("e0")
+        bed.kill("e1")
+        time.sleep(16)  # past the 10 s membership lease
+        assert all(p.poll() is None for p, _ in runs.values()), text()[-4000:]
+        bed.start_etcd_member("e0")
+        bed.start_etcd_member("e1")
+        for node, (proc, log) in runs.items():
+            assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
+        assert "fencing" not in text() and "round failed" not in text(), text()[-4000:]
+        assert _steps(text()) == list(range(1, steps + 1))  # every step once: no restart
+    assert bed.leftovers() == []
