@@ -59,24 +59,29 @@ def main(argv=None) -> int:
             print(f"demo-cluster: {n} ({bed.address(n)}): trainwarden run --nnodes 2:3 --node {n} "
                   f"--etcd {bed.etcd_endpoints} ...; log {logs[n]}", flush=True)
         seen = dict.fromkeys(nodes, 0)
-        faulted = healed = False
+        faulted = healed = resumed = False
         fault_at = started = time.monotonic()
         # a killed n2 is gone; a partitioned one comes back and finishes with the others
         while any(procs[n].poll() is None for n in nodes if n != "n2" or not faulted or args.fault == "partition"):
             for n in nodes:
                 lines = logs[n].read_text(errors="replace").splitlines() if logs[n].exists() else []
                 for line in lines[seen[n]:]:
-                    if SHOW.search(line):
-                        print(f"  {n} | {line[-150:]}", flush=True)
                     m = STEP.search(line)
+                    if "resumed from checkpoint" in line:
+                        resumed = True
+                    # every 10th step, and the first one after a resume
+                    if SHOW.search(line) and (not m or int(m.group(1)) % 10 == 0 or resumed):
+                        print(f"  {n} | {line[-150:]}", flush=True)
+                        if m and resumed and faulted:
+                            print(f"demo-cluster: training again {time.monotonic() - fault_at:.1f} s after the "
+                                  f"{args.fault}", flush=True)
+                    if m:
+                        resumed = False
                     if m and int(m.group(1)) >= 12 and not faulted:
                         faulted = True
                         print(f"demo-cluster: step 12 reached; {args.fault} n2 now", flush=True)
-                        if args.fault == "kill":
-                            bed.kill("n2")
-                        else:
-                            bed.partition("n2")
-                            fault_at = time.monotonic()
+                        fault_at = time.monotonic()
+                        (bed.kill if args.fault == "kill" else bed.partition)("n2")
                 seen[n] = len(lines)
             if args.fault == "partition" and faulted and not healed and time.monotonic() - fault_at > 25:
                 print("demo-cluster: healing n2's link", flush=True)
