@@ -37,7 +37,8 @@ from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, should_fence
+from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher
+from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
@@ -280,12 +281,16 @@ class _JobRun:
                                           metrics_port=opts.metrics_port, state_home=opts.state_home,
                                           node=self.node,
                                           watchdog=watchdog_config(opts.straggler_policy)),
-                              etcd=self.writer)
+                              etcd=self.writer, cluster=self._hang_coordinator())
             agent.start()
         except (ExporterError, TelemetryServerError, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
         cleanup.callback(agent.stop)
         self.agent = agent
+        if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
+            progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
+            progress.start()
+            cleanup.callback(progress.stop)
         self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
         if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
             self._write_record(cleanup, AGENT_METRICS_RECORD, agent.metrics_url)
@@ -295,6 +300,14 @@ class _JobRun:
             ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
+
+    def _hang_coordinator(self) -> HangCoordinator | None:
+        """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
+        it waits for the verdicts of the job's live members."""
+        if not self._multi_node:
+            return None
+        client, node = self.client, self.node
+        return HangCoordinator(client, node, peers=lambda job: [n for n in live_nodes(client, job) if n != node])
 
     @property
     def local_addr(self) -> str | None:

@@ -88,9 +88,10 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
 
 
 class NodeAgent:
-    def __init__(self, config: AgentConfig, *, etcd: EtcdWriter | None = None) -> None:
+    def __init__(self, config: AgentConfig, *, etcd: EtcdWriter | None = None, cluster=None) -> None:
         """``etcd``: the node's queued etcd writes (incident copies, exclusion requests, checkpoint pointers);
-        None keeps everything on local disk."""
+        None keeps everything on local disk. ``cluster``: the watchdog's ``HangCoordinator`` for a job of
+        several nodes (agent/etcd/cluster.py)."""
         self.config = config
         state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
         # committed checkpoints are published to etcd from one thread of their own, never from the telemetry
@@ -104,7 +105,7 @@ class NodeAgent:
         self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
-                                 diagnostics_dir=lambda job: state_dir(job) / "diagnostics")
+                                 diagnostics_dir=lambda job: state_dir(job) / "diagnostics", cluster=cluster)
         self.gpus = GpuHealthSampler(GpuHealthConfig(node=config.node)) if config.gpu_health else None
         self.host = HostHealthSampler(HostHealthConfig(node=config.node, disk_paths=config.host_disk_paths),
                                       worker_pids=self._worker_pids)

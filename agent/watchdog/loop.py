@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_io_bytes, process_state,
                                                 read_diagnostics)
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
+from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
 from trainwarden.agent.common.paths import job_state_dir
@@ -104,8 +105,12 @@ class Watchdog:
                  sleep: Callable[[float], object] | None = None,
                  probe: Callable[[int], str] = process_state,
                  io_bytes: Callable[[int], int | None] = process_io_bytes,
-                 diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics") -> None:
+                 diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics",
+                 cluster=None) -> None:
+        """``cluster``: a ``HangCoordinator`` (agent/etcd/cluster.py) for jobs of several nodes: one node records
+        each hang and names its culprit from every node's verdict; None acts alone."""
         self.config = config or WatchdogConfig()
+        self._cluster = cluster
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._io_bytes = io_bytes
@@ -114,7 +119,7 @@ class Watchdog:
         self._hang = HangDetector(self.config.hang, clock=clock)
         self._straggler = StragglerDetector(self.config.straggler, clock=clock)
         self._trace = TraceWriter(self.config.straggler_trace_dir) if self.config.straggler_trace_dir else None
-        self._acting: dict[str, tuple[Incident, float]] = {}  # job -> hang incident waiting for progress
+        self._acting: dict[str, tuple[Incident | None, float]] = {}  # job -> hang incident waiting for progress (None: another node's)
         self._stragglers: dict[tuple[str, int], Incident] = {}  # open straggler_start incidents
         self._straggler_starts: dict[str, deque[float]] = {}  # job -> wall times of recent starts (rate limit)
         self._suppressed: set[tuple[str, int]] = set()  # flagged without an incident
@@ -236,16 +241,26 @@ class Watchdog:
                 evidence[r.rank] = RankEvidence(rank=r.rank, status=status)
         verdict = name_culprit(evidence)
         ranks = [r.rank for r in snap.ranks]
+        culprits, summary, cluster = tuple(verdict.culprits) or tuple(verdict.unresponsive), verdict.summary, None
+        if self._cluster is not None:
+            shared = self._share_hang(snap, incident_id, verdict)
+            if shared is None:  # another node records this hang: abort our part of the group, nothing else
+                return self._abort_only(snap, ranks, check, verdict)
+            if shared:
+                named, summary = merge_verdicts(shared)
+                culprits = tuple(sorted(named)) or culprits
+                cluster = {"verdicts": shared, "culprit_nodes": {str(r): n for r, n in named.items()}}
         incident = self._actions.record(Incident(  # ranks: the culprits, else those that did not answer
             id=incident_id, kind=IncidentKind.HANG, job=job, node=self._node,
-            ranks=verdict.culprits or tuple(verdict.unresponsive),
+            ranks=culprits,
             detected_at=detected, updated_at=detected, evidence={
                 "stalled_seconds": round(check.stalled_s, 3), "timeout_seconds": round(check.timeout_s, 3),
                 "deadline": check.reason, "steps_since_start": check.steps_since_start,
                 "last_steps": {str(r.rank): r.last_step for r in snap.ranks},
                 "checkpoint_stages": {str(r.rank): r.checkpoint_stage for r in snap.ranks},
                 "connected": {str(r.rank): r.connected for r in snap.ranks},
-                "diagnostics_dir": str(directory), "verdict": verdict.to_dict()}))
+                "diagnostics_dir": str(directory), "verdict": verdict.to_dict(),
+                **({"cluster": cluster, "summary": summary} if cluster else {})}))
         for rank in verdict.culprits:
             self._job_telemetry.set_flag(job, rank, "hung", True)
         if not self.config.abort_on_hang:
@@ -253,7 +268,7 @@ class Watchdog:
         incident = self._actions.record(incident.transition(
             IncidentState.ACTING, action=f"abort local workers (ranks {','.join(map(str, ranks))})",
             outcome="waiting for the job to progress after the restart", now=self._wall()))
-        reason = f"hang: no step for {check.stalled_s:.0f} s; {verdict.summary}"
+        reason = f"hang: no step for {check.stalled_s:.0f} s; {summary}"
         failure = "aborting the workers failed"
         try:
             aborted = self._actions.abort(job, ranks, reason)
@@ -264,6 +279,33 @@ class Watchdog:
             self._acting[job] = (incident, self._clock())
         else:
             self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure, now=self._wall()))
+
+    def _share_hang(self, snap: JobSnapshot, incident_id: str, verdict) -> dict | None:
+        """Tell the job's other nodes what this node saw and learn who records the hang: the verdicts by node
+        when this node does, None when another does, {} when etcd cannot be asked (then it acts alone)."""
+        key = str(max((r.last_step for r in snap.ranks), default=-1))
+        local = {"verdict": verdict.to_dict(), "last_steps": {str(r.rank): r.last_step for r in snap.ranks}}
+        try:
+            owns, answer = self._cluster.coordinate(snap.job, key, incident_id, local)
+        except Exception as exc:
+            log.warning("job %s: cannot coordinate the hang with the other nodes through etcd (%s); recording it "
+                        "here", snap.job, exc, extra={"job": snap.job})
+            return {}
+        if owns:
+            return answer
+        log.warning("job %s hung; node %s records it (incident %s); aborting this node's workers", snap.job,
+                    answer.get("node", "?"), answer.get("incident", "?"), extra={"job": snap.job})
+        return None
+
+    def _abort_only(self, snap: JobSnapshot, ranks: list[int], check: HangCheck, verdict) -> None:
+        if not self.config.abort_on_hang:
+            return
+        try:
+            if self._actions.abort(snap.job, ranks, f"hang: no step for {check.stalled_s:.0f} s; recorded by "
+                                                    f"another node ({verdict.summary})"):
+                self._acting[snap.job] = (None, self._clock())
+        except Exception:
+            log.exception("aborting the workers of job %s failed", snap.job, extra={"job": snap.job})
 
     def _collect(self, directory: Path, ranks: list[int]) -> dict[int, RankEvidence]:
         deadline = self._clock() + self.config.diagnostics_wait_s
@@ -276,6 +318,8 @@ class Watchdog:
 
     def _resolve_hang(self, snap: JobSnapshot) -> None:
         incident, aborted_at = self._acting.pop(snap.job)
+        if incident is None:  # another node's incident: that node resolves it
+            return
         for rank in incident.ranks:
             self._job_telemetry.set_flag(snap.job, rank, "hung", False)
         self._actions.record(incident.transition(

@@ -153,3 +153,34 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
         assert "fencing" not in text() and "round failed" not in text(), text()[-4000:]
         assert _steps(text()) == list(range(1, steps + 1))  # every step once: no restart
     assert bed.leftovers() == []
+
+
+def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp_path):
+    """Rank 3 (on n1) blocks at step 15; every rank of both nodes stops. Both nodes' watchdogs fire; one records
+    the incident, naming rank 3 on n1 from n1's Flight Recorder dumps whichever node it is."""
+    import json
+
+    steps, ckpt = 40, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
+        runs = {}
+        for n in ("n0", "n1"):
+            os.environ["TRAINWARDEN_FAULTS"] = "hang:rank=3,step=15"
+            try:
+                runs[n] = _start(bed, tmp_path, n, "mh", steps, ckpt, nnodes="2")
+            finally:
+                del os.environ["TRAINWARDEN_FAULTS"]
+        for node, (proc, log) in runs.items():
+            assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
+        host, port = bed.etcd_endpoints.split(",")[0].split(":")
+        dump = ("import etcd3, json\n"
+                f"c = etcd3.client(host={host!r}, port={port})\n"
+                "for v, _ in c.get_prefix('/trainwarden/v1/jobs/mh/incidents/'):\n"
+                "    print(json.dumps(json.loads(v)))\n")
+        out = bed.run("n0", [sys.executable, "-c", dump], check=True).stdout
+        incidents = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        hangs = {i["id"]: i for i in incidents if i["kind"] == "hang"}  # the latest version of each
+        assert len(hangs) == 1, [(i["id"], i["node"], i["state"]) for i in incidents]
+        hang, = hangs.values()
+        assert hang["ranks"] == [3] and hang["evidence"]["cluster"]["culprit_nodes"] == {"3": "n1"}, hang
+        assert "rank 3 on n1" in hang["evidence"]["summary"]
+    assert bed.leftovers() == []

@@ -396,3 +396,69 @@ def test_process_io_bytes_reads_a_real_process():
         child.stdin.close()
         child.wait(10)
     assert process_io_bytes(child.pid) is None
+
+
+class FakeCoordinator:
+    """Stands for the job's other nodes (agent/etcd/cluster.py HangCoordinator): ``owner`` None: this node wins
+    and ``others`` are the other nodes' verdicts; else that node records the hang."""
+
+    def __init__(self, owner=None, others=None, fail=False):
+        self.owner, self.others, self.fail = owner, others or {}, fail
+        self.calls = []
+
+    def coordinate(self, job, key, incident_id, local):
+        self.calls.append((job, key, local))
+        if self.fail:
+            raise ConnectionError("etcd unreachable")
+        if self.owner:
+            return False, {"node": self.owner, "incident": "20261123T000000000Z-abcdef"}
+        return True, {"n1": {**local, "node": "n1"}, **self.others}
+
+
+def _hang(sim, wd):
+    for _ in range(5):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 6
+    wd.check_once()
+
+
+def test_a_hang_seen_on_several_nodes_is_recorded_once_by_the_node_that_owns_it(tmp_path):
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    cluster = FakeCoordinator(owner="n0")
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster)
+    _hang(sim, wd)
+    assert actions.records == []  # n0 records it
+    (_, ranks, reason), = actions.aborts  # but this node's workers are aborted, for the group to restart
+    assert ranks == [0, 1] and "recorded by another node" in reason
+    (job, key, local), = cluster.calls
+    assert key == "10" and local["verdict"]["summary"].startswith("no lagging rank")
+    sim.run(3)  # progress after the restart: nothing to resolve here
+    wd.check_once()
+    assert actions.records == []
+
+
+def test_the_owner_names_a_culprit_on_another_node(tmp_path):
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    remote = {"n2": {"node": "n2", "verdict": {"culprits": [4], "summary": "rank 4 never entered all_reduce #31"}}}
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=FakeCoordinator(others=remote))
+    _hang(sim, wd)
+    opened = actions.records[0]
+    assert opened.kind is IncidentKind.HANG and opened.ranks == (4,)
+    assert opened.evidence["cluster"]["culprit_nodes"] == {"4": "n2"}
+    assert "culprit rank 4 on n2" in opened.evidence["summary"]
+    (_, _, reason), = actions.aborts
+    assert "rank 4 on n2" in reason
+
+
+def test_without_etcd_the_node_records_the_hang_itself(tmp_path):
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=FakeCoordinator(fail=True))
+    _hang(sim, wd)
+    assert [i.kind for i in actions.records[:1]] == [IncidentKind.HANG] and len(actions.aborts) == 1

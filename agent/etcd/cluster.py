@@ -1,0 +1,177 @@
+"""What the node agents of a multi-node job tell each other through etcd: progress, and who acts on a hang.
+
+* **Progress** (``publish_progress``, on a thread of its own every ``period_s``): per job with ranks on this
+  node, ``jobs/<job>/progress/<node>`` = this node's ranks with their last step, whether their telemetry
+  stream is connected, and the time of the summary; under a lease of the publisher's, so a dead node's
+  summary goes by itself. A summary older than two periods, or none, says the node's agent is silent.
+* **Hangs** (``HangCoordinator``). In synchronous training a hang stops every rank, so every node's watchdog
+  detects it, within a second or so of the others (they share the deadline rule and the stall's start).
+  Each names what it can from its own ranks' Flight Recorder dumps: the node that holds the culprit names it
+  (its rank lags its local peers' sequence ids); the others see only ranks waiting inside a collective.
+  Each node writes that local verdict to ``jobs/<job>/hangs/<key>/verdicts/<node>``, then tries to create
+  ``jobs/<job>/hangs/<key>/owner`` in a transaction: the one node that does records the hang incident, after
+  waiting a few seconds for the verdicts of the job's other live nodes, and names the culprit rank and its
+  node from all of them; the others record nothing and only abort their own workers (every node must, for
+  the group to restart). ``key`` is the last step completed before the stall, which every node of a
+  synchronous job sees alike. The keys live under a short lease, so the same step hanging again after the
+  restart is a new incident.
+
+Every call has the client's timeout; a failure is the caller's to handle (the watchdog then acts alone, as
+on one node). Only this module knows these key names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from trainwarden.agent.etcd.client import describe_etcd_error, with_failover
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "read_progress"]
+
+HANG_KEY_TTL_S = 15
+"""How long a hang's election and verdicts stay: longer than the spread of the nodes' detections, shorter than
+a restart, so the same step hanging again in the next round is a new incident."""
+
+
+def read_progress(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, dict]:
+    """Every node's latest progress summary of ``job``, by node name."""
+    key_prefix = job_key(job, "progress", "", prefix=prefix)
+    out: dict[str, dict] = {}
+    for value, meta in with_failover(client, lambda: list(client.get_prefix(key_prefix))):
+        try:
+            out[meta.key.decode()[len(key_prefix):]] = json.loads(value)
+        except ValueError:
+            continue
+    return out
+
+
+class ProgressPublisher:
+    """Publishes ``jobs/<job>/progress/<node>`` every ``period_s`` from ``snapshot()`` (JobSnapshots)."""
+
+    def __init__(self, client, node: str, snapshot: Callable[[], list], *, period_s: float = 3.0,
+                 ttl: int = 10, prefix: str = DEFAULT_PREFIX, wall: Callable[[], float] = time.time) -> None:
+        self._client, self._node, self._snapshot = client, node, snapshot
+        self._period, self._ttl, self._prefix, self._wall = period_s, ttl, prefix, wall
+        self._lease = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-progress", daemon=True)
+        self._failing = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except Exception:  # it expires anyway
+                pass
+
+    def publish_once(self) -> None:
+        client = self._client
+        if self._lease is None or not self._alive():
+            self._lease = with_failover(client, lambda: client.lease(self._ttl))
+        for snap in self._snapshot():
+            summary = {"node": self._node, "at": self._wall(), "ranks": {
+                str(r.rank): {"last_step": r.last_step, "connected": r.connected} for r in snap.ranks}}
+            key = job_key(snap.job, "progress", self._node, prefix=self._prefix)
+            value = json.dumps(summary, sort_keys=True)
+            with_failover(client, lambda k=key, v=value: client.put(k, v, lease=self._lease))
+
+    def _alive(self) -> bool:
+        lease = self._lease
+        responses = with_failover(self._client, lambda: list(self._client.refresh_lease(lease.id)))
+        return bool(responses) and int(getattr(responses[-1], "TTL", 0)) > 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self.publish_once()
+                if self._failing:
+                    logger.info("progress summaries reach etcd again")
+                self._failing = False
+            except Exception as exc:
+                self._lease = None if self._failing else self._lease
+                if not self._failing:
+                    logger.warning("cannot publish progress summaries to etcd (%s); retrying",
+                                   describe_etcd_error(exc))
+                self._failing = True
+
+
+class HangCoordinator:
+    """One incident per hang across the job's nodes (module docstring)."""
+
+    def __init__(self, client, node: str, *, prefix: str = DEFAULT_PREFIX, verdict_wait_s: float = 3.0,
+                 peers: Callable[[str], list[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Any] = time.sleep) -> None:
+        """``peers(job)``: the job's other live nodes, whose verdicts the owner waits for (default: the nodes
+        with a progress summary)."""
+        self._client, self.node, self._prefix = client, node, prefix
+        self._wait, self._clock, self._sleep = verdict_wait_s, clock, sleep
+        self._peers = peers or (lambda job: [n for n in read_progress(client, job, prefix=prefix) if n != node])
+
+    def _key(self, job: str, key: str, *parts: str) -> str:
+        return job_key(job, "hangs", key, *parts, prefix=self._prefix)
+
+    def coordinate(self, job: str, key: str, incident_id: str, local: Mapping[str, Any]) -> tuple[bool, dict]:
+        """Share this node's verdict, then try to own the hang. Returns ``(True, verdicts by node)`` to the owner,
+        once the other live nodes' verdicts are in or ``verdict_wait_s`` has passed, and ``(False, owner)`` to
+        the others (``owner``: the owner's node and incident id)."""
+        client = self._client
+        lease = with_failover(client, lambda: client.lease(HANG_KEY_TTL_S))
+        verdict = json.dumps({**local, "node": self.node}, sort_keys=True, default=str)
+        with_failover(client, lambda: client.put(self._key(job, key, "verdicts", self.node), verdict, lease=lease))
+        owner_key = self._key(job, key, "owner")
+        me = json.dumps({"node": self.node, "incident": incident_id})
+        won, responses = with_failover(client, lambda: client.transaction(
+            compare=[client.transactions.version(owner_key) == 0],
+            success=[client.transactions.put(owner_key, me, lease=lease)],
+            failure=[client.transactions.get(owner_key)]))
+        if not won:
+            try:
+                holder = json.loads(responses[0][0][0])
+            except (IndexError, TypeError, ValueError):
+                holder = {}
+            return False, holder
+        expected = set(self._peers(job)) | {self.node}
+        deadline = self._clock() + self._wait
+        verdicts = self._verdicts(job, key)
+        while not expected <= set(verdicts) and self._clock() < deadline:
+            self._sleep(0.2)
+            verdicts = self._verdicts(job, key)
+        return True, verdicts
+
+    def _verdicts(self, job: str, key: str) -> dict[str, dict]:
+        prefix = self._key(job, key, "verdicts", "")
+        out = {}
+        for value, meta in with_failover(self._client, lambda: list(self._client.get_prefix(prefix))):
+            try:
+                out[meta.key.decode()[len(prefix):]] = json.loads(value)
+            except ValueError:
+                continue
+        return out
+
+
+def merge_verdicts(verdicts: Mapping[str, Mapping[str, Any]]) -> tuple[dict[int, str], str]:
+    """The culprits named by any node, with the node that named them, and one line for the incident."""
+    culprits: dict[int, str] = {}
+    for node, v in sorted(verdicts.items()):
+        for rank in (v.get("verdict") or {}).get("culprits") or []:
+            culprits.setdefault(int(rank), node)
+    if culprits:
+        named = ", ".join(f"rank {r} on {n}" for r, n in sorted(culprits.items()))
+        why = "; ".join(f"{n}: {(verdicts[n].get('verdict') or {}).get('summary', '')}"
+                        for n in sorted(set(culprits.values())))
+        return culprits, f"culprit {named} ({why})"
+    return culprits, "no node named a culprit: " + "; ".join(
+        f"{n}: {(v.get('verdict') or {}).get('summary', '?')}" for n, v in sorted(verdicts.items()))
