@@ -93,10 +93,16 @@ class WorkerFailureRecorder:
             self._open = None
         failures, self._failures = self._failures, []
         own = [f for f in failures if self._caused_here(f)]
-        crashed = bool(own)
         now = self._wall()
-        ranks = tuple(sorted({f["global_rank"] for f in own or failures}))
         evidence: dict = {"failed_workers": failures, "ranks_are": "global ranks the launcher reported failed"}
+        elsewhere = self._peer_lost_elsewhere(own)
+        if elsewhere:  # every rank here left because a peer is gone: the failure is on another node
+            own = []
+            evidence["ranks_are"] = "none: the failure is not on this node"
+            evidence["summary"] = (f"every failed rank on this node left because a peer is gone ({elsewhere}); "
+                                   "the failed rank is on another node")
+        crashed = bool(own)
+        ranks = () if elsewhere else tuple(sorted({f["global_rank"] for f in own or failures}))
         if crashed and self._ended_streams is not None:
             first = self._attribute(evidence, failures)
             if first is not None:
@@ -111,6 +117,18 @@ class WorkerFailureRecorder:
         if state != IncidentState.OPEN:
             incident = self._record(incident.transition(state, outcome=outcome or None, now=now))
         self._open = incident if state == IncidentState.ACTING else None
+
+    def _peer_lost_elsewhere(self, own: list[dict]) -> str:
+        """The first goodbye when every rank of this node whose stream ended said its peer was gone (a node
+        of the job was lost or cut off), else "": a stream here that ended otherwise (a SIGKILL, an error)
+        is this node's crash."""
+        if not own or self._ended_streams is None:
+            return ""
+        try:
+            said = [e.get("goodbye") or "" for e in self._ended_streams(self._since)]
+        except Exception:  # evidence only
+            return ""
+        return said[0] if said and all(g.startswith(PEER_GONE) for g in said) else ""
 
     def _caused_here(self, failure: dict) -> bool:
         """The worker failed of its own accord (not the agent's abort, nor torchrun stopping it)."""

@@ -95,7 +95,7 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
     assert rec._since == 1001.4
 
 
-def test_when_the_first_to_leave_left_for_a_lost_peer_the_launchers_report_stands():
+def test_when_every_rank_here_left_for_a_lost_peer_none_of_them_is_blamed():
     from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 
     js = JobTelemetry(wall=lambda: 1001.0)
@@ -105,7 +105,10 @@ def test_when_the_first_to_leave_left_for_a_lost_peer_the_launchers_report_stand
     rec, versions = recorder(ended_streams=lambda since: js.ended_streams("j", since))
     rec.round_failed([failed(3, 1, local=0)])
     rec.restarting()
-    assert versions[-1].ranks == (3,) and versions[-1].evidence["ranks_are"].startswith("global ranks")
+    # every stream here ended for a lost peer: no rank of this node is blamed (it was the launcher's report
+    # before multi-node jobs, when this could only be a misattribution)
+    assert versions[-1].kind == IncidentKind.RESTART and versions[-1].ranks == ()
+    assert versions[-1].evidence["failed_workers"][0]["global_rank"] == 3  # the report is kept as evidence
 
 
 def test_a_worker_the_agent_killed_after_an_abort_and_peers_torchrun_stopped_are_no_crash():
@@ -117,3 +120,21 @@ def test_a_worker_the_agent_killed_after_an_abort_and_peers_torchrun_stopped_are
     rec2.round_failed([failed(1, -9), failed(2, -15)])  # a SIGKILL nobody here sent
     rec2.restarting()
     assert versions2[-1].kind == IncidentKind.CRASH and versions2[-1].ranks == (1,)
+
+
+def test_ranks_that_left_because_a_node_elsewhere_was_lost_are_a_restart_not_a_crash():
+    """A multi-node job: n2 loses power; both ranks here exit on a connection reset, saying so. Nothing here
+    crashed: no rank of this node is named."""
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
+
+    js = JobTelemetry(wall=lambda: 1001.0)
+    for r in (0, 1):
+        js.connect(WorkerInfo(job="j", rank=r, world_size=6, pid=100 + r))
+        js.goodbye("j", r, 100 + r, "peer gone: Read error [10.213.0.12]:39045: Connection reset by peer.")
+        js.disconnect("j", r, 100 + r)
+    rec, versions = recorder(ended_streams=lambda since: js.ended_streams("j", since))
+    rec.round_failed([failed(0, 1), failed(1, 1)])
+    rec.restarting()
+    incident = versions[-1]
+    assert incident.kind == IncidentKind.RESTART and incident.ranks == ()
+    assert "the failed rank is on another node" in incident.evidence["summary"]
