@@ -1,0 +1,97 @@
+"""The alert and recording rules (dashboards/prometheus/alerts.yml): promtool checks them and runs their unit
+tests (alerts_test.yml), every alert says what and why and links to a runbook section that exists, and every
+metric they use is one the agent exports, so renaming a metric in the code fails here."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fake_nvml import FakeGpu, FakeNvml
+from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
+from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
+PROMTOOL = shutil.which("promtool")
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, cwd=RULES.parent,
+                          start_new_session=True)
+
+
+def _rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+@needs_promtool
+def test_promtool_accepts_the_rules_and_their_unit_tests_pass():
+    check = _promtool("check", "rules", RULES.name)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tested = _promtool("test", "rules", "alerts_test.yml")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def test_every_alert_is_unit_tested_and_says_what_why_and_where_the_runbook_is():
+    alerts = [r for r in _rules() if "alert" in r]
+    tests = (RULES.parent / "alerts_test.yml").read_text()
+    anchors = {"#" + re.sub(r"[^a-z0-9-]", "", line[3:].strip().lower().replace(" ", "-"))
+               for line in (ROOT / "docs" / "OPERATIONS.md").read_text().splitlines() if line.startswith("## ")}
+    assert len(alerts) >= 10
+    for rule in alerts:
+        notes = rule["annotations"]
+        assert notes.get("summary") and notes.get("description"), rule["alert"]
+        assert notes["runbook_url"] == f"docs/OPERATIONS.md#{rule['alert'].lower()}", rule["alert"]
+        assert "#" + rule["alert"].lower() in anchors, f"no runbook section for {rule['alert']}"
+        assert f"alertname: {rule['alert']}" in tests, f"{rule['alert']} has no promtool test"
+
+
+def _exported_names() -> set[str]:
+    """Metric names the agent exports: its GPU (fake NVML) and host collectors scraped over HTTP, and the
+    family names spelled out in the code (job, watchdog, incident and etcd collectors)."""
+    fake = FakeNvml([FakeGpu(uuid="GPU-aaaa", ecc_uncorrected=1)])
+    fake.push_xid(0, 79)
+    gpus = GpuHealthSampler(GpuHealthConfig(node="n1", interval_s=0.1, xid_wait_s=0.1), nvml=fake)
+    host = HostHealthSampler(HostHealthConfig(node="n1", interval_s=0.1), worker_pids=lambda: [os.getpid()])
+    gpus.start()
+    host.start()
+    try:
+        with MetricsExporter(build_registry([gpus, host, AgentInfoCollector(node="n1")]), port=0) as exporter:
+            deadline = time.monotonic() + 20
+            while not (gpus.samples and host.latest and sum(gpus.xid_counts().values())):
+                assert time.monotonic() < deadline, "the samplers produced nothing"
+                time.sleep(0.02)
+            text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
+    finally:
+        gpus.stop()
+        host.stop()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("trainwarden_")}
+    for path in (ROOT / "agent").rglob("*.py"):
+        names.update(re.findall(r'Family\(\s*"(trainwarden_[a-z0-9_]+)"', path.read_text()))
+    return names
+
+
+def _base(name: str) -> str:
+    return re.sub(r"_(total|bucket|sum|count|created)$", "", name)
+
+
+def test_every_metric_the_rules_use_is_exported_by_the_agent():
+    exported = {_base(n) for n in _exported_names()}
+    used = set()
+    for rule in _rules():
+        used.update(re.findall(r"\b(trainwarden_[a-z0-9_]+)", rule["expr"]))
+    used = {n for n in used if not n.startswith("trainwarden_:")}
+    missing = sorted(n for n in used if _base(n) not in exported)
+    assert not missing, f"the rules use metrics the agent does not export: {missing}"
+    assert "trainwarden_gpu_xid_errors_total" in used and "trainwarden_worker_restarts_total" in used
