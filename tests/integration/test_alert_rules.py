@@ -95,3 +95,29 @@ def test_every_metric_the_rules_use_is_exported_by_the_agent():
     missing = sorted(n for n in used if _base(n) not in exported)
     assert not missing, f"the rules use metrics the agent does not export: {missing}"
     assert "trainwarden_gpu_xid_errors_total" in used and "trainwarden_worker_restarts_total" in used
+
+
+def test_the_dashboards_are_generated_importable_and_use_only_exported_metrics():
+    import json
+    import sys
+
+    build = subprocess.run([sys.executable, str(ROOT / "dashboards" / "grafana" / "build.py"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+    assert build.returncode == 0, build.stderr  # job.json and node.json are what build.py writes
+    exported = {_base(n) for n in _exported_names()}
+    rules = {r["record"] for r in _rules() if "record" in r}
+    for name in ("job.json", "node.json"):
+        board = json.loads((ROOT / "dashboards" / "grafana" / name).read_text())
+        variables = [v["name"] for v in board["templating"]["list"]]
+        assert variables[0] == "datasource" and board["uid"].startswith("trainwarden-")
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids)) and len(ids) >= 10
+        exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
+        exprs += [a["expr"] for a in board["annotations"]["list"]]
+        for p in board["panels"]:
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        used = {n for e in exprs for n in re.findall(r"\b(trainwarden_[a-z0-9_]+)", e)}
+        missing = sorted(n for n in used if _base(n) not in exported)
+        assert not missing, f"{name} queries metrics the agent does not export: {missing}"
+        recorded = {n for e in exprs for n in re.findall(r"\b(job[a-z_]*:[a-z0-9_:]+)", e)}
+        assert recorded <= rules, f"{name} uses recording rules that alerts.yml lacks: {recorded - rules}"

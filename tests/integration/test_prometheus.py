@@ -1,4 +1,6 @@
-"""A real Prometheus scrapes the agent of `trainwarden run` while the 8-rank reference job trains."""
+"""A real Prometheus scrapes the agent of `trainwarden run` while the 8-rank reference job trains, and an agent's
+GPU and host collectors on a fake NVML; it loads trainwarden's rules, and every query of the Grafana dashboards
+(dashboards/grafana/) must parse and return data from it."""
 
 from __future__ import annotations
 
@@ -31,14 +33,55 @@ def query(port: int, promql: str) -> list[dict]:
     return body["data"]["result"]
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def gpu_node():
+    """A node agent's GPU (fake NVML, one XID) and host collectors behind an exporter on loopback."""
+    import os
+
+    from fake_nvml import FakeGpu, FakeNvml
+    from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
+    from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
+
+    fake = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb", ecc_uncorrected=1)])
+    fake.push_xid(1, 79)
+    gpus = GpuHealthSampler(GpuHealthConfig(node="gpu-node", interval_s=0.5, xid_wait_s=0.1), nvml=fake)
+    host = HostHealthSampler(HostHealthConfig(node="gpu-node", interval_s=0.5), worker_pids=lambda: [os.getpid()])
+    gpus.start()
+    host.start()
+    try:
+        with MetricsExporter(build_registry([gpus, host, AgentInfoCollector(node="gpu-node")]), port=0) as exporter:
+            yield exporter.url.split("//")[1].split("/")[0]
+    finally:
+        gpus.stop()
+        host.stop()
+
+
+def _fill(expr: str) -> str:
+    return expr.replace("$__rate_interval", "10s").replace('"$job"', '"prom"').replace('"$node"', '".+"')
+
+
+def _grafana_queries() -> list[tuple[str, list[str]]]:
+    """(where, [PromQL...]) per panel and annotation of the dashboards, variables filled in."""
+    out = []
+    for name in ("job.json", "node.json"):
+        board = json.loads((ROOT / "dashboards" / "grafana" / name).read_text())
+        out += [(f"{name}: {p['title']}", [_fill(t["expr"]) for t in p["targets"]]) for p in board["panels"]]
+        out += [(f"{name}: annotation {a['name']}", [_fill(a["expr"])]) for a in board["annotations"]["list"]]
+    return out
+
+
 @pytest.mark.timeout(300)
-def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
+def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path, gpu_node):
     metrics_port, prom_port = free_port(), free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: ['{ROOT / 'dashboards' / 'prometheus' / 'alerts.yml'}']\n"
         "scrape_configs:\n  - job_name: trainwarden-agent\n    honor_labels: true\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}', '{gpu_node}']\n"
     )
     procs.spawn(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                  f"--web.listen-address=127.0.0.1:{prom_port}"], log=tmp_path / "prometheus.log")
@@ -49,7 +92,7 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "8",
          "--metrics-port", str(metrics_port), "--job", "prom", "--",
          "-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "300",
-         "--ckpt-every", "1000"],
+         "--ckpt-every", "10"],  # the checkpoint panels need one
         log=tmp_path / "run.log", env=env,
     )
 
@@ -106,3 +149,20 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path):
                                                                            if k != "TRAINWARDEN_AGENT_SOCKET"})
     assert top.returncode == 0, top.stderr
     assert "prom" in top.stdout
+
+    # every query of the Grafana dashboards parses (query() asserts Prometheus's "success"), and every panel
+    # shows data: at least one of its queries returns some (a panel's incident query is empty on a clean run,
+    # as are the annotations, which mark incidents and restarts); the variables' label_values find values
+    time.sleep(2)  # the recording rules have been evaluated a few times
+    empty = []
+    for where, exprs in _grafana_queries():
+        results = [query(prom_port, expr) for expr in exprs]
+        if not any(results) and "annotation" not in where:
+            empty.append(f"{where}: {exprs}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+    for label, match in (("job", "trainwarden_last_step"), ("node", 'trainwarden_last_step{job="prom"}'),
+                         ("node", "trainwarden_agent_info")):
+        url = (f"http://127.0.0.1:{prom_port}/api/v1/label/{label}/values?"
+               + urllib.parse.urlencode({"match[]": match}))
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert json.load(response)["data"], (label, match)

@@ -1,0 +1,174 @@
+"""Generate the Grafana dashboards (job.json, node.json) from one description, so that panels, variables and
+queries stay consistent.
+
+    python dashboards/grafana/build.py           # write job.json and node.json next to this file
+    python dashboards/grafana/build.py --check   # exit 1 if the files differ from what this would write
+
+Both dashboards take a Prometheus datasource variable. The job dashboard has ``job`` and ``node`` variables;
+the node dashboard has ``node``. Every query is tested against a real Prometheus that scraped a real CPU run
+and a fake-NVML agent (tests/integration/test_prometheus.py), and every metric the queries use must be one
+the agent exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DS = {"type": "prometheus", "uid": "${datasource}"}
+JOB = 'job="$job", node=~"$node"'
+NODE = 'node=~"$node"'
+
+
+def _target(expr: str, legend: str, ref: str = "A", **extra) -> dict:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, **extra}
+
+
+def _panel(pid: int, title: str, targets: list[dict], *, unit: str = "short", kind: str = "timeseries",
+           x: int = 0, y: int = 0, w: int = 12, h: int = 8, description: str = "", **extra) -> dict:
+    return {"id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
+            "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "options": {}, **extra}
+
+
+def _variable(name: str, query: str, *, label: str, multi: bool = False, include_all: bool = False) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": f"{name}-var"}, "definition": query, "refresh": 2,
+            "multi": multi, "includeAll": include_all, "allValue": ".+" if include_all else None,
+            "sort": 1, "current": {}, "options": []}
+
+
+DATASOURCE_VARIABLE = {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+                       "current": {}, "options": [], "refresh": 1}
+
+
+def _dashboard(uid: str, title: str, panels: list[dict], variables: list[dict], annotations: list[dict],
+               description: str) -> dict:
+    return {"uid": uid, "title": title, "description": description, "tags": ["trainwarden"], "timezone": "",
+            "schemaVersion": 39, "version": 1, "editable": True, "refresh": "10s",
+            "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+            "templating": {"list": [DATASOURCE_VARIABLE, *variables]},
+            "annotations": {"list": annotations}}
+
+
+def job_dashboard() -> dict:
+    rate = "$__rate_interval"
+    panels = [
+        _panel(1, "Step time p50 per rank", [_target(
+            f"histogram_quantile(0.5, sum by (node, rank, le) (rate(trainwarden_step_duration_seconds_bucket{{{JOB}}}[{rate}])))",
+            "rank {{rank}} ({{node}})")], unit="s", x=0, y=0),
+        _panel(2, "Step time p99 per rank", [_target(
+            f"histogram_quantile(0.99, sum by (node, rank, le) (rate(trainwarden_step_duration_seconds_bucket{{{JOB}}}[{rate}])))",
+            "rank {{rank}} ({{node}})")], unit="s", x=12, y=0),
+        _panel(3, "Throughput", [_target(f"sum(rate(trainwarden_tokens_total{{{JOB}}}[{rate}]))", "tokens/s")],
+               unit="short", x=0, y=8, description="Tokens per second, summed over the ranks."),
+        _panel(4, "Collective wait share per rank", [_target(
+            f"sum by (rank) (rate(trainwarden_collective_wait_seconds_total{{{JOB}}}[{rate}])) / "
+            f"sum by (rank) (rate(trainwarden_step_seconds_total{{{JOB}}}[{rate}]))", "{{rank}}", format="heatmap")],
+            unit="percentunit", kind="heatmap", x=12, y=8,
+            description="Share of each rank's step time spent waiting in collectives (the rest is its own "
+                        "compute). A straggler is the rank that waits least while the others wait for it."),
+        _panel(5, "Straggler score per rank", [_target(f"trainwarden_straggler_score{{{JOB}}}",
+                                                       "rank {{rank}} ({{node}})")], x=0, y=16,
+               description="A rank's compute share over its peers' median: 1.0 is even; flagged above 1.15."),
+        _panel(6, "Seconds since progress vs the hang deadline", [
+            _target('job:trainwarden_seconds_since_progress:max{job="$job"}', "since progress"),
+            _target('job:trainwarden_hang_timeout_seconds:max{job="$job"}', "hang deadline", ref="B")],
+            unit="s", x=12, y=16),
+        _panel(7, "Checkpoint age", [_target(f"max(trainwarden_checkpoint_age_seconds{{{JOB}}})", "age")],
+               unit="s", x=0, y=24),
+        _panel(8, "Checkpoint stall per rank", [_target(f"trainwarden_checkpoint_stall_seconds{{{JOB}}}",
+                                                        "rank {{rank}}")], unit="s", x=12, y=24,
+               description="How long the last checkpoint blocked the training step on each rank."),
+        _panel(9, "Restarts and incidents", [
+            _target(f"sum(increase(trainwarden_worker_restarts_total{{{JOB}}}[5m]))", "restarts (5m)"),
+            _target(f"sum by (kind) (increase(trainwarden_incidents_total{{{JOB}}}[5m]))", "{{kind}} (5m)", ref="B")],
+            x=0, y=32),
+        _panel(10, "Ranks connected", [_target(f"sum(trainwarden_worker_up{{{JOB}}})", "ranks up")], x=12, y=32),
+    ]
+    annotations = [
+        {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",
+         "expr": 'sum by (kind, node) (changes(trainwarden_incidents_total{job="$job"}[1m])) > 0',
+         "titleFormat": "{{kind}}", "textFormat": "incident on {{node}}", "step": "60s"},
+        {"name": "Restarts", "datasource": DS, "enable": True, "iconColor": "orange",
+         "expr": 'sum by (node) (changes(trainwarden_worker_restarts_total{job="$job"}[1m])) > 0',
+         "titleFormat": "restart", "textFormat": "worker group restarted on {{node}}", "step": "60s"},
+    ]
+    variables = [_variable("job", "label_values(trainwarden_last_step, job)", label="Job"),
+                 _variable("node", 'label_values(trainwarden_last_step{job="$job"}, node)', label="Node",
+                           multi=True, include_all=True)]
+    return _dashboard("trainwarden-job", "trainwarden: job", panels, variables, annotations,
+                      "One training job: step times, throughput, collective wait, stragglers, hangs, checkpoints.")
+
+
+def node_dashboard() -> dict:
+    rate = "$__rate_interval"
+    gpu = "gpu {{gpu}} ({{node}})"
+    panels = [
+        _panel(1, "GPU utilization", [_target(f"trainwarden_gpu_utilization_ratio{{{NODE}}}", gpu)],
+               unit="percentunit", x=0, y=0),
+        _panel(2, "GPU memory used", [_target(f"trainwarden_gpu_memory_used_bytes{{{NODE}}}", gpu)],
+               unit="bytes", x=12, y=0),
+        _panel(3, "GPU temperature", [_target(f"trainwarden_gpu_temperature_celsius{{{NODE}}}", gpu)],
+               unit="celsius", x=0, y=8),
+        _panel(4, "GPU power", [_target(f"trainwarden_gpu_power_usage_watts{{{NODE}}}", gpu)], unit="watt",
+               x=12, y=8),
+        _panel(5, "Throttle reasons active", [_target(f"trainwarden_gpu_clock_event_active{{{NODE}}} == 1",
+                                                      "gpu {{gpu}}: {{reason}}")], x=0, y=16),
+        _panel(6, "ECC errors", [_target(f"increase(trainwarden_gpu_ecc_errors_total{{{NODE}}}[1h])",
+                                         "gpu {{gpu}} {{type}}")], x=12, y=16),
+        _panel(7, "XID errors", [_target(f"increase(trainwarden_gpu_xid_errors_total{{{NODE}}}[1h])",
+                                         "gpu {{gpu}} XID {{xid}}")], x=0, y=24),
+        _panel(8, "PCIe replays", [_target(f"rate(trainwarden_gpu_pcie_replays_total{{{NODE}}}[{rate}])", gpu)],
+               x=12, y=24),
+        _panel(9, "GPU healthy", [_target(f"trainwarden_gpu_healthy{{{NODE}}}", gpu)], kind="stat", x=0, y=32,
+               description="0: a fatal XID, uncorrected ECC errors, a pending or failed row remap, or a lost GPU."),
+        _panel(10, "Host CPU", [_target(f"trainwarden_host_cpu_utilization_ratio{{{NODE}}}", "{{node}}")],
+               unit="percentunit", x=12, y=32),
+        _panel(11, "Host memory used", [_target(f"trainwarden_host_memory_used_bytes{{{NODE}}}", "{{node}}")],
+               unit="bytes", x=0, y=40),
+        _panel(12, "Disk used", [_target(f"trainwarden_host_disk_used_bytes{{{NODE}}} / "
+                                         f"trainwarden_host_disk_total_bytes{{{NODE}}}", "{{node}} {{mountpoint}}")],
+               unit="percentunit", x=12, y=40),
+        _panel(13, "Network", [
+            _target(f"rate(trainwarden_host_network_receive_bytes_total{{{NODE}}}[{rate}])", "{{interface}} in"),
+            _target(f"rate(trainwarden_host_network_transmit_bytes_total{{{NODE}}}[{rate}])", "{{interface}} out",
+                    ref="B")], unit="Bps", x=0, y=48),
+    ]
+    variables = [_variable("node", "label_values(trainwarden_agent_info, node)", label="Node", multi=True,
+                           include_all=True)]
+    return _dashboard("trainwarden-node", "trainwarden: node", panels, variables, [],
+                      "One node: its GPUs (NVML) and its host.")
+
+
+DASHBOARDS = {"job.json": job_dashboard, "node.json": node_dashboard}
+
+
+def render(build) -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if a file differs from what would be written")
+    args = p.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path, text = HERE / name, render(build)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run python dashboards/grafana/build.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
