@@ -9,6 +9,16 @@ from procs import ProcessGroup  # noqa: E402
 
 
 @pytest.fixture
+def etcd_client(etcd_server):
+    """An etcd3 client of ``etcd_server`` (5 s timeout), closed after the test."""
+    from trainwarden.agent.etcd.client import open_client
+
+    client = open_client("127.0.0.1", etcd_server.client_port, timeout=5.0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
 def procs():
     group = ProcessGroup()
     try:

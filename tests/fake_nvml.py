@@ -9,6 +9,8 @@ NVML_ERROR_NOT_SUPPORTED}``). ``calls`` counts calls per function name.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections import Counter
@@ -186,3 +188,27 @@ class FakeNvml:
     def nvmlEventSetFree(self, event_set):
         self._enter("nvmlEventSetFree")
         self.freed = True
+
+
+@contextlib.contextmanager
+def gpu_node_exporter(node: str = "gpu-node", *, gpus=None, interval_s: float = 0.1):
+    """A node agent's GPU collector (on a fake NVML: two GPUs, an uncorrected ECC error on the second and an
+    XID 79 on it, unless ``gpus`` is given), host collector and agent info, served by a real exporter on
+    loopback. Yields ``(exporter, gpu_sampler, host_sampler)``; the samplers run until the block ends."""
+    from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
+    from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
+
+    fake = gpus if gpus is not None else FakeNvml([FakeGpu(uuid="GPU-aaaa"),
+                                                   FakeGpu(uuid="GPU-bbbb", ecc_uncorrected=1)])
+    if gpus is None:
+        fake.push_xid(1, 79)
+    gpu = GpuHealthSampler(GpuHealthConfig(node=node, interval_s=interval_s, xid_wait_s=0.1), nvml=fake)
+    host = HostHealthSampler(HostHealthConfig(node=node, interval_s=interval_s), worker_pids=lambda: [os.getpid()])
+    gpu.start()
+    host.start()
+    try:
+        with MetricsExporter(build_registry([gpu, host, AgentInfoCollector(node=node)]), port=0) as exporter:
+            yield exporter, gpu, host
+    finally:
+        gpu.stop()
+        host.stop()

@@ -4,7 +4,6 @@ metric they use is one the agent exports, so renaming a metric in the code fails
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,9 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fake_nvml import FakeGpu, FakeNvml
-from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
-from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
+from fake_nvml import gpu_node_exporter
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
@@ -60,22 +57,12 @@ def test_every_alert_is_unit_tested_and_says_what_why_and_where_the_runbook_is()
 def _exported_names() -> set[str]:
     """Metric names the agent exports: its GPU (fake NVML) and host collectors scraped over HTTP, and the
     family names spelled out in the code (job, watchdog, incident and etcd collectors)."""
-    fake = FakeNvml([FakeGpu(uuid="GPU-aaaa", ecc_uncorrected=1)])
-    fake.push_xid(0, 79)
-    gpus = GpuHealthSampler(GpuHealthConfig(node="n1", interval_s=0.1, xid_wait_s=0.1), nvml=fake)
-    host = HostHealthSampler(HostHealthConfig(node="n1", interval_s=0.1), worker_pids=lambda: [os.getpid()])
-    gpus.start()
-    host.start()
-    try:
-        with MetricsExporter(build_registry([gpus, host, AgentInfoCollector(node="n1")]), port=0) as exporter:
-            deadline = time.monotonic() + 20
-            while not (gpus.samples and host.latest and sum(gpus.xid_counts().values())):
-                assert time.monotonic() < deadline, "the samplers produced nothing"
-                time.sleep(0.02)
-            text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
-    finally:
-        gpus.stop()
-        host.stop()
+    with gpu_node_exporter("n1") as (exporter, gpus, host):
+        deadline = time.monotonic() + 20
+        while not (gpus.samples and host.latest and sum(gpus.xid_counts().values())):
+            assert time.monotonic() < deadline, "the samplers produced nothing"
+            time.sleep(0.02)
+        text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("trainwarden_")}
     for path in (ROOT / "agent").rglob("*.py"):
         names.update(re.findall(r'Family\(\s*"(trainwarden_[a-z0-9_]+)"', path.read_text()))

@@ -9,17 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainwarden.agent.etcd.client import open_client
 from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher, merge_verdicts, read_progress
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(etcd_server):
-    c = open_client("127.0.0.1", etcd_server.client_port, timeout=5.0)
-    yield c
-    c.close()
+def client(etcd_client):
+    return etcd_client
 
 
 def test_three_nodes_detecting_one_hang_make_one_owner_who_names_the_remote_culprit(client):

@@ -12,17 +12,14 @@ import time
 import psutil
 import pytest
 
-from trainwarden.agent.etcd.client import open_client
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def client(etcd_server):
-    c = open_client("127.0.0.1", etcd_server.client_port, timeout=5.0)
-    yield c
-    c.close()
+def client(etcd_client):
+    return etcd_client
 
 
 def _me() -> dict:

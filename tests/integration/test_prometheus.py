@@ -38,25 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def gpu_node():
-    """A node agent's GPU (fake NVML, one XID) and host collectors behind an exporter on loopback."""
-    import os
+    """host:port of a node agent's GPU (fake NVML) and host collectors behind an exporter on loopback."""
+    from fake_nvml import gpu_node_exporter
 
-    from fake_nvml import FakeGpu, FakeNvml
-    from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
-    from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
-
-    fake = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb", ecc_uncorrected=1)])
-    fake.push_xid(1, 79)
-    gpus = GpuHealthSampler(GpuHealthConfig(node="gpu-node", interval_s=0.5, xid_wait_s=0.1), nvml=fake)
-    host = HostHealthSampler(HostHealthConfig(node="gpu-node", interval_s=0.5), worker_pids=lambda: [os.getpid()])
-    gpus.start()
-    host.start()
-    try:
-        with MetricsExporter(build_registry([gpus, host, AgentInfoCollector(node="gpu-node")]), port=0) as exporter:
-            yield exporter.url.split("//")[1].split("/")[0]
-    finally:
-        gpus.stop()
-        host.stop()
+    with gpu_node_exporter("gpu-node", interval_s=0.5) as (exporter, _, _):
+        yield exporter.url.split("//")[1].split("/")[0]
 
 
 def _fill(expr: str) -> str:
