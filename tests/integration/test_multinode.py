@@ -184,3 +184,30 @@ def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp
         assert hang["ranks"] == [3] and hang["evidence"]["cluster"]["culprit_nodes"] == {"3": "n1"}, hang
         assert "rank 3 on n1" in hang["evidence"]["summary"]
     assert bed.leftovers() == []
+
+
+def test_a_killed_node_restarted_rejoins_and_the_job_grows_back(tmp_path):
+    """n2 loses power; the others go on as two nodes; n2 is started again (its old membership record is a dead
+    run's and is replaced at once) and the job grows back to three nodes and finishes."""
+    steps, ckpt = 120, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=3, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        runs = {n: _start(bed, tmp_path, n, "mr", steps, ckpt) for n in ("n0", "n1", "n2")}
+
+        def text(*nodes) -> str:
+            logs = [tmp_path / n / "run.log" for n in nodes or ("n0", "n1", "n2")]
+            return "".join(p.read_text() for p in logs if p.exists())
+
+        wait_for(lambda: max(_steps(text()) or [0]) >= 12 or any(p.poll() is not None for p, _ in runs.values()),
+                 240, what="the three-node job to reach step 12")
+        bed.kill("n2")
+        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2, 120,
+                 what="the other nodes to resume as two")
+        (tmp_path / "n2" / "run.log").rename(tmp_path / "n2" / "killed.log")
+        runs["n2"] = _start(bed, tmp_path, "n2", "mr", steps, ckpt)
+        for node, (proc, log) in runs.items():
+            assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
+        assert "node n2 joins job mr" in text("n2"), text("n2")[-3000:]
+        assert "now 6" in text(), "the job never grew back to six ranks"
+        # the killed run's log first: rank 0 may have been on n2 before the kill
+        _check_continuation(_rank0((tmp_path / "n2" / "killed.log").read_text() + text()), steps)
+    assert bed.leftovers() == []
