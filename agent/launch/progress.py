@@ -128,7 +128,11 @@ class JobProgress:
                 self._round_has_step = True
             for failure in self.failures:
                 if failure.next_round_at is None or end_wall < failure.next_round_at:
-                    continue  # a step of the failed round, reported late
+                    # a step of the failed round, reported late (a rank's last batch reaches the agent after
+                    # the launcher's report): it was completed before the failure, so it counts there
+                    if end_wall <= failure.at and (failure.last_step is None or index > failure.last_step):
+                        failure.last_step, failure.last_step_at = index, end_wall
+                    continue
                 if failure.resumed_from is None:
                     failure.resumed_from = index
                 if failure.recovered_at is None and (failure.last_step is None or index > failure.last_step):

@@ -147,8 +147,10 @@ def test_a_users_script_gets_progress_phases_and_restarts_from_telemetry_not_its
     log = (tmp_path / "run.log").read_text()
     assert "step 1 loss" not in log  # nothing for a log parser to read
     assert "  steps        last step 150, median step" in log
-    # the last step telemetry delivered before the crash at 50 (steps still in a killed rank's batch are lost)
-    assert re.search(r"  restarts     1 \(failed after step 4\d, resumed at step 41", log), log[-1500:]
+    # failed after the last step whose telemetry reached the agent: at most 50 (the crash); a batch that a
+    # rank had not sent yet when it was stopped never arrives (seen: 23 on a loaded machine, usually 4x)
+    restart = re.search(r"  restarts     1 \(failed after step (\d+), resumed at step 41", log)
+    assert restart and 1 <= int(restart.group(1)) <= 50, log[-1500:]
     assert "the worker round failed: rank 2 (SIGKILL)" in log
     assert "job users: starting -> running" in log and "job users: restarting -> running" in log
     client = etcd3.client(host="127.0.0.1", port=etcd_server.client_port)

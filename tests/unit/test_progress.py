@@ -27,7 +27,7 @@ def test_steps_rounds_and_time_lost_from_telemetry_and_launcher_events():
     last_good = clock.now
     clock.now += 2
     failure = p.round_failed(clock.now)
-    p.step(25, last_good, 0.3, worker=12)  # a late report from the failed round changes nothing
+    p.step(25, last_good, 0.3, worker=12)  # a late report of a step already counted changes nothing
     p.restarting(after_failure=True)
     clock.now += 10  # rendezvous + restore
     p.round_started(clock.now)
@@ -95,3 +95,26 @@ def test_supervisor_gone_tells_a_leftover_from_a_live_run():
     assert supervisor_gone({**me, "started": 1.0}, host="h")       # the pid was reused by another process
     assert supervisor_gone({**me, "pid": 2**22 + 7}, host="h")     # no such process
     assert not supervisor_gone({}, host="h")                       # no owner recorded
+
+
+def test_steps_of_the_failed_round_reported_after_the_failure_still_count_before_it():
+    """The launcher's report can reach the supervisor before a surviving rank's last batch of step telemetry:
+    the failure is "after step 49" once that batch arrives, not after the last step seen in time."""
+    clock = Clock()
+    p = JobProgress(wall=clock)
+    p.round_started(clock.now)
+    for step in range(1, 24):
+        clock.now += 0.01
+        p.step(step, clock.now, 0.01, worker=11)
+    late = [(step, clock.now + 0.01 * (step - 23)) for step in range(24, 50)]
+    clock.now += 0.5
+    failure = p.round_failed(clock.now)
+    assert failure.last_step == 23
+    for step, ended in late:
+        p.step(step, ended, 0.01, worker=11)
+    assert failure.last_step == 49 and failure.last_step_at == late[-1][1]
+    p.restarting(after_failure=True)
+    clock.now += 5
+    p.round_started(clock.now)
+    p.step(41, clock.now + 0.01, 0.01, worker=21)  # the next round, from the checkpoint at 40
+    assert failure.last_step == 49 and failure.resumed_from == 41
