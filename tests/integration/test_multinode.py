@@ -51,7 +51,7 @@ def _steps(text: str) -> list[int]:
     return [n for kind, n, _ in _rank0(text) if kind == "step"]
 
 
-def _check_continuation(story: list[tuple[str, int, float]], steps: int) -> int:
+def _check_continuation(story: list[tuple[str, int, float]], steps: int, *, require_replay: bool = True) -> int:
     """The last resume went on from the step after its checkpoint to the end, every step once, and the steps
     it replayed have the losses the larger world had: the same global batch, the same samples. Returns the
     checkpoint step it resumed from."""
@@ -64,7 +64,8 @@ def _check_continuation(story: list[tuple[str, int, float]], steps: int) -> int:
         if kind == "step":
             first_losses.setdefault(n, loss)
     replayed = [(n, first_losses[n], loss) for kind, n, loss in story[last:] if kind == "step" and n in first_losses]
-    assert replayed, "no step ran in both worlds"
+    # a resume from a checkpoint of the very step the job had reached replays nothing (a grow-back can)
+    assert replayed or not require_replay, "no step ran in both worlds"
     for n, before, again in replayed:
         assert again == pytest.approx(before, rel=1e-3), f"step {n}: loss {before} before the shrink, {again} after"
     return resumed
@@ -121,7 +122,7 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
         for node, (proc, log) in runs.items():
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
         story = _rank0(text())
-        _check_continuation(story, steps)
+        _check_continuation(story, steps, require_replay=False)
         assert "now 6" in text(), "the job never grew back to six ranks"
         assert fenced_after < 30, f"n2 trained on for {fenced_after:.0f} s without etcd"
         assert "hang" in text("n0", "n1")  # the silent wait was the watchdog's to end, not gloo's timeout
@@ -209,5 +210,6 @@ def test_a_killed_node_restarted_rejoins_and_the_job_grows_back(tmp_path):
         assert "node n2 joins job mr" in text("n2"), text("n2")[-3000:]
         assert "now 6" in text(), "the job never grew back to six ranks"
         # the killed run's log first: rank 0 may have been on n2 before the kill
-        _check_continuation(_rank0((tmp_path / "n2" / "killed.log").read_text() + text()), steps)
+        _check_continuation(_rank0((tmp_path / "n2" / "killed.log").read_text() + text()), steps,
+                            require_replay=False)
     assert bed.leftovers() == []
