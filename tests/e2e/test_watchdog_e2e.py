@@ -72,8 +72,10 @@ def test_slow_checkpoint_save_is_not_a_hang(procs, tmp_path):
 
 @pytest.mark.timeout(400)
 def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
+    # 160 steps: the flag must be up 10 s and then below the clear score for 3 s before it clears; with 120
+    # steps a CI run ended before that (the flag was raised and never cleared)
     rc, text = run_job(procs, tmp_path, "slow", faults="slow:rank=3,from=15,until=55,factor=1.3", nproc=4,
-                       mesh=MESH_4, steps=120, ckpt_every=30, run_args=["--straggler-policy", "exclude"])
+                       mesh=MESH_4, steps=160, ckpt_every=30, run_args=["--straggler-policy", "exclude"])
     assert rc == 0, text[-3000:]
     found = incidents(tmp_path, "slow")
     starts = [i for i in found if i["kind"] == "straggler_start"]
