@@ -19,6 +19,7 @@ No torch here: the agent and the CLI import it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -301,6 +302,23 @@ def with_failover(client, op: Callable[[], _T]) -> _T:
                 raise
             logger.warning("etcd member failed; retrying on the next of %d", attempts)
     raise AssertionError("unreachable")
+
+
+def read_json_prefix(client, prefix: str) -> dict[str, dict | None]:
+    """Every key under ``prefix``, by the rest of its name, with its JSON value (None where it is not JSON)."""
+    out: dict[str, dict | None] = {}
+    for value, meta in with_failover(client, lambda: list(client.get_prefix(prefix))):
+        try:
+            out[meta.key.decode()[len(prefix):]] = json.loads(value)
+        except ValueError:
+            out[meta.key.decode()[len(prefix):]] = None
+    return out
+
+
+def refresh_lease(client, lease) -> bool:
+    """Keep ``lease`` alive; False when etcd says it has already expired."""
+    responses = with_failover(client, lambda: list(client.refresh_lease(lease.id)))
+    return bool(responses) and int(getattr(responses[-1], "TTL", 0)) > 0
 
 
 def describe_etcd_error(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from trainwarden.agent.etcd.client import describe_etcd_error, with_failover
+from trainwarden.agent.etcd.client import describe_etcd_error, read_json_prefix, refresh_lease, with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,8 @@ a restart, so the same step hanging again in the next round is a new incident.""
 
 def read_progress(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, dict]:
     """Every node's latest progress summary of ``job``, by node name."""
-    key_prefix = job_key(job, "progress", "", prefix=prefix)
-    out: dict[str, dict] = {}
-    for value, meta in with_failover(client, lambda: list(client.get_prefix(key_prefix))):
-        try:
-            out[meta.key.decode()[len(key_prefix):]] = json.loads(value)
-        except ValueError:
-            continue
-    return out
+    summaries = read_json_prefix(client, job_key(job, "progress", "", prefix=prefix))
+    return {node: summary for node, summary in summaries.items() if summary is not None}
 
 
 class ProgressPublisher:
@@ -79,7 +73,7 @@ class ProgressPublisher:
 
     def publish_once(self) -> None:
         client = self._client
-        if self._lease is None or not self._alive():
+        if self._lease is None or not refresh_lease(client, self._lease):
             self._lease = with_failover(client, lambda: client.lease(self._ttl))
         for snap in self._snapshot():
             summary = {"node": self._node, "at": self._wall(), "ranks": {
@@ -87,11 +81,6 @@ class ProgressPublisher:
             key = job_key(snap.job, "progress", self._node, prefix=self._prefix)
             value = json.dumps(summary, sort_keys=True)
             with_failover(client, lambda k=key, v=value: client.put(k, v, lease=self._lease))
-
-    def _alive(self) -> bool:
-        lease = self._lease
-        responses = with_failover(self._client, lambda: list(self._client.refresh_lease(lease.id)))
-        return bool(responses) and int(getattr(responses[-1], "TTL", 0)) > 0
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
@@ -152,14 +141,8 @@ class HangCoordinator:
         return True, verdicts
 
     def _verdicts(self, job: str, key: str) -> dict[str, dict]:
-        prefix = self._key(job, key, "verdicts", "")
-        out = {}
-        for value, meta in with_failover(self._client, lambda: list(self._client.get_prefix(prefix))):
-            try:
-                out[meta.key.decode()[len(prefix):]] = json.loads(value)
-            except ValueError:
-                continue
-        return out
+        verdicts = read_json_prefix(self._client, self._key(job, key, "verdicts", ""))
+        return {node: v for node, v in verdicts.items() if v is not None}
 
 
 def merge_verdicts(verdicts: Mapping[str, Mapping[str, Any]]) -> tuple[dict[int, str], str]:

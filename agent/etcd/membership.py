@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainwarden.agent.common.job_lifecycle import supervisor_gone
-from trainwarden.agent.etcd.client import describe_etcd_error, with_failover
+from trainwarden.agent.etcd.client import describe_etcd_error, read_json_prefix, refresh_lease, with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
@@ -83,15 +83,11 @@ def nodes_prefix(job: str, prefix: str = DEFAULT_PREFIX) -> str:
 
 def live_nodes(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, dict]:
     """The job's node records in etcd (they exist only while their lease lives), by node name."""
-    key_prefix = nodes_prefix(job, prefix)
-    nodes: dict[str, dict] = {}
-    for value, meta in with_failover(client, lambda: list(client.get_prefix(key_prefix))):
-        name = meta.key.decode()[len(key_prefix):]
-        try:
-            nodes[name] = json.loads(value)
-        except ValueError:
-            logger.error("etcd key %s%s holds invalid JSON; treating the node as live", key_prefix, name)
-            nodes[name] = {}
+    nodes = {}
+    for name, record in read_json_prefix(client, nodes_prefix(job, prefix)).items():
+        if record is None:
+            logger.error("etcd key %s%s holds invalid JSON; treating the node as live", nodes_prefix(job, prefix), name)
+        nodes[name] = record or {}
     return nodes
 
 
@@ -286,6 +282,4 @@ class NodeMembership:
 
     def _refresh(self) -> bool:
         """Refresh the lease; False if etcd says it has expired."""
-        lease = self._lease
-        responses = with_failover(self._client, lambda: list(self._client.refresh_lease(lease.id)))
-        return bool(responses) and int(getattr(responses[-1], "TTL", 0)) > 0
+        return refresh_lease(self._client, self._lease)
