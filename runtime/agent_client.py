@@ -42,7 +42,8 @@ from trainwarden.agent.proto.contract import EXIT_ABORTED
 
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder
 
-__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_collectives", "abort_process"]
+__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_collectives", "abort_process",
+           "ask_commit"]
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +307,28 @@ def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
             return conn.recv(128).decode("ascii", errors="replace").strip()
     except OSError:
         return ""
+
+
+def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.0) -> pb.CommitReply | None:
+    """The agent's answer to a Commit request; None when no agent answers (none listens, it is restarting,
+    or it predates the RPC). An agent that is there but does not decide within ``timeout`` (etcd slow) is a
+    refusal. Off the hot path: the checkpoint's commit thread calls it, once per save."""
+    if not os.path.exists(socket_path):
+        return None
+    channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
+    try:
+        call = channel.unary_unary(contract.COMMIT_METHOD, request_serializer=pb.CommitRequest.SerializeToString,
+                                   response_deserializer=pb.CommitReply.FromString)
+        return call(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        if hasattr(exc, "code") and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return pb.CommitReply(allowed=False, reason=f"the node agent could not check the job's round within "
+                                                        f"{timeout:.0f} s")
+        log.warning("the agent did not answer whether checkpoint step %d may be committed (%s)", request.step,
+                    exc.code() if hasattr(exc, "code") else exc)
+        return None
+    finally:
+        channel.close()
 
 
 def _arrivals_message(batch) -> pb.Arrivals:

@@ -120,6 +120,19 @@ class _Writer(FileSystemWriter):
         return plan
 
 
+def _own_bytes(path: Path, rank: int) -> int:
+    """Bytes of ``rank``'s files in a checkpoint, for the metrics. Another rank may move the directory
+    meanwhile (rank 0 sets a fenced checkpoint aside as soon as its commit is refused): what cannot be
+    counted is not, and never fails the save."""
+    total = 0
+    for p in [*path.glob(f"__{rank}_*"), path / store.rng_sidecar_name(rank)]:
+        try:
+            total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
 class Checkpointer:
     """Saves and restores sharded checkpoints under one directory. Collective: every rank constructs it,
     calls ``save``/``restore`` at the same steps and closes it.
@@ -228,10 +241,7 @@ class Checkpointer:
             return None
         self.last_save_seconds = time.monotonic() - start
         self._last_saved_step = step  # every rank sees the same outcome: DCP's write phase is collective
-        self.last_bytes = sum(p.stat().st_size for p in path.glob(f"__{self.rank}_*"))
-        sidecar = path / store.rng_sidecar_name(self.rank)
-        if sidecar.exists():
-            self.last_bytes += sidecar.stat().st_size
+        self.last_bytes = _own_bytes(path, self.rank)
         if self.rank != 0:
             return None
         try:
@@ -246,6 +256,14 @@ class Checkpointer:
             raise CheckpointSaveError(f"checkpoint {path} is incomplete after the save finished: "
                                       f"{'; '.join(problems)}")
         info = store.info_for(store.CheckpointStatus(step=step, path=path, problems=()))
+        refusal = self._commit_refusal(step, info)
+        if refusal is not None:  # a fenced round: its checkpoint must not become the job's state
+            self.failed_saves += 1
+            target = store.quarantine(path, state=store.FENCED, reason=refusal)
+            logger.error("checkpoint step %d not committed: %s; set aside as %s. The job's latest checkpoint is "
+                         "unchanged.", step, refusal, target, extra={"event": "checkpoint_fenced", "step": step})
+            self._report("failed", step, path=str(target), detail=f"fenced: {refusal}"[:1000])
+            return None
         store.write_latest(self.directory, info)
         self.last_committed = info
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
@@ -254,6 +272,19 @@ class Checkpointer:
         self._report("committed", step, bytes=info.bytes, path=info.path)  # the agent publishes it to etcd
         self._post_commit.submit(self._after_commit, info, path)
         return info
+
+    def _commit_refusal(self, step: int, info: CheckpointInfo) -> str | None:
+        """Why this checkpoint may not be published (the node agent's fencing check), or None."""
+        session = self._events or current_session()
+        ask = getattr(session, "commit_refusal", None)
+        if ask is None:
+            return None
+        try:
+            return ask(step, info.path, info.bytes)
+        except Exception:
+            logger.warning("could not ask the node agent whether step %d may be committed; committing", step,
+                           exc_info=True)
+            return None
 
     def _after_commit(self, info: CheckpointInfo, path: Path) -> None:
         if self._on_commit is not None:
@@ -274,7 +305,7 @@ class Checkpointer:
                   for s in store.retention_candidates(statuses, self.keep)]
         newest = next((s.step for s in statuses if s.complete), None)
         if newest is not None:
-            doomed += [(p, "unfinished save") for p in store.quarantined_unfinished(self.directory, older_than=newest)]
+            doomed += store.quarantined_removable(self.directory, older_than=newest)
         for path, what in doomed:
             try:
                 store.remove_checkpoint(path)

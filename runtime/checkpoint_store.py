@@ -58,7 +58,7 @@ __all__ = [
     "info_for",
     "classify",
     "quarantine",
-    "quarantined_unfinished",
+    "quarantined_removable",
     "read_latest",
     "read_manifest",
     "remove_checkpoint",
@@ -79,6 +79,9 @@ _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 COMPLETE, UNFINISHED, UNREADABLE, CORRUPT = "complete", "unfinished", "unreadable", "corrupt"
 UNLOADABLE = "unloadable"
+FENCED = "fenced"
+"""Complete on disk but written by a round that was no longer the job's (its commit was refused): set aside
+so no restore takes it for the job's latest state."""
 """Complete by its files, but loading it failed on every attempt (quarantined by restore)."""
 """What ``classify`` finds: complete; a save that never finished (no ``.metadata``); a checkpoint that could
 not be read here (an I/O or permission error, or metadata classes this torch does not have: it may be fine
@@ -364,15 +367,17 @@ def quarantine(path: Path, *, state: str, reason: str) -> Path:
     return target
 
 
-def quarantined_unfinished(directory: str | os.PathLike, older_than: int) -> list[Path]:
-    """Quarantined saves that never finished (``step-N.unfinished*``) with N below ``older_than``: retention
-    may delete them, they were never a usable checkpoint."""
+def quarantined_removable(directory: str | os.PathLike, older_than: int) -> list[tuple[Path, str]]:
+    """Quarantined saves retention may delete, with what they are: saves that never finished
+    (``step-N.unfinished*``, never a usable checkpoint) and fenced ones (``step-N.fenced*``: written by a round
+    that was no longer the job's, or while etcd could not confirm it), with N below ``older_than``, the
+    newest complete checkpoint."""
     directory = Path(directory)
     found = []
-    for entry in directory.glob("step-*.unfinished*"):
-        match = re.match(r"^step-(\d{8,})\.unfinished(\.\d+)?$", entry.name)
+    for entry in directory.glob("step-*.*"):
+        match = re.match(rf"^step-(\d{{8,}})\.({UNFINISHED}|{FENCED})(\.\d+)?$", entry.name)
         if match and int(match.group(1)) < older_than and entry.is_dir():
-            found.append(entry)
+            found.append((entry, "unfinished save" if match.group(2) == UNFINISHED else "fenced checkpoint"))
     return sorted(found)
 
 

@@ -6,7 +6,7 @@
         with rt.step(step, tokens=batch_tokens):
             with rt.phase("forward"):
                 ...
-        if rt.take_checkpoint_request():
+        if rt.take_checkpoint_request(step):
             save()
     rt.close()
 
@@ -22,8 +22,11 @@ Recorder's enqueue times.
 Agent commands arrive on the client's thread. Each is queued for `poll_command()` and handled there:
 DumpDiagnostics writes faulthandler stacks of every thread to `<dir>/rank<R>.stacks` (after a first line
 `# trainwarden main_thread=0x...` naming the training thread in faulthandler's format) and the Flight
-Recorder trace to `<dir>/rank<R>.fr`; CheckpointNow raises `checkpoint_requested`; Abort logs the reason,
-flushes telemetry and exits the process with EXIT_ABORTED.
+Recorder trace to `<dir>/rank<R>.fr`; CheckpointNow is answered by `take_checkpoint_request(step)` at the
+step boundary it names (every rank the same step: the save is collective), and with ``hold`` the next
+`step()` waits there, reported as the ``held`` checkpoint stage, until the launcher restarts the workers
+(the job grows by a node, with no step lost) or HOLD_LIMIT_S passes; Abort logs the reason, flushes
+telemetry and exits the process with EXIT_ABORTED.
 
 A child forked from the worker (DataLoader workers, ``os.fork``) inherits the session but not the client's
 thread nor gRPC's: in the child the session turns into the no-op one and never calls into gRPC again;
@@ -55,7 +58,8 @@ from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_pare
 
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
-                           TelemetryClient, abort_process)
+                           TelemetryClient, abort_process, ask_commit)
+from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
 
@@ -64,6 +68,9 @@ log = logging.getLogger(__name__)
 FR_DUTY_ENV = "TRAINWARDEN_FR_MAX_DUTY"
 """Override of the longest share of wall time the Flight Recorder reads may take (ClientConfig.fr_max_duty)."""
 _COMMANDS_KEPT = 64
+HOLD_LIMIT_S = 120.0
+"""The longest a worker waits at a step boundary after a checkpoint with ``hold``; then it trains on (the
+restart it waited for did not come: the launcher gave up on it, or died)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class Command:
     kind: str
     """"dump_diagnostics", "checkpoint_now" or "abort"."""
     argument: str = ""
-    """The diagnostics directory or the abort reason."""
+    """The diagnostics directory, the abort reason, or the step a checkpoint is requested after."""
 
 
 class _NullContext:
@@ -96,7 +103,10 @@ class _StepContext:
         self._session, self._index, self._tokens = session, index, tokens
 
     def __enter__(self):
-        self._session._phases = None
+        s = self._session
+        if s._hold_after is not None and self._index > s._hold_after:
+            s._hold(self._index)
+        s._phases = None
         self._wall = time.time_ns()
         self._mono = time.monotonic_ns()
         return self
@@ -146,6 +156,9 @@ class Session:
         self._commands: queue.Queue[Command] = queue.Queue(maxsize=_COMMANDS_KEPT)
         self._phases: dict | None = None
         self.checkpoint_requested = False
+        self._checkpoint_request: tuple[int, bool] | None = None  # (step or 0, hold) of the last CheckpointNow
+        self._hold_after: int | None = None  # start no step after this one (a checkpoint with hold)
+        self.hold_limit_s = HOLD_LIMIT_S
         self._client: TelemetryClient | None = None
         if client_config is not None:
             self._client = TelemetryClient(client_config, hello, on_command=self._on_command,
@@ -195,10 +208,53 @@ class Session:
         except queue.Empty:
             return None
 
-    def take_checkpoint_request(self) -> bool:
-        """True once per CheckpointNow: the loop should save at this step boundary."""
-        requested, self.checkpoint_requested = self.checkpoint_requested, False
-        return requested
+    def take_checkpoint_request(self, step: int | None = None) -> bool:
+        """True when the loop should save a checkpoint now, after step ``step``: once per CheckpointNow, at
+        the step it names. A request for a step this rank has already passed cannot be honoured (the other
+        ranks save at that step or already did): it is logged and dropped. Without ``step`` only a request
+        for "the next boundary" is answered (older scripts; safe for one rank only)."""
+        request = self._checkpoint_request
+        if request is None:
+            return False
+        wanted, hold = request
+        if wanted == 0:
+            due = True
+        elif step is None or step < wanted:
+            return False
+        else:
+            due = step == wanted
+            if not due:
+                log.warning("checkpoint requested after step %d arrived after step %d; not saving it", wanted, step)
+        self._checkpoint_request, self.checkpoint_requested = None, False
+        if due and hold:
+            self._hold_after = step if step is not None else wanted
+        return due
+
+    def commit_refusal(self, step: int, path: str = "", bytes: int = 0) -> str | None:
+        """Why this rank may not publish the checkpoint of ``step`` as the job's latest, or None when it may:
+        the node's agent checks that this worker's rendezvous round is still the job's current one (DESIGN:
+        fenced rounds). No agent, or one that does not answer, refuses nothing: a one-node job has no round
+        to check, and an agent that is away must not stop checkpoints."""
+        if self._client is None:
+            return None
+        reply = ask_commit(self._client.config.socket_path, _pb.CommitRequest(
+            job=self.job, rank=self.rank, step=int(step), path=str(path), bytes=int(bytes)))
+        if reply is None or reply.allowed:
+            return None
+        return reply.reason or "refused by the node agent"
+
+    def _hold(self, index: int) -> None:
+        """Wait before step ``index``: the launcher restarts the workers once the checkpoint this rank just
+        saved is committed (HOLD_LIMIT_S bounds the wait). An Abort still ends the process meanwhile."""
+        held = self._hold_after
+        self._hold_after = None
+        log.info("holding before step %d: the job restarts with a new membership from the checkpoint of step %d",
+                 index, held)
+        self.checkpoint_event("held", held)
+        deadline = time.monotonic() + self.hold_limit_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.2, self.hold_limit_s))
+        log.warning("held %.0f s before step %d and no restart came; training on", self.hold_limit_s, index)
 
     def dump_diagnostics(self, directory: str | os.PathLike) -> list[Path]:
         """Write this rank's stacks and Flight Recorder trace into `directory`; returns the files.
@@ -250,7 +306,9 @@ class Session:
             if command.argument:
                 self.dump_diagnostics(command.argument)
         elif kind == "checkpoint_now":
-            command = Command(kind)
+            request = message.checkpoint_now
+            command = Command(kind, str(request.step) if request.step else "")
+            self._checkpoint_request = (max(0, int(request.step)), bool(request.hold))
             self.checkpoint_requested = True
         elif kind == "abort":
             command = Command(kind, message.abort.reason)

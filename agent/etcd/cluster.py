@@ -16,6 +16,17 @@
   synchronous job sees alike. The keys live under a short lease, so the same step hanging again after the
   restart is a new incident.
 
+* **Growing** (``agree_checkpoint_step``). When nodes wait to join a healthy round, every node's launcher
+  pauses its restart; the first node to propose a step after which all workers checkpoint and hold wins
+  ``jobs/<job>/grow/<round>`` (created only if absent), and every node reads the same step from it. The save
+  is collective, so one step for all is the whole point. Under a lease: the key goes with the round.
+
+* **Rounds and commits** (``advance_round``, ``commit_in_round``). ``jobs/<job>/round`` holds the newest
+  worker round any node started, as ``<generation>.<rendezvous round>`` (zero-padded: the text order is the
+  order). A checkpoint is published (``jobs/<job>/checkpoint``) only in a transaction that finds the
+  committing worker's round still there; a node left in an older round is refused, and its checkpoint is
+  set aside, never taken for the job's state (DESIGN: fenced rounds).
+
 Every call has the client's timeout; a failure is the caller's to handle (the watchdog then acts alone, as
 on one node). Only this module knows these key names.
 """
@@ -33,11 +44,79 @@ from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "read_progress"]
+__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "round_id", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
+           "read_progress"]
 
 HANG_KEY_TTL_S = 15
 """How long a hang's election and verdicts stay: longer than the spread of the nodes' detections, shorter than
 a restart, so the same step hanging again in the next round is a new incident."""
+
+
+GROW_KEY_TTL_S = 300
+"""How long a round's agreed grow step stays: longer than any wait for the checkpoint (GROW_WAIT_S)."""
+
+
+def agree_checkpoint_step(client, job: str, round_key: str, proposal: int, node: str, *,
+                          prefix: str = DEFAULT_PREFIX) -> tuple[int, str]:
+    """The step after which every worker of ``job`` checkpoints before the round ``round_key`` grows, and the
+    node that proposed it: ``proposal`` if this node is first, else the step the first node proposed."""
+    key = job_key(job, "grow", round_key, prefix=prefix)
+    lease = with_failover(client, lambda: client.lease(GROW_KEY_TTL_S))
+    mine = json.dumps({"step": int(proposal), "node": node})
+    won, responses = with_failover(client, lambda: client.transaction(
+        compare=[client.transactions.version(key) == 0],
+        success=[client.transactions.put(key, mine, lease=lease)],
+        failure=[client.transactions.get(key)]))
+    if won:
+        return int(proposal), node
+    try:
+        agreed = json.loads(responses[0][0][0])
+        return int(agreed["step"]), str(agreed.get("node", "?"))
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{key} holds no step ({exc}); delete it to let the nodes agree again") from None
+
+
+def round_id(generation: int, rendezvous_round: int) -> str:
+    """The text stored in ``jobs/<job>/round``: comparing two as text compares the rounds."""
+    return f"{int(generation):010d}.{int(rendezvous_round):010d}"
+
+
+def _describe_round(value: str) -> str:
+    try:
+        generation, rendezvous_round = (int(part) for part in value.split("."))
+        return f"round {rendezvous_round} of generation {generation}"
+    except ValueError:
+        return repr(value)
+
+
+def advance_round(client, job: str, mine: str, *, prefix: str = DEFAULT_PREFIX,
+                  extra: Callable[[Any], list] | None = None) -> str | None:
+    """Make ``mine`` the job's current round unless a newer one is recorded (then: why not). With ``extra``,
+    its operations (given the client) go in the same transaction, so they happen only in the current round."""
+    key = job_key(job, "round", prefix=prefix)
+    for _ in range(5):
+        value, meta = with_failover(client, lambda: client.get(key))
+        current = value.decode() if value is not None else None
+        if current is not None and current > mine:
+            return (f"the job's current round is {_describe_round(current)} and this worker's is "
+                    f"{_describe_round(mine)}: it was left behind")
+        txn = client.transactions
+        compare = [txn.version(key) == 0] if current is None else [txn.mod(key) == meta.mod_revision]
+        success = ([] if current == mine else [txn.put(key, mine)]) + (extra(client) if extra else [])
+        if not success:
+            return None
+        ok, _ = with_failover(client, lambda: client.transaction(compare=compare, success=success, failure=[]))
+        if ok:
+            return None
+    return f"{key} kept changing under this node; not acting for {_describe_round(mine)}"
+
+
+def commit_in_round(client, job: str, mine: str, pointer: Mapping[str, Any], *,
+                    prefix: str = DEFAULT_PREFIX) -> str | None:
+    """Publish ``pointer`` as the job's latest checkpoint if ``mine`` is (or becomes) its current round; else
+    why not."""
+    key, value = job_key(job, "checkpoint", prefix=prefix), json.dumps(dict(pointer), sort_keys=True)
+    return advance_round(client, job, mine, prefix=prefix, extra=lambda c: [c.transactions.put(key, value)])
 
 
 def read_progress(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, dict]:

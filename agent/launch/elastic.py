@@ -11,6 +11,10 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
 - ``failed``: the round failed: per failed worker its global and local rank, pid, exit code (a negative
   code is the signal that killed it) and the message of its error file when it wrote one
   (``torch.distributed.elastic.multiprocessing.errors.record``), with the time of the failure;
+- ``membership_pending``: nodes are waiting to join a healthy round (the job grows). With a reply pipe
+  (``TRAINWARDEN_LAUNCH_REPLY_FD``) the agent then waits, at most GROW_WAIT_S, for the supervisor's line
+  ``go``: meanwhile the supervisor has every worker save a checkpoint at one agreed step and hold there,
+  so the restart that follows loses no step (agent/launch/run.py, ``_checkpoint_before_growing``);
 - ``restarting``: the agent restarts the group, after a failure (``reason: failed``, with the restarts
   left) or because nodes are waiting to join (``reason: membership``);
 - ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``).
@@ -39,11 +43,45 @@ from typing import Any
 
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
-__all__ = ["EVENTS_FD_ENV", "EventSink", "main", "reporting_agent_class"]
+__all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
 
 log = logging.getLogger(__name__)
 
 EVENTS_FD_ENV = "TRAINWARDEN_LAUNCH_EVENTS_FD"
+REPLY_FD_ENV = "TRAINWARDEN_LAUNCH_REPLY_FD"
+GROW_WAIT_S = 150.0
+"""The longest the agent waits for the supervisor before a membership restart. Past it the group restarts
+anyway, from the latest checkpoint there is (the steps since are replayed, as torchrun would)."""
+
+
+class ReplyChannel:
+    """The supervisor's answers on a file descriptor (one line each); never raises."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_inheritable(fd, False)
+        self._fd = fd
+
+    def wait_for(self, word: str, timeout: float) -> bool:
+        """True once a line equal to ``word`` arrived within ``timeout`` seconds; False on timeout or EOF."""
+        import select
+
+        deadline, pending = time.monotonic() + timeout, b""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                ready, _, _ = select.select([self._fd], [], [], left)
+                if not ready:
+                    return False
+                chunk = os.read(self._fd, 4096)
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            pending += chunk
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            if any(line.strip() == word.encode() for line in lines):
+                return True
+        return False
 
 
 class EventSink:
@@ -68,7 +106,7 @@ class EventSink:
                 log.warning("trainwarden: cannot report launch events any more (%s); the job goes on", exc)
 
 
-def reporting_agent_class(sink: EventSink):
+def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
     """A ``LocalElasticAgent`` subclass that reports to ``sink`` (see the module docstring)."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -83,7 +121,7 @@ def reporting_agent_class(sink: EventSink):
             pids = super()._start_workers(worker_group)
             self._reported_failure = False
             sink.emit("started", restart_count=self._restart_count(), group_rank=worker_group.group_rank,
-                      group_world_size=worker_group.group_world_size,
+                      group_world_size=worker_group.group_world_size, round=_rendezvous_round(worker_group),
                       workers=[{"local_rank": w.local_rank, "global_rank": w.global_rank,
                                 "pid": pids.get(w.local_rank)} for w in worker_group.workers])
             return pids
@@ -101,6 +139,12 @@ def reporting_agent_class(sink: EventSink):
             return result
 
         def _restart_workers(self, worker_group):
+            if not self._reported_failure and replies is not None:  # a healthy round that nodes wait to join
+                round_ = _rendezvous_round(worker_group)
+                sink.emit("membership_pending", round=round_, restart_count=self._restart_count())
+                if not replies.wait_for("go", GROW_WAIT_S):
+                    log.warning("trainwarden: no checkpoint before the membership change within %.0f s; restarting "
+                                "from the latest checkpoint there is", GROW_WAIT_S)
             sink.emit("restarting", reason="failed" if self._reported_failure else "membership",
                       restart_count=self._restart_count(), restarts_left=self._remaining_restarts)
             super()._restart_workers(worker_group)
@@ -115,6 +159,15 @@ def reporting_agent_class(sink: EventSink):
                 sink.emit("finished", state=state, restart_count=self._restart_count())
 
     return ReportingElasticAgent
+
+
+def _rendezvous_round(worker_group) -> int | None:
+    """The rendezvous round the group's workers belong to (the same on every node), when the handler is
+    torch's dynamic one; None otherwise."""
+    holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+    state = getattr(holder, "state", None)
+    round_ = getattr(state, "round", None)
+    return int(round_) if isinstance(round_, int) else None
 
 
 def _error_message(failure) -> str:
@@ -135,8 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent(signal.SIGTERM, int(supervisor))
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # and the workers that can, die with this process
     fd = os.environ.pop(EVENTS_FD_ENV, None)
+    reply_fd = os.environ.pop(REPLY_FD_ENV, None)
     if fd:
-        launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)))
+        replies = ReplyChannel(int(reply_fd)) if reply_fd else None
+        launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)), replies)
     torchrun.main(sys.argv[1:] if argv is None else argv)
 
 

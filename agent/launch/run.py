@@ -37,14 +37,15 @@ from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher
+from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, agree_checkpoint_step,
+                                           commit_in_round, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
-from trainwarden.agent.launch.elastic import EVENTS_FD_ENV
+from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, GROW_WAIT_S, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.launch.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
@@ -120,6 +121,11 @@ dead node leaves the rendezvous 4-6 s after it died, and a round with at least M
 the last one joined. The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
 N/2 of them a second (not measured beyond the test bed's few nodes)."""
 
+GROW_MARGIN_STEPS, GROW_MARGIN_S = 5, 3.0
+"""Before the job grows, every worker checkpoints after one agreed step: the proposing node's latest step plus
+at least this many steps and this many seconds of steps, so that no rank on any node has passed it by the time
+the request reaches it (ranks of a synchronous job are within a step or two of each other)."""
+
 
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     """Run the job to its end (or until SIGINT/SIGTERM); returns the command's exit code."""
@@ -173,6 +179,13 @@ def _describe_failures(failures: list[dict]) -> str:
     return "; ".join(parts) or "no worker reported"
 
 
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
@@ -192,6 +205,13 @@ class _JobRun:
         self.membership: NodeMembership | None = None
         self.fenced = 0
         self._last_step_at: float | None = None  # monotonic: when a worker last completed a step
+        self._round_step = 0  # the latest step completed in the current worker round
+        self._round: int | None = None  # the rendezvous round of the current workers
+        self._committed_step = 0  # the latest checkpoint step a local worker reported committed
+        self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
+        self._reply_fd: int | None = None
+        self._worker_pids: list[int] = []
+        self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self._lock = threading.Lock()
         self.endpoint = ""
@@ -287,6 +307,8 @@ class _JobRun:
             raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
         cleanup.callback(agent.stop)
         self.agent = agent
+        if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
+            agent.server.commit_guard = self._commit_refusal
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
@@ -388,16 +410,22 @@ class _JobRun:
         """torchrun in a session of its own, its output pumped to the terminal and the run log."""
         log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
         events_read, events_write = os.pipe()  # the launcher's structured events (agent/launch/elastic.py)
+        reply_read, reply_write = os.pipe()  # and our answers to it (``go`` before a membership restart)
         try:
-            env = {**self.env, EVENTS_FD_ENV: str(events_write), SUPERVISOR_PID_ENV: str(os.getpid())}
+            env = {**self.env, EVENTS_FD_ENV: str(events_write), REPLY_FD_ENV: str(reply_read),
+                   SUPERVISOR_PID_ENV: str(os.getpid())}
             self.torchrun = TorchrunProcess(self.cmd, env,
-                                            stdout=subprocess.PIPE, pass_fds=(events_write,))
+                                            stdout=subprocess.PIPE, pass_fds=(events_write, reply_read))
         except OSError as exc:
             os.close(events_read)
+            os.close(reply_write)
             self.transition(JobPhase.FAILED, str(exc))
             raise _Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
         finally:
             os.close(events_write)
+            os.close(reply_read)
+        self._reply_fd = reply_write
+        cleanup.callback(os.close, reply_write)
         cleanup.callback(self.torchrun.stop)
         self.run_record.set("torchrun", self.torchrun.pid)
         if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
@@ -545,8 +573,13 @@ class _JobRun:
         """The launcher's structured events: rounds, failures with exit codes, restarts."""
         kind, at = event.get("event"), float(event.get("t") or time.time())
         if kind == "started":
+            self._round, self._round_step = event.get("round"), 0
+            if self._multi_node and self._round is not None:  # the job's current round is this one now
+                threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
+                                 daemon=True).start()
             self.progress.round_started(at)
-            self.run_record.set_workers([w["pid"] for w in event.get("workers") or [] if w.get("pid")])
+            self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
+            self.run_record.set_workers(self._worker_pids)
         elif kind == "failed":
             self.progress.round_failed(at)
             failures = event.get("failures") or []
@@ -554,6 +587,10 @@ class _JobRun:
             if self.failures is not None:
                 self.failures.round_failed(failures)
             print(f"trainwarden: the worker round failed: {_describe_failures(failures)}", file=self.out, flush=True)
+        elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
+            self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
+                                             name="trainwarden-grow", daemon=True)
+            self._growing.start()
         elif kind == "restarting":
             after_failure = event.get("reason") == "failed"
             self.progress.restarting(after_failure)
@@ -589,12 +626,120 @@ class _JobRun:
         if job != self.opts.job:
             return
         self._last_step_at = time.monotonic()
+        self._round_step = max(self._round_step, index)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
                       detail: str = "") -> None:
-        pass
+        if job == self.opts.job and stage == "committed":
+            self._committed_step = max(self._committed_step, step)
+        elif job == self.opts.job and stage == "failed":
+            self._failed_step = max(self._failed_step, step)
+
+    # ---- fenced rounds: who may publish a checkpoint ---------------------------------------------------
+
+    def _advance_round(self, rendezvous_round: int) -> None:
+        try:
+            refusal = advance_round(self.client, self.opts.job, round_id(self.record.generation, rendezvous_round))
+        except Exception as exc:  # a commit advances it too
+            logger.warning("cannot record round %s of job %s in etcd: %s", rendezvous_round, self.opts.job,
+                           describe_etcd_error(exc))
+            return
+        if refusal:
+            logger.warning("job %s: %s", self.opts.job, refusal)
+
+    def _commit_refusal(self, job: str, rank: int, pid: int, step: int, path: str, nbytes: int) -> str | None:
+        """The telemetry server's commit guard: None when rank ``rank`` may publish checkpoint ``step`` as the
+        job's latest, else why not. Only a worker of this node's current round, with this node's membership
+        confirmed by etcd within its lease, and the round still the job's current one in etcd (checked and
+        published in one transaction)."""
+        if job != self.opts.job:
+            return None
+        if pid not in self._worker_pids:
+            return f"rank {rank} (pid {pid}) is not a worker of node {self.node}'s current round"
+        m = self.membership
+        if m is None or m.confirmed_at is None or m.unconfirmed_for() > 2 * m.period:  # etcd away: do not wait on it
+            unconfirmed = f"{m.unconfirmed_for():.0f} s" if m is not None and m.confirmed_at is not None else "ever"
+            return (f"etcd has not confirmed node {self.node}'s membership for {unconfirmed}: the job's round "
+                    "cannot be checked, and the other nodes may train on without this one")
+        pointer = {"step": int(step), "path": path, "time": time.time(), "bytes": int(nbytes)}
+        if self._round is None:  # not torch's dynamic rendezvous: no round to compare; membership is all we have
+            self.records.put_checkpoint(job, pointer)
+            return None
+        return commit_in_round(self.client, job, round_id(self.record.generation, self._round), pointer)
+
+    # ---- growing: a checkpoint at one step on every node, then the membership restart ----------------------
+
+    def _checkpoint_before_growing(self, round_: int | None) -> None:
+        """Nodes wait to join this healthy round and torchrun waits for our ``go`` to restart the workers
+        into a larger world (agent/launch/elastic.py). Every node agrees on one step in etcd, has its workers
+        save after it and hold, and answers ``go`` once that checkpoint is committed: the new round restores
+        it and loses no step. Whatever goes wrong, ``go`` is answered: the restart then replays the steps
+        since the latest checkpoint, as it would without this."""
+        try:
+            self._grow_checkpoint(round_)
+        except Exception as exc:
+            print(f"trainwarden: no checkpoint before the job grows ({describe_etcd_error(exc)}); it restarts "
+                  "from the latest one, replaying the steps since", file=self.out, flush=True)
+        finally:
+            try:
+                os.write(self._reply_fd, b"go\n")
+            except (OSError, TypeError):
+                pass  # torchrun is gone, or was started without the pipe: nothing waits for us
+
+    def _grow_checkpoint(self, round_: int | None) -> None:
+        job = self.opts.job
+        if self.agent is None or self.client is None:
+            print("trainwarden: nodes wait to join; without the node agent the workers cannot checkpoint on request: "
+                  "restarting from the latest checkpoint", file=self.out, flush=True)
+            return
+        median = self.progress.median_step_seconds() or 1.0
+        proposal = self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+        step, proposer = agree_checkpoint_step(self.client, job, "round-unknown" if round_ is None else str(round_),
+                                               proposal, self.node)
+        asked = self.agent.actions.request_checkpoint(job, step, hold=True)
+        print(f"trainwarden: nodes wait to join job {job}: every worker checkpoints after step {step} (proposed by "
+              f"{proposer}) and waits there; this node asked rank{'s' if len(asked) != 1 else ''} "
+              f"{','.join(map(str, asked)) or 'none'}", file=self.out, flush=True)
+        deadline = time.monotonic() + GROW_WAIT_S - 10.0
+        workers = self._workers()
+        while time.monotonic() < deadline and self.torchrun is not None and self.torchrun.poll() is None:
+            if any(not _alive(w) for w in workers):  # a worker died: the collective save cannot complete
+                print(f"trainwarden: a worker of this node exited before the checkpoint of step {step}; the job "
+                      "restarts from the latest checkpoint there is", file=self.out, flush=True)
+                return
+            if self._failed_step >= step:
+                print(f"trainwarden: the checkpoint of step {step} failed on this node; the job restarts from the "
+                      "latest checkpoint there is", file=self.out, flush=True)
+                return
+            if self._committed(step):
+                print(f"trainwarden: checkpoint of step {step} committed; the job restarts with the waiting nodes",
+                      file=self.out, flush=True)
+                return
+            time.sleep(0.5)
+        print(f"trainwarden: the checkpoint of step {step} was not committed in time; the job restarts from the "
+              "latest checkpoint there is", file=self.out, flush=True)
+
+    def _workers(self) -> list[psutil.Process]:
+        procs = []
+        for pid in self._worker_pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        return procs
+
+    def _committed(self, step: int) -> bool:
+        """The checkpoint of ``step`` (or a later one) is committed: reported by a worker of this node (the
+        committing rank), or published in etcd by the node that has it."""
+        if self._committed_step >= step:
+            return True
+        try:
+            pointer = self.records.get_checkpoint(self.opts.job) or {}
+        except Exception:  # etcd away: the local report may still come
+            return False
+        return int(pointer.get("step") or 0) >= step
 
     def _on_line(self, line: str) -> None:
         """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""

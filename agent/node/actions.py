@@ -71,6 +71,13 @@ class AgentActions:
         command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
         return [r for r in ranks if self._server.send_command(job, r, command)]
 
+    def request_checkpoint(self, job: str, step: int, *, hold: bool = False) -> list[int]:
+        """Ask every connected rank of ``job`` on this node to save after ``step`` (and, with ``hold``, to wait
+        there for the launcher's restart); the ranks asked."""
+        command = pb.AgentCommand(checkpoint_now=pb.CheckpointNow(step=int(step), hold=hold))
+        ranks = [r.rank for snap in self._job_telemetry.snapshot(job) for r in snap.ranks if r.connected]
+        return [r for r in sorted(ranks) if self._server.send_command(job, r, command)]
+
     def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
         command = pb.AgentCommand(abort=pb.Abort(reason=reason[:500]))
         # hold each worker by (pid, start time) before asking: after the grace period a pid that exited

@@ -12,7 +12,7 @@ import re
 __all__ = [
     "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "FLIGHT_RECORDER_ENV",
     "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
-    "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
+    "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
 # ---- the gRPC service ----------------------------------------------------------------------------------
@@ -21,6 +21,7 @@ SERVICE_NAME = "trainwarden.v1.Telemetry"
 """The telemetry service (agent/proto/telemetry.proto); also the name its health status is kept under."""
 STREAM_METHOD = f"/{SERVICE_NAME}/Stream"
 STATUS_METHOD = f"/{SERVICE_NAME}/Status"
+COMMIT_METHOD = f"/{SERVICE_NAME}/Commit"
 
 
 
@@ -57,7 +58,7 @@ PEER_GONE = "peer gone"
 """How a worker's goodbye reason starts when it left because another rank had failed
 (``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""
 
-CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside")
+CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
 has the same names, upper-case)."""
 

@@ -17,6 +17,7 @@ class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESTORED: _ClassVar[CheckpointStage]
     FAILED: _ClassVar[CheckpointStage]
     SET_ASIDE: _ClassVar[CheckpointStage]
+    HELD: _ClassVar[CheckpointStage]
 CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
 SAVE_START: CheckpointStage
 STAGED: CheckpointStage
@@ -25,6 +26,7 @@ RESTORE_START: CheckpointStage
 RESTORED: CheckpointStage
 FAILED: CheckpointStage
 SET_ASIDE: CheckpointStage
+HELD: CheckpointStage
 
 class Hello(_message.Message):
     __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token")
@@ -191,8 +193,12 @@ class DumpDiagnostics(_message.Message):
     def __init__(self, dir: _Optional[str] = ...) -> None: ...
 
 class CheckpointNow(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("step", "hold")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    hold: bool
+    def __init__(self, step: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("reason",)
@@ -286,3 +292,25 @@ class StatusReply(_message.Message):
     node: str
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     def __init__(self, node: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("job", "rank", "step", "path", "bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    path: str
+    bytes: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("allowed", "reason")
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    allowed: bool
+    reason: str
+    def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

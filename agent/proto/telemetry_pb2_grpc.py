@@ -44,6 +44,11 @@ class TelemetryStub:
                 request_serializer=telemetry__pb2.StatusRequest.SerializeToString,
                 response_deserializer=telemetry__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/trainwarden.v1.Telemetry/Commit',
+                request_serializer=telemetry__pb2.CommitRequest.SerializeToString,
+                response_deserializer=telemetry__pb2.CommitReply.FromString,
+                _registered_method=True)
 
 
 class TelemetryServicer:
@@ -61,6 +66,12 @@ class TelemetryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_TelemetryServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=telemetry__pb2.StatusRequest.FromString,
                     response_serializer=telemetry__pb2.StatusReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=telemetry__pb2.CommitRequest.FromString,
+                    response_serializer=telemetry__pb2.CommitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Telemetry:
             '/trainwarden.v1.Telemetry/Status',
             telemetry__pb2.StatusRequest.SerializeToString,
             telemetry__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwarden.v1.Telemetry/Commit',
+            telemetry__pb2.CommitRequest.SerializeToString,
+            telemetry__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,

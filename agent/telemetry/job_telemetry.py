@@ -315,6 +315,8 @@ class JobTelemetry:
             state.tokens_total += max(0, int(tokens))
             state.last_step_end_ns = max(state.last_step_end_ns, int((float(start_unix) + duration) * 1e9))
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
+            if state.checkpoint_stage == "held":  # the hold ended without a restart: the rank trains again
+                state.checkpoint_stage = ""
         for listener in self._listeners:
             _notify(listener.on_step, job, rank, pid, int(index), float(start_unix), duration)
 

@@ -118,6 +118,8 @@ class TelemetryServer:
         self._credentials: PeerCredentialServer | None = None
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
+        self.commit_guard: CommitGuard | None = None
+        """Decides the Commit RPC (the launcher of a multi-node job sets it); None allows every commit."""
 
     @property
     def address(self) -> str:
@@ -144,6 +146,9 @@ class TelemetryServer:
             "Status": grpc.unary_unary_rpc_method_handler(
                 self._status, request_deserializer=self._deserializer(pb.StatusRequest),
                 response_serializer=pb.StatusReply.SerializeToString),
+            "Commit": grpc.unary_unary_rpc_method_handler(
+                self._commit, request_deserializer=self._deserializer(pb.CommitRequest),
+                response_serializer=pb.CommitReply.SerializeToString),
         }),))
         self._health = health.HealthServicer()  # a stopped one stays NOT_SERVING: a fresh one per start
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -371,6 +376,29 @@ class TelemetryServer:
         for job in self._job_telemetry.snapshot(request.job or None):
             reply.jobs.append(_job_status(job, now))
         return reply
+
+
+    def _commit(self, request, context) -> pb.CommitReply:
+        """May this rank publish the checkpoint as the job's latest? The guard gets the pid the kernel vouched
+        for on the rank's stream (0 when the rank has no stream), never a pid the request claims."""
+        if isinstance(request, _Rejected):
+            self._reject(context, request)
+        guard = self.commit_guard
+        if guard is None:
+            return pb.CommitReply(allowed=True)
+        with self._lock:
+            handle = self._streams.get((request.job, request.rank))
+        pid = handle.pid if handle is not None else 0
+        try:
+            refusal = guard(request.job, request.rank, pid, request.step, request.path, request.bytes)
+        except Exception as exc:  # a guard that cannot decide refuses: publishing is what a fence forbids
+            log.exception("commit check of job %s step %d failed", request.job, request.step)
+            refusal = f"the agent could not check the job's round: {exc}"
+        return pb.CommitReply(allowed=refusal is None, reason=refusal or "")
+
+
+CommitGuard = Callable[[str, int, int, int, str, int], "str | None"]
+"""``(job, rank, pid, step, path, bytes) -> None`` to allow a commit, or why it is refused."""
 
 
 def _job_status(job: JobSnapshot, now: float) -> pb.JobStatus:

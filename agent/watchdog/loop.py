@@ -187,11 +187,14 @@ class Watchdog:
             moved = self._io_bytes(r.pid) if r.pid > 0 else None
             if moved is not None:
                 checkpoint_io[r.rank] = moved
+        # every connected rank held at a step boundary for a membership change: the pause is the launcher's
+        # (it restarts them once the checkpoint is committed), not a hang; the clock stops as for no ranks
+        held = all(r.checkpoint_stage == "held" for r in connected)
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
-            in_checkpoint=bool(in_stage), running=bool(connected), checkpoint_io=checkpoint_io)
+            in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:

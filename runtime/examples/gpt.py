@@ -229,7 +229,7 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
         if pm.is_reporter and (step % cfg.log_every == 0 or step == cfg.steps):
             log.info("step %d loss %.6f time %.3fs tok/s %.0f", step, loss_value, last_seconds,
                      tokens_per_step / last_seconds)
-        requested = rt.take_checkpoint_request()  # the agent's "checkpoint now"
+        requested = rt.take_checkpoint_request(step)  # the agent's "checkpoint now" (at this step)
         if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
             ckpt.save(step, ckpt_state)
     if ckpt is not None:

@@ -18,6 +18,12 @@ cluster on hosts of their own; ``torchrun-kill`` and ``torchrun-partition`` run 
 rendezvous, the store on a surviving node (n0), and ``torchrun-kill-store`` with the store on the node that
 is lost (n2); all with the shared-store workaround (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and the same
 ``--max-restarts``. A scenario that does not train again within ``--bound`` seconds is reported as such.
+
+Growing back (``tw-grow``, ``torchrun-grow``): n2 is killed at step 12 as above; once the two survivors have
+trained 15 steps in their smaller world, n2's launcher is started again. Measured from that start: ``step``,
+rank 0's first step in the six-rank world, and ``lost``: steps computed before the restart into the larger
+world and computed again after it (trainwarden checkpoints on request at an agreed step and holds there;
+torchrun restarts at once from the latest periodic checkpoint).
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ RANK0_RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] 
 TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\] (Rendezvous'ing worker group|"
                        r"Rendezvous complete for workers)", re.M)
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
-SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition")
+SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition", "tw-grow",
+             "torchrun-grow")
+RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint step "
+                              r"(\d+)", re.M)
 
 
 def _stamp(text: str) -> float:
@@ -83,7 +92,64 @@ def _survivor_logs(logs: dict[str, Path], state: Path) -> str:
     return _texts(logs, ("n0", "n1")) + "".join(p.read_text(errors="replace") for p in extra)
 
 
+def _rank0_story(text: str) -> list[tuple[float, str, int]]:
+    """Rank 0's steps and resumes, (time, "step" or "resumed", step), in time order, from every log."""
+    events = [(_stamp(m.group(1)), "step", int(m.group(2))) for m in RANK0_STEP.finditer(text)]
+    events += [(_stamp(m.group(1)), "resumed", int(m.group(2))) for m in RANK0_RESUMED_AT.finditer(text)]
+    return sorted(events)
+
+
+def run_grow(scenario: str, bound: float, workdir: Path) -> dict:
+    """n2 killed at step 12, started again 15 steps later; how the job takes it back (module docstring)."""
+    ckpt, state = workdir / "ckpt", workdir / "state"
+    tw = scenario.startswith("tw-")
+    with TestBed(nodes=3, etcd_members=3 if tw else 0, workdir=workdir / "bed") as bed:
+        logs = {n: workdir / f"{n}.log" for n in ("n0", "n1", "n2")}
+        for node in ("n0", "n1", "n2"):
+            cmd, env = _command(scenario, bed, node, ckpt, state)
+            bed.spawn(node, cmd, log=logs[node], env=env)
+
+        def story():
+            return _rank0_story(_texts(logs, logs))
+
+        def wait(what, predicate, seconds):
+            deadline = time.monotonic() + seconds
+            while not predicate():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{scenario}: {what} within {seconds:.0f} s; see {workdir}")
+                time.sleep(0.3)
+
+        wait("no step 12", lambda: max((n for _, k, n in story() if k == "step"), default=0) >= 12, 300)
+        killed = time.time()
+        bed.kill("n2")
+        logs["n2"].rename(workdir / "n2.killed.log")
+        logs["killed"] = workdir / "n2.killed.log"
+        wait("no resume in the smaller world", lambda: any(k == "resumed" and t > killed for t, k, _ in story()), bound)
+        shrunk_at = max(t for t, k, _ in story() if k == "resumed")
+        base = min(n for t, k, n in story() if k == "step" and t > shrunk_at)
+        wait("the survivors did not train 15 steps", lambda: max(n for _, k, n in story() if k == "step") >= base + 15, bound)
+        cmd, env = _command(scenario, bed, "n2", ckpt, state)
+        started = time.time()
+        bed.spawn("n2", cmd, log=logs["n2"], env=env)
+        result = {"scenario": scenario, "fault": "grow"}
+        try:
+            wait("no resume in the larger world", lambda: any(k == "resumed" and t > started for t, k, _ in story()),
+                 bound)
+            grown = min(t for t, k, _ in story() if k == "resumed" and t > started)
+            wait("no step in the larger world", lambda: any(k == "step" and t > grown for t, k, _ in story()), 60)
+        except RuntimeError as exc:
+            return {**result, "step_s": None, "note": str(exc).split(";")[0]}
+        events = story()
+        resumed = next(n for t, k, n in events if k == "resumed" and t == grown)
+        before = {n for t, k, n in events if k == "step" and shrunk_at < t < grown}
+        return {**result, "restore_s": round(grown - started, 1),
+                "step_s": round(min(t for t, k, _ in events if k == "step" and t > grown) - started, 1),
+                "resumed_from": resumed, "lost": len([n for n in before if n > resumed])}
+
+
 def run_scenario(scenario: str, bound: float, workdir: Path) -> dict:
+    if scenario.endswith("-grow"):
+        return run_grow(scenario, bound, workdir)
     fault = "partition" if scenario.endswith("partition") else "kill"
     ckpt, state = workdir / "ckpt", workdir / "state"
     with TestBed(nodes=3, etcd_members=3 if scenario.startswith("tw-") else 0, workdir=workdir / "bed") as bed:
@@ -152,8 +218,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'scenario':22} {'runs':>4} {'detect':>7} {'rdzv':>6} {'restore':>8} {'step':>6}   (s after the fault, "
-          "medians)")
+    print(f"{'scenario':22} {'runs':>4} {'detect':>7} {'rdzv':>6} {'restore':>8} {'step':>6} {'lost':>5}   (s after the "
+          "fault or, growing, after the node's start; medians)")
     for scenario in scenarios:
         mine = [r for r in rows if r["scenario"] == scenario]
 
@@ -161,7 +227,7 @@ def main(argv=None) -> int:
             values = [r[key] for r in mine if r.get(key) is not None]
             return f"{statistics.median(values):.1f}" if len(values) == len(mine) else "-"
         line = f"{scenario:22} {len(mine):>4} {med('detect_s'):>7} {med('rdzv_s'):>6} {med('restore_s'):>8} " \
-               f"{med('step_s'):>6}"
+               f"{med('step_s'):>6} {med('lost') if scenario.endswith('-grow') else '':>5}"
         notes = {r["note"] for r in mine if r.get("note")}
         print(line + (f"   {'; '.join(notes)}" if notes else ""))
     return 0

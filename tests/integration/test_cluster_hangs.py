@@ -3,13 +3,15 @@ same hang at once; exactly one owns it and names the culprit another node saw.""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher, merge_verdicts, read_progress
+from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, agree_checkpoint_step,
+                                           commit_in_round, merge_verdicts, read_progress, round_id)
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +68,45 @@ def test_progress_summaries_are_published_under_a_lease(client):
     assert summary["ranks"] == {"3": {"last_step": 41, "connected": True}} and summary["node"] == "n1"
     publisher.stop()  # revokes the lease: the summary goes
     assert read_progress(client, "mp") == {}
+
+
+def test_nodes_proposing_a_step_to_checkpoint_before_growing_agree_on_the_first_one(client):
+    """Every node's launcher proposes its own step when nodes wait to join; all of them must save after the
+    same one (the save is collective). A later round agrees afresh."""
+    results, barrier = {}, threading.Barrier(3)
+
+    def propose(node, step):
+        barrier.wait()
+        results[node] = agree_checkpoint_step(client, "mg", "4", step, node)
+
+    threads = [threading.Thread(target=propose, args=(n, s)) for n, s in (("n0", 30), ("n1", 31), ("n2", 29))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(set(results.values())) == 1, results
+    step, proposer = results["n0"]
+    assert step == {"n0": 30, "n1": 31, "n2": 29}[proposer]
+    assert agree_checkpoint_step(client, "mg", "5", 77, "n1") == (77, "n1")
+    client.put("/trainwarden/v1/jobs/mg/grow/6", "not json")
+    with pytest.raises(ValueError, match="grow/6 holds no step"):
+        agree_checkpoint_step(client, "mg", "6", 80, "n2")
+
+
+def test_only_a_worker_of_the_jobs_current_round_publishes_a_checkpoint(client):
+    """DESIGN's fenced rounds, in one etcd transaction: a node left in an older round is refused."""
+    pointer = lambda step: {"step": step, "path": f"/ckpt/step-{step}", "time": 1.0, "bytes": 10}  # noqa: E731
+    key = "/trainwarden/v1/jobs/mf/checkpoint"
+    assert commit_in_round(client, "mf", round_id(0, 1), pointer(5)) is None  # the first round records itself
+    assert json.loads(client.get(key)[0])["step"] == 5
+    assert advance_round(client, "mf", round_id(0, 2)) is None  # the nodes of round 2 started
+    refusal = commit_in_round(client, "mf", round_id(0, 1), pointer(10))  # a fenced node of round 1
+    assert refusal and "round 2 of generation 0" in refusal and "left behind" in refusal
+    assert json.loads(client.get(key)[0])["step"] == 5
+    assert commit_in_round(client, "mf", round_id(0, 2), pointer(10)) is None
+    assert commit_in_round(client, "mf", round_id(0, 3), pointer(15)) is None  # a commit advances the round too
+    assert advance_round(client, "mf", round_id(0, 2)) is not None
+    # a new generation starts its rendezvous at round 0 again, and is still newer
+    assert commit_in_round(client, "mf", round_id(1, 0), pointer(20)) is None
+    assert commit_in_round(client, "mf", round_id(0, 9), pointer(25)) is not None
+    assert json.loads(client.get(key)[0])["step"] == 20

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420
 if TestBed.unavailable():
     pytest.skip(TestBed.unavailable(), allow_module_level=True)
 
-STEP_RE = re.compile(r"\[rank 0\] [\w.]+: step (\d+) loss ([\d.]+)")
-RESUMED_RE = re.compile(r"\[rank 0\] [\w.]+: resumed from checkpoint step (\d+)")
+STEP_RE = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: step (\d+) loss ([\d.]+)", re.M)
+RESUMED_RE = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: resumed from checkpoint step (\d+)", re.M)
 
 
 def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: Path, nnodes: str = "2:3"):
@@ -41,10 +41,18 @@ def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: 
 
 
 def _rank0(text: str) -> list[tuple[str, int, float]]:
-    """Rank 0's story in order: ("step", n, loss) and ("resumed", n, 0.0)."""
-    events = [(m.start(), "step", int(m.group(1)), float(m.group(2))) for m in STEP_RE.finditer(text)]
-    events += [(m.start(), "resumed", int(m.group(1)), 0.0) for m in RESUMED_RE.finditer(text)]
-    return [e[1:] for e in sorted(events)]
+    """Rank 0's story in time order, whichever node's log each line is in: ("step", n, loss) and
+    ("resumed", n, 0.0). The lines' own timestamps order it (the nodes share this machine's clock)."""
+    events = [(m.group(1), m.start(), "step", int(m.group(2)), float(m.group(3))) for m in STEP_RE.finditer(text)]
+    events += [(m.group(1), m.start(), "resumed", int(m.group(2)), 0.0) for m in RESUMED_RE.finditer(text)]
+    return [e[2:] for e in sorted(events)]
+
+
+def _lost_at_last_resume(story: list[tuple[str, int, float]]) -> list[int]:
+    """Steps computed before the last resume that it did not keep (after its checkpoint): a grow-back that
+    checkpoints on request and holds loses none."""
+    last = max(i for i, e in enumerate(story) if e[0] == "resumed")
+    return sorted({n for kind, n, _ in story[:last] if kind == "step" and n > story[last][1]})
 
 
 def _steps(text: str) -> list[int]:
@@ -124,6 +132,7 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
         story = _rank0(text())
         _check_continuation(story, steps, require_replay=False)
         assert "now 6" in text(), "the job never grew back to six ranks"
+        assert "checkpoints after step" in text() and _lost_at_last_resume(story) == []
         assert fenced_after < 30, f"n2 trained on for {fenced_after:.0f} s without etcd"
         assert "hang" in text("n0", "n1")  # the silent wait was the watchdog's to end, not gloo's timeout
         print(f"partition -> n2 fenced after {fenced_after:.1f} s")
@@ -132,7 +141,9 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
 
 def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
     """Two of the three etcd members down for longer than a node's membership lease: every node loses etcd
-    at once, but their workers go on stepping together, so nobody is fenced and nothing restarts."""
+    at once, but their workers go on stepping together, so nobody is fenced and nothing restarts. No commit
+    can be checked against the job's round meanwhile: those checkpoints are set aside, and commits resume
+    when etcd does."""
     steps, ckpt = 120, tmp_path / "shared" / "ckpt"
     with TestBed(nodes=2, etcd_members=3, workdir=tmp_path / "bed") as bed:
         runs = {n: _start(bed, tmp_path, n, "mq", steps, ckpt, nnodes="2") for n in ("n0", "n1")}
@@ -153,6 +164,7 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
         assert "fencing" not in text() and "round failed" not in text(), text()[-4000:]
         assert _steps(text()) == list(range(1, steps + 1))  # every step once: no restart
+        assert "not committed: " in text() and "latest complete: step 120" in text()
     assert bed.leftovers() == []
 
 
@@ -210,6 +222,8 @@ def test_a_killed_node_restarted_rejoins_and_the_job_grows_back(tmp_path):
         assert "node n2 joins job mr" in text("n2"), text("n2")[-3000:]
         assert "now 6" in text(), "the job never grew back to six ranks"
         # the killed run's log first: rank 0 may have been on n2 before the kill
-        _check_continuation(_rank0((tmp_path / "n2" / "killed.log").read_text() + text()), steps,
-                            require_replay=False)
+        story = _rank0((tmp_path / "n2" / "killed.log").read_text() + text())
+        _check_continuation(story, steps, require_replay=False)
+        # growing back: every worker saved after one agreed step and held there; the new round resumed from it
+        assert "checkpoints after step" in text() and _lost_at_last_resume(story) == []
     assert bed.leftovers() == []

@@ -324,3 +324,38 @@ def test_a_forked_child_goes_quiet_and_leaves_the_workers_stream_alone(server):
         assert rank_state(js, "forky", 0).connected and js.ended_streams("forky", since=0) == []
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_is_asked_of_the_agent_which_sees_the_streams_pid_and_may_refuse(server, tmp_path):
+    """The Commit RPC of fenced rounds: the guard decides with the pid of the rank's own stream (not a pid
+    the request claims); no guard allows; an unusable answer refuses; no agent at all refuses nothing."""
+    srv, js = server
+    rt = init("j", socket_path=str(srv.socket_path), env={"RANK": "0", "WORLD_SIZE": "1"})
+    try:
+        wait_for(lambda: rank_state(js, "j", 0) is not None and rank_state(js, "j", 0).connected, 20,
+                 what="the worker's stream")
+        assert rt.commit_refusal(5, "/ckpt/step-5", 100) is None  # no guard: a one-node job
+        asked = []
+
+        def guard(job, rank, pid, step, path, nbytes):
+            asked.append((job, rank, pid, step, path, nbytes))
+            return None if step < 10 else "the job's current round is round 4 of generation 0"
+
+        srv.commit_guard = guard
+        assert rt.commit_refusal(5, "/ckpt/step-5", 100) is None
+        assert rt.commit_refusal(10, "/ckpt/step-10", 100) == "the job's current round is round 4 of generation 0"
+        assert asked[0] == ("j", 0, os.getpid(), 5, "/ckpt/step-5", 100)
+
+        def broken(*args):
+            raise RuntimeError("etcd client closed")
+
+        srv.commit_guard = broken
+        assert "could not check the job's round: etcd client closed" in rt.commit_refusal(11)
+    finally:
+        rt.close()
+    lonely = init("j", socket_path=str(tmp_path / "nobody.sock"), env={"RANK": "0", "WORLD_SIZE": "1"})
+    try:
+        assert lonely.commit_refusal(5) is None
+    finally:
+        lonely.close()

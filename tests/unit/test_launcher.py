@@ -81,3 +81,21 @@ def test_multi_node_jobs_get_rendezvous_timings_that_recover_in_seconds():
 
     expiry = int(MULTI_NODE_RDZV["keep_alive_interval"]) * int(MULTI_NODE_RDZV["keep_alive_max_attempt"])
     assert expiry + int(MULTI_NODE_RDZV["last_call_timeout"]) <= 10  # torch's defaults: 15 + 30 s
+
+
+@pytest.mark.timeout(20)
+def test_the_launchers_reply_channel_waits_for_go_and_gives_up_on_timeout_or_eof():
+    import os
+    import threading
+
+    from trainwarden.agent.launch.elastic import ReplyChannel
+
+    read, write = os.pipe()
+    channel = ReplyChannel(read)
+    assert not channel.wait_for("go", 0.2)  # nothing said: the restart goes ahead after the wait
+    threading.Timer(0.2, lambda: os.write(write, b"noise\ng")).start()
+    threading.Timer(0.4, lambda: os.write(write, b"o\n")).start()
+    assert channel.wait_for("go", 5.0)  # a line split over two writes still counts
+    os.close(write)
+    assert not channel.wait_for("go", 5.0)  # the supervisor died: no reason to wait on
+    os.close(read)

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -136,3 +137,45 @@ def test_a_committed_checkpoint_travels_with_its_path(tmp_path):
     [message] = [m for m in client._drain() if m.WhichOneof("record") == "checkpoint"]
     assert (message.checkpoint.stage, message.checkpoint.step, message.checkpoint.path) == \
         (pb.COMMITTED, 20, "/ckpt/step-00000020")
+
+
+class _Recorder:
+    def __init__(self):
+        self.items = []
+
+    def record(self, item):
+        self.items.append(item)
+
+
+@pytest.mark.timeout(20)
+def test_a_checkpoint_request_for_a_step_is_answered_at_that_step_only_and_a_hold_waits_before_the_next():
+    """Before a job grows every rank saves after the same step (the save is collective), then holds."""
+    rt = Session(job="j", rank=1, world_size=4, client_config=None)
+    rt._client = recorder = _Recorder()
+    rt.hold_limit_s = 0.3
+    rt._on_command(pb.AgentCommand(checkpoint_now=pb.CheckpointNow(step=7, hold=True)))
+    assert rt.poll_command().argument == "7"
+    assert not rt.take_checkpoint_request(5) and not rt.take_checkpoint_request(6)
+    assert not rt.take_checkpoint_request()  # an older script that names no step never saves out of turn
+    assert rt.take_checkpoint_request(7) and not rt.take_checkpoint_request(7)
+    with rt.step(7):  # the step that was saved after is not held
+        pass
+    began = time.monotonic()
+    with rt.step(8):  # no restart came within the hold limit: it trains on
+        pass
+    assert time.monotonic() - began >= 0.3
+    stages = [item for item in recorder.items if item[0] == "checkpoint"]
+    assert [(s[1], s[2]) for s in stages] == [(pb.HELD, 7)]
+    began = time.monotonic()
+    with rt.step(9):  # held once only
+        pass
+    assert time.monotonic() - began < 0.3
+
+
+@pytest.mark.timeout(20)
+def test_a_checkpoint_request_that_arrives_after_its_step_is_dropped(caplog):
+    rt = Session(job="j", rank=0, world_size=2, client_config=None)
+    rt._on_command(pb.AgentCommand(checkpoint_now=pb.CheckpointNow(step=3, hold=True)))
+    assert not rt.take_checkpoint_request(4)
+    assert "arrived after step 4" in caplog.text
+    assert not rt.take_checkpoint_request(5) and rt._hold_after is None

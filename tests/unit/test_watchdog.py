@@ -373,6 +373,31 @@ def test_a_long_restore_that_reads_is_not_aborted_and_one_that_stops_reading_is(
     assert hangs[0].evidence["deadline"] == "checkpoint" and hangs[0].evidence["stalled_seconds"] == 61
 
 
+def test_ranks_held_for_a_membership_change_are_not_hung_but_one_that_stops_short_of_the_hold_is(tmp_path):
+    """Before the job grows every rank saves after one step and holds until the launcher restarts it: a pause
+    the launcher owns. A rank that never reaches the hold while the others wait is a hang as before."""
+    sim = Sim(ranks=3)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path)
+    wd.check_once()  # the watchdog sees the round start
+    sim.run(10)
+    wd.check_once()
+    for r in range(3):
+        sim.js.record_checkpoint("j", r, stage="held", step=10, seconds=0.0)
+    for _ in range(12):  # a minute held: no incident
+        sim.clock.now += 5
+        wd.check_once()
+    assert actions.records == []
+    sim.run(2)  # the hold limit passed and they train on: the stage clears with the first step
+    wd.check_once()
+    assert {r.checkpoint_stage for r in sim.js.snapshot("j")[0].ranks} == {""}
+    for r in (0, 1):  # two held; rank 2 stopped before it got there
+        sim.js.record_checkpoint("j", r, stage="held", step=12, seconds=0.0)
+    sim.clock.now += 6
+    wd.check_once()
+    assert [r.kind for r in actions.records][:1] == [IncidentKind.HANG]
+
+
 def test_process_io_bytes_reads_a_real_process():
     import subprocess
     import sys
