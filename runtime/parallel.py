@@ -141,6 +141,8 @@ class ParallelModel:
         self.is_first_stage = self.pp_rank == 0
         self.is_last_stage = self.pp_rank == cfg.pp - 1
         self._schedule = None
+        self.accumulate = 1
+        """Without a pipeline: micro-batches this rank's slice is split into, their gradients accumulated."""
         if cfg.pp > 1:
             stage = PipelineStage(model, self.pp_rank, cfg.pp, device, group=mesh["pp"].get_group())
             self._schedule = Schedule1F1B(stage, n_microbatches=cfg.micro_batches, loss_fn=lm_loss)
@@ -157,7 +159,13 @@ class ParallelModel:
         ``None`` elsewhere. The optimizer step is the caller's.
         """
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        if self._schedule is None:
+        if self._schedule is None and self.accumulate > 1:  # each part weighted by its share of the slice
+            loss = torch.zeros((), device=self.device)
+            for part_in, part_t in zip(inputs.chunk(self.accumulate), targets.chunk(self.accumulate)):
+                part = lm_loss(self.model(part_in), part_t) * (len(part_in) / len(inputs))
+                part.backward()
+                loss += part.detach()
+        elif self._schedule is None:
             loss = lm_loss(self.model(inputs), targets)
             loss.backward()
             loss = loss.detach()

@@ -88,6 +88,11 @@ class TrainConfig:
     """Log every this many steps (and always the last)."""
     allow_fresh_start: bool = False
     """Train from step 1 even when checkpoints exist but none loads (otherwise the run stops and says so)."""
+    micro_batch_size: int = 0
+    """Sequences per micro-batch on a data-parallel rank (0: ``mesh.micro_batches`` fixed instead). Fixed, the
+    micro-batch count follows the world: when data parallelism shrinks after a node loss, each rank takes
+    more micro-batches of the same size (gradient accumulation without a pipeline), so the global batch and
+    the memory a micro-batch needs both stay as they were."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "steps", "ckpt_every", "keep", "log_every"):
@@ -115,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--vocab", type=int, default=256)
     add("--micro-batches", type=int, default=2, help="pipeline micro-batches per dp rank and step")
     add("--batch", type=int, default=8, help="global batch size, a multiple of dp x micro-batches")
+    add("--micro-batch-size", type=int, default=0, metavar="N",
+        help="sequences per micro-batch on each dp rank: the micro-batch count becomes batch / (dp x N), and "
+             "without a pipeline the rank accumulates gradients over them; the global batch and the memory per "
+             "micro-batch stay the same when the world changes (default: --micro-batches fixed)")
     add("--steps", type=int, default=20, help="last step to run (steps count from 1)")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=3, help="linear learning-rate warm-up steps")
@@ -133,10 +142,17 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse flags into a validated :class:`TrainConfig` (``ValueError`` subclasses on bad values)."""
     a = _parser().parse_args(argv)
+    dp = a.dp if a.dp is not None else _fitting_dp(a.tp, a.pp)
+    micro_batches = a.micro_batches
+    if a.micro_batch_size:
+        if a.micro_batch_size < 0 or a.batch % dp or (a.batch // dp) % a.micro_batch_size:
+            raise ValueError(f"--micro-batch-size {a.micro_batch_size} must be positive and divide each dp rank's "
+                             f"share of --batch {a.batch} (dp {dp}: {a.batch / dp:g} sequences)")
+        micro_batches = a.batch // dp // a.micro_batch_size
     return TrainConfig(
         model=ModelConfig(vocab=a.vocab, dim=a.dim, heads=a.heads, layers=a.layers, seq=a.seq),
-        mesh=MeshConfig(dp=a.dp if a.dp is not None else _fitting_dp(a.tp, a.pp), tp=a.tp, pp=a.pp,
-                        micro_batches=a.micro_batches),
+        mesh=MeshConfig(dp=dp, tp=a.tp, pp=a.pp, micro_batches=micro_batches),
+        micro_batch_size=a.micro_batch_size,
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start)
 
@@ -186,6 +202,8 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
     mesh = build_mesh(cfg.mesh, device)
     torch.manual_seed(cfg.seed)
     pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed)
+    if cfg.micro_batch_size and cfg.mesh.pp == 1:  # the pipeline schedule runs its own micro-batches
+        pm.accumulate = cfg.mesh.micro_batches
     optimizer = torch.optim.AdamW(pm.model.parameters(), lr=cfg.lr_at(1), weight_decay=0.01)
     data = SyntheticData(DataConfig(vocab=cfg.model.vocab, seq=cfg.model.seq, batch=cfg.batch, seed=cfg.seed))
     train_state = TrainState(pm.model, optimizer)

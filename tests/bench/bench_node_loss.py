@@ -126,6 +126,7 @@ def run_grow(scenario: str, bound: float, workdir: Path) -> dict:
         logs["killed"] = workdir / "n2.killed.log"
         wait("no resume in the smaller world", lambda: any(k == "resumed" and t > killed for t, k, _ in story()), bound)
         shrunk_at = max(t for t, k, _ in story() if k == "resumed")
+        wait("no step in the smaller world", lambda: any(k == "step" and t > shrunk_at for t, k, _ in story()), 60)
         base = min(n for t, k, n in story() if k == "step" and t > shrunk_at)
         wait("the survivors did not train 15 steps", lambda: max(n for _, k, n in story() if k == "step") >= base + 15, bound)
         cmd, env = _command(scenario, bed, "n2", ckpt, state)

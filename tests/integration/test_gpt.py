@@ -133,3 +133,22 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     assert crashes[0]["evidence"]["telemetry_streams_ended"][0]["how"] == "broken (no goodbye)"
     # when the crash interrupted step 8's save, restore sets the unfinished copy aside: a second incident
     assert re.search(r"incidents    (checkpoint_set_aside 1 \(rank 0\), )?crash 1 \(rank 5\) ", text), text[-800:]
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_keeps_the_global_batch_when_data_parallelism_shrinks(module_procs, tmp_path):
+    """``--micro-batch-size 2`` with a global batch of 8: two ranks of dp take two micro-batches each, one rank
+    takes four and accumulates their gradients. Same samples, same update: the losses agree at every step
+    (up to reduction order), as after a node loss that halves dp."""
+    common = ["--tp", "1", "--pp", "1", "--batch", "8", "--micro-batch-size", "2", "--steps", "6"]
+    dp2 = run_gpt(module_procs, tmp_path / "dp2.log", nproc=2, args=common)
+    dp1 = run_gpt(module_procs, tmp_path / "dp1.log", nproc=1, args=common)
+    plain = run_gpt(module_procs, tmp_path / "plain.log", nproc=1, args=["--tp", "1", "--batch", "8", "--steps", "6"])
+    for run in (dp2, dp1, plain):
+        assert run.returncode == 0 and sorted(run.losses) == list(range(1, 7)), run.describe()
+    for step in range(1, 7):
+        assert float(dp1.losses[step]) == pytest.approx(float(dp2.losses[step]), rel=1e-4), step
+        assert float(dp1.losses[step]) == pytest.approx(float(plain.losses[step]), rel=1e-4), step
+    bad = run_gpt(module_procs, tmp_path / "bad.log", nproc=1, args=[*common[:-2], "--micro-batch-size", "3",
+                                                                       "--steps", "2"], timeout=100)
+    assert bad.returncode != 0 and "--micro-batch-size 3 must be positive and divide" in bad.log, bad.describe()

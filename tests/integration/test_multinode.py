@@ -35,6 +35,8 @@ def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: 
                             "--nnodes", nnodes, "--nproc-per-node", "2", "--node", node, "--max-restarts", "3",
                             "--job", job, "--etcd", bed.etcd_endpoints, "--",
                             "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12",
+                            # two sequences per micro-batch: dp 3 takes 2 micro-batches a rank, dp 2 accumulates 3
+                            "--micro-batch-size", "2",
                             "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "5"],
                      log=log, env=env)
     return proc, log
