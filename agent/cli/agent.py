@@ -1,32 +1,70 @@
-"""`trainwarden agent`: its arguments; the daemon itself is ``trainwarden.agent.node.daemon``."""
+"""`trainwarden agent`: its arguments and configuration; the daemon itself is ``trainwarden.agent.node.daemon``.
+
+Settings come from, in order of precedence: the command-line flags, ``TRAINWARDEN_<KEY>`` environment variables
+(``TRAINWARDEN_NODE``, ``TRAINWARDEN_METRICS_PORT``, ``TRAINWARDEN_ETCD``, ...), the TOML file named by ``--config``
+(keys as the flags, with underscores: ``metrics_port = 9478``), and the built-in defaults. An unknown key or a
+value of the wrong type in the file or the environment is an error that names the key and where it came from.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from typing import Any, Mapping
 
-from trainwarden.agent.cli.args import add_etcd_security, etcd_security
+from trainwarden.agent.cli.args import add_etcd_security
 from trainwarden.agent.common import exit_codes
 
-__all__ = ["add_parser"]
+__all__ = ["SETTINGS", "add_parser", "resolve_settings"]
+
+SETTINGS: dict[str, tuple[type, Any]] = {
+    "socket": (str, None),  # None: DEFAULT_SOCKET
+    "metrics_host": (str, "0.0.0.0"),
+    "metrics_port": (int, 9478),
+    "node": (str, None),
+    "state_home": (str, None),
+    "etcd": (str, None),
+    "etcd_ca": (str, None),
+    "etcd_cert": (str, None),
+    "etcd_key": (str, None),
+    "etcd_user": (str, None),
+    "etcd_password_file": (str, None),
+    "straggler_policy": (str, "alert"),
+    "local_addr": (str, None),
+    "run_jobs": (bool, True),
+}
+"""Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
 
 
 def add_parser(sub) -> None:
     from trainwarden.agent.node.endpoints import DEFAULT_SOCKET
 
-    p = sub.add_parser("agent", help="run the node agent daemon (telemetry socket, metrics, watchdog)",
-                       description="Run the node agent until SIGTERM/SIGINT: workers stream telemetry to --socket, "
-                                   "Prometheus scrapes --metrics-host:--metrics-port, the watchdog handles hangs.")
-    p.add_argument("--socket", default=str(DEFAULT_SOCKET), metavar="PATH",
-                   help=f"telemetry unix socket (default {DEFAULT_SOCKET})")
-    p.add_argument("--metrics-host", default="0.0.0.0", metavar="ADDR",
-                   help="address of the Prometheus endpoint (default 0.0.0.0)")
-    p.add_argument("--metrics-port", type=int, default=9478, metavar="PORT",
+    p = sub.add_parser("agent", help="run the node daemon: telemetry socket, metrics, watchdog, and the submitted "
+                                     "jobs that target this node",
+                       description="Run the node daemon until SIGTERM/SIGINT: workers stream telemetry to --socket, "
+                                   "Prometheus scrapes --metrics-host:--metrics-port, the watchdog handles hangs. "
+                                   "With --etcd it also registers the node (nodes/NODE) and starts this node's part "
+                                   "of every submitted job that targets it; the jobs outlive the daemon, and a "
+                                   "restarted daemon adopts them.",
+                       epilog="Settings: flags > TRAINWARDEN_<KEY> variables > --config FILE (TOML, keys as the "
+                              "flags with underscores) > defaults.")
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (e.g. deploy/systemd/agent.toml)")
+    p.add_argument("--socket", metavar="PATH", help=f"telemetry unix socket (default {DEFAULT_SOCKET})")
+    p.add_argument("--metrics-host", metavar="ADDR", help="address of the Prometheus endpoint (default 0.0.0.0)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="port of the Prometheus endpoint (default 9478; 0: any free port)")
-    p.add_argument("--node", metavar="NAME", help="this node's name in metrics and incidents (default: host name)")
-    p.add_argument("--state-home", metavar="DIR", help="root of job state directories (incidents, diagnostics)")
-    p.add_argument("--etcd", metavar="URL", help="also record incidents in this etcd (host:port or "
-                   "http[s]://host:port)")
-    p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
+    p.add_argument("--node", metavar="NAME", help="this node's name in metrics, incidents and jobs (default: host "
+                   "name)")
+    p.add_argument("--state-home", metavar="DIR", help="root of state directories (incidents, diagnostics, the "
+                   "daemon's launcher records and job logs)")
+    p.add_argument("--etcd", metavar="URL", help="the cluster's etcd (host:port or http[s]://host:port; several "
+                   "members separated by commas): incidents, the node record, submitted jobs")
+    p.add_argument("--local-addr", metavar="ADDR", help="the address this node's jobs advertise to their peers "
+                   "(default: the interface that routes to etcd)")
+    p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
+                   help="with --etcd: do not start submitted jobs on this node (telemetry and incidents only)")
+    p.add_argument("--straggler-policy", choices=["alert", "exclude"],
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
     p.add_argument("--check", action="store_true",
@@ -35,21 +73,87 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_cmd_agent)
 
 
+def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Each setting from the flags, the environment, the config file or its default (module docstring);
+    ValueError naming the key and its source."""
+    from trainwarden.agent.common.job_spec import JobSpecError, read_toml, unknown_key_message
+
+    from_file: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        try:
+            from_file = read_toml(args.config, "agent config")
+        except JobSpecError as exc:
+            raise ValueError(str(exc)) from None
+        for key, value in from_file.items():
+            if key not in SETTINGS:
+                raise ValueError(unknown_key_message(key, SETTINGS, args.config).replace("field", "key", 1))
+            kind = SETTINGS[key][0]
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+                raise ValueError(f"{args.config}: key {key!r} must be {_kind_name(kind)}, got {value!r}")
+    settings = {}
+    for key, (kind, default) in SETTINGS.items():
+        flag = getattr(args, key, None)
+        variable = f"TRAINWARDEN_{key.upper()}"
+        if flag is not None:
+            settings[key] = flag
+        elif environ.get(variable):
+            settings[key] = _from_text(environ[variable], kind, variable)
+        elif key in from_file:
+            settings[key] = from_file[key]
+        else:
+            settings[key] = default
+    return settings
+
+
+def _kind_name(kind: type) -> str:
+    return {str: "a string", int: "a whole number", bool: "true or false"}[kind]
+
+
+def _from_text(text: str, kind: type, source: str) -> Any:
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{source}={text!r}: must be a whole number") from None
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{source}={text!r}: must be true or false")
+    return text
+
+
 def _cmd_agent(args) -> int:
     from pathlib import Path
 
-    from trainwarden.agent.node.daemon import DaemonOptions, check, run_daemon
+    from trainwarden.agent.etcd.client import EtcdSecurity
     from trainwarden.agent.node.agent import AgentConfig, watchdog_config
+    from trainwarden.agent.node.daemon import DaemonOptions, check, run_daemon
+    from trainwarden.agent.node.endpoints import DEFAULT_SOCKET
 
-    if args.check:
-        return check(Path(args.socket))
     try:
-        config = AgentConfig(socket_path=Path(args.socket).absolute(), metrics_host=args.metrics_host,
-                             metrics_port=args.metrics_port,
-                             state_home=Path(args.state_home) if args.state_home else None,
-                             watchdog=watchdog_config(args.straggler_policy),
-                             **({"node": args.node} if args.node else {}))
-        options = DaemonOptions(agent=config, etcd=args.etcd, etcd_security=etcd_security(args))
+        s = resolve_settings(args)
+    except ValueError as exc:
+        print(f"trainwarden agent: {exc}", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    socket_path = Path(s["socket"] or DEFAULT_SOCKET)
+    if args.check:
+        return check(socket_path)
+    if s["straggler_policy"] not in ("alert", "exclude"):
+        print(f"trainwarden agent: straggler_policy {s['straggler_policy']!r}: must be alert or exclude",
+              file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    try:
+        config = AgentConfig(socket_path=socket_path.absolute(), metrics_host=s["metrics_host"],
+                             metrics_port=s["metrics_port"],
+                             state_home=Path(s["state_home"]) if s["state_home"] else None,
+                             watchdog=watchdog_config(s["straggler_policy"]),
+                             **({"node": s["node"]} if s["node"] else {}))
+        security = EtcdSecurity.from_env(ca_cert=s["etcd_ca"], cert_cert=s["etcd_cert"], cert_key=s["etcd_key"],
+                                         user=s["etcd_user"], password_file=s["etcd_password_file"])
+        options = DaemonOptions(agent=config, etcd=s["etcd"], etcd_security=security, run_jobs=s["run_jobs"],
+                                local_addr=s["local_addr"])
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -11,7 +11,7 @@ import os
 import sys
 
 from trainwarden.agent import __version__
-from trainwarden.agent.cli import agent, incidents, run, status
+from trainwarden.agent.cli import agent, incidents, jobs, run, status
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["build_parser", "main"]
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
+    jobs.add_parsers(sub)  # submit, jobs, stop, resume, cordon, uncordon, nodes
     return parser
 
 

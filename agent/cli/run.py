@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
                    help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="more environment for the workers (repeatable)")
+    p.add_argument("--managed", action="store_true", help=argparse.SUPPRESS)  # started by the node daemon
     add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
                    help="the training script and its arguments, or -m MODULE ARGS...")
@@ -79,13 +82,20 @@ def _cmd_run(args) -> int:
               "`trainwarden run --nproc-per-node 2 -- train.py --lr 0.1`", file=sys.stderr)
         return exit_codes.EXIT_USAGE
     job = args.job or time.strftime("run-%Y%m%d-%H%M%S")
+    extra_env = {}
+    for item in args.env:
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            print(f"trainwarden run: --env {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return exit_codes.EXIT_USAGE
+        extra_env[key] = value
     try:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          straggler_policy=args.straggler_policy)
+                          straggler_policy=args.straggler_policy, extra_env=extra_env, managed=args.managed)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -104,6 +104,8 @@ class RunOptions:
     """Port of the agent's Prometheus endpoint (0: a free one)."""
     straggler_policy: str = "alert"
     """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
+    managed: bool = False
+    """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -380,11 +382,12 @@ class _JobRun:
         try:
             previous = self.records.get_state(opts.job)
             if admission.starts_job:
-                self.records.put_spec(opts.job, {
-                    "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
-                    "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
-                    "checkpoint_dir": str(self.checkpoint_dir),
-                })
+                if not opts.managed:  # a submitted job's spec is the operator's (agent/etcd/jobs.py)
+                    self.records.put_spec(opts.job, {
+                        "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
+                        "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
+                        "checkpoint_dir": str(self.checkpoint_dir),
+                    })
                 if previous is not None:
                     self._take_over(previous)
             else:
@@ -548,14 +551,16 @@ class _JobRun:
         cleanup.callback(path.unlink, missing_ok=True)
 
     def _take_over(self, previous: dict) -> None:
-        """A job already in etcd and no node of it live: continue it with the next generation. A non-terminal
-        phase was left by runs that are gone (killed hard, or cut off from etcd for longer than their
-        record's lease: those stop their workers themselves)."""
+        """A job already in etcd and no node of it live: continue it with the next generation, or with the one
+        `submit`/`resume` wrote in ``pending`` for the daemons to start. A non-terminal phase was left by runs
+        that are gone (killed hard, or cut off from etcd for longer than their record's lease: those stop
+        their workers themselves)."""
         opts, phase = self.opts, previous.get("phase")
-        if phase not in (p.value for p in JobPhase if p.terminal):
+        if phase not in [p.value for p in JobPhase if p.terminal] + [JobPhase.PENDING.value]:
             logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
                            opts.job, phase, previous.get("owner"))
-        self.record.generation = int(previous.get("generation", 0)) + 1
+        fresh = phase == JobPhase.PENDING.value and opts.managed  # the generation the operator's request made
+        self.record.generation = int(previous.get("generation", 0)) + (0 if fresh else 1)
         self.records.reset_rendezvous(opts.job)
 
     def transition(self, to: JobPhase, reason: str = "", *, failure: bool = True) -> None:

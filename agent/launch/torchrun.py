@@ -24,23 +24,11 @@ from pathlib import Path
 from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, CHECKPOINT_DIR_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
                                              STATE_DIR_ENV, validate_job_name)
 
+from trainwarden.agent.common.job_spec import parse_nnodes
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["LaunchSpec", "parse_nnodes", "torchrun_command", "validate_launch", "worker_environment"]
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """``"N"`` or ``"MIN:MAX"`` -> (min, max); a clear ValueError otherwise."""
-    parts = value.split(":")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with integers, e.g. 1 or 1:4") from None
-    if len(numbers) == 1:
-        numbers = numbers * 2
-    if len(numbers) != 2 or not 1 <= numbers[0] <= numbers[1]:
-        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
-    return numbers[0], numbers[1]
-
 
 def validate_launch(spec) -> None:
     """Checks shared by every description of a launch (``LaunchSpec``, ``run.RunOptions``)."""

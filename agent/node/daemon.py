@@ -1,9 +1,11 @@
-"""`trainwarden agent`: the node agent as a long-running daemon (systemd unit, Kubernetes DaemonSet).
+"""`trainwarden agent`: the node daemon (systemd unit, Kubernetes DaemonSet).
 
 It runs one ``NodeAgent`` (agent/node/agent.py: telemetry socket, Prometheus endpoint, health samplers,
 watchdog) until SIGTERM or SIGINT, then stops it (the socket file is removed) and exits 0. Jobs on the
 node find it through ``TRAINWARDEN_AGENT_SOCKET`` (default ``/run/trainwarden/agent.sock``). With ``--etcd``,
-incidents are also written to etcd; without it they go to the state directories only.
+incidents are also written to etcd, and (unless ``--no-jobs``) the ``JobRunner`` (agent/node/job_runner.py)
+registers the node and runs this node's part of every submitted job that targets it. Those jobs outlive the
+daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them.
 
 Start-up problems are one line on stderr and a named exit code: a socket or port that cannot be bound, a
 socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them); etcd not
@@ -43,6 +45,10 @@ class DaemonOptions:
     """``[http[s]://]host:port`` of the cluster's etcd, for incidents; None: incidents stay on local disk."""
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
     """TLS and auth for ``etcd``."""
+    run_jobs: bool = True
+    """With ``etcd``: start the submitted jobs that target this node."""
+    local_addr: str | None = None
+    """The address this node's jobs advertise (None: their launcher picks the one that routes to etcd)."""
 
     def __post_init__(self) -> None:
         if self.etcd is None:
@@ -64,6 +70,20 @@ def _connect_etcd(config: EtcdConfig):
     from trainwarden.agent.etcd.job_records import connect
 
     return connect(config)
+
+
+def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
+    from trainwarden.agent.common.paths import default_state_home
+    from trainwarden.agent.node.job_runner import JobRunner
+
+    sec = options.etcd_security
+    flags = {"--etcd-ca": sec.ca_cert, "--etcd-cert": sec.cert_cert, "--etcd-key": sec.cert_key,
+             "--etcd-user": sec.user, "--etcd-password-file": sec.password_file}
+    etcd_args = [part for flag, value in flags.items() if value for part in (flag, value)]
+    config = options.agent
+    return JobRunner(client, node=config.node, etcd=options.etcd, etcd_args=etcd_args,
+                     state_home=config.state_home or default_state_home(), local_addr=options.local_addr,
+                     endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""})
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
@@ -103,15 +123,25 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                           f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; run as a user "
                           "who may write there (systemd: RuntimeDirectory=trainwarden) or pass another --socket\n")
                 return exit_codes.EXIT_USAGE
+            runner = None
             try:
-                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s", config.node,
+                if client is not None and options.run_jobs:
+                    runner = _job_runner(options, client, agent)
+                    runner.start()
+                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s", config.node,
                             config.socket_path, agent.metrics_url or "off",
-                            f", incidents to etcd {options.etcd}" if options.etcd else "")
+                            f", incidents to etcd {options.etcd}" if options.etcd else "",
+                            f", running the jobs submitted for node {config.node}" if runner else "")
                 while not signals.event.wait(1.0):  # a timed wait: signal handlers run between waits
                     pass
                 name = signal.Signals(signals.received).name if signals.received else "stop requested"
                 logger.info("trainwarden agent: %s; stopping", name)
             finally:
+                if runner is not None:
+                    running = runner.stop()
+                    if running:
+                        logger.info("jobs %s keep running on this node; the next `trainwarden agent` adopts them "
+                                    "(`trainwarden stop JOB` stops one)", ", ".join(running))
                 agent.stop()
     finally:
         if writer is not None:

@@ -1,0 +1,190 @@
+"""A job as an operator submits it (`trainwarden submit JOB.toml`), and the TOML reader the daemon's config
+shares with it.
+
+    name = "gpt-small"
+    command = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--steps", "2000"]
+    nnodes = "2:4"            # MIN:MAX, or N
+    nproc_per_node = 8
+    checkpoint_dir = "/shared/ckpt/gpt-small"   # optional: the launcher's default otherwise
+    max_restarts = 3          # optional: worker-group restarts before the job fails
+    straggler_policy = "alert"                  # optional: alert or exclude
+    nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
+
+    [env]                     # optional: more environment for the workers
+    OMP_NUM_THREADS = "4"
+
+Every problem is a ``JobSpecError`` that names the file and the field: a missing or unknown field (with the
+closest known name), a wrong type, a value out of range. Nothing is submitted unless the whole spec is valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, validate_job_name, validate_node_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["JobSpec", "JobSpecError", "STRAGGLER_POLICIES", "load_job_spec", "parse_job_spec", "parse_nnodes",
+           "read_toml", "unknown_key_message"]
+
+STRAGGLER_POLICIES = ("alert", "exclude")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> (min, max); a clear ValueError otherwise."""
+    parts = value.split(":")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with integers, e.g. 1 or 1:4") from None
+    if len(numbers) == 1:
+        numbers = numbers * 2
+    if len(numbers) != 2 or not 1 <= numbers[0] <= numbers[1]:
+        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+    return numbers[0], numbers[1]
+
+
+class JobSpecError(ValueError):
+    """A job spec (or a config file) that cannot be used: what is wrong, where, and what to do."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A submitted job: what every node's daemon needs to launch its part."""
+
+    name: str
+    command: tuple[str, ...]
+    """The worker command: a script path and its arguments, or ``-m``, a module and its arguments."""
+    nnodes: str = "1"
+    nproc_per_node: int = 1
+    checkpoint_dir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 3
+    straggler_policy: str = "alert"
+    nodes: tuple[str, ...] = ()
+    """The nodes that may run the job; empty: any node."""
+
+    def targets(self, node: str) -> bool:
+        return not self.nodes or node in self.nodes
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["command"], data["nodes"], data["env"] = list(self.command), list(self.nodes), dict(self.env)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "etcd") -> "JobSpec":
+        return parse_job_spec({k: v for k, v in data.items() if k in _FIELDS}, source)
+
+    def launcher_args(self) -> list[str]:
+        """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
+        args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
+                "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
+        env = dict(self.env)
+        if self.checkpoint_dir:  # the workers' TRAINWARDEN_CHECKPOINT_DIR (the reference job's --ckpt-dir default)
+            env.setdefault(CHECKPOINT_DIR_ENV, self.checkpoint_dir)
+        for key, value in sorted(env.items()):
+            args += ["--env", f"{key}={value}"]
+        return [*args, "--", *self.command]
+
+
+_FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
+           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list}
+_REQUIRED = ("name", "command")
+_TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string"}
+
+
+def unknown_key_message(key: str, known, source: str) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{source}: unknown field {key!r}{hint}; known fields: {', '.join(sorted(known))}"
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file's table; ``JobSpecError`` naming the file when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise JobSpecError(f"{path}: no such {what} file") from None
+    except OSError as exc:
+        raise JobSpecError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise JobSpecError(f"{path}: not valid TOML: {exc}") from None
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    return parse_job_spec(read_toml(path, "job spec"), str(path))
+
+
+def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
+    """The JobSpec ``data`` describes; ``JobSpecError`` naming ``source`` and the field otherwise."""
+    for key in data:
+        if key not in _FIELDS:
+            raise JobSpecError(unknown_key_message(key, _FIELDS, source))
+    for key in _REQUIRED:
+        if key not in data:
+            raise JobSpecError(f"{source}: field {key!r} is missing; a job needs at least 'name' and 'command'")
+    for key, value in data.items():
+        kinds = _FIELDS[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise JobSpecError(f"{source}: field {key!r} must be {_TYPE_NAMES[kinds]}, got {type(value).__name__} "
+                               f"{value!r}")
+
+    def fail(key: str, why: str) -> JobSpecError:
+        return JobSpecError(f"{source}: field {key!r} {why}")
+
+    try:
+        name = validate_job_name(data["name"])
+    except ValueError as exc:
+        raise fail("name", f"is not a job name: {exc}") from None
+    command = data["command"]
+    if not command or not all(isinstance(part, str) and part for part in command):
+        raise fail("command", "must be a non-empty list of non-empty strings, e.g. [\"train.py\", \"--lr\", \"3e-4\"] "
+                              "or [\"-m\", \"my.module\"]")
+    if command[0] == "-m" and len(command) < 2:
+        raise fail("command", "names no module after \"-m\"")
+    nnodes = str(data.get("nnodes", "1"))
+    try:
+        parse_nnodes(nnodes)
+    except ValueError as exc:
+        raise fail("nnodes", f"{nnodes!r}: {exc}") from None
+    nproc = data.get("nproc_per_node", 1)
+    if nproc < 1:
+        raise fail("nproc_per_node", f"must be at least 1, got {nproc}")
+    restarts = data.get("max_restarts", 3)
+    if restarts < 0:
+        raise fail("max_restarts", f"must be 0 or more, got {restarts}")
+    policy = data.get("straggler_policy", "alert")
+    if policy not in STRAGGLER_POLICIES:
+        raise fail("straggler_policy", f"must be one of {', '.join(STRAGGLER_POLICIES)}, got {policy!r}")
+    env = data.get("env", {})
+    for key, value in env.items():
+        if not key or "=" in key or not isinstance(value, str):
+            raise fail("env", f"entry {key!r} must map a variable name (no '=') to a string, got {value!r}")
+    nodes = data.get("nodes", [])
+    for node in nodes:
+        try:
+            validate_node_name(node if isinstance(node, str) else repr(node))
+        except ValueError as exc:
+            raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
+    checkpoint_dir = data.get("checkpoint_dir")
+    if checkpoint_dir is not None and not checkpoint_dir:
+        raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
+    return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
+                   checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
+                   nodes=tuple(nodes))
+
+
+def dumps(spec: JobSpec) -> str:
+    return json.dumps(spec.to_json(), sort_keys=True)

@@ -1,0 +1,240 @@
+"""Jobs kept in etcd, and the fleet's nodes: what `trainwarden submit/jobs/stop/resume/status/cordon` and the node
+daemons read and write (DESIGN.md "etcd keys").
+
+* ``jobs/<job>/spec``: a submitted job (``managed: true``, the ``JobSpec`` fields, who submitted it and when).
+  Jobs started by hand with `trainwarden run` write their own spec there, without ``managed``: daemons leave
+  those alone.
+* ``jobs/<job>/state``: the job's lifecycle record (agent/common/job_lifecycle.py) with its generation. ``submit``
+  and ``resume`` write a new generation in ``pending``; the launchers move it on from there.
+* ``jobs/<job>/control``: an operator's request to the daemons running the job, ``{"action": "stop", "generation"}``.
+* ``nodes/<node>``: a daemon's record of its node (host, address, version, endpoints, jobs) under its lease.
+* ``nodes/<node>/cordon``: why the node takes no new work, since when, by whom (the operator clears it).
+
+Every write that depends on what was read is one transaction on the record's revision, so two operators (or an
+operator and a launcher) cannot interleave; a refused request says why and what to do.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwarden.agent.common.job_lifecycle import JobPhase
+from trainwarden.agent.common.job_spec import JobSpec
+from trainwarden.agent.etcd.client import with_failover
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
+
+__all__ = ["JobConflict", "JobControl", "JobView", "operator"]
+
+_TERMINAL = {p.value for p in JobPhase if p.terminal}
+
+
+class JobConflict(ValueError):
+    """The request does not fit the job's current state (the message says what would)."""
+
+
+def operator() -> str:
+    """Who asks: ``user@host`` (for the records and incidents)."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no passwd entry in a container
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
+@dataclass
+class JobView:
+    """One job as etcd has it."""
+
+    name: str
+    spec: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    control: dict[str, Any] | None = None
+    nodes: dict[str, dict] = field(default_factory=dict)
+    """Live members (``jobs/<job>/nodes/<node>``): owner, address, ranks per node, phase."""
+    checkpoint: dict[str, Any] | None = None
+
+    @property
+    def managed(self) -> bool:
+        return bool(self.spec.get("managed"))
+
+    @property
+    def phase(self) -> str:
+        return str(self.state.get("phase", "unknown"))
+
+    @property
+    def generation(self) -> int:
+        return int(self.state.get("generation", 0))
+
+    @property
+    def stop_requested(self) -> bool:
+        c = self.control or {}
+        return c.get("action") == "stop" and int(c.get("generation", -1)) == self.generation
+
+    def job_spec(self) -> JobSpec:
+        return JobSpec.from_json(self.spec, f"etcd jobs/{self.name}/spec")
+
+
+class JobControl:
+    """Submit, list, stop and resume jobs; cordon and uncordon nodes (module docstring)."""
+
+    def __init__(self, client, *, prefix: str = DEFAULT_PREFIX) -> None:
+        self._client, self._prefix = client, prefix
+
+    def _key(self, job: str, *parts: str) -> str:
+        return job_key(job, *parts, prefix=self._prefix)
+
+    def node_key(self, node: str, *parts: str) -> str:
+        return "/".join([self._prefix.rstrip("/"), "nodes", node, *parts])
+
+    def _get(self, key: str) -> tuple[dict | None, Any]:
+        client = self._client
+        value, meta = with_failover(client, lambda: client.get(key))
+        if value is None:
+            return None, None
+        try:
+            return json.loads(value), meta
+        except ValueError:
+            return {"unreadable": value[:200].decode(errors="replace")}, meta
+
+    def _txn(self, compare, success) -> bool:
+        client = self._client
+        ok, _ = with_failover(client, lambda: client.transaction(compare=compare, success=success, failure=[]))
+        return bool(ok)
+
+    def _unchanged(self, key: str, meta) -> list:
+        txn = self._client.transactions
+        return [txn.version(key) == 0] if meta is None else [txn.mod(key) == meta.mod_revision]
+
+    # ---- jobs -------------------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, *, by: str | None = None) -> int:
+        """Record ``spec`` and a new generation in ``pending``; the generation. Refused while the job runs."""
+        state_key, spec_key = self._key(spec.name, "state"), self._key(spec.name, "spec")
+        state, meta = self._get(state_key)
+        phase = (state or {}).get("phase")
+        if state is not None and phase not in _TERMINAL:
+            raise JobConflict(f"job {spec.name} is {phase} (generation {state.get('generation', 0)}); stop it first "
+                              f"(trainwarden stop {spec.name}) or submit under another name")
+        generation = int((state or {}).get("generation", 0)) + 1
+        record = {**spec.to_json(), "managed": True, "submitted_by": by or operator(), "submitted_at": time.time()}
+        txn = self._client.transactions
+        if not self._txn(self._unchanged(state_key, meta), [
+                txn.put(spec_key, json.dumps(record, sort_keys=True)),
+                txn.put(state_key, json.dumps(_pending(spec.name, generation, "submitted by " + record["submitted_by"]))),
+                txn.delete(self._key(spec.name, "control"))]):
+            raise JobConflict(f"job {spec.name} changed while it was being submitted; look at `trainwarden jobs` and "
+                              "try again")
+        return generation
+
+    def job(self, name: str) -> JobView | None:
+        view = self._view(name)
+        return view if view.spec or view.state else None
+
+    def jobs(self) -> list[JobView]:
+        """Every job with a spec or state. The names come from a keys-only scan (a job's incidents and
+        rendezvous data are never read), then each job's few records."""
+        client, root = self._client, self._key("", "")[:-1]  # ".../jobs/"
+        names = set()
+        for _, meta in with_failover(client, lambda: list(client.get_prefix(root, keys_only=True))):
+            name, _, part = meta.key.decode()[len(root):].partition("/")
+            if part in ("spec", "state"):
+                names.add(name)
+        return [view for view in (self._view(n) for n in sorted(names)) if view.spec or view.state]
+
+    def _view(self, name: str) -> JobView:
+        view = JobView(name)
+        view.spec = self._get(self._key(name, "spec"))[0] or {}
+        view.state = self._get(self._key(name, "state"))[0] or {}
+        view.control = self._get(self._key(name, "control"))[0]
+        view.checkpoint = self._get(self._key(name, "checkpoint"))[0]
+        client, members = self._client, self._key(name, "nodes", "")
+        for value, meta in with_failover(client, lambda: list(client.get_prefix(members))):
+            try:
+                view.nodes[meta.key.decode()[len(members):]] = json.loads(value)
+            except ValueError:
+                continue
+        return view
+
+    def stop(self, name: str, *, by: str | None = None) -> str:
+        """Ask every node running the job to stop it; what happens, in words."""
+        by = by or operator()
+        state_key = self._key(name, "state")
+        state, meta = self._get(state_key)
+        if state is None:
+            raise JobConflict(f"no job {name} in etcd; `trainwarden jobs` lists them")
+        phase, generation = state.get("phase"), int(state.get("generation", 0))
+        if phase in _TERMINAL:
+            raise JobConflict(f"job {name} already {phase} (generation {generation}); nothing to stop")
+        request = json.dumps({"action": "stop", "generation": generation, "by": by, "at": time.time()})
+        txn = self._client.transactions
+        success = [txn.put(self._key(name, "control"), request)]
+        if phase == JobPhase.PENDING.value:  # no launcher has it yet: stopped here and now
+            success.append(txn.put(state_key, json.dumps({**state, "phase": JobPhase.STOPPED.value,
+                                                          "reason": f"stopped by {by} before it started",
+                                                          "last_change": time.time()})))
+        if not self._txn(self._unchanged(state_key, meta), success):
+            raise JobConflict(f"job {name} changed meanwhile; run `trainwarden stop {name}` again")
+        if phase == JobPhase.PENDING.value:
+            return f"job {name} stopped before it started (generation {generation})"
+        return f"asked the nodes running job {name} to stop it (generation {generation}, {phase})"
+
+    def resume(self, name: str, *, by: str | None = None) -> int:
+        """Start a failed or stopped submitted job again as the next generation; the generation."""
+        by = by or operator()
+        view = self.job(name)
+        if view is None or not view.state:
+            raise JobConflict(f"no job {name} in etcd; `trainwarden jobs` lists them")
+        if not view.managed:
+            raise JobConflict(f"job {name} was started by hand with `trainwarden run`, not submitted: run that "
+                              "command again to resume it")
+        if view.phase == JobPhase.SUCCEEDED.value:
+            raise JobConflict(f"job {name} succeeded; submit it again to run it again")
+        if view.phase not in _TERMINAL:
+            raise JobConflict(f"job {name} is {view.phase}, not failed or stopped: nothing to resume")
+        state_key = self._key(name, "state")
+        _, meta = self._get(state_key)
+        generation = view.generation + 1
+        txn = self._client.transactions
+        if not self._txn(self._unchanged(state_key, meta), [
+                txn.put(state_key, json.dumps(_pending(name, generation, f"resumed by {by} after {view.phase}"))),
+                txn.delete(self._key(name, "control"))]):
+            raise JobConflict(f"job {name} changed meanwhile; run `trainwarden resume {name}` again")
+        return generation
+
+    # ---- nodes ------------------------------------------------------------------------------------------
+
+    def cordon(self, node: str, reason: str, *, by: str | None = None) -> None:
+        record = {"reason": reason, "since": time.time(), "by": by or operator()}
+        client = self._client
+        with_failover(client, lambda: client.put(self.node_key(node, "cordon"), json.dumps(record)))
+
+    def uncordon(self, node: str) -> bool:
+        client = self._client
+        return bool(with_failover(client, lambda: client.delete(self.node_key(node, "cordon"))))
+
+    def cordoned(self, node: str) -> dict | None:
+        return self._get(self.node_key(node, "cordon"))[0]
+
+    def nodes(self) -> dict[str, dict]:
+        """Every node's record and cordon, by node name: ``{"record": ..., "cordon": ...}``."""
+        client = self._client
+        root = self.node_key("")
+        found: dict[str, dict] = {}
+        for value, meta in with_failover(client, lambda: list(client.get_prefix(root))):
+            name, _, part = meta.key.decode()[len(root):].partition("/")
+            try:
+                data = json.loads(value)
+            except ValueError:
+                continue
+            found.setdefault(name, {"record": None, "cordon": None})["cordon" if part == "cordon" else "record"] = data
+        return found
+
+
+def _pending(job: str, generation: int, reason: str) -> dict[str, Any]:
+    return {"job": job, "phase": JobPhase.PENDING.value, "generation": generation, "restarts": 0,
+            "last_change": time.time(), "reason": reason, "owner": {}}

@@ -1,0 +1,300 @@
+"""The node daemon's job control: it starts this node's part of every submitted job that targets it, keeps its
+node record in etcd, and survives its own death without touching a job.
+
+Every ``interval_s`` (``reconcile_once``) the runner reads the jobs from etcd (agent/etcd/jobs.py). A submitted job
+(``managed``) whose ``nodes`` include this node (or name none), in a live phase, not asked to stop, gets one
+launcher on this node unless the node is cordoned: ``trainwarden run --managed --node NODE --etcd ...`` with the
+job's arguments, in a session of its own (so neither a signal to the daemon's process group nor the daemon's death
+reaches it), its output in ``<state home>/daemon/logs/<job>.log``. The launcher's pid and start time go to
+``<state home>/daemon/launchers/<job>.json``.
+
+**Re-adoption.** A daemon that starts (after a crash, a SIGKILL, an upgrade) reads those files and adopts every
+launcher whose pid still has the recorded start time: it is watched, stopped on request, never launched twice.
+A stale file (the pid is gone or belongs to another process now) is removed. The launchers are full
+`trainwarden run` supervisors with their own node agent, so their workers' telemetry, watchdog and checkpoints
+never pass through the daemon: its death costs the job nothing.
+
+**Exits and restarts.** A launcher that exits on its own ends this node's part of that generation: the job's
+phase in etcd says how it went, and it is not started again unless the operator resumes the job (a new
+generation). One killed by a signal the daemon did not send (the OOM killer, an operator's kill) is started again
+while the job is live, at most ``max_restarts`` times per generation.
+
+**Stop.** ``trainwarden stop JOB`` writes ``jobs/<job>/control``; the runner sends SIGTERM to its launcher, which
+stops the workers and records the job ``stopped``. SIGTERM to the daemon itself stops only the daemon.
+
+**etcd away.** A read that fails is logged once and retried next round; nothing is started or stopped meanwhile,
+and the node record is written again (under a fresh lease if the old one lapsed) when etcd answers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from trainwarden.agent import __version__
+from trainwarden.agent.common.job_lifecycle import JobPhase
+from trainwarden.agent.common.job_spec import JobSpecError
+from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
+from trainwarden.agent.etcd.jobs import JobControl, JobView
+from trainwarden.agent.proto.atomic_file import atomic_write
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobRunner", "LauncherRecord", "NODE_RECORD_TTL_S"]
+
+NODE_RECORD_TTL_S = 15
+_LIVE = {JobPhase.PENDING.value, JobPhase.STARTING.value, JobPhase.RUNNING.value, JobPhase.RESTARTING.value}
+
+
+@dataclass
+class LauncherRecord:
+    """What the daemon knows of one launcher it started (``<state home>/daemon/launchers/<job>.json``)."""
+
+    job: str
+    generation: int
+    pid: int
+    started: float
+    """The process's start time (psutil ``create_time``): with the pid, the launcher's identity."""
+    log: str
+    relaunches: int = 0
+
+
+class JobRunner:
+    """Starts, adopts, watches and stops this node's launchers (module docstring)."""
+
+    def __init__(self, client, *, node: str, etcd: str, state_home: Path, etcd_args: list[str] | None = None,
+                 local_addr: str | None = None, endpoints: dict | None = None, interval_s: float = 2.0,
+                 python: str = sys.executable, gpus: Callable[[], int] | None = None) -> None:
+        self._client, self._control = client, JobControl(client)
+        self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
+        self._home = Path(state_home)
+        self._dir = self._home / "daemon"
+        self._local_addr, self._endpoints = local_addr, dict(endpoints or {})
+        self._interval, self._python, self._gpus = interval_s, python, gpus
+        self._launchers: dict[str, LauncherRecord] = {}
+        self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
+        self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
+        self._terminated: set[int] = set()  # pids this daemon asked to stop
+        self._lease = None
+        self._failing = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-jobs", daemon=True)
+        self.adopted: list[str] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        (self._dir / "launchers").mkdir(parents=True, exist_ok=True)
+        (self._dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._adopt()
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> list[str]:
+        """Stop watching (the launchers go on); the jobs still running on this node."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except Exception:  # it expires by itself
+                pass
+        return sorted(job for job, rec in self._launchers.items() if _alive(rec))
+
+    def launchers(self) -> dict[str, LauncherRecord]:
+        return dict(self._launchers)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.reconcile_once()
+            self._stop.wait(self._interval)
+
+    # ---- one round ------------------------------------------------------------------------------------
+
+    def reconcile_once(self) -> None:
+        self._reap()
+        try:
+            views = self._control.jobs()
+            cordon = self._control.cordoned(self.node)
+        except Exception as exc:
+            if not self._failing:
+                logger.warning("cannot read the jobs from etcd (%s); the jobs on this node keep running, nothing is "
+                               "started or stopped until etcd answers", describe_etcd_error(exc))
+            self._failing = True
+            return
+        if self._failing:
+            logger.info("etcd answers again; reconciling this node's jobs")
+        self._failing = False
+        for view in views:
+            try:
+                self._reconcile_job(view, cordoned=cordon is not None)
+            except Exception:
+                logger.exception("job %s: reconciling failed; trying again next round", view.name)
+        self._publish_node(cordon)
+
+    def _reconcile_job(self, view: JobView, *, cordoned: bool) -> None:
+        if not view.managed:
+            return
+        try:
+            spec = view.job_spec()
+        except JobSpecError as exc:
+            logger.error("job %s: its spec in etcd is not usable (%s); resubmit it", view.name, exc)
+            return
+        if not spec.targets(self.node):
+            return
+        rec = self._launchers.get(view.name)
+        if rec is not None:
+            if view.stop_requested and rec.pid not in self._terminated:
+                self._terminate(rec, f"stop requested by {(view.control or {}).get('by', '?')}")
+            return
+        live = view.phase in _LIVE and not view.stop_requested
+        if not live or self._finished.get(view.name) == view.generation:
+            return
+        if cordoned:
+            logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
+            return
+        self._launch(view, spec)
+
+    # ---- launchers ------------------------------------------------------------------------------------
+
+    def _launch(self, view: JobView, spec, relaunches: int = 0) -> None:
+        cmd = [self._python, "-m", "trainwarden.agent.cli", "run", "--managed", "--node", self.node,
+               "--etcd", self._etcd, *self._etcd_args, "--state-home", str(self._home), "--metrics-port", "0",
+               *(["--local-addr", self._local_addr] if self._local_addr else []), *spec.launcher_args()]
+        log_path = self._dir / "logs" / f"{view.name}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
+                      f"generation {view.generation}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, close_fds=True)
+        try:
+            started = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            started = 0.0
+        rec = LauncherRecord(job=view.name, generation=view.generation, pid=proc.pid, started=started,
+                             log=str(log_path), relaunches=relaunches)
+        self._children[proc.pid] = proc
+        self._launchers[view.name] = rec
+        self._save(rec)
+        logger.info("job %s generation %d: started its launcher on node %s (pid %d, log %s)", view.name,
+                    view.generation, self.node, proc.pid, log_path)
+
+    def _terminate(self, rec: LauncherRecord, why: str) -> None:
+        """SIGTERM to a launcher this daemon started or adopted, if it is still that process."""
+        self._terminated.add(rec.pid)
+        try:
+            proc = psutil.Process(rec.pid)
+            if abs(proc.create_time() - rec.started) > 0.01:
+                return
+            proc.send_signal(signal.SIGTERM)  # psutil refuses a pid that was reused meanwhile
+            logger.info("job %s: asked its launcher (pid %d) to stop (%s)", rec.job, rec.pid, why)
+        except psutil.Error:
+            pass
+
+    def _reap(self) -> None:
+        """Launchers that ended: forget them; one killed by a signal nobody here sent starts again."""
+        for job, rec in list(self._launchers.items()):
+            child = self._children.get(rec.pid)
+            rc = child.poll() if child is not None else None
+            if child is not None and rc is None:
+                continue
+            if child is None and _alive(rec):
+                continue
+            self._children.pop(rec.pid, None)
+            del self._launchers[job]
+            self._forget(job)
+            how = f"exited with {rc}" if rc is not None else "ended (adopted: exit code unknown)"
+            logger.info("job %s generation %d: the launcher on node %s %s", job, rec.generation, self.node, how)
+            killed = rc is not None and rc < 0 and rec.pid not in self._terminated
+            if killed and rec.relaunches < self._max_restarts(job):
+                self._relaunch(rec)
+            else:
+                self._finished[job] = rec.generation
+
+    def _relaunch(self, rec: LauncherRecord) -> None:
+        try:
+            view = self._control.job(rec.job)
+        except Exception as exc:
+            logger.warning("job %s: cannot read it from etcd to start its launcher again (%s); next round",
+                           rec.job, describe_etcd_error(exc))
+            return  # not finished: the next round launches it as for a new job
+        if view is None or view.phase not in _LIVE or view.stop_requested or view.generation != rec.generation:
+            self._finished[rec.job] = rec.generation
+            return
+        logger.warning("job %s: its launcher on node %s was killed; starting it again (%d of %d)", rec.job,
+                       self.node, rec.relaunches + 1, self._max_restarts(rec.job))
+        self._launch(view, view.job_spec(), relaunches=rec.relaunches + 1)
+
+    def _max_restarts(self, job: str) -> int:
+        try:
+            view = self._control.job(job)
+            return view.job_spec().max_restarts if view is not None else 0
+        except Exception:
+            return 0
+
+    # ---- state files ------------------------------------------------------------------------------------
+
+    def _path(self, job: str) -> Path:
+        return self._dir / "launchers" / f"{job}.json"
+
+    def _save(self, rec: LauncherRecord) -> None:
+        atomic_write(self._path(rec.job), json.dumps(asdict(rec), indent=1).encode())
+
+    def _forget(self, job: str) -> None:
+        self._path(job).unlink(missing_ok=True)
+
+    def _adopt(self) -> None:
+        for path in sorted((self._dir / "launchers").glob("*.json")):
+            try:
+                rec = LauncherRecord(**json.loads(path.read_text()))
+            except (OSError, TypeError, ValueError) as exc:
+                logger.warning("ignoring launcher record %s: %s", path, exc)
+                continue
+            if _alive(rec):
+                self._launchers[rec.job] = rec
+                self.adopted.append(rec.job)
+                logger.info("job %s generation %d: adopted its running launcher (pid %d)", rec.job, rec.generation,
+                            rec.pid)
+            else:
+                logger.info("job %s: its launcher (pid %d) ended while the daemon was away", rec.job, rec.pid)
+                self._finished[rec.job] = rec.generation
+                path.unlink(missing_ok=True)
+
+    # ---- the node record ------------------------------------------------------------------------------
+
+    def _publish_node(self, cordon: dict | None) -> None:
+        client = self._client
+        record = {"node": self.node, "host": socket.gethostname(), "address": self._local_addr or "",
+                  "version": __version__, "pid": os.getpid(), "at": time.time(),
+                  "gpus": self._gpus() if self._gpus else 0, "health": "cordoned" if cordon else "ok",
+                  "endpoints": self._endpoints,
+                  "jobs": {job: {"pid": rec.pid, "generation": rec.generation} for job, rec in self._launchers.items()}}
+        key = self._control.node_key(self.node)
+        try:
+            if self._lease is None or not refresh_lease(client, self._lease):
+                self._lease = with_failover(client, lambda: client.lease(NODE_RECORD_TTL_S))
+            with_failover(client, lambda: client.put(key, json.dumps(record, sort_keys=True), lease=self._lease))
+        except Exception as exc:
+            self._lease = None
+            logger.debug("cannot write the node record: %s", describe_etcd_error(exc))
+
+
+def _alive(rec: LauncherRecord) -> bool:
+    try:
+        proc = psutil.Process(rec.pid)
+        return abs(proc.create_time() - rec.started) <= 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,227 @@
+"""The node daemon runs submitted jobs (issue 11): real etcd on loopback, real `trainwarden agent` daemons, real
+`trainwarden run` launchers, torchrun and gloo workers of the reference GPT.
+
+The daemon starts each launcher in a session of its own, so that the daemon's death never reaches it; the tests
+therefore stop launchers by their records (``<state home>/daemon/launchers``) as well as through the process
+group of what they started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from procs import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+STEP = re.compile(r"\[rank 0\] [\w.]+: step (\d+) loss")
+
+
+def _cli(*args: str, etcd: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", *args, "--etcd", etcd],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _spec(path: Path, name: str, steps: int, ckpt: Path, **extra) -> Path:
+    fields = {"name": name, "command": ["-m", "trainwarden.runtime.examples.gpt", "--batch", "4", "--steps",
+                                        str(steps), "--ckpt-every", "10"],
+              "nnodes": "1", "nproc_per_node": 2, "checkpoint_dir": str(ckpt), "max_restarts": 1, **extra}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemons:
+    """`trainwarden agent` per simulated node (loopback, own state home and socket), and cleanup of every
+    launcher they started, adopted or not."""
+
+    def __init__(self, procs, tmp_path: Path, etcd: str) -> None:
+        self.procs, self.tmp, self.etcd = procs, tmp_path, etcd
+        self.running: dict[str, subprocess.Popen] = {}
+
+    def home(self, node: str) -> Path:
+        return self.tmp / node
+
+    def start(self, node: str) -> subprocess.Popen:
+        home = self.home(node)
+        proc = self.procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.etcd,
+                                 "--node", node, "--state-home", str(home), "--socket", str(home / "agent.sock"),
+                                 "--metrics-port", "0", "--local-addr", "127.0.0.1"],
+                                log=home / "daemon.log", env=dict(os.environ))
+        self.running[node] = proc
+        wait_for(lambda: "serving" in self.log(node) or proc.poll() is not None, 60, what=f"daemon {node} to serve")
+        assert proc.poll() is None, self.log(node)[-3000:]
+        return proc
+
+    def log(self, node: str) -> str:
+        path = self.home(node) / "daemon.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def job_log(self, node: str, job: str) -> str:
+        path = self.home(node) / "daemon" / "logs" / f"{job}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def launchers(self, node: str) -> dict[str, dict]:
+        found = {}
+        for path in (self.home(node) / "daemon" / "launchers").glob("*.json"):
+            try:
+                found[path.stem] = json.loads(path.read_text())
+            except ValueError:
+                continue
+        return found
+
+    def close(self) -> None:
+        records = [rec for node in self.running for rec in self.launchers(node).values()]
+        owned = []
+        for rec in records:
+            try:
+                proc = psutil.Process(rec["pid"])
+                if abs(proc.create_time() - rec["started"]) <= 0.01:
+                    owned.append((proc, proc.children(recursive=True)))
+            except psutil.Error:
+                continue
+        for proc, _ in owned:  # `trainwarden run` stops torchrun and its workers on SIGTERM
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        psutil.wait_procs([p for p, _ in owned], timeout=30)
+        for proc, children in owned:
+            for p in [proc, *children]:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+
+
+@pytest.fixture
+def daemons(procs, tmp_path, etcd_server):
+    d = Daemons(procs, tmp_path, etcd_server.endpoint)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _jobs(etcd: str) -> dict[str, dict]:
+    out = _cli("jobs", "--json", etcd=etcd)
+    assert out.returncode == 0, out.stderr
+    return {j["job"]: j for j in json.loads(out.stdout)}
+
+
+def _steps(text: str) -> list[int]:
+    return [int(n) for n in STEP.findall(text)]
+
+
+def test_a_submitted_job_runs_on_its_node_outlives_a_killed_daemon_and_is_adopted_not_launched_twice(
+        daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _spec(tmp_path / "dj.toml", "dj", 60, tmp_path / "ckpt", nodes=["n0"])
+    out = _cli("submit", str(spec), etcd=etcd)
+    assert out.returncode == 0 and "submitted job dj (generation 1)" in out.stdout, out.stderr
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "dj")) or [0]) >= 10, 180, what="the job to reach step 10")
+    (launcher,) = daemons.launchers("n0").values()
+    assert _jobs(etcd)["dj"]["phase"] == "running" and list(_jobs(etcd)["dj"]["nodes"]) == ["n0"]
+
+    daemons.procs.kill(daemons.running["n0"])  # SIGKILL: no cleanup of any kind
+    daemons.running["n0"].wait(10)
+    at_kill = max(_steps(daemons.job_log("n0", "dj")))
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "dj"))) >= at_kill + 5, 60,
+             what="training to go on without the daemon")
+    assert psutil.pid_exists(launcher["pid"])
+
+    daemons.start("n0")
+    wait_for(lambda: f"adopted its running launcher (pid {launcher['pid']})" in daemons.log("n0"), 30,
+             what="the new daemon to adopt the launcher")
+    wait_for(lambda: _jobs(etcd)["dj"]["phase"] == "succeeded", 240, what="the job to succeed")
+    text = daemons.job_log("n0", "dj")
+    assert _steps(text) == list(range(1, 61)), "a step ran twice or never: the job was restarted"
+    assert text.count("starts job dj") == 1, "launched twice"
+    assert "started its launcher" not in daemons.log("n0").split("adopted its running launcher")[1]
+    nodes = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)
+    assert nodes["n0"]["record"]["health"] == "ok"
+
+
+def test_stop_resume_cordon_and_the_requests_that_do_not_fit(daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _spec(tmp_path / "long.toml", "long", 5000, tmp_path / "ckpt")
+    assert _cli("cordon", "n0", "--reason", "fan replacement", etcd=etcd).returncode == 0
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: "it is cordoned: not starting it" in daemons.log("n0"), 30, what="the cordon to hold the job")
+    assert daemons.launchers("n0") == {}
+    assert "fan replacement" in _cli("nodes", etcd=etcd).stdout
+    assert _cli("uncordon", "n0", etcd=etcd).returncode == 0
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "long")) or [0]) >= 12, 180, what="the job to train")
+
+    again = _cli("submit", str(spec), etcd=etcd)
+    assert again.returncode == 2 and "is running" in again.stderr and "trainwarden stop long" in again.stderr
+    early = _cli("resume", "long", etcd=etcd)
+    assert early.returncode == 2 and "not failed or stopped" in early.stderr
+
+    stop = _cli("stop", "long", etcd=etcd)
+    assert stop.returncode == 0 and "asked the nodes running job long to stop it" in stop.stdout
+    wait_for(lambda: _jobs(etcd)["long"]["phase"] == "stopped", 60, what="the job to stop")
+    wait_for(lambda: daemons.launchers("n0") == {}, 30, what="the launcher to exit")
+    assert _cli("stop", "long", etcd=etcd).returncode == 2
+
+    resumed = _cli("resume", "long", etcd=etcd)
+    assert resumed.returncode == 0 and "generation 2" in resumed.stdout, resumed.stderr
+    wait_for(lambda: "resumed from checkpoint step" in daemons.job_log("n0", "long"), 180,
+             what="the resumed generation to restore its checkpoint")
+    assert _cli("stop", "long", etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["long"]["phase"] == "stopped", 60, what="the job to stop again")
+
+
+@pytest.mark.slow
+def test_etcd_away_for_a_minute_stops_nothing_and_the_daemon_catches_up(daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _spec(tmp_path / "eo.toml", "eo", 100000, tmp_path / "ckpt")
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "eo")) or [0]) >= 10, 180, what="the job to train")
+    (launcher,) = daemons.launchers("n0").values()
+    etcd_server.stop()
+    try:
+        before = max(_steps(daemons.job_log("n0", "eo")))
+        time.sleep(60)
+        assert psutil.pid_exists(launcher["pid"]) and daemons.running["n0"].poll() is None
+        assert max(_steps(daemons.job_log("n0", "eo"))) > before + 20, "training stalled while etcd was away"
+        assert "cannot read the jobs from etcd" in daemons.log("n0")
+    finally:
+        etcd_server.start()
+    wait_for(lambda: "etcd answers again" in daemons.log("n0"), 60, what="the daemon to catch up")
+    wait_for(lambda: (json.loads(_cli("nodes", "--json", etcd=etcd).stdout).get("n0") or {}).get("record"), 30,
+             what="the node record to be written again")
+    assert daemons.launchers("n0")["eo"]["pid"] == launcher["pid"]  # the same launcher: nothing restarted
+    assert _cli("stop", "eo", etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["eo"]["phase"] == "stopped", 60, what="the job to stop")
+
+
+def test_a_two_node_job_runs_on_the_nodes_it_names_and_nowhere_else(daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    for node in ("n0", "n1", "n2"):
+        daemons.start(node)
+    spec = _spec(tmp_path / "two.toml", "two", 30, tmp_path / "ckpt", nodes=["n0", "n1"], nnodes="2",
+                 nproc_per_node=1)
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["two"]["phase"] == "succeeded", 240, what="the two-node job to succeed")
+    text = daemons.job_log("n0", "two") + daemons.job_log("n1", "two")
+    assert _steps(text) == list(range(1, 31)), text[-3000:]
+    assert "joins job two (generation 1) beside" in text, text[-3000:]  # one generation, both nodes in it
+    for node in ("n0", "n1"):
+        assert "job two succeeded" in daemons.job_log(node, "two")
+    assert daemons.job_log("n2", "two") == "" and "job two" not in daemons.log("n2")
+    nodes = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)
+    assert sorted(nodes) == ["n0", "n1", "n2"]

@@ -1,0 +1,131 @@
+"""Job specs (`trainwarden submit JOB.toml`) and the daemon's settings (`trainwarden agent --config`): every
+problem names the file and the field, and nothing half-valid gets through."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainwarden.agent.cli.agent import resolve_settings
+from trainwarden.agent.cli.main import build_parser
+from trainwarden.agent.common.job_spec import JobSpec, JobSpecError, load_job_spec, parse_job_spec
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt", "--steps", "10"],
+        "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
+        "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"}}
+
+
+def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in GOOD.items() if k != "env")
+                    + '\n[env]\nOMP_NUM_THREADS = "4"\n')
+    spec = load_job_spec(path)
+    assert spec == parse_job_spec(GOOD, "x") == JobSpec.from_json(spec.to_json())
+    assert spec.targets("gpu-a2") and not spec.targets("gpu-b1")
+    args = spec.launcher_args()
+    assert args[:4] == ["--job", "gpt-small", "--nnodes", "2:4"]
+    assert "OMP_NUM_THREADS=4" in args and "TRAINWARDEN_CHECKPOINT_DIR=/shared/ckpt" in args
+    assert args[args.index("--") + 1:] == GOOD["command"]
+    minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
+    assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
+    assert minimal.targets("anything")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"nproc_per_node": "8"}, "field 'nproc_per_node' must be a whole number, got str '8'"),
+    ({"nproc_per_node": 0}, "field 'nproc_per_node' must be at least 1"),
+    ({"nproc_per_node": True}, "field 'nproc_per_node' must be a whole number"),
+    ({"comand": ["x"]}, "unknown field 'comand' (did you mean 'command'?)"),
+    ({"command": []}, "field 'command' must be a non-empty list"),
+    ({"command": ["-m"]}, "names no module"),
+    ({"command": "train.py"}, "field 'command' must be a list"),
+    ({"nnodes": "4:2"}, "field 'nnodes'"),
+    ({"name": "has space"}, "field 'name' is not a job name"),
+    ({"straggler_policy": "kill"}, "must be one of alert, exclude"),
+    ({"max_restarts": -1}, "field 'max_restarts' must be 0 or more"),
+    ({"nodes": ["ok", "bad/name"]}, "field 'nodes' entry 'bad/name' is not a node name"),
+    ({"env": {"A": 1}}, "field 'env' entry 'A' must map a variable name"),
+    ({"checkpoint_dir": ""}, "field 'checkpoint_dir' is empty"),
+])
+def test_each_bad_field_is_named_with_the_file(change, message):
+    with pytest.raises(JobSpecError) as info:
+        parse_job_spec({**GOOD, **change}, "jobs/gpt.toml")
+    assert str(info.value).startswith("jobs/gpt.toml: ") and message in str(info.value)
+
+
+def test_missing_fields_unreadable_files_and_broken_toml(tmp_path):
+    with pytest.raises(JobSpecError, match="field 'command' is missing"):
+        parse_job_spec({"name": "j"}, "x")
+    with pytest.raises(JobSpecError, match="no such job spec file"):
+        load_job_spec(tmp_path / "absent.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text('name = "j"\ncommand = ["a"\n')
+    with pytest.raises(JobSpecError, match=r"broken.toml: not valid TOML"):
+        load_job_spec(broken)
+
+
+def test_submit_check_validates_without_etcd(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "j"\ncommand = ["train.py"]\nnproc_per_node = "2"\n')
+    run = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "submit", str(bad), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{bad}: field 'nproc_per_node' must be a whole number" in run.stderr
+    good = tmp_path / "good.toml"
+    good.write_text('name = "j"\ncommand = ["train.py"]\n')
+    run = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "submit", str(good), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "job j is valid" in run.stdout
+
+
+def _agent_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["agent", *argv])
+
+
+def test_agent_settings_come_from_flags_then_environment_then_file_then_defaults(tmp_path):
+    config = tmp_path / "agent.toml"
+    config.write_text('node = "from-file"\nmetrics_port = 9500\netcd = "10.0.0.5:2379"\nrun_jobs = false\n')
+    s = resolve_settings(_agent_args("--config", str(config)), environ={})
+    assert (s["node"], s["metrics_port"], s["etcd"], s["run_jobs"], s["metrics_host"]) == \
+        ("from-file", 9500, "10.0.0.5:2379", False, "0.0.0.0")
+    s = resolve_settings(_agent_args("--config", str(config)), environ={"TRAINWARDEN_METRICS_PORT": "9600",
+                                                                        "TRAINWARDEN_RUN_JOBS": "yes"})
+    assert (s["metrics_port"], s["run_jobs"]) == (9600, True)
+    s = resolve_settings(_agent_args("--config", str(config), "--metrics-port", "9700", "--node", "flag"),
+                         environ={"TRAINWARDEN_METRICS_PORT": "9600"})
+    assert (s["metrics_port"], s["node"]) == (9700, "flag")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("metrics_prot = 1\n", "unknown key 'metrics_prot' (did you mean 'metrics_port'?)"),
+    ('metrics_port = "9478"\n', "key 'metrics_port' must be a whole number"),
+    ("run_jobs = 1\n", "key 'run_jobs' must be true or false"),
+    ("node = \n", "not valid TOML"),
+])
+def test_agent_config_problems_name_the_key_and_the_file(tmp_path, text, message):
+    config = tmp_path / "agent.toml"
+    config.write_text(text)
+    with pytest.raises(ValueError) as info:
+        resolve_settings(_agent_args("--config", str(config)), environ={})
+    assert str(config) in str(info.value) and message in str(info.value)
+
+
+def test_agent_environment_problems_name_the_variable():
+    with pytest.raises(ValueError, match="TRAINWARDEN_METRICS_PORT='x': must be a whole number"):
+        resolve_settings(_agent_args(), environ={"TRAINWARDEN_METRICS_PORT": "x"})
+    run = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--config", "/nonexistent.toml"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "/nonexistent.toml: no such agent config file" in run.stderr
+
+
+def test_the_example_config_in_deploy_is_valid():
+    from pathlib import Path
+
+    example = Path(__file__).parents[2] / "deploy" / "agent.toml"
+    s = resolve_settings(_agent_args("--config", str(example)), environ={})
+    assert (s["metrics_port"], s["state_home"], s["run_jobs"]) == (9478, "/var/lib/trainwarden", True)
