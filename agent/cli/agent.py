@@ -19,7 +19,7 @@ from trainwarden.agent.common import exit_codes
 __all__ = ["SETTINGS", "add_parser", "resolve_settings"]
 
 SETTINGS: dict[str, tuple[type, Any]] = {
-    "socket": (str, None),  # None: DEFAULT_SOCKET
+    "socket": (str, "/run/trainwarden/agent.sock"),  # agent/node/endpoints.py DEFAULT_SOCKET
     "metrics_host": (str, "0.0.0.0"),
     "metrics_port": (int, 9478),
     "node": (str, None),
@@ -130,14 +130,12 @@ def _cmd_agent(args) -> int:
     from trainwarden.agent.etcd.client import EtcdSecurity
     from trainwarden.agent.node.agent import AgentConfig, watchdog_config
     from trainwarden.agent.node.daemon import DaemonOptions, check, run_daemon
-    from trainwarden.agent.node.endpoints import DEFAULT_SOCKET
-
     try:
         s = resolve_settings(args)
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE
-    socket_path = Path(s["socket"] or DEFAULT_SOCKET)
+    socket_path = Path(s["socket"])
     if args.check:
         return check(socket_path)
     if s["straggler_policy"] not in ("alert", "exclude"):

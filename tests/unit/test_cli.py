@@ -79,9 +79,13 @@ def test_status_reads_the_socket_from_the_environment(capsys, tmp_path, monkeypa
 
 
 def test_agent_defaults_match_the_deployment_contract():
+    from trainwarden.agent.cli.agent import resolve_settings
+    from trainwarden.agent.node.endpoints import DEFAULT_SOCKET
+
     args = build_parser().parse_args(["agent"])
-    assert (args.socket, args.metrics_host, args.metrics_port) == ("/run/trainwarden/agent.sock", "0.0.0.0", 9478)
-    assert args.etcd is None and not args.check
+    s = resolve_settings(args, environ={})
+    assert (s["socket"], s["metrics_host"], s["metrics_port"]) == (str(DEFAULT_SOCKET), "0.0.0.0", 9478)
+    assert s["etcd"] is None and not args.check
 
 
 def test_incidents_list_and_show_are_wired(capsys, tmp_path):
@@ -166,7 +170,11 @@ def test_deploy_files_agree_with_the_agent_on_its_port_and_socket():
     """The contract between files: what Prometheus scrapes and the pod exposes is the port the agent serves,
     and the workers' socket is where the agent's default puts it."""
     yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
-    defaults = build_parser().parse_args(["agent"])
+    from types import SimpleNamespace
+
+    from trainwarden.agent.cli.agent import resolve_settings
+
+    defaults = SimpleNamespace(**resolve_settings(build_parser().parse_args(["agent"]), environ={}))
     _, daemonset = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
     pod = daemonset["spec"]["template"]
     container = pod["spec"]["containers"][0]
