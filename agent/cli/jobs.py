@@ -1,5 +1,5 @@
 """The fleet's commands, all against etcd (agent/etcd/jobs.py): `submit JOB.toml`, `jobs`, `stop JOB`, `resume JOB`,
-`cordon NODE --reason`, `uncordon NODE`, `nodes`.
+`cordon NODE --reason`, `drain NODE`, `uncordon NODE`, `nodes`.
 
 Each takes ``--etcd`` (or ``TRAINWARDEN_ETCD``) and the etcd TLS/auth flags. Changing state needs credentials with
 write access to the trainwarden prefix; a read-only user can still run `jobs` and `nodes` (and `status --etcd`).
@@ -44,6 +44,10 @@ def add_parsers(sub) -> None:
     p = command("cordon", "take a node out of service: its daemon starts no new job there", _cordon)
     p.add_argument("node", type=node_name)
     p.add_argument("--reason", required=True, help="why (kept with the cordon, shown by `trainwarden nodes`)")
+    p = command("drain", "cordon a node and take it out of its jobs: each checkpoints at a step boundary and goes "
+                         "on without it, with no step lost", _drain)
+    p.add_argument("node", type=node_name)
+    p.add_argument("--reason", default="drained by an operator", help="why (kept with the cordon)")
     p = command("uncordon", "put a cordoned node back in service", _uncordon)
     p.add_argument("node", type=node_name)
     p = command("nodes", "list the nodes whose daemons registered in etcd, and the cordoned ones", _nodes)
@@ -146,6 +150,13 @@ def _cordon(args, control) -> int:
     return exit_codes.EXIT_OK
 
 
+def _drain(args, control) -> int:
+    control.cordon(args.node, args.reason, drain=True)
+    print(f"node {args.node} draining ({args.reason}): its jobs checkpoint at a step boundary and go on without it; "
+          f"`trainwarden nodes` shows when it runs none (`trainwarden uncordon {args.node}` puts it back)")
+    return exit_codes.EXIT_OK
+
+
 def _uncordon(args, control) -> int:
     if not control.uncordon(args.node):
         print(f"node {args.node} was not cordoned")
@@ -165,7 +176,8 @@ def _nodes(args, control) -> int:
     print(f"{'NODE':20} {'STATE':10} {'VERSION':8} {'JOBS':24} CORDON")
     for name, entry in sorted(nodes.items()):
         record, cordon = entry.get("record") or {}, entry.get("cordon")
-        state = "cordoned" if cordon else ("up" if record else "down")
+        state = ("draining" if record.get("jobs") else "drained") if cordon and cordon.get("drain") else \
+            "cordoned" if cordon else ("up" if record else "down")
         jobs = ", ".join(sorted(record.get("jobs") or {})) or "-"
         why = f"{cordon.get('reason', '')} (by {cordon.get('by', '?')}, {_ago(time.time() - float(cordon.get('since') or 0))} ago)" \
             if cordon else ""

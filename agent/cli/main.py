@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
-    jobs.add_parsers(sub)  # submit, jobs, stop, resume, cordon, uncordon, nodes
+    jobs.add_parsers(sub)  # submit, jobs, stop, resume, cordon, drain, uncordon, nodes
     return parser
 
 

@@ -21,6 +21,11 @@
   ``jobs/<job>/grow/<round>`` (created only if absent), and every node reads the same step from it. The save
   is collective, so one step for all is the whole point. Under a lease: the key goes with the round.
 
+* **Leaving** (``request_leave``, ``read_leave``). A node that is drained leaves the job without losing a step:
+  it writes ``jobs/<job>/leave/<round>`` = the node and a step (created only if absent: one leaver per round);
+  every node's launcher polls that key, has its workers save after the step and hold, and once it is
+  committed the leaver stops its workers and the others regroup without it. Under a lease, like ``grow``.
+
 * **Rounds and commits** (``advance_round``, ``commit_in_round``). ``jobs/<job>/round`` holds the newest
   worker round any node started, as ``<generation>.<rendezvous round>`` (zero-padded: the text order is the
   order). A checkpoint is published (``jobs/<job>/checkpoint``) only in a transaction that finds the
@@ -44,7 +49,7 @@ from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "round_id", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
+__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
            "read_progress"]
 
 HANG_KEY_TTL_S = 15
@@ -74,6 +79,37 @@ def agree_checkpoint_step(client, job: str, round_key: str, proposal: int, node:
         return int(agreed["step"]), str(agreed.get("node", "?"))
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{key} holds no step ({exc}); delete it to let the nodes agree again") from None
+
+
+def request_leave(client, job: str, round_key: str, node: str, proposal: int, *,
+                  prefix: str = DEFAULT_PREFIX) -> dict:
+    """Ask to leave ``job`` after step ``proposal`` of round ``round_key``; the request that stands (this one,
+    or another node's made first: then this node asks again in the next round)."""
+    key = job_key(job, "leave", round_key, prefix=prefix)
+    lease = with_failover(client, lambda: client.lease(GROW_KEY_TTL_S))
+    mine = {"node": node, "step": int(proposal)}
+    won, responses = with_failover(client, lambda: client.transaction(
+        compare=[client.transactions.version(key) == 0],
+        success=[client.transactions.put(key, json.dumps(mine), lease=lease)],
+        failure=[client.transactions.get(key)]))
+    if won:
+        return mine
+    try:
+        return json.loads(responses[0][0][0])
+    except (IndexError, TypeError, ValueError):
+        return {}
+
+
+def read_leave(client, job: str, round_key: str, *, prefix: str = DEFAULT_PREFIX) -> dict | None:
+    """The leave request of round ``round_key`` of ``job``, if any: ``{"node", "step"}``."""
+    value, _ = with_failover(client, lambda: client.get(job_key(job, "leave", round_key, prefix=prefix)))
+    if value is None:
+        return None
+    try:
+        request = json.loads(value)
+        return {"node": str(request["node"]), "step": int(request["step"])}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def round_id(generation: int, rendezvous_round: int) -> str:

@@ -208,8 +208,10 @@ class JobControl:
 
     # ---- nodes ------------------------------------------------------------------------------------------
 
-    def cordon(self, node: str, reason: str, *, by: str | None = None) -> None:
-        record = {"reason": reason, "since": time.time(), "by": by or operator()}
+    def cordon(self, node: str, reason: str, *, by: str | None = None, drain: bool = False) -> None:
+        """No new work on ``node``; with ``drain``, its daemon also takes it out of the jobs it runs (each
+        leaves at a step boundary after a checkpoint: no step lost)."""
+        record = {"reason": reason, "since": time.time(), "by": by or operator(), "drain": drain}
         client = self._client
         with_failover(client, lambda: client.put(self.node_key(node, "cordon"), json.dumps(record)))
 

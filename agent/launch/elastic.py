@@ -16,7 +16,9 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   ``go``: meanwhile the supervisor has every worker save a checkpoint at one agreed step and hold there,
   so the restart that follows loses no step (agent/launch/run.py, ``_checkpoint_before_growing``);
 - ``restarting``: the agent restarts the group, after a failure (``reason: failed``, with the restarts
-  left) or because nodes are waiting to join (``reason: membership``);
+  left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
+  ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: membership``: a node left the job after every worker saved and
+  held at one step, agent/launch/run.py ``_on_leave``), which counts no failure;
 - ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``).
 
 The supervisor decides phases, restarts and crash attribution from these and from the workers' telemetry;
@@ -55,33 +57,61 @@ anyway, from the latest checkpoint there is (the steps since are replayed, as to
 
 
 class ReplyChannel:
-    """The supervisor's answers on a file descriptor (one line each); never raises."""
+    """The supervisor's answers on a file descriptor, one word a line (``go``, ``restart``); never raises."""
 
     def __init__(self, fd: int) -> None:
         os.set_inheritable(fd, False)
         self._fd = fd
+        self._partial = b""
+        self._lines: list[str] = []
+        self._closed = False
+
+    def _read(self, timeout: float) -> None:
+        import select
+
+        if self._closed:
+            return
+        try:
+            ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout))
+            if not ready:
+                return
+            chunk = os.read(self._fd, 4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._closed = True
+            return
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        self._lines += [line.strip().decode(errors="replace") for line in lines if line.strip()]
+
+    def _take(self, word: str) -> bool:
+        if word in self._lines:
+            self._lines.remove(word)
+            return True
+        return False
 
     def wait_for(self, word: str, timeout: float) -> bool:
         """True once a line equal to ``word`` arrived within ``timeout`` seconds; False on timeout or EOF."""
-        import select
+        deadline = time.monotonic() + timeout
+        while not self._take(word):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                return False
+            self._read(left)
+        return True
 
-        deadline, pending = time.monotonic() + timeout, b""
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                ready, _, _ = select.select([self._fd], [], [], left)
-                if not ready:
-                    return False
-                chunk = os.read(self._fd, 4096)
-            except OSError:
-                return False
-            if not chunk:
-                return False
-            pending += chunk
-            lines = pending.split(b"\n")
-            pending = lines.pop()
-            if any(line.strip() == word.encode() for line in lines):
-                return True
-        return False
+    def poll(self, word: str, round_: int | None = None) -> bool:
+        """True when a line ``word`` (with ``round_``: ``word <round_>``) has arrived (never waits). Lines of
+        ``word`` for other rounds are stale (the group has regrouped since) and dropped."""
+        self._read(0.0)
+        if round_ is None:
+            return self._take(word)
+        found = False
+        for line in [line for line in self._lines if line.split(" ")[0] == word]:
+            self._lines.remove(line)
+            found = found or line == f"{word} {round_}"
+        return found
 
 
 class EventSink:
@@ -126,7 +156,17 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                                 "pid": pids.get(w.local_rank)} for w in worker_group.workers])
             return pids
 
+        _asked_restart = False
+
         def _monitor_workers(self, worker_group):
+            if replies is not None and replies.poll("restart", _rendezvous_round(worker_group)):  # a node left
+                result = super()._monitor_workers(worker_group)
+                if result.state == WorkerState.HEALTHY:
+                    self._asked_restart = True
+                    sink.emit("restarting", reason="membership", restart_count=self._restart_count(),
+                              restarts_left=self._remaining_restarts)
+                    super()._restart_workers(worker_group)  # no failure counted: the group was healthy
+                    self._asked_restart = False
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._reported_failure:
                 self._reported_failure = True

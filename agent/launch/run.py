@@ -5,6 +5,10 @@ rendezvous and trainwarden's defaults, echoes and logs the job's output while tr
 progress, and exits with the job's status after printing a summary (steps, restarts, time lost to
 failures, where the checkpoints are).
 
+SIGUSR1 asks the run to leave the job without losing a step (the node daemon's ``drain``): every worker of the
+job saves after one agreed step and holds; once that checkpoint is committed this node stops its workers and
+exits 0, and the other nodes regroup without it (a one-node job stops, resumable from that checkpoint).
+
 Ctrl-C and SIGTERM stop everything this command started: torchrun is asked to stop its workers,
 then anything it started that is still there is killed, then the embedded etcd is stopped. The
 command exits 130 (SIGINT) or 143 (SIGTERM).
@@ -38,7 +42,7 @@ from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, descri
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, agree_checkpoint_step,
-                                           commit_in_round, round_id)
+                                           commit_in_round, read_leave, request_leave, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
@@ -134,6 +138,8 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     job = _JobRun(opts, out)
     # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
     with StopOnSignals(on_first=_announce) as signals, ExitStack() as cleanup:
+        previous_usr1 = signal.signal(signal.SIGUSR1, job.on_leave_signal)
+        cleanup.callback(signal.signal, signal.SIGUSR1, previous_usr1)
         try:
             job.preflight()
             job.check_leftovers(cleanup)
@@ -150,12 +156,16 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             if stop.message:
                 print(f"trainwarden: {stop.message}", file=sys.stderr)
             return stop.code
+        if rc is _LEFT:
+            return exit_codes.EXIT_OK
         job.print_summary()
     return rc
 
 
 _FENCED = object()
 """``supervise``'s answer when this node lost etcd and stopped its workers (fencing)."""
+_LEFT = object()
+"""``supervise``'s answer when this node left the job on request (SIGUSR1, a drain); the job goes on."""
 
 
 class _Abandon(Exception):
@@ -213,6 +223,12 @@ class _JobRun:
         self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
         self._reply_fd: int | None = None
         self._worker_pids: list[int] = []
+        self._leave_asked = threading.Event()  # SIGUSR1: leave the job at a step boundary (a drain)
+        self._left = threading.Event()  # this node's part is over: stop the workers, exit 0
+        self._left_step: int | None = None
+        self._leave_rounds: set = set()  # rounds whose leave request this node has acted on
+        self._leave_done: dict = {}  # round -> Event set once that leave's checkpoint is settled
+        self._asked_leave_round = None
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self._lock = threading.Lock()
@@ -443,8 +459,10 @@ class _JobRun:
         torchrun, pump = self.torchrun, self.pump
         self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
         while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
-                and not self._cut_off():
-            pass
+                and not self._cut_off() and not self._left.is_set():
+            self._watch_leave()
+        if self._left.is_set() and signals.received is None:
+            return self._finish_leave()
         if signals.received is None and self.config_error is None and self._cut_off():
             return self._fence(f"lost etcd {self.membership.unconfirmed_for():.0f} s ago")
         if self.config_error is not None:  # the same failure twice before a step: restarting does not help
@@ -476,6 +494,115 @@ class _JobRun:
         if self.failures is not None:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
+
+    # ---- leaving the job on request (SIGUSR1: a drain) ------------------------------------------------
+
+    def on_leave_signal(self, signum, frame) -> None:
+        self._leave_asked.set()
+
+    def _watch_leave(self) -> None:
+        """The supervise loop's share of the leave protocol: ask for this node's leave when told to, and act
+        on the round's leave request, whichever node made it (module docstring; agent/etcd/cluster.py)."""
+        round_ = self._round
+        if self._leave_asked.is_set() and not self._multi_node and not self._leave_rounds:
+            self._leave_rounds.add(round_)
+            self._spawn(self._leave_alone)
+            return
+        if not self._multi_node or round_ is None or self.agent is None or round_ in self._leave_rounds:
+            return
+        now = time.monotonic()
+        if now - getattr(self, "_leave_polled", 0.0) < 1.0:
+            return
+        self._leave_polled = now
+        try:
+            key = str(round_)
+            if self._leave_asked.is_set() and self._asked_leave_round != round_:
+                self._asked_leave_round = round_
+                request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
+            request = read_leave(self.client, self.opts.job, key)
+        except Exception as exc:
+            logger.debug("cannot read the job's leave requests: %s", describe_etcd_error(exc))
+            return
+        if request is not None:
+            self._leave_rounds.add(round_)
+            self._leave_done[round_] = threading.Event()
+            self._spawn(self._on_leave, request, round_)
+
+    def _step_ahead(self) -> int:
+        """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
+        median = self.progress.median_step_seconds() or 1.0
+        return self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+
+    def _spawn(self, target, *args) -> None:
+        threading.Thread(target=target, args=args, name="trainwarden-leave", daemon=True).start()
+
+    def _on_leave(self, request: dict, round_) -> None:
+        """Node ``request["node"]`` leaves after step ``request["step"]``: every local worker saves after it and
+        holds; once it is committed the leaver stops its workers and the others regroup without it."""
+        leaver, step = request["node"], request["step"]
+        me = leaver == self.node
+        try:
+            asked = self.agent.actions.request_checkpoint(self.opts.job, step, hold=True)
+            print(f"trainwarden: node {leaver} leaves job {self.opts.job}: every worker checkpoints after step {step} "
+                  f"and waits there; this node asked rank{'s' if len(asked) != 1 else ''} "
+                  f"{','.join(map(str, asked)) or 'none'}", file=self.out, flush=True)
+            committed = self._wait_for_commit(step)
+        finally:
+            self._leave_done[round_].set()
+        if me:
+            self._left_step = step if committed else None
+            self._left.set()
+        else:
+            print(f"trainwarden: node {leaver} has left; the job regroups without it"
+                  f"{f' from step {step}' if committed else ''}", file=self.out, flush=True)
+            self._reply(f"restart {round_}\n".encode())  # for this round only: stale once the group regrouped
+
+    def _leave_alone(self) -> None:
+        """A one-node job asked to leave: checkpoint at a step boundary, then stop (resumable from it)."""
+        step = self._step_ahead()
+        if self.agent is not None:
+            self.agent.actions.request_checkpoint(self.opts.job, step, hold=True)
+            print(f"trainwarden: leaving job {self.opts.job}: the workers checkpoint after step {step}",
+                  file=self.out, flush=True)
+            self._left_step = step if self._wait_for_commit(step) else None
+        self._left.set()
+
+    def _finish_leave(self) -> object:
+        self.pump.quiet = True
+        self.torchrun.stop(grace=10.0)  # SIGTERM: torchrun does not close the rendezvous on a signal
+        self.pump.join(5)
+        self.events.join(5)
+        saved = f"after the checkpoint of step {self._left_step}" if self._left_step else \
+            "without a new checkpoint (it was not committed in time)"
+        if self._multi_node:
+            print(f"trainwarden: node {self.node} left job {self.opts.job} {saved}; the job goes on without it",
+                  file=self.out, flush=True)
+            return _LEFT
+        self.transition(JobPhase.STOPPED, f"drained {saved}")
+        print(f"trainwarden: job {self.opts.job} stopped {saved} (its node was drained); resume it on another "
+              "node from that checkpoint", file=self.out, flush=True)
+        return _LEFT
+
+    def _wait_for_commit(self, step: int) -> bool:
+        """Until the checkpoint of ``step`` is committed (True), or it cannot be: a local worker died, its save
+        failed, torchrun ended, or GROW_WAIT_S passed."""
+        deadline = time.monotonic() + GROW_WAIT_S - 10.0
+        workers = self._workers()
+        while time.monotonic() < deadline and self.torchrun is not None and self.torchrun.poll() is None:
+            if self._committed(step):
+                return True
+            if self._failed_step >= step or any(not _alive(w) for w in workers):
+                break
+            time.sleep(0.5)
+        print(f"trainwarden: the checkpoint of step {step} was not committed; going on from the latest one there is",
+              file=self.out, flush=True)
+        return False
+
+    def _reply(self, line: bytes) -> None:
+        try:
+            os.write(self._reply_fd, line)
+        except (OSError, TypeError):
+            pass  # torchrun is gone, or was started without the pipe: nothing waits for us
 
     @property
     def _multi_node(self) -> bool:
@@ -682,16 +809,19 @@ class _JobRun:
         save after it and hold, and answers ``go`` once that checkpoint is committed: the new round restores
         it and loses no step. Whatever goes wrong, ``go`` is answered: the restart then replays the steps
         since the latest checkpoint, as it would without this."""
+        done = self._leave_done.get(round_)
+        if done is not None:  # a node leaves in this round: its checkpoint is the one the restart resumes from
+            done.wait(GROW_WAIT_S)
+            if not self._left.is_set():
+                self._reply(b"go\n")
+            return
         try:
             self._grow_checkpoint(round_)
         except Exception as exc:
             print(f"trainwarden: no checkpoint before the job grows ({describe_etcd_error(exc)}); it restarts "
                   "from the latest one, replaying the steps since", file=self.out, flush=True)
         finally:
-            try:
-                os.write(self._reply_fd, b"go\n")
-            except (OSError, TypeError):
-                pass  # torchrun is gone, or was started without the pipe: nothing waits for us
+            self._reply(b"go\n")
 
     def _grow_checkpoint(self, round_: int | None) -> None:
         job = self.opts.job
@@ -699,32 +829,16 @@ class _JobRun:
             print("trainwarden: nodes wait to join; without the node agent the workers cannot checkpoint on request: "
                   "restarting from the latest checkpoint", file=self.out, flush=True)
             return
-        median = self.progress.median_step_seconds() or 1.0
-        proposal = self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+        proposal = self._step_ahead()
         step, proposer = agree_checkpoint_step(self.client, job, "round-unknown" if round_ is None else str(round_),
                                                proposal, self.node)
         asked = self.agent.actions.request_checkpoint(job, step, hold=True)
         print(f"trainwarden: nodes wait to join job {job}: every worker checkpoints after step {step} (proposed by "
               f"{proposer}) and waits there; this node asked rank{'s' if len(asked) != 1 else ''} "
               f"{','.join(map(str, asked)) or 'none'}", file=self.out, flush=True)
-        deadline = time.monotonic() + GROW_WAIT_S - 10.0
-        workers = self._workers()
-        while time.monotonic() < deadline and self.torchrun is not None and self.torchrun.poll() is None:
-            if any(not _alive(w) for w in workers):  # a worker died: the collective save cannot complete
-                print(f"trainwarden: a worker of this node exited before the checkpoint of step {step}; the job "
-                      "restarts from the latest checkpoint there is", file=self.out, flush=True)
-                return
-            if self._failed_step >= step:
-                print(f"trainwarden: the checkpoint of step {step} failed on this node; the job restarts from the "
-                      "latest checkpoint there is", file=self.out, flush=True)
-                return
-            if self._committed(step):
-                print(f"trainwarden: checkpoint of step {step} committed; the job restarts with the waiting nodes",
-                      file=self.out, flush=True)
-                return
-            time.sleep(0.5)
-        print(f"trainwarden: the checkpoint of step {step} was not committed in time; the job restarts from the "
-              "latest checkpoint there is", file=self.out, flush=True)
+        if self._wait_for_commit(step):
+            print(f"trainwarden: checkpoint of step {step} committed; the job restarts with the waiting nodes",
+                  file=self.out, flush=True)
 
     def _workers(self) -> list[psutil.Process]:
         procs = []

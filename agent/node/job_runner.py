@@ -19,6 +19,10 @@ phase in etcd says how it went, and it is not started again unless the operator 
 generation). One killed by a signal the daemon did not send (the OOM killer, an operator's kill) is started again
 while the job is live, at most ``max_restarts`` times per generation.
 
+**Drain.** ``trainwarden drain NODE`` cordons the node with ``drain: true``; the runner sends SIGUSR1 to each of its
+launchers, which leaves its job after a checkpoint at an agreed step (no step lost; the job goes on without the
+node). Once uncordoned, the node takes its part in those jobs again (the job grows back).
+
 **Stop.** ``trainwarden stop JOB`` writes ``jobs/<job>/control``; the runner sends SIGTERM to its launcher, which
 stops the workers and records the job ``stopped``. SIGTERM to the daemon itself stops only the daemon.
 
@@ -87,6 +91,7 @@ class JobRunner:
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
         self._terminated: set[int] = set()  # pids this daemon asked to stop
+        self._draining: set[int] = set()  # pids this daemon asked to leave their job (a drain)
         self._lease = None
         self._failing = False
         self._stop = threading.Event()
@@ -142,6 +147,11 @@ class JobRunner:
                 self._reconcile_job(view, cordoned=cordon is not None)
             except Exception:
                 logger.exception("job %s: reconciling failed; trying again next round", view.name)
+        if cordon is not None and cordon.get("drain"):
+            for rec in list(self._launchers.values()):
+                if rec.pid not in self._draining and rec.pid not in self._terminated:
+                    self._draining.add(rec.pid)
+                    self._signal(rec, signal.SIGUSR1, f"node drained: {cordon.get('reason', '')}")
         self._publish_node(cordon)
 
     def _reconcile_job(self, view: JobView, *, cordoned: bool) -> None:
@@ -193,14 +203,19 @@ class JobRunner:
                     view.generation, self.node, proc.pid, log_path)
 
     def _terminate(self, rec: LauncherRecord, why: str) -> None:
-        """SIGTERM to a launcher this daemon started or adopted, if it is still that process."""
         self._terminated.add(rec.pid)
+        self._signal(rec, signal.SIGTERM, why)
+
+    def _signal(self, rec: LauncherRecord, sig: int, why: str) -> None:
+        """``sig`` to a launcher this daemon started or adopted, if it is still that process: SIGTERM stops the
+        job on this node, SIGUSR1 makes it leave the job after a checkpoint (agent/launch/run.py)."""
         try:
             proc = psutil.Process(rec.pid)
             if abs(proc.create_time() - rec.started) > 0.01:
                 return
-            proc.send_signal(signal.SIGTERM)  # psutil refuses a pid that was reused meanwhile
-            logger.info("job %s: asked its launcher (pid %d) to stop (%s)", rec.job, rec.pid, why)
+            proc.send_signal(sig)  # psutil refuses a pid that was reused meanwhile
+            what = "stop" if sig == signal.SIGTERM else "leave the job"
+            logger.info("job %s: asked its launcher (pid %d) to %s (%s)", rec.job, rec.pid, what, why)
         except psutil.Error:
             pass
 
@@ -219,7 +234,9 @@ class JobRunner:
             how = f"exited with {rc}" if rc is not None else "ended (adopted: exit code unknown)"
             logger.info("job %s generation %d: the launcher on node %s %s", job, rec.generation, self.node, how)
             killed = rc is not None and rc < 0 and rec.pid not in self._terminated
-            if killed and rec.relaunches < self._max_restarts(job):
+            if rec.pid in self._draining:  # left the job for a drain: back in it once the node is uncordoned
+                self._draining.discard(rec.pid)
+            elif killed and rec.relaunches < self._max_restarts(job):
                 self._relaunch(rec)
             else:
                 self._finished[job] = rec.generation
@@ -279,7 +296,9 @@ class JobRunner:
         client = self._client
         record = {"node": self.node, "host": socket.gethostname(), "address": self._local_addr or "",
                   "version": __version__, "pid": os.getpid(), "at": time.time(),
-                  "gpus": self._gpus() if self._gpus else 0, "health": "cordoned" if cordon else "ok",
+                  "gpus": self._gpus() if self._gpus else 0,
+                  "health": ("draining" if self._launchers else "drained") if cordon and cordon.get("drain")
+                  else "cordoned" if cordon else "ok",
                   "endpoints": self._endpoints,
                   "jobs": {job: {"pid": rec.pid, "generation": rec.generation} for job, rec in self._launchers.items()}}
         key = self._control.node_key(self.node)

@@ -225,3 +225,55 @@ def test_a_two_node_job_runs_on_the_nodes_it_names_and_nowhere_else(daemons, tmp
     assert daemons.job_log("n2", "two") == "" and "job two" not in daemons.log("n2")
     nodes = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)
     assert sorted(nodes) == ["n0", "n1", "n2"]
+
+
+RANK0 = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: (?:step (\d+) loss|resumed from checkpoint step (\d+))", re.M)
+
+
+def _story(text: str) -> list[tuple[str, str, int]]:
+    """Rank 0's steps and resumes in time order, from every node's log: (time, "step"/"resumed", n)."""
+    return sorted((m.group(1), "step" if m.group(2) else "resumed", int(m.group(2) or m.group(3)))
+                  for m in RANK0.finditer(text))
+
+
+def test_a_drained_node_leaves_its_job_with_no_step_lost_and_takes_part_again_once_uncordoned(
+        daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    for node in ("n0", "n1", "n2"):
+        daemons.start(node)
+    # a global batch of 12 in micro-batches of 2: dp 3 and dp 2 both divide it, the samples stay the same
+    spec = _spec(tmp_path / "dr.toml", "dr", 100000, tmp_path / "ckpt", nnodes="2:3", nproc_per_node=1,
+                 command=["-m", "trainwarden.runtime.examples.gpt", "--batch", "12", "--micro-batch-size", "2",
+                          "--steps", "100000", "--ckpt-every", "10"])
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+
+    def text() -> str:
+        return "".join(daemons.job_log(n, "dr") for n in ("n0", "n1", "n2"))
+
+    wait_for(lambda: len(_jobs(etcd)["dr"]["nodes"]) == 3, 120, what="three nodes in the job")
+    joined = max(_steps(text()) or [0])
+    wait_for(lambda: max(_steps(text()) or [0]) >= joined + 15, 240, what="the job to train on three nodes")
+    drain = _cli("drain", "n2", "--reason", "ECC errors rising", etcd=etcd)
+    assert drain.returncode == 0, drain.stderr
+    wait_for(lambda: "node n2 left job dr after the checkpoint of step" in daemons.job_log("n2", "dr"), 120,
+             what="n2 to leave the job")
+    wait_for(lambda: text().count("has left; the job regroups without it from step") == 2, 60,
+             what="the other two nodes to regroup")
+    left_at = int(re.search(r"left job dr after the checkpoint of step (\d+)", text()).group(1))
+    wait_for(lambda: any(k == "resumed" and n == left_at for _, k, n in _story(text())), 120,
+             what="the two nodes to resume from the drain's checkpoint")
+    wait_for(lambda: max(_steps(text())) >= left_at + 5, 120, what="training on two nodes")
+    story = _story(text())
+    last = max(i for i, e in enumerate(story) if e[1] == "resumed")
+    assert story[last][2] == left_at
+    lost = [n for _, k, n in story[:last] if k == "step" and n > left_at]
+    assert lost == [], f"steps computed before the drain's checkpoint and again after it: {lost}"
+    assert _jobs(etcd)["dr"]["phase"] == "running" and sorted(_jobs(etcd)["dr"]["nodes"]) == ["n0", "n1"]
+    wait_for(lambda: json.loads(_cli("nodes", "--json", etcd=etcd).stdout)["n2"]["record"]["health"] == "drained",
+             30, what="n2 to report itself drained")
+    assert "started its launcher" not in daemons.log("n2").split("leave the job")[1]  # cordoned: not back yet
+
+    assert _cli("uncordon", "n2", etcd=etcd).returncode == 0
+    wait_for(lambda: len(_jobs(etcd)["dr"]["nodes"]) == 3, 120, what="n2 to take part in the job again")
+    assert _cli("stop", "dr", etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["dr"]["phase"] == "stopped", 90, what="the job to stop")
