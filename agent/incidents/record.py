@@ -40,6 +40,9 @@ class IncidentKind(str, enum.Enum):
     """A save failed (disk full, I/O error); the latest committed checkpoint is unchanged."""
     CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
     """A restore passed a checkpoint over: quarantined (unfinished, corrupt, unloadable) or unreadable."""
+    CORDONED = "cordoned"
+    """The node takes no new work (an operator's cordon or drain, or the daemon's own on a GPU fault); with a
+    drain its jobs leave it after a checkpoint. Recorded for each job the node was running."""
     FENCED = "fenced"
     """The node lost etcd for longer than its membership lease and stopped its workers; it rejoins the job as
     a new member when etcd answers again."""

@@ -17,7 +17,7 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   so the restart that follows loses no step (agent/launch/run.py, ``_checkpoint_before_growing``);
 - ``restarting``: the agent restarts the group, after a failure (``reason: failed``, with the restarts
   left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
-  ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: membership``: a node left the job after every worker saved and
+  ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: regroup``: a node left the job after every worker saved and
   held at one step, agent/launch/run.py ``_on_leave``), which counts no failure;
 - ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``).
 
@@ -163,7 +163,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                 result = super()._monitor_workers(worker_group)
                 if result.state == WorkerState.HEALTHY:
                     self._asked_restart = True
-                    sink.emit("restarting", reason="membership", restart_count=self._restart_count(),
+                    sink.emit("restarting", reason="regroup", restart_count=self._restart_count(),
                               restarts_left=self._remaining_restarts)
                     super()._restart_workers(worker_group)  # no failure counted: the group was healthy
                     self._asked_restart = False

@@ -40,6 +40,7 @@ from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
+from trainwarden.agent.etcd.keys import job_key
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, agree_checkpoint_step,
                                            commit_in_round, read_leave, request_leave, round_id)
@@ -516,6 +517,10 @@ class _JobRun:
         self._leave_polled = now
         try:
             key = str(round_)
+            if not self._leave_asked.is_set() and self._excluded():
+                print(f"trainwarden: node {self.node} is to be left out of job {self.opts.job} (straggler policy "
+                      "exclude); it leaves at a step boundary after a checkpoint", file=self.out, flush=True)
+                self._leave_asked.set()
             if self._leave_asked.is_set() and self._asked_leave_round != round_:
                 self._asked_leave_round = round_
                 request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
@@ -532,6 +537,12 @@ class _JobRun:
         """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
         median = self.progress.median_step_seconds() or 1.0
         return self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+
+    def _excluded(self) -> bool:
+        """This node's watchdog asked for the node's exclusion from the job (``jobs/<job>/exclude/<node>``,
+        written under straggler policy ``exclude``): the request takes effect as a leave."""
+        value, _ = self.client.get(job_key(self.opts.job, "exclude", self.node))
+        return value is not None
 
     def _spawn(self, target, *args) -> None:
         threading.Thread(target=target, args=args, name="trainwarden-leave", daemon=True).start()
@@ -728,7 +739,8 @@ class _JobRun:
             self.progress.restarting(after_failure)
             if after_failure and self.failures is not None:
                 self.failures.restarting()
-            why = "worker group failed" if after_failure else "nodes are waiting to join"
+            why = {"failed": "worker group failed", "regroup": "a node left the job"}.get(
+                event.get("reason"), "nodes are waiting to join")
             print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
                   "left)", file=self.out, flush=True)
             self.transition(JobPhase.RESTARTING, why, failure=after_failure)

@@ -81,9 +81,12 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
              "--etcd-user": sec.user, "--etcd-password-file": sec.password_file}
     etcd_args = [part for flag, value in flags.items() if value for part in (flag, value)]
     config = options.agent
+    gpus = agent.gpus
     return JobRunner(client, node=config.node, etcd=options.etcd, etcd_args=etcd_args,
                      state_home=config.state_home or default_state_home(), local_addr=options.local_addr,
-                     endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""})
+                     endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
+                     gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
+                     health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record)
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:

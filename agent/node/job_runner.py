@@ -52,6 +52,7 @@ from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.common.job_spec import JobSpecError
 from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
 from trainwarden.agent.etcd.jobs import JobControl, JobView
+from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,19 @@ class JobRunner:
 
     def __init__(self, client, *, node: str, etcd: str, state_home: Path, etcd_args: list[str] | None = None,
                  local_addr: str | None = None, endpoints: dict | None = None, interval_s: float = 2.0,
-                 python: str = sys.executable, gpus: Callable[[], int] | None = None) -> None:
+                 python: str = sys.executable, gpus: Callable[[], int] | None = None,
+                 health: Callable[[], tuple[str, ...]] | None = None,
+                 record: Callable[[Incident], Incident] | None = None) -> None:
+        """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
+        ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go."""
         self._client, self._control = client, JobControl(client)
         self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
         self._home = Path(state_home)
         self._dir = self._home / "daemon"
         self._local_addr, self._endpoints = local_addr, dict(endpoints or {})
         self._interval, self._python, self._gpus = interval_s, python, gpus
+        self._health, self._record = health, record
+        self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._launchers: dict[str, LauncherRecord] = {}
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
@@ -133,6 +140,8 @@ class JobRunner:
         try:
             views = self._control.jobs()
             cordon = self._control.cordoned(self.node)
+            if cordon is None:
+                cordon = self._cordon_if_unfit()
         except Exception as exc:
             if not self._failing:
                 logger.warning("cannot read the jobs from etcd (%s); the jobs on this node keep running, nothing is "
@@ -147,6 +156,7 @@ class JobRunner:
                 self._reconcile_job(view, cordoned=cordon is not None)
             except Exception:
                 logger.exception("job %s: reconciling failed; trying again next round", view.name)
+        self._note_cordon(cordon)
         if cordon is not None and cordon.get("drain"):
             for rec in list(self._launchers.values()):
                 if rec.pid not in self._draining and rec.pid not in self._terminated:
@@ -176,6 +186,43 @@ class JobRunner:
             logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
             return
         self._launch(view, spec)
+
+    # ---- cordons -------------------------------------------------------------------------------------
+
+    def _cordon_if_unfit(self) -> dict | None:
+        """A GPU fault (a fatal XID, an uncorrected ECC error, a GPU lost: ``health()``) drains the node: its
+        jobs go on without it, and it stays cordoned until an operator uncordons it."""
+        reasons = self._health() if self._health is not None else ()
+        if not reasons:
+            return None
+        reason = "GPU fault: " + "; ".join(reasons)
+        logger.error("node %s: %s; cordoning and draining it (`trainwarden uncordon %s` once it is repaired)",
+                     self.node, reason, self.node)
+        self._control.cordon(self.node, reason[:500], by=f"trainwarden agent on {self.node}", drain=True)
+        return self._control.cordoned(self.node)
+
+    def _note_cordon(self, cordon: dict | None) -> None:
+        """Each new cordon of this node is an incident of every job it runs (with who and why)."""
+        since = float(cordon.get("since") or 0.0) if cordon else None
+        if since is None or since == self._cordon_seen:
+            self._cordon_seen = since
+            return
+        self._cordon_seen = since
+        drain = bool(cordon.get("drain"))
+        action = ("draining: its jobs leave it after a checkpoint at a step boundary" if drain
+                  else "cordoned: no new work starts on this node; running jobs go on")
+        logger.warning("node %s %s by %s: %s", self.node, "drained" if drain else "cordoned", cordon.get("by", "?"),
+                       cordon.get("reason", ""))
+        if self._record is None:
+            return
+        for job in sorted(self._launchers):
+            try:
+                self._record(Incident(id=new_incident_id(), kind=IncidentKind.CORDONED, job=job, node=self.node,
+                                      evidence={"reason": cordon.get("reason", ""), "by": cordon.get("by", ""),
+                                                "drain": drain, "since": since},
+                                      detected_at=time.time(), state=IncidentState.RESOLVED, action=action))
+            except Exception:
+                logger.exception("cannot record the cordon of node %s for job %s", self.node, job)
 
     # ---- launchers ------------------------------------------------------------------------------------
 

@@ -81,7 +81,8 @@ class Daemons:
         return found
 
     def close(self) -> None:
-        records = [rec for node in self.running for rec in self.launchers(node).values()]
+        homes = {p.parent.parent.parent.name for p in self.tmp.glob("*/daemon/launchers/*.json")}
+        records = [rec for node in set(self.running) | homes for rec in self.launchers(node).values()]
         owned = []
         for rec in records:
             try:
@@ -180,8 +181,16 @@ def test_stop_resume_cordon_and_the_requests_that_do_not_fit(daemons, tmp_path, 
     assert resumed.returncode == 0 and "generation 2" in resumed.stdout, resumed.stderr
     wait_for(lambda: "resumed from checkpoint step" in daemons.job_log("n0", "long"), 180,
              what="the resumed generation to restore its checkpoint")
-    assert _cli("stop", "long", etcd=etcd).returncode == 0
-    wait_for(lambda: _jobs(etcd)["long"]["phase"] == "stopped", 60, what="the job to stop again")
+    # draining the only node of a job: it checkpoints at a step boundary and stops, resumable from there
+    drain = _cli("drain", "n0", "--reason", "kernel upgrade", etcd=etcd)
+    assert drain.returncode == 0, drain.stderr
+    wait_for(lambda: _jobs(etcd)["long"]["phase"] == "stopped", 120, what="the drained job to stop")
+    job = _jobs(etcd)["long"]
+    assert job["reason"].startswith("drained after the checkpoint of step"), job
+    assert str(job["checkpoint"]["step"]) in job["reason"]
+    incidents = list((daemons.home("n0") / "jobs" / "long" / "incidents").glob("*.json"))
+    cordoned = [json.loads(p.read_text()) for p in incidents if json.loads(p.read_text())["kind"] == "cordoned"]
+    assert cordoned and cordoned[0]["evidence"]["reason"] == "kernel upgrade" and cordoned[0]["evidence"]["drain"]
 
 
 @pytest.mark.slow
@@ -209,24 +218,6 @@ def test_etcd_away_for_a_minute_stops_nothing_and_the_daemon_catches_up(daemons,
     wait_for(lambda: _jobs(etcd)["eo"]["phase"] == "stopped", 60, what="the job to stop")
 
 
-def test_a_two_node_job_runs_on_the_nodes_it_names_and_nowhere_else(daemons, tmp_path, etcd_server):
-    etcd = etcd_server.endpoint
-    for node in ("n0", "n1", "n2"):
-        daemons.start(node)
-    spec = _spec(tmp_path / "two.toml", "two", 30, tmp_path / "ckpt", nodes=["n0", "n1"], nnodes="2",
-                 nproc_per_node=1)
-    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
-    wait_for(lambda: _jobs(etcd)["two"]["phase"] == "succeeded", 240, what="the two-node job to succeed")
-    text = daemons.job_log("n0", "two") + daemons.job_log("n1", "two")
-    assert _steps(text) == list(range(1, 31)), text[-3000:]
-    assert "joins job two (generation 1) beside" in text, text[-3000:]  # one generation, both nodes in it
-    for node in ("n0", "n1"):
-        assert "job two succeeded" in daemons.job_log(node, "two")
-    assert daemons.job_log("n2", "two") == "" and "job two" not in daemons.log("n2")
-    nodes = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)
-    assert sorted(nodes) == ["n0", "n1", "n2"]
-
-
 RANK0 = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: (?:step (\d+) loss|resumed from checkpoint step (\d+))", re.M)
 
 
@@ -236,44 +227,76 @@ def _story(text: str) -> list[tuple[str, str, int]]:
                   for m in RANK0.finditer(text))
 
 
-def test_a_drained_node_leaves_its_job_with_no_step_lost_and_takes_part_again_once_uncordoned(
-        daemons, tmp_path, etcd_server):
-    etcd = etcd_server.endpoint
-    for node in ("n0", "n1", "n2"):
-        daemons.start(node)
-    # a global batch of 12 in micro-batches of 2: dp 3 and dp 2 both divide it, the samples stay the same
-    spec = _spec(tmp_path / "dr.toml", "dr", 100000, tmp_path / "ckpt", nnodes="2:3", nproc_per_node=1,
-                 command=["-m", "trainwarden.runtime.examples.gpt", "--batch", "12", "--micro-batch-size", "2",
-                          "--steps", "100000", "--ckpt-every", "10"])
-    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
-
-    def text() -> str:
-        return "".join(daemons.job_log(n, "dr") for n in ("n0", "n1", "n2"))
-
-    wait_for(lambda: len(_jobs(etcd)["dr"]["nodes"]) == 3, 120, what="three nodes in the job")
-    joined = max(_steps(text()) or [0])
-    wait_for(lambda: max(_steps(text()) or [0]) >= joined + 15, 240, what="the job to train on three nodes")
-    drain = _cli("drain", "n2", "--reason", "ECC errors rising", etcd=etcd)
-    assert drain.returncode == 0, drain.stderr
-    wait_for(lambda: "node n2 left job dr after the checkpoint of step" in daemons.job_log("n2", "dr"), 120,
-             what="n2 to leave the job")
-    wait_for(lambda: text().count("has left; the job regroups without it from step") == 2, 60,
-             what="the other two nodes to regroup")
-    left_at = int(re.search(r"left job dr after the checkpoint of step (\d+)", text()).group(1))
-    wait_for(lambda: any(k == "resumed" and n == left_at for _, k, n in _story(text())), 120,
-             what="the two nodes to resume from the drain's checkpoint")
-    wait_for(lambda: max(_steps(text())) >= left_at + 5, 120, what="training on two nodes")
-    story = _story(text())
+def _no_step_lost(story: list[tuple[str, str, int]], step: int) -> None:
+    """The last resume was from ``step`` and nothing computed before it came after ``step``."""
     last = max(i for i, e in enumerate(story) if e[1] == "resumed")
-    assert story[last][2] == left_at
-    lost = [n for _, k, n in story[:last] if k == "step" and n > left_at]
-    assert lost == [], f"steps computed before the drain's checkpoint and again after it: {lost}"
-    assert _jobs(etcd)["dr"]["phase"] == "running" and sorted(_jobs(etcd)["dr"]["nodes"]) == ["n0", "n1"]
-    wait_for(lambda: json.loads(_cli("nodes", "--json", etcd=etcd).stdout)["n2"]["record"]["health"] == "drained",
-             30, what="n2 to report itself drained")
-    assert "started its launcher" not in daemons.log("n2").split("leave the job")[1]  # cordoned: not back yet
+    assert story[last][2] == step, story[last]
+    lost = [n for _, k, n in story[:last] if k == "step" and n > step]
+    assert lost == [], f"steps computed before the checkpoint of step {step} and again after it: {lost}"
 
-    assert _cli("uncordon", "n2", etcd=etcd).returncode == 0
-    wait_for(lambda: len(_jobs(etcd)["dr"]["nodes"]) == 3, 120, what="n2 to take part in the job again")
-    assert _cli("stop", "dr", etcd=etcd).returncode == 0
-    wait_for(lambda: _jobs(etcd)["dr"]["phase"] == "stopped", 90, what="the job to stop")
+
+def test_a_gpu_fault_drains_its_node_and_a_straggler_exclusion_takes_another_out_with_no_step_lost(
+        daemons, tmp_path, etcd_server, etcd_client):
+    """n2's daemon runs in this process on a fake NVML; an XID 79 on its GPU 0 makes it cordon and drain itself.
+    Then n1's exclusion (what its watchdog writes under straggler policy ``exclude``) takes n1 out. Each time
+    the node leaves after a checkpoint at an agreed step and the others resume from it: nothing is lost."""
+    from fake_nvml import FakeGpu, FakeNvml
+    from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler
+    from trainwarden.agent.node.job_runner import JobRunner
+
+    etcd = etcd_server.endpoint
+    for node in ("n0", "n1", "n3"):  # n3 is not among the job's nodes: it must never run it
+        daemons.start(node)
+    nvml = FakeNvml([FakeGpu(uuid="GPU-aaaa")])
+    gpus = GpuHealthSampler(GpuHealthConfig(node="n2", interval_s=0.2, xid_wait_s=0.1), nvml=nvml)
+    gpus.start()
+    incidents = []
+    runner = JobRunner(etcd_client, node="n2", etcd=etcd, state_home=daemons.home("n2"), local_addr="127.0.0.1",
+                       health=gpus.unhealthy_reasons, record=lambda i: incidents.append(i) or i, interval_s=1.0)
+    runner.start()
+    try:
+        spec = _spec(tmp_path / "gf.toml", "gf", 100000, tmp_path / "ckpt", nnodes="1:3", nproc_per_node=1,
+                     nodes=["n0", "n1", "n2"],
+                     # a global batch of 12 in micro-batches of 2: dp 3, 2 and 1 divide it, the samples stay
+                     command=["-m", "trainwarden.runtime.examples.gpt", "--batch", "12", "--micro-batch-size", "2",
+                              "--steps", "100000", "--ckpt-every", "10"])
+        assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+
+        def text() -> str:
+            return "".join(daemons.job_log(n, "gf") for n in ("n0", "n1", "n2"))
+
+        wait_for(lambda: len(_jobs(etcd)["gf"]["nodes"]) == 3, 120, what="three nodes in the job")
+        joined = max(_steps(text()) or [0])
+        wait_for(lambda: max(_steps(text()) or [0]) >= joined + 15, 240, what="the job to train on three nodes")
+
+        nvml.push_xid(0, 79)  # GPU 0 fell off the bus
+        wait_for(lambda: "node n2 left job gf after the checkpoint of step" in daemons.job_log("n2", "gf"), 120,
+                 what="n2 to leave the job")
+        cordon = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)["n2"]["cordon"]
+        assert cordon["drain"] and "GPU fault: gpu 0: XID 79 (GPU has fallen off the bus)" in cordon["reason"]
+        assert [(i.kind.value, i.job) for i in incidents] == [("cordoned", "gf")]
+        left_at = int(re.search(r"n2 left job gf after the checkpoint of step (\d+)", text()).group(1))
+        wait_for(lambda: any(k == "resumed" and n == left_at for _, k, n in _story(text())), 120,
+                 what="n0 and n1 to resume from the drain's checkpoint")
+        wait_for(lambda: max(_steps(text())) >= left_at + 5, 120, what="training on two nodes")
+        _no_step_lost(_story(text()), left_at)
+        assert sorted(_jobs(etcd)["gf"]["nodes"]) == ["n0", "n1"]
+
+        etcd_client.put("/trainwarden/v1/jobs/gf/exclude/n1", json.dumps({"reason": "rank 1 straggles: 1.5x"}))
+        wait_for(lambda: "node n1 left job gf after the checkpoint of step" in daemons.job_log("n1", "gf"), 120,
+                 what="the excluded node to leave")
+        assert "is to be left out of job gf (straggler policy exclude)" in daemons.job_log("n1", "gf")
+        out_at = int(re.search(r"n1 left job gf after the checkpoint of step (\d+)", text()).group(1))
+        wait_for(lambda: any(k == "resumed" and n == out_at for _, k, n in _story(text())), 120,
+                 what="n0 to resume alone from the exclusion's checkpoint")
+        wait_for(lambda: max(_steps(text())) >= out_at + 5, 120, what="training on one node")
+        _no_step_lost(_story(text()), out_at)
+        assert sorted(_jobs(etcd)["gf"]["nodes"]) == ["n0"]
+        time.sleep(3)  # the excluded node's daemon does not start it again
+        assert "n1" not in _jobs(etcd)["gf"]["nodes"] and daemons.launchers("n1") == {}
+        assert daemons.job_log("n3", "gf") == "" and "job gf" not in daemons.log("n3")
+        assert _cli("stop", "gf", etcd=etcd).returncode == 0
+        wait_for(lambda: _jobs(etcd)["gf"]["phase"] == "stopped", 90, what="the job to stop")
+    finally:
+        runner.stop()
+        gpus.stop()
