@@ -163,3 +163,39 @@ def test_a_password_in_the_environment_is_refused_with_what_to_do_instead(secure
     text = log.read_text()
     assert "TRAINWARDEN_ETCD_PASSWORD is not read" in text and "TRAINWARDEN_ETCD_PASSWORD_FILE" in text
     assert PASSWORD not in text
+
+
+def test_a_read_only_user_can_list_jobs_but_not_submit_stop_or_cordon(secure_etcd, tmp_path):
+    """issue 11, access: the fleet commands change state only with write access to the trainwarden prefix."""
+    url, security = secure_etcd
+    ctl = [str(BIN / "etcdctl"), "--endpoints", url, "--cacert", security.ca_cert, "--cert", security.cert_cert,
+           "--key", security.cert_key, "--user", f"root:{PASSWORD}", "--dial-timeout", "2s"]
+    for args in (["user", "add", "viewer:viewer-pw"], ["role", "add", "readonly"],
+                 ["role", "grant-permission", "readonly", "--prefix=true", "read", "/trainwarden/v1/"],
+                 ["user", "grant-role", "viewer", "readonly"]):
+        subprocess.run([*ctl, *args], check=True, capture_output=True)
+    viewer_pw = tmp_path / "viewer-password"
+    viewer_pw.write_text("viewer-pw\n")
+    viewer_pw.chmod(0o600)
+    tls = ["--etcd", url, "--etcd-ca", security.ca_cert, "--etcd-cert", security.cert_cert,
+           "--etcd-key", security.cert_key]
+    as_root = [*tls, "--etcd-user", "root", "--etcd-password-file", security.password_file]
+    as_viewer = [*tls, "--etcd-user", "viewer", "--etcd-password-file", str(viewer_pw)]
+    spec = tmp_path / "job.toml"
+    spec.write_text('name = "ro"\ncommand = ["train.py"]\n')
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    assert cli("submit", str(spec), *as_root).returncode == 0
+    listed = cli("jobs", *as_viewer)
+    assert listed.returncode == 0 and "ro" in listed.stdout and "pending" in listed.stdout, listed.stderr
+    assert cli("nodes", *as_viewer).returncode == 0
+    other = tmp_path / "other.toml"
+    other.write_text('name = "ro2"\ncommand = ["train.py"]\n')
+    for args in (["stop", "ro"], ["cordon", "n0", "--reason", "x"], ["submit", str(other)]):
+        refused = cli(*args, *as_viewer)
+        assert refused.returncode == 3, (args, refused.stdout, refused.stderr)
+        assert "needs a user with write access" in refused.stderr, refused.stderr
+    assert cli("stop", "ro", *as_root).returncode == 0
