@@ -131,6 +131,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                 if client is not None and options.run_jobs:
                     runner = _job_runner(options, client, agent)
                     runner.start()
+                    agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
                 logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s", config.node,
                             config.socket_path, agent.metrics_url or "off",
                             f", incidents to etcd {options.etcd}" if options.etcd else "",

@@ -43,9 +43,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from trainwarden.agent import __version__
 from trainwarden.agent.common.job_lifecycle import JobPhase
@@ -94,6 +95,7 @@ class JobRunner:
         self._interval, self._python, self._gpus = interval_s, python, gpus
         self._health, self._record = health, record
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
+        self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
@@ -156,6 +158,7 @@ class JobRunner:
                 self._reconcile_job(view, cordoned=cordon is not None)
             except Exception:
                 logger.exception("job %s: reconciling failed; trying again next round", view.name)
+        self._cordon_now = cordon
         self._note_cordon(cordon)
         if cordon is not None and cordon.get("drain"):
             for rec in list(self._launchers.values()):
@@ -186,6 +189,25 @@ class JobRunner:
             logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
             return
         self._launch(view, spec)
+
+    # ---- metrics ---------------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        """``trainwarden_node_cordoned{node, kind}`` (1 while cordoned; kind ``cordon`` or ``drain``, 0 under both
+        when in service) and ``trainwarden_node_jobs{node}`` (launchers running here); a prometheus_client
+        collector, registered on the daemon's exporter."""
+        cordon = self._cordon_now
+        cordoned = GaugeMetricFamily("trainwarden_node_cordoned", "1 while the node is cordoned (kind=drain: its "
+                                     "jobs leave it too), as the daemon last read it from etcd",
+                                     labels=["node", "kind"])
+        for kind in ("cordon", "drain"):
+            on = cordon is not None and bool(cordon.get("drain")) == (kind == "drain")
+            cordoned.add_metric([self.node, kind], 1.0 if on else 0.0)
+        yield cordoned
+        jobs = GaugeMetricFamily("trainwarden_node_jobs", "Jobs whose launcher runs on this node (started or adopted "
+                                 "by the daemon)", labels=["node"])
+        jobs.add_metric([self.node], float(len(self._launchers)))
+        yield jobs
 
     # ---- cordons -------------------------------------------------------------------------------------
 

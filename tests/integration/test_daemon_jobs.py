@@ -275,6 +275,8 @@ def test_a_gpu_fault_drains_its_node_and_a_straggler_exclusion_takes_another_out
         cordon = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)["n2"]["cordon"]
         assert cordon["drain"] and "GPU fault: gpu 0: XID 79 (GPU has fallen off the bus)" in cordon["reason"]
         assert [(i.kind.value, i.job) for i in incidents] == [("cordoned", "gf")]
+        gauges = {(m.name, s.labels.get("kind")): s.value for m in runner.collect() for s in m.samples}
+        assert gauges[("trainwarden_node_cordoned", "drain")] == 1 and gauges[("trainwarden_node_cordoned", "cordon")] == 0
         left_at = int(re.search(r"n2 left job gf after the checkpoint of step (\d+)", text()).group(1))
         wait_for(lambda: any(k == "resumed" and n == left_at for _, k, n in _story(text())), 120,
                  what="n0 and n1 to resume from the drain's checkpoint")
