@@ -185,6 +185,51 @@ def _nodes(args, control) -> int:
     return exit_codes.EXIT_OK
 
 
+def cluster_status(args) -> int:
+    """`trainwarden status --etcd URL [--job J]`: the jobs with each node's ranks, from etcd."""
+    return _with_control(args, _cluster_status)
+
+
+def _cluster_status(args, control) -> int:
+    from trainwarden.agent.etcd.cluster import read_progress
+
+    views = [v for v in [control.job(args.job)] if v is not None] if args.job else control.jobs()
+    if args.job and not views:
+        print(f"trainwarden status: no job {args.job} in etcd; `trainwarden jobs` lists them", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    report = []
+    for v in views:
+        progress = read_progress(control.client, v.name)
+        nodes = []
+        for node in sorted(set(v.nodes) | set(progress)):
+            member, summary = v.nodes.get(node) or {}, progress.get(node) or {}
+            ranks = summary.get("ranks") or {}
+            nodes.append({"node": node, "address": member.get("address", ""), "phase": member.get("phase", ""),
+                          "nproc_per_node": member.get("nproc_per_node"), "ranks": sorted(int(r) for r in ranks),
+                          "last_step": max((int(r.get("last_step", -1)) for r in ranks.values()), default=-1),
+                          "connected": sum(bool(r.get("connected")) for r in ranks.values()),
+                          "member": bool(member)})
+        report.append({"job": v.name, "phase": v.phase, "generation": v.generation,
+                       "checkpoint": (v.checkpoint or {}).get("step"), "reason": v.state.get("reason", ""),
+                       "nodes": nodes})
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True))
+        return exit_codes.EXIT_OK
+    if not report:
+        print("no jobs in etcd")
+    for job in report:
+        print(f"job {job['job']}  {job['phase']}  generation {job['generation']}  checkpoint "
+              f"{job['checkpoint'] if job['checkpoint'] is not None else 'none'}  {job['reason']}"[:200])
+        print(f"  {'NODE':20} {'ADDRESS':16} {'PHASE':11} {'RANKS':12} {'STEP':>7} {'CONNECTED':>9}")
+        for n in job["nodes"]:
+            ranks = ",".join(map(str, n["ranks"])) or (f"{n['nproc_per_node']} local" if n["nproc_per_node"] else "-")
+            step = str(n["last_step"]) if n["last_step"] >= 0 else "-"
+            connected = f"{n['connected']}/{len(n['ranks'])}" if n["ranks"] else "-"
+            print(f"  {n['node']:20} {n['address'] or '-':16} {n['phase'] or ('gone' if not n['member'] else '-'):11} "
+                  f"{ranks[:12]:12} {step:>7} {connected:>9}")
+    return exit_codes.EXIT_OK
+
+
 def _ago(seconds: float) -> str:
     seconds = max(0, int(seconds))
     if seconds < 120:

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, TextIO
 
-from trainwarden.agent.cli.args import job_name, positive_float, positive_int
+from trainwarden.agent.cli.args import add_etcd_security, job_name, positive_float, positive_int
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.node.endpoints import (DEFAULT_METRICS_URL, AgentUnavailable, fetch_status, resolve_metrics_url,
                                              resolve_socket)
@@ -224,6 +224,9 @@ def add_parser(sub) -> None:
     p.add_argument("--job", type=job_name, metavar="NAME", help="only this job")
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories (to find --job's run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--etcd", metavar="URL", help="cluster-wide instead, from this etcd: every job (or --job) with "
+                   "each node's ranks, their last step and stream state (read-only access is enough)")
+    add_etcd_security(p)
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("top", help="live per-rank view of the node's jobs (Ctrl-C to leave)",
@@ -247,6 +250,10 @@ def _socket(args):
 
 
 def _cmd_status(args) -> int:
+    if args.etcd:
+        from trainwarden.agent.cli.jobs import cluster_status
+
+        return cluster_status(args)
     return status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
 
 

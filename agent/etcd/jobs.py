@@ -85,6 +85,10 @@ class JobControl:
     def __init__(self, client, *, prefix: str = DEFAULT_PREFIX) -> None:
         self._client, self._prefix = client, prefix
 
+    @property
+    def client(self):
+        return self._client
+
     def _key(self, job: str, *parts: str) -> str:
         return job_key(job, *parts, prefix=self._prefix)
 

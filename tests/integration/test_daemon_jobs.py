@@ -269,6 +269,14 @@ def test_a_gpu_fault_drains_its_node_and_a_straggler_exclusion_takes_another_out
         joined = max(_steps(text()) or [0])
         wait_for(lambda: max(_steps(text()) or [0]) >= joined + 15, 240, what="the job to train on three nodes")
 
+        def cluster_view():
+            (job,) = json.loads(_cli("status", "--job", "gf", "--json", etcd=etcd).stdout)
+            return job if all(n["ranks"] and n["last_step"] > 0 and n["connected"] == 1 for n in job["nodes"]) \
+                and [n["node"] for n in job["nodes"]] == ["n0", "n1", "n2"] else None
+
+        view = wait_for(cluster_view, 30, what="`status --etcd` to show the three nodes' ranks")
+        assert view["phase"] == "running" and sorted(r for n in view["nodes"] for r in n["ranks"]) == [0, 1, 2]
+
         nvml.push_xid(0, 79)  # GPU 0 fell off the bus
         wait_for(lambda: "node n2 left job gf after the checkpoint of step" in daemons.job_log("n2", "gf"), 120,
                  what="n2 to leave the job")
