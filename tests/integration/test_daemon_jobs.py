@@ -154,7 +154,7 @@ def test_a_submitted_job_runs_on_its_node_outlives_a_killed_daemon_and_is_adopte
     assert nodes["n0"]["record"]["health"] == "ok"
 
 
-def test_stop_resume_cordon_and_the_requests_that_do_not_fit(daemons, tmp_path, etcd_server):
+def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daemons, tmp_path, etcd_server):
     etcd = etcd_server.endpoint
     daemons.start("n0")
     spec = _spec(tmp_path / "long.toml", "long", 5000, tmp_path / "ckpt")
@@ -181,6 +181,15 @@ def test_stop_resume_cordon_and_the_requests_that_do_not_fit(daemons, tmp_path, 
     assert resumed.returncode == 0 and "generation 2" in resumed.stdout, resumed.stderr
     wait_for(lambda: "resumed from checkpoint step" in daemons.job_log("n0", "long"), 180,
              what="the resumed generation to restore its checkpoint")
+    # the OOM killer takes the launcher (its workers die with it): the daemon starts it again, within max_restarts
+    (first,) = daemons.launchers("n0").values()
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for(lambda: (daemons.launchers("n0").get("long") or {}).get("pid", first["pid"]) != first["pid"], 60,
+             what="the daemon to start the launcher again")
+    assert daemons.launchers("n0")["long"]["relaunches"] == 1
+    assert "was killed; starting it again (1 of 1)" in daemons.log("n0")
+    wait_for(lambda: daemons.job_log("n0", "long").count("[rank 0] trainwarden.runtime.examples.gpt: resumed from") >= 2,
+             120, what="the new launcher to resume from the checkpoint")
     # draining the only node of a job: it checkpoints at a step boundary and stops, resumable from there
     drain = _cli("drain", "n0", "--reason", "kernel upgrade", etcd=etcd)
     assert drain.returncode == 0, drain.stderr
