@@ -459,9 +459,16 @@ class _JobRun:
         """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
         torchrun, pump = self.torchrun, self.pump
         self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
-        while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
-                and not self._cut_off() and not self._left.is_set():
-            self._watch_leave()
+        watching = threading.Event()  # the leave protocol polls etcd on a thread: this loop never waits on etcd
+        watcher = threading.Thread(target=self._watch_leave_loop, args=(watching,), name="trainwarden-leave-watch",
+                                   daemon=True)
+        watcher.start()
+        try:
+            while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
+                    and not self._cut_off() and not self._left.is_set():
+                pass
+        finally:
+            watching.set()
         if self._left.is_set() and signals.received is None:
             return self._finish_leave()
         if signals.received is None and self.config_error is None and self._cut_off():
@@ -501,9 +508,14 @@ class _JobRun:
     def on_leave_signal(self, signum, frame) -> None:
         self._leave_asked.set()
 
+    def _watch_leave_loop(self, done: threading.Event) -> None:
+        while not done.wait(0.5):
+            self._watch_leave()
+
     def _watch_leave(self) -> None:
-        """The supervise loop's share of the leave protocol: ask for this node's leave when told to, and act
-        on the round's leave request, whichever node made it (module docstring; agent/etcd/cluster.py)."""
+        """The leave protocol's watcher (a thread beside the supervise loop): ask for this node's leave when told
+        to, and act on the round's leave request, whichever node made it (module docstring;
+        agent/etcd/cluster.py). etcd calls here may take the client's timeout; nothing else waits for them."""
         round_ = self._round
         if self._leave_asked.is_set() and not self._multi_node and not self._leave_rounds:
             self._leave_rounds.add(round_)
