@@ -33,6 +33,12 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "straggler_policy": (str, "alert"),
     "local_addr": (str, None),
     "run_jobs": (bool, True),
+    "webhook_listen": (str, None),
+    "webhook_token_file": (str, None),
+    "webhook_tls_cert": (str, None),
+    "webhook_tls_key": (str, None),
+    "webhook_max_body": (int, 256 * 1024),
+    "resumes_per_hour": (int, 3),
 }
 """Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
 
@@ -67,6 +73,18 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler-policy", choices=["alert", "exclude"],
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
+    w = p.add_argument_group("Alertmanager webhook (alerts resume failed jobs; needs --etcd)")
+    w.add_argument("--webhook-listen", metavar="HOST:PORT",
+                   help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9479)")
+    w.add_argument("--webhook-token-file", metavar="FILE",
+                   help="the bearer token Alertmanager sends (its http_config.authorization.credentials_file); "
+                        "required with --webhook-listen")
+    w.add_argument("--webhook-tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    w.add_argument("--webhook-tls-key", metavar="FILE", help="the key of --webhook-tls-cert (PEM)")
+    w.add_argument("--webhook-max-body", type=int, metavar="BYTES",
+                   help="larger requests are refused unread with 413 (default 262144)")
+    w.add_argument("--resumes-per-hour", type=int, metavar="N",
+                   help="resume one job automatically at most N times in any hour (default 3; 0: never)")
     p.add_argument("--check", action="store_true",
                    help="do not start: exit 0 if an agent serves on --socket, 5 if not (for probes)")
     add_etcd_security(p)
@@ -130,6 +148,7 @@ def _cmd_agent(args) -> int:
     from trainwarden.agent.etcd.client import EtcdSecurity
     from trainwarden.agent.node.agent import AgentConfig, watchdog_config
     from trainwarden.agent.node.daemon import DaemonOptions, check, run_daemon
+    from trainwarden.agent.node.webhook import WebhookConfig
     try:
         s = resolve_settings(args)
     except ValueError as exc:
@@ -150,8 +169,17 @@ def _cmd_agent(args) -> int:
                              **({"node": s["node"]} if s["node"] else {}))
         security = EtcdSecurity.from_env(ca_cert=s["etcd_ca"], cert_cert=s["etcd_cert"], cert_key=s["etcd_key"],
                                          user=s["etcd_user"], password_file=s["etcd_password_file"])
+        webhook = None
+        if s["webhook_listen"] or s["webhook_token_file"]:
+            if not (s["webhook_listen"] and s["webhook_token_file"]):
+                raise ValueError("--webhook-listen and --webhook-token-file go together: the webhook only serves "
+                                 "requests that carry the token")
+            webhook = WebhookConfig(listen=s["webhook_listen"], token_file=Path(s["webhook_token_file"]),
+                                    tls_cert=Path(s["webhook_tls_cert"]) if s["webhook_tls_cert"] else None,
+                                    tls_key=Path(s["webhook_tls_key"]) if s["webhook_tls_key"] else None,
+                                    max_body=s["webhook_max_body"], resumes_per_hour=s["resumes_per_hour"])
         options = DaemonOptions(agent=config, etcd=s["etcd"], etcd_security=security, run_jobs=s["run_jobs"],
-                                local_addr=s["local_addr"])
+                                local_addr=s["local_addr"], webhook=webhook)
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -72,6 +72,9 @@ class JobSpec:
     straggler_policy: str = "alert"
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
+    auto_resume: bool = True
+    """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
+    operator's `trainwarden resume` does."""
 
     def targets(self, node: str) -> bool:
         return not self.nodes or node in self.nodes
@@ -98,9 +101,10 @@ class JobSpec:
 
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
-           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list}
+           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool}
 _REQUIRED = ("name", "command")
-_TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string"}
+_TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string",
+               bool: "true or false"}
 
 
 def unknown_key_message(key: str, known, source: str) -> str:
@@ -137,7 +141,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
             raise JobSpecError(f"{source}: field {key!r} is missing; a job needs at least 'name' and 'command'")
     for key, value in data.items():
         kinds = _FIELDS[key]
-        if isinstance(value, bool) or not isinstance(value, kinds):
+        if (kinds is not bool and isinstance(value, bool)) or not isinstance(value, kinds):
             raise JobSpecError(f"{source}: field {key!r} must be {_TYPE_NAMES[kinds]}, got {type(value).__name__} "
                                f"{value!r}")
 
@@ -183,7 +187,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
-                   nodes=tuple(nodes))
+                   nodes=tuple(nodes), auto_resume=data.get("auto_resume", True))
 
 
 def dumps(spec: JobSpec) -> str:

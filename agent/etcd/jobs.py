@@ -6,6 +6,7 @@ daemons read and write (DESIGN.md "etcd keys").
   those alone.
 * ``jobs/<job>/state``: the job's lifecycle record (agent/common/job_lifecycle.py) with its generation. ``submit``
   and ``resume`` write a new generation in ``pending``; the launchers move it on from there.
+* ``jobs/<job>/autoresume/<generation>``: a failed generation resumed by an alert (the daemon's webhook), once.
 * ``jobs/<job>/control``: an operator's request to the daemons running the job, ``{"action": "stop", "generation"}``.
 * ``nodes/<node>``: a daemon's record of its node (host, address, version, endpoints, jobs) under its lease.
 * ``nodes/<node>/cordon``: why the node takes no new work, since when, by whom (the operator clears it).
@@ -209,6 +210,37 @@ class JobControl:
                 txn.delete(self._key(name, "control"))]):
             raise JobConflict(f"job {name} changed meanwhile; run `trainwarden resume {name}` again")
         return generation
+
+    def resume_once(self, name: str, generation: int, *, by: str, record: dict[str, Any]) -> int:
+        """Resume the failed generation ``generation`` of a submitted job at most once, however many callers ask
+        (Alertmanager repeats its notifications; several daemons may receive them): one transaction finds the
+        state unchanged and ``jobs/<job>/autoresume/<generation>`` absent, writes the next generation in
+        ``pending`` and that key (``record`` plus the time). The new generation; ``JobConflict`` otherwise."""
+        state_key, once_key = self._key(name, "state"), self._key(name, "autoresume", f"{generation:08d}")
+        state, meta = self._get(state_key)
+        if state is None or int(state.get("generation", 0)) != generation:
+            raise JobConflict(f"job {name} is no longer in generation {generation}")
+        if state.get("phase") != JobPhase.FAILED.value:
+            raise JobConflict(f"job {name} is {state.get('phase')}, not failed")
+        txn = self._client.transactions
+        entry = {**record, "at": time.time(), "by": by, "generation": generation, "resumed_as": generation + 1}
+        if not self._txn([*self._unchanged(state_key, meta), txn.version(once_key) == 0], [
+                txn.put(state_key, json.dumps(_pending(name, generation + 1, f"resumed by {by} after failed"))),
+                txn.put(once_key, json.dumps(entry, sort_keys=True)),
+                txn.delete(self._key(name, "control"))]):
+            raise JobConflict(f"job {name} generation {generation} was resumed meanwhile")
+        return generation + 1
+
+    def auto_resumes(self, name: str) -> list[dict[str, Any]]:
+        """The job's automatic resumes (``resume_once``), oldest first."""
+        client, root = self._client, self._key(name, "autoresume", "")
+        found = []
+        for value, _ in with_failover(client, lambda: list(client.get_prefix(root, sort_order="ascend"))):
+            try:
+                found.append(json.loads(value))
+            except ValueError:
+                continue
+        return found
 
     # ---- nodes ------------------------------------------------------------------------------------------
 

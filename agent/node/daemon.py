@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import check_agent
+from trainwarden.agent.node.webhook import WebhookConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +51,12 @@ class DaemonOptions:
     """With ``etcd``: start the submitted jobs that target this node."""
     local_addr: str | None = None
     """The address this node's jobs advertise (None: their launcher picks the one that routes to etcd)."""
+    webhook: WebhookConfig | None = None
+    """Serve Alertmanager's webhook: alerts resume failed jobs (agent/node/webhook.py); needs ``etcd``."""
 
     def __post_init__(self) -> None:
+        if self.webhook is not None and self.etcd is None:
+            raise ValueError("--webhook-listen resumes jobs kept in etcd: give --etcd too")
         if self.etcd is None:
             if self.etcd_security.given:
                 raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file apply to the "
@@ -87,6 +93,15 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
                      gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
                      health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record)
+
+
+def _webhook(options: DaemonOptions, client, agent: NodeAgent):
+    from trainwarden.agent.etcd.jobs import JobControl
+    from trainwarden.agent.node.webhook import AlertmanagerWebhook, AlertResumer
+
+    resumer = AlertResumer(JobControl(client), node=options.agent.node,
+                           resumes_per_hour=options.webhook.resumes_per_hour, record=agent.incidents.record)
+    return AlertmanagerWebhook(options.webhook, resumer)
 
 
 def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
@@ -126,21 +141,34 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                           f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; run as a user "
                           "who may write there (systemd: RuntimeDirectory=trainwarden) or pass another --socket\n")
                 return exit_codes.EXIT_USAGE
-            runner = None
+            runner, webhook = None, None
             try:
                 if client is not None and options.run_jobs:
                     runner = _job_runner(options, client, agent)
                     runner.start()
                     agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
-                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s", config.node,
+                if options.webhook is not None:
+                    webhook = _webhook(options, client, agent)
+                    try:
+                        webhook.start()
+                    except (OSError, ssl.SSLError) as exc:
+                        err.write(f"trainwarden agent: cannot serve the webhook on {options.webhook.listen}: "
+                                  f"{getattr(exc, 'strerror', None) or exc}; pick another --webhook-listen (or fix "
+                                  "the TLS files)\n")
+                        return exit_codes.EXIT_USAGE
+                    agent.registry.register(webhook)  # trainwarden_webhook_decisions_total, _requests_total
+                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s%s", config.node,
                             config.socket_path, agent.metrics_url or "off",
                             f", incidents to etcd {options.etcd}" if options.etcd else "",
-                            f", running the jobs submitted for node {config.node}" if runner else "")
+                            f", running the jobs submitted for node {config.node}" if runner else "",
+                            f", Alertmanager webhook {webhook.url}" if webhook else "")
                 while not signals.event.wait(1.0):  # a timed wait: signal handlers run between waits
                     pass
                 name = signal.Signals(signals.received).name if signals.received else "stop requested"
                 logger.info("trainwarden agent: %s; stopping", name)
             finally:
+                if webhook is not None:
+                    webhook.stop()
                 if runner is not None:
                     running = runner.stop()
                     if running:

@@ -97,6 +97,8 @@ class JobRunner:
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
+        self._phases: dict[str, tuple[int, str]] = {}  # job -> (generation, phase) of the jobs targeting this node
+        self._phases_next: dict[str, tuple[int, str]] = {}
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
         self._terminated: set[int] = set()  # pids this daemon asked to stop
@@ -153,11 +155,13 @@ class JobRunner:
         if self._failing:
             logger.info("etcd answers again; reconciling this node's jobs")
         self._failing = False
+        self._phases_next = {}
         for view in views:
             try:
                 self._reconcile_job(view, cordoned=cordon is not None)
             except Exception:
                 logger.exception("job %s: reconciling failed; trying again next round", view.name)
+        self._phases = self._phases_next
         self._cordon_now = cordon
         self._note_cordon(cordon)
         if cordon is not None and cordon.get("drain"):
@@ -177,6 +181,7 @@ class JobRunner:
             return
         if not spec.targets(self.node):
             return
+        self._phases_next[view.name] = (view.generation, view.phase)
         rec = self._launchers.get(view.name)
         if rec is not None:
             if view.stop_requested and rec.pid not in self._terminated:
@@ -194,7 +199,8 @@ class JobRunner:
 
     def collect(self) -> Iterator[Metric]:
         """``trainwarden_node_cordoned{node, kind}`` (1 while cordoned; kind ``cordon`` or ``drain``, 0 under both
-        when in service) and ``trainwarden_node_jobs{node}`` (launchers running here); a prometheus_client
+        when in service), ``trainwarden_node_jobs{node}`` (launchers running here) and
+        ``trainwarden_job_phase{job, generation, phase}`` (what the alerts on failed jobs read); a prometheus_client
         collector, registered on the daemon's exporter."""
         cordon = self._cordon_now
         cordoned = GaugeMetricFamily("trainwarden_node_cordoned", "1 while the node is cordoned (kind=drain: its "
@@ -208,6 +214,13 @@ class JobRunner:
                                  "by the daemon)", labels=["node"])
         jobs.add_metric([self.node], float(len(self._launchers)))
         yield jobs
+        phase = GaugeMetricFamily("trainwarden_job_phase", "1 for the phase the submitted job is in (as the daemon "
+                                  "last read it from etcd), 0 for the others; jobs that target this node",
+                                  labels=["job", "generation", "phase"])
+        for name, (generation, current) in sorted(self._phases.items()):
+            for p in JobPhase:
+                phase.add_metric([name, str(generation), p.value], 1.0 if p.value == current else 0.0)
+        yield phase
 
     # ---- cordons -------------------------------------------------------------------------------------
 
