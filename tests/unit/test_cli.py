@@ -124,7 +124,7 @@ def test_systemd_unit_is_one_systemd_accepts(tmp_path):
     ExecStart points at where `pip install` puts the command; the copy points at this environment's."""
     import sys
 
-    unit = (DEPLOY / "trainwarden-agent.service").read_text()
+    unit = (DEPLOY / "systemd" / "trainwarden-agent.service").read_text()
     assert "/usr/local/bin/trainwarden " in unit
     copy = tmp_path / "trainwarden-agent.service"
     copy.write_text(unit.replace("/usr/local/bin/trainwarden ", str(Path(sys.executable).parent / "trainwarden") + " "))
@@ -134,7 +134,7 @@ def test_systemd_unit_is_one_systemd_accepts(tmp_path):
 
 
 def test_systemd_unit_runs_the_agent_with_flags_the_cli_accepts():
-    unit = (DEPLOY / "trainwarden-agent.service").read_text()
+    unit = (DEPLOY / "systemd" / "trainwarden-agent.service").read_text()
     settings = dict(line.split("=", 1) for line in unit.replace("\\\n", " ").splitlines()
                     if re.match(r"^[A-Z]\w*=", line))
     # the socket lives in the RuntimeDirectory systemd creates, where --socket points
