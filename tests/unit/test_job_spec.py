@@ -128,4 +128,4 @@ def test_the_example_config_in_deploy_is_valid():
 
     example = Path(__file__).parents[2] / "deploy" / "systemd" / "agent.toml"
     s = resolve_settings(_agent_args("--config", str(example)), environ={})
-    assert (s["metrics_port"], s["state_home"], s["run_jobs"]) == (9478, "/var/lib/trainwarden", True)
+    assert (s["metrics_port"], s["run_jobs"], s["straggler_policy"]) == (9478, True, "alert")
