@@ -116,6 +116,11 @@ class HostHealthSampler:
         """Start the sampler thread (first sample immediately)."""
         self._sampler.start()
 
+    def liveness(self) -> str | None:
+        """None while the sampler thread runs (a read of /proc stuck in the kernel is not reported: a restarted
+        agent would be stuck the same way)."""
+        return None if self._sampler.running else "host sampler: its thread has ended"
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop and join the sampler thread."""
         self._sampler.stop(timeout_s)

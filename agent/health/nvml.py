@@ -223,6 +223,18 @@ class GpuHealthSampler:
         self._xids.start()
         self._sampler.start()
 
+    def liveness(self) -> str | None:
+        """None while the threads it started run (or none were started: no GPU). A thread stuck inside NVML is not
+        reported: that is the driver's fault, a restarted agent would be stuck the same way, and the stale
+        samples show it (trainwarden_gpu_*); a thread that has ended is this code's fault, and a restart cures it."""
+        if not self.available:
+            return None
+        if not self._sampler.running:
+            return "GPU sampler: its thread has ended"
+        if self._xids is not None and self._xids.ended:
+            return "GPU XID listener: its thread has ended"
+        return None
+
     def stop(self, timeout_s: float | None = None) -> None:
         """Stop and join both threads, free the event set and shut NVML down. Safe to call twice."""
         timeout_s = self.config.xid_wait_s + 5.0 if timeout_s is None else timeout_s

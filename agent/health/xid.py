@@ -73,6 +73,11 @@ class XidListener:
         """True while the listener thread runs with at least one GPU registered."""
         return self._thread is not None and self._thread.is_alive() and self._registered > 0
 
+    @property
+    def ended(self) -> bool:
+        """True when the listener thread was started and is no longer running."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def counts(self) -> dict[tuple[str, str], int]:
         """XID events seen so far, keyed by (gpu label, xid label)."""
         with self._lock:

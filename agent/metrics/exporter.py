@@ -123,6 +123,11 @@ class MetricsExporter:
         logger.info("serving Prometheus metrics on %s", self.url)
         return self
 
+    @property
+    def serving(self) -> bool:
+        """True while the server thread runs (it serves each scrape on a thread of its own)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving, close the socket and join the server thread. Safe to call twice."""
         server, thread = self._server, self._thread

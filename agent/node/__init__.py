@@ -1,5 +1,6 @@
-"""The node agent: its composition (``agent``), the daemon around it (``daemon``), the actions it takes on
-workers (``actions``) and where it serves (``endpoints``: socket, metrics URL, health and status probes).
+"""The node agent: its composition (``agent``), the daemon around it (``daemon``, and ``liveness``: its readiness
+and keep-alives to systemd), the actions it takes on workers (``actions``) and where it serves (``endpoints``:
+socket, metrics URL, health and status probes).
 
 One agent per node ingests telemetry, exports metrics, samples GPU and host health and runs the watchdog.
 Remediation that later acts on the node (cordon, drain, exclusion, the Alertmanager webhook) belongs here.

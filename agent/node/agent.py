@@ -14,6 +14,12 @@ a daemon. It owns, and starts and stops in order:
   the agent writes ``jobs/<job>/checkpoint`` (workers hold no etcd client or credentials).
 
 Stopping is the reverse of starting, and every part's ``stop`` is called even if an earlier one fails.
+
+``liveness()`` is what the daemon's systemd keep-alives rest on (agent/node/liveness.py): the gRPC server answers
+its own health service through the socket, as a worker or a probe would reach it; the loops that run periodically
+(watchdog, idle-job pruning) finished an iteration recently (``Heartbeat``, agent/common/heartbeat.py); the
+threads of the metrics server and the health samplers still run. A sampler stuck in NVML or /proc is left out
+on purpose: a restarted agent would be stuck the same way.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHeal
 from trainwarden.agent.incidents import IncidentCollector, IncidentStore
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
+from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.etcd.job_records import JobRecords
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.checkpoint_incidents import CheckpointIncidents
 from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
+from trainwarden.agent.node.endpoints import health_status
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
@@ -46,6 +54,8 @@ from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 logger = logging.getLogger(__name__)
 
 __all__ = ["AgentConfig", "NodeAgent", "watchdog_config"]
+
+_PRUNE_INTERVAL_S = 60.0
 
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
@@ -121,6 +131,9 @@ class NodeAgent:
                          if config.metrics_port is not None else None)
         self._stops: list[Callable[[], object]] = []
         self._pruner = threading.Event()
+        self._pruner_thread: threading.Thread | None = None
+        # pruning takes the telemetry's lock and nothing else: three missed rounds mean that lock is held for good
+        self._pruned = Heartbeat("idle-job pruning", stall_s=3 * _PRUNE_INTERVAL_S)
 
     @property
     def metrics_url(self) -> str | None:
@@ -140,8 +153,9 @@ class NodeAgent:
             self._stops.append(self.host.stop)
             self.watchdog.start()
             self._stops.append(lambda: self.watchdog.stop(5.0))
-            pruner = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
-            pruner.start()
+            self._pruned.beat()
+            self._pruner_thread = threading.Thread(target=self._prune_loop, name="trainwarden-prune", daemon=True)
+            self._pruner_thread.start()
             self._stops.append(self._pruner.set)
         except BaseException:
             self.stop()
@@ -158,15 +172,28 @@ class NodeAgent:
             except Exception:
                 logger.exception("error while stopping the agent; continuing")
 
+    def liveness(self, *, timeout: float = 5.0) -> str | None:
+        """None while every part works (module docstring); else each part that does not, in one line.
+        ``timeout``: for the health call through the socket."""
+        status = health_status(self.config.socket_path, timeout=timeout)
+        problems = [] if status == "SERVING" else [f"telemetry server: its health check answers {status}"]
+        if self.exporter is not None and not self.exporter.serving:
+            problems.append("metrics server: its thread has ended")
+        pruner = self._pruner_thread
+        problems += [self.watchdog.liveness(), self._pruned.problem(running=pruner is not None and pruner.is_alive()),
+                     self.host.liveness(), self.gpus.liveness() if self.gpus is not None else None]
+        return "; ".join(p for p in problems if p) or None
+
     def _worker_pids(self) -> list[int]:
         return [r.pid for job in self.job_telemetry.snapshot() for r in job.ranks if r.connected and r.pid > 0]
 
     def _prune_loop(self) -> None:
-        while not self._pruner.wait(60.0):
+        while not self._pruner.wait(_PRUNE_INTERVAL_S):
             try:
                 self.job_telemetry.prune(600.0)
             except Exception:
                 logger.exception("pruning idle jobs failed")
+            self._pruned.beat()
 
     def __enter__(self) -> "NodeAgent":
         return self.start()

@@ -7,6 +7,12 @@ incidents are also written to etcd, and (unless ``--no-jobs``) the ``JobRunner``
 registers the node and runs this node's part of every submitted job that targets it. Those jobs outlive the
 daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them.
 
+Under systemd (``Type=notify``, deploy/systemd/trainwarden-agent.service) the daemon says ``READY=1`` once the
+agent answers its own health check through the socket, sends ``WATCHDOG=1`` keep-alives while every part works
+and ``STOPPING=1`` when it stops (agent/node/liveness.py); it takes systemd's variables out of its environment so
+that the jobs it starts do not inherit them, and turns faulthandler on, so the SIGABRT of a missed keep-alive
+leaves every thread's stack in the journal.
+
 Start-up problems are one line on stderr and a named exit code: a socket or port that cannot be bound, a
 socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them); etcd not
 reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service instead of
@@ -15,7 +21,9 @@ starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise (the K
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -25,11 +33,13 @@ from pathlib import Path
 from typing import TextIO
 
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.sdnotify import SdNotifier
 from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
 from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import check_agent
+from trainwarden.agent.node.liveness import KeepAlive
 from trainwarden.agent.node.webhook import WebhookConfig
 
 logger = logging.getLogger(__name__)
@@ -104,13 +114,22 @@ def _webhook(options: DaemonOptions, client, agent: NodeAgent):
     return AlertmanagerWebhook(options.webhook, resumer)
 
 
-def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
+def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threading.Event | None = None,
+               notifier: SdNotifier | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code.
+    ``notifier``: where readiness and keep-alives go (default: systemd's, from the environment)."""
     from trainwarden.agent.metrics.exporter import ExporterError
     from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
+    if notifier is None:
+        notifier = SdNotifier.from_environment(os.environ, unset=True)
+    if notifier.watchdog_s and not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+            pass
     config = options.agent
     client, writer = None, None
     if options.etcd:
@@ -157,15 +176,18 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                                   "the TLS files)\n")
                         return exit_codes.EXIT_USAGE
                     agent.registry.register(webhook)  # trainwarden_webhook_decisions_total, _requests_total
-                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s%s", config.node,
-                            config.socket_path, agent.metrics_url or "off",
-                            f", incidents to etcd {options.etcd}" if options.etcd else "",
-                            f", running the jobs submitted for node {config.node}" if runner else "",
-                            f", Alertmanager webhook {webhook.url}" if webhook else "")
-                while not signals.event.wait(1.0):  # a timed wait: signal handlers run between waits
-                    pass
+                serving = (f"socket unix:{config.socket_path}, metrics {agent.metrics_url or 'off'}"
+                           f"{f', incidents to etcd {options.etcd}' if options.etcd else ''}"
+                           f"{f', running the jobs submitted for node {config.node}' if runner else ''}"
+                           f"{f', Alertmanager webhook {webhook.url}' if webhook else ''}")
+                logger.info("trainwarden agent %s serving: %s", config.node, serving)
+                keepalive = _keepalive(notifier, agent, runner, status=f"serving: {serving}")
+                keepalive.tick()
+                while not signals.event.wait(keepalive.wait_s(1.0)):  # timed: signal handlers run between waits
+                    keepalive.tick()
                 name = signal.Signals(signals.received).name if signals.received else "stop requested"
                 logger.info("trainwarden agent: %s; stopping", name)
+                keepalive.stopping(name)
             finally:
                 if webhook is not None:
                     webhook.stop()
@@ -181,6 +203,19 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         if client is not None:
             client.close()
     return exit_codes.EXIT_OK
+
+
+def _keepalive(notifier: SdNotifier, agent: NodeAgent, runner, *, status: str) -> KeepAlive:
+    """Readiness and keep-alives from the agent's and the job runner's liveness. The health call through the
+    socket gets half the keep-alive period at most (5 s), so a slow answer still leaves time to send."""
+    period = notifier.watchdog_s / 2 if notifier.watchdog_s else None
+    timeout = min(5.0, period / 2) if period else 5.0
+
+    def check() -> str | None:
+        problems = [agent.liveness(timeout=timeout), runner.liveness() if runner is not None else None]
+        return "; ".join(p for p in problems if p) or None
+
+    return KeepAlive(notifier, check, status=status)
 
 
 def check(socket_path: Path, *, out: TextIO | None = None, err: TextIO | None = None, timeout: float = 3.0) -> int:

@@ -4,8 +4,8 @@ A node has one agent: the daemon (``trainwarden agent``, socket ``DEFAULT_SOCKET
 a ``trainwarden run``. Workers find it through ``TRAINWARDEN_AGENT_SOCKET``; a ``trainwarden run`` also records
 its socket and metrics URL in the job's state directory (``AGENT_SOCKET_RECORD``, ``AGENT_METRICS_RECORD``) so
 that ``status``/``top --job`` find the agent of that run, whatever port it got. ``check_agent`` asks the
-standard gRPC health service (the daemon's ``--check``, Kubernetes probes); ``fetch_status`` the unary
-``Status`` RPC (``status`` and ``top``).
+standard gRPC health service (the daemon's ``--check``, Kubernetes probes; ``health_status`` is its bare answer,
+which the daemon's own liveness asks too); ``fetch_status`` the unary ``Status`` RPC (``status`` and ``top``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SER
 
 __all__ = [
     "AGENT_METRICS_RECORD", "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV",
-    "AgentUnavailable", "check_agent", "fetch_status", "resolve_metrics_url", "resolve_socket",
+    "AgentUnavailable", "check_agent", "fetch_status", "health_status", "resolve_metrics_url", "resolve_socket",
 ]
 
 DEFAULT_SOCKET = Path("/run/trainwarden/agent.sock")
@@ -93,20 +93,33 @@ def fetch_status(socket_path: str | os.PathLike, job: str | None = None, *, time
             raise _unavailable(path, exc.code().name.lower()) from exc
 
 
-def check_agent(socket_path: str | os.PathLike, *, timeout: float = 3.0) -> str | None:
-    """Ask the agent's gRPC health service; None when it is SERVING, else what is wrong (for probes)."""
+def health_status(socket_path: str | os.PathLike, *, timeout: float = 3.0) -> str:
+    """What the agent's gRPC health service on ``socket_path`` answers: ``SERVING`` or another status name
+    (``NOT_SERVING`` while it stops); or why nothing answered: ``no socket``, or the call's status code in lower
+    case (``unavailable``, ``deadline_exceeded``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     path = Path(socket_path)
     if not path.exists():
-        return str(_unavailable(path))
+        return "no socket"
     with grpc.insecure_channel(f"unix:{path}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
         except grpc.RpcError as exc:
-            return str(_unavailable(path, exc.code().name.lower()))
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return f"agent at unix:{path} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-    return None
+            return exc.code().name.lower()
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def check_agent(socket_path: str | os.PathLike, *, timeout: float = 3.0) -> str | None:
+    """Ask the agent's gRPC health service; None when it is SERVING, else what is wrong (for probes)."""
+    path = Path(socket_path)
+    status = health_status(path, timeout=timeout)
+    if status == "SERVING":
+        return None
+    if status == "no socket":
+        return str(_unavailable(path))
+    if status.islower():  # no answer: the call's status code
+        return str(_unavailable(path, status))
+    return f"agent at unix:{path} is {status}"

@@ -28,6 +28,10 @@ stops the workers and records the job ``stopped``. SIGTERM to the daemon itself 
 
 **etcd away.** A read that fails is logged once and retried next round; nothing is started or stopped meanwhile,
 and the node record is written again (under a fresh lease if the old one lapsed) when etcd answers.
+
+**Liveness.** Each round beats a ``Heartbeat``; ``liveness()`` reports a loop that has ended or finished no round
+for ``STALL_S``, and the daemon then stops its systemd keep-alives (agent/node/liveness.py): systemd restarts the
+daemon, and the new one adopts the launchers.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import psutil
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from trainwarden.agent import __version__
+from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.common.job_spec import JobSpecError
 from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
@@ -58,9 +63,12 @@ from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobRunner", "LauncherRecord", "NODE_RECORD_TTL_S"]
+__all__ = ["JobRunner", "LauncherRecord", "NODE_RECORD_TTL_S", "STALL_S"]
 
 NODE_RECORD_TTL_S = 15
+STALL_S = 120.0
+"""A round that has not finished after this long is wedged: a slow one makes a few etcd calls, each bounded by the
+client's timeout and retried once on each other member, and starts a few processes."""
 _LIVE = {JobPhase.PENDING.value, JobPhase.STARTING.value, JobPhase.RUNNING.value, JobPhase.RESTARTING.value}
 
 
@@ -84,9 +92,11 @@ class JobRunner:
                  local_addr: str | None = None, endpoints: dict | None = None, interval_s: float = 2.0,
                  python: str = sys.executable, gpus: Callable[[], int] | None = None,
                  health: Callable[[], tuple[str, ...]] | None = None,
-                 record: Callable[[Incident], Incident] | None = None) -> None:
+                 record: Callable[[Incident], Incident] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
-        ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go."""
+        ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
+        heartbeat's."""
         self._client, self._control = client, JobControl(client)
         self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
         self._home = Path(state_home)
@@ -107,6 +117,7 @@ class JobRunner:
         self._failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainwarden-jobs", daemon=True)
+        self._heartbeat = Heartbeat("job runner", stall_s=STALL_S, clock=clock)
         self.adopted: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -115,6 +126,7 @@ class JobRunner:
         (self._dir / "launchers").mkdir(parents=True, exist_ok=True)
         (self._dir / "logs").mkdir(parents=True, exist_ok=True)
         self._adopt()
+        self._heartbeat.beat()
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> list[str]:
@@ -132,9 +144,17 @@ class JobRunner:
     def launchers(self) -> dict[str, LauncherRecord]:
         return dict(self._launchers)
 
+    def liveness(self) -> str | None:
+        """None while the loop runs and finishes rounds; else what is wrong, in one line."""
+        return self._heartbeat.problem(running=self._thread.is_alive())
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.reconcile_once()
+            try:
+                self.reconcile_once()
+            except Exception:  # one bad round (a launch that cannot write its log) must not end the loop
+                logger.exception("reconciling this node's jobs failed; trying again next round")
+            self._heartbeat.beat()
             self._stop.wait(self._interval)
 
     # ---- one round ------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
 
 Evidence first, one decision, recorded: the incident is written before the abort. The loop survives a bad
 iteration (logged, counted in trainwarden_watchdog_errors_total), stops with an Event and `join(timeout)`.
-The hang path blocks the loop for up to `diagnostics_wait_s`; other jobs are checked after it.
+The hang path blocks the loop for up to `diagnostics_wait_s`; other jobs are checked after it. Each iteration
+beats a `Heartbeat` (agent/common/heartbeat.py): `liveness()` reports a loop that has ended or has finished no
+iteration for `STALL_S`, and the daemon then stops its systemd keep-alives.
 
 `actions` is the outside world (see `WatchdogActions`); tests pass a fake, the agent the real one. Metric
 families come from `collector()`: straggler score and flag per rank, the hang deadline and the seconds
@@ -42,15 +44,20 @@ from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangChec
 from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.proto.contract import trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
-__all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]
+__all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
+STALL_S = 120.0
+"""An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
+diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
+abort's grace before SIGKILL; about 15 s per hung job."""
 
 
 class WatchdogActions(Protocol):
@@ -129,6 +136,7 @@ class Watchdog:
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
         self._thread: threading.Thread | None = None
+        self._heartbeat = Heartbeat("watchdog loop", stall_s=STALL_S, clock=clock)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -136,8 +144,14 @@ class Watchdog:
         if self._thread is not None:
             raise RuntimeError("watchdog already started")
         self._stop.clear()
+        self._heartbeat.beat()
         self._thread = threading.Thread(target=self._run, name="trainwarden-watchdog", daemon=True)
         self._thread.start()
+
+    def liveness(self) -> str | None:
+        """None while the loop runs and finishes iterations; else what is wrong, in one line."""
+        thread = self._thread
+        return self._heartbeat.problem(running=thread is not None and thread.is_alive())
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the loop; True when the thread ended within `timeout`."""
@@ -157,6 +171,7 @@ class Watchdog:
             except Exception:
                 self.errors += 1
                 log.exception("watchdog iteration failed; continuing")
+            self._heartbeat.beat()
             self._stop.wait(self.config.interval_s)
 
     # ---- one iteration -------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_systemd_unit_is_one_systemd_accepts(tmp_path):
     ExecStart points at where `pip install` puts the command; the copy points at this environment's."""
     import sys
 
-    unit = (DEPLOY / "trainwarden-agent.service").read_text()
+    unit = (DEPLOY / "systemd" / "trainwarden-agent.service").read_text()
     assert "/usr/local/bin/trainwarden " in unit
     copy = tmp_path / "trainwarden-agent.service"
     copy.write_text(unit.replace("/usr/local/bin/trainwarden ", str(Path(sys.executable).parent / "trainwarden") + " "))
@@ -133,16 +133,39 @@ def test_systemd_unit_is_one_systemd_accepts(tmp_path):
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
 
 
+def _unit_settings() -> dict[str, str]:
+    unit = (DEPLOY / "systemd" / "trainwarden-agent.service").read_text()
+    return dict(line.split("=", 1) for line in unit.replace("\\\n", " ").splitlines() if re.match(r"^[A-Z]\w*=", line))
+
+
 def test_systemd_unit_runs_the_agent_with_flags_the_cli_accepts():
-    unit = (DEPLOY / "trainwarden-agent.service").read_text()
-    settings = dict(line.split("=", 1) for line in unit.replace("\\\n", " ").splitlines()
-                    if re.match(r"^[A-Z]\w*=", line))
-    # the socket lives in the RuntimeDirectory systemd creates, where --socket points
-    assert "/run/" + settings["RuntimeDirectory"] + "/agent.sock" == "/run/trainwarden/agent.sock"
+    """The unit's command line with the example config it names: the socket is in the directory the unit
+    creates (RuntimeDirectory=), the state home is its StateDirectory=, and the port is the one scraped."""
+    from trainwarden.agent.cli.agent import resolve_settings
+
+    settings = _unit_settings()
     argv = shlex.split(settings["ExecStart"].replace("$TRAINWARDEN_AGENT_ARGS", ""))
     assert Path(argv[0]).name == "trainwarden"
     args = build_parser().parse_args(argv[1:])
-    assert args.command == "agent" and args.socket == "/run/trainwarden/agent.sock" and args.metrics_port == 9478
+    assert args.command == "agent" and args.config == "/etc/trainwarden/agent.toml"
+    args.config = str(DEPLOY / "systemd" / "agent.toml")  # what the unit's install step puts there
+    agent = resolve_settings(args, environ={})
+    assert agent["socket"] == "/run/" + settings["RuntimeDirectory"] + "/agent.sock" == "/run/trainwarden/agent.sock"
+    assert agent["state_home"] == "/var/lib/" + settings["StateDirectory"]
+    assert agent["metrics_port"] == 9478
+
+
+def test_systemd_unit_watches_the_agent_and_spares_its_jobs():
+    """Type=notify with keep-alives the agent sends itself (agent/node/liveness.py), restarts that leave the
+    jobs alone, and no restart for a usage error."""
+    settings = _unit_settings()
+    assert (settings["Type"], settings["NotifyAccess"], settings["KillMode"]) == ("notify", "main", "process")
+    assert settings["WatchdogSec"].endswith("s") and int(settings["WatchdogSec"][:-1]) >= 10
+    assert settings["Restart"] == "always"
+    assert settings["RestartPreventExitStatus"].split() == [str(exit_codes.EXIT_USAGE)]
+    # NVML needs /dev/nvidia*: nothing that closes the device list (ProtectClock= implies DeviceAllow=)
+    assert not {"PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock"} & settings.keys()
+    assert "CAP_KILL" in settings["CapabilityBoundingSet"].split()
 
 
 def test_daemonset_probe_is_a_command_the_cli_accepts():

@@ -126,6 +126,6 @@ def test_agent_environment_problems_name_the_variable():
 def test_the_example_config_in_deploy_is_valid():
     from pathlib import Path
 
-    example = Path(__file__).parents[2] / "deploy" / "agent.toml"
+    example = Path(__file__).parents[2] / "deploy" / "systemd" / "agent.toml"
     s = resolve_settings(_agent_args("--config", str(example)), environ={})
-    assert (s["metrics_port"], s["state_home"], s["run_jobs"]) == (9478, "/var/lib/trainwarden", True)
+    assert (s["metrics_port"], s["run_jobs"], s["straggler_policy"]) == (9478, True, "alert")
