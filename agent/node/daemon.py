@@ -7,10 +7,12 @@ incidents are also written to etcd, and (unless ``--no-jobs``) the ``JobRunner``
 registers the node and runs this node's part of every submitted job that targets it. Those jobs outlive the
 daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them.
 
-Start-up problems are one line on stderr and a named exit code: a socket or port that cannot be bound, a
-socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them); etcd not
-reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service instead of
-starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise (the Kubernetes readiness probe).
+Start-up problems are one line on stderr and a named exit code: a socket or port (metrics, health) that cannot
+be bound, a socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them);
+etcd not reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service on
+its socket instead of starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise. Where the
+socket cannot be reached (Kubernetes' own gRPC probes dial a TCP port) ``--health-port`` serves the same
+health service, and only it, on TCP (agent/telemetry/health_endpoint.py).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
     """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code."""
     from trainwarden.agent.metrics.exporter import ExporterError
     from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
+    from trainwarden.agent.telemetry.health_endpoint import HealthEndpointError
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
@@ -118,7 +121,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             agent = NodeAgent(config, etcd=writer)
             try:
                 agent.start()
-            except (ExporterError, TelemetryServerError, ValueError) as exc:
+            except (ExporterError, HealthEndpointError, TelemetryServerError, ValueError) as exc:
                 err.write(f"trainwarden agent: cannot start: {exc}\n")
                 return exit_codes.EXIT_USAGE
             except OSError as exc:  # the socket's directory cannot be created (permissions, read-only fs)
@@ -132,8 +135,8 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                     runner = _job_runner(options, client, agent)
                     runner.start()
                     agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
-                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s%s%s", config.node,
-                            config.socket_path, agent.metrics_url or "off",
+                logger.info("trainwarden agent %s serving: socket unix:%s, metrics %s, health check %s%s%s",
+                            config.node, config.socket_path, agent.metrics_url or "off", agent.health_url or "off",
                             f", incidents to etcd {options.etcd}" if options.etcd else "",
                             f", running the jobs submitted for node {config.node}" if runner else "")
                 while not signals.event.wait(1.0):  # a timed wait: signal handlers run between waits

@@ -44,6 +44,7 @@ def test_parser_errors_exit_usage(capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--socket", "/tmp/agent.sock", "--metrics-port", "70000"], "metrics port 70000 is not a TCP port"),
+    (["agent", "--socket", "/tmp/agent.sock", "--health-port", "70000"], "health port 70000 is not a TCP port"),
     (["agent", "--socket", "/tmp/" + "x" * 120 + ".sock"], "choose a shorter --socket"),
     (["agent", "--socket", "/tmp/agent.sock", "--etcd", "etcd-host"], "expected HOST:PORT"),
     (["agent", "--socket", "/proc/no-such-dir/agent.sock", "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
@@ -86,6 +87,7 @@ def test_agent_defaults_match_the_deployment_contract():
     s = resolve_settings(args, environ={})
     assert (s["socket"], s["metrics_host"], s["metrics_port"]) == (str(DEFAULT_SOCKET), "0.0.0.0", 9478)
     assert s["etcd"] is None and not args.check
+    assert s["health_port"] is None and s["health_host"] == "127.0.0.1"  # off; loopback when asked for
 
 
 def test_incidents_list_and_show_are_wired(capsys, tmp_path):
