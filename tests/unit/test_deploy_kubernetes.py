@@ -11,6 +11,7 @@ work replaced by a recorder), the ConfigMap's agent.toml through the agent's own
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -70,8 +71,8 @@ def port_named(c: dict, name: str) -> int:
 
 def container_env(c: dict) -> dict[str, str]:
     """The container's variables as kubelet sets them (``DOWNWARD_API_SAMPLES`` for the downward API's)."""
-    return {var["name"]: var["value"] if "value" in var else DOWNWARD_API_SAMPLES[var["valueFrom"]["fieldRef"]["fieldPath"]]
-            for var in c.get("env", [])}
+    return {var["name"]: var["value"] if "value" in var
+            else DOWNWARD_API_SAMPLES[var["valueFrom"]["fieldRef"]["fieldPath"]] for var in c.get("env", [])}
 
 
 def expanded_argv(c: dict) -> list[str]:
@@ -168,8 +169,8 @@ SERVICE_MONITOR_SCHEMA = {
         "metadata": {
             "type": "object", "required": ["name"], "additionalProperties": False,
             "properties": {
-                "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
-                         "maxLength": 253},
+                "name": {"type": "string", "maxLength": 253,
+                         "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"},
                 "namespace": {"type": "string"},
                 "labels": {"type": "object", "additionalProperties": {"type": "string"}},
                 "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -221,7 +222,7 @@ def test_service_monitor_matches_the_prometheus_operator_crd():
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA)
-    monitor = one("ServiceMonitor")
+    monitor = copy.deepcopy(one("ServiceMonitor"))
     problems = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(monitor)]
     assert not problems
     monitor["spec"]["endpoints"][0]["honorLabel"] = True  # what the schema is for
