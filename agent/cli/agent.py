@@ -22,6 +22,8 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "socket": (str, "/run/trainwarden/agent.sock"),  # agent/node/endpoints.py DEFAULT_SOCKET
     "metrics_host": (str, "0.0.0.0"),
     "metrics_port": (int, 9478),
+    "health_host": (str, "127.0.0.1"),
+    "health_port": (int, None),
     "node": (str, None),
     "state_home": (str, None),
     "etcd": (str, None),
@@ -60,6 +62,11 @@ def add_parser(sub) -> None:
     p.add_argument("--metrics-host", metavar="ADDR", help="address of the Prometheus endpoint (default 0.0.0.0)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="port of the Prometheus endpoint (default 9478; 0: any free port)")
+    p.add_argument("--health-port", type=int, metavar="PORT",
+                   help="serve the standard gRPC health check (grpc.health.v1.Health/Check, nothing else) on this "
+                        "TCP port too, for Kubernetes' grpc probes (default: off; 0: any free port)")
+    p.add_argument("--health-host", metavar="ADDR", help="address of the --health-port check (default 127.0.0.1; "
+                   "0.0.0.0 in a pod, where kubelet probes the pod's IP)")
     p.add_argument("--node", metavar="NAME", help="this node's name in metrics, incidents and jobs (default: host "
                    "name)")
     p.add_argument("--state-home", metavar="DIR", help="root of state directories (incidents, diagnostics, the "
@@ -163,7 +170,8 @@ def _cmd_agent(args) -> int:
         return exit_codes.EXIT_USAGE
     try:
         config = AgentConfig(socket_path=socket_path.absolute(), metrics_host=s["metrics_host"],
-                             metrics_port=s["metrics_port"],
+                             metrics_port=s["metrics_port"], health_host=s["health_host"],
+                             health_port=s["health_port"],
                              state_home=Path(s["state_home"]) if s["state_home"] else None,
                              watchdog=watchdog_config(s["straggler_policy"]),
                              **({"node": s["node"]} if s["node"] else {}))

@@ -6,6 +6,8 @@ a daemon. It owns, and starts and stops in order:
 - ``JobTelemetry``: per-job, per-rank state fed by worker telemetry;
 - ``TelemetryServer``: the gRPC server on the node's unix socket (workers find it through
   ``TRAINWARDEN_AGENT_SOCKET``);
+- with ``health_port``, the ``HealthEndpoint``: the telemetry server's health service on a TCP port, for
+  Kubernetes' gRPC probes (it answers NOT_SERVING from the start of the agent's stop, and stops last);
 - the Prometheus exporter with every collector (jobs, GPUs, host, watchdog, incidents, the agent);
 - ``GpuHealthSampler`` and ``HostHealthSampler``, each on its own thread;
 - the ``Watchdog``, which acts through ``AgentActions`` (node/actions.py): diagnostics and abort commands over the
@@ -47,6 +49,7 @@ from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.node.endpoints import health_status
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
+from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
@@ -69,6 +72,11 @@ class AgentConfig:
     """Address the Prometheus endpoint binds."""
     metrics_port: int | None = 9478
     """Port of the Prometheus endpoint; 0 picks a free one; None serves no metrics."""
+    health_host: str = "127.0.0.1"
+    """Address the gRPC health check binds (with ``health_port``)."""
+    health_port: int | None = None
+    """TCP port of the standard gRPC health check alone, for probes that cannot reach the unix socket
+    (Kubernetes' ``grpc`` probes); 0 picks a free one; None, the default, serves none."""
     state_home: Path | None = None
     """Root of job state directories (incidents, diagnostics)."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
@@ -84,6 +92,8 @@ class AgentConfig:
                              "and the agent adds '.cred' for a second one; choose a shorter --socket")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port {self.metrics_port} is not a TCP port")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health port {self.health_port} is not a TCP port")
 
 
 def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
@@ -129,6 +139,8 @@ class NodeAgent:
         self.registry = build_registry(collectors)
         self.exporter = (MetricsExporter(self.registry, host=config.metrics_host, port=config.metrics_port)
                          if config.metrics_port is not None else None)
+        self.health_endpoint = (HealthEndpoint(config.health_host, config.health_port)
+                                if config.health_port is not None else None)
         self._stops: list[Callable[[], object]] = []
         self._pruner = threading.Event()
         self._pruner_thread: threading.Thread | None = None
@@ -139,10 +151,18 @@ class NodeAgent:
     def metrics_url(self) -> str | None:
         return self.exporter.url if self.exporter is not None else None
 
+    @property
+    def health_url(self) -> str | None:
+        """``grpc://host:port`` of the TCP health check, or None when it is off."""
+        return f"grpc://{self.health_endpoint.address}" if self.health_endpoint is not None else None
+
     def start(self) -> "NodeAgent":
         try:
             self.server.start()
             self._stops.append(lambda: self.server.stop(1.0))
+            if self.health_endpoint is not None:  # it answers from the server's health state: started after it
+                self.health_endpoint.start(self.server.health)
+                self._stops.insert(0, self.health_endpoint.stop)  # and stopped last
             if self.exporter is not None:
                 self.exporter.start()
                 self._stops.append(self.exporter.stop)
@@ -160,11 +180,13 @@ class NodeAgent:
         except BaseException:
             self.stop()
             raise
-        logger.info("agent on %s: telemetry %s, metrics %s", self.config.node, self.server.address,
-                    self.metrics_url or "off")
+        logger.info("agent on %s: telemetry %s, metrics %s, health check %s", self.config.node, self.server.address,
+                    self.metrics_url or "off", self.health_url or "off")
         return self
 
     def stop(self) -> None:
+        if self._stops and self.server.health is not None:
+            self.server.health.enter_graceful_shutdown()  # probes see NOT_SERVING while the parts stop
         while self._stops:
             stop = self._stops.pop()
             try:

@@ -5,7 +5,9 @@ watchdog) until SIGTERM or SIGINT, then stops it (the socket file is removed) an
 node find it through ``TRAINWARDEN_AGENT_SOCKET`` (default ``/run/trainwarden/agent.sock``). With ``--etcd``,
 incidents are also written to etcd, and (unless ``--no-jobs``) the ``JobRunner`` (agent/node/job_runner.py)
 registers the node and runs this node's part of every submitted job that targets it. Those jobs outlive the
-daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them.
+daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them. With
+``--webhook-listen`` it also serves Alertmanager's webhook, through which alerts resume failed jobs
+(agent/node/webhook.py).
 
 Under systemd (``Type=notify``, deploy/systemd/trainwarden-agent.service) the daemon says ``READY=1`` once the
 agent answers its own health check through the socket, sends ``WATCHDOG=1`` keep-alives while every part works
@@ -13,10 +15,12 @@ and ``STOPPING=1`` when it stops (agent/node/liveness.py); it takes systemd's va
 that the jobs it starts do not inherit them, and turns faulthandler on, so the SIGABRT of a missed keep-alive
 leaves every thread's stack in the journal.
 
-Start-up problems are one line on stderr and a named exit code: a socket or port that cannot be bound, a
-socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them); etcd not
-reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service instead of
-starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise (the Kubernetes readiness probe).
+Start-up problems are one line on stderr and a named exit code: a socket or port (metrics, health) that cannot
+be bound, a socket directory it may not create, bad flags -> ``EXIT_USAGE`` (a restart will not fix them);
+etcd not reachable -> ``EXIT_ETCD_UNAVAILABLE``. ``--check`` asks a running agent's gRPC health service on
+its socket instead of starting one: exit 0 when it serves, ``EXIT_AGENT_UNAVAILABLE`` otherwise. Where the
+socket cannot be reached (Kubernetes' own gRPC probes dial a TCP port) ``--health-port`` serves the same
+health service, and only it, on TCP (agent/telemetry/health_endpoint.py).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
     ``notifier``: where readiness and keep-alives go (default: systemd's, from the environment)."""
     from trainwarden.agent.metrics.exporter import ExporterError
     from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
+    from trainwarden.agent.telemetry.health_endpoint import HealthEndpointError
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
     err = err or sys.stderr
@@ -152,7 +157,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             agent = NodeAgent(config, etcd=writer)
             try:
                 agent.start()
-            except (ExporterError, TelemetryServerError, ValueError) as exc:
+            except (ExporterError, HealthEndpointError, TelemetryServerError, ValueError) as exc:
                 err.write(f"trainwarden agent: cannot start: {exc}\n")
                 return exit_codes.EXIT_USAGE
             except OSError as exc:  # the socket's directory cannot be created (permissions, read-only fs)
@@ -176,7 +181,8 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                                   "the TLS files)\n")
                         return exit_codes.EXIT_USAGE
                     agent.registry.register(webhook)  # trainwarden_webhook_decisions_total, _requests_total
-                serving = (f"socket unix:{config.socket_path}, metrics {agent.metrics_url or 'off'}"
+                serving = (f"socket unix:{config.socket_path}, metrics {agent.metrics_url or 'off'}, "
+                           f"health check {agent.health_url or 'off'}"
                            f"{f', incidents to etcd {options.etcd}' if options.etcd else ''}"
                            f"{f', running the jobs submitted for node {config.node}' if runner else ''}"
                            f"{f', Alertmanager webhook {webhook.url}' if webhook else ''}")

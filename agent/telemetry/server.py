@@ -125,6 +125,12 @@ class TelemetryServer:
     def address(self) -> str:
         return f"unix:{self.socket_path}"
 
+    @property
+    def health(self) -> health.HealthServicer | None:
+        """The standard health service's state while started (SERVING; NOT_SERVING once stopping), for other
+        endpoints to answer from (``health_endpoint.HealthEndpoint``); None before the first start."""
+        return self._health
+
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:

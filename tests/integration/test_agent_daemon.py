@@ -100,3 +100,43 @@ def test_unbindable_metrics_port_is_one_line_and_exit_usage(procs, tmp_path):
     log = agent.log_path.read_text()
     assert "trainwarden agent: cannot start" in log and "Traceback" not in log
     assert not (tmp_path / "c.sock").exists()
+
+
+@pytest.mark.timeout(60)
+def test_health_port_answers_grpc_health_checks_until_sigterm(procs, tmp_path):
+    """What kubelet's grpc probe does: the standard health Check on a TCP port, answered by the agent itself."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    agent = start_agent(procs, tmp_path, "h", "--metrics-port", "0", "--health-port", "0")
+    started = wait_for(lambda: re.search(r"serving: .*, health check grpc://127\.0\.0\.1:(\d+)",
+                                         agent.log_path.read_text()) or agent.poll() is not None,
+                       timeout=30, what="agent serving")
+    assert agent.poll() is None, agent.log_path.read_text()
+    target = f"127.0.0.1:{started.group(1)}"
+
+    def check() -> int:
+        with grpc.insecure_channel(target) as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+    assert check() == health_pb2.HealthCheckResponse.SERVING
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == exit_codes.EXIT_OK, agent.log_path.read_text()
+    with pytest.raises(grpc.RpcError) as gone:
+        check()
+    assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "Traceback" not in agent.log_path.read_text()
+
+
+@pytest.mark.timeout(60)
+def test_unbindable_health_port_is_one_line_and_exit_usage(procs, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        agent = start_agent(procs, tmp_path, "d", "--metrics-port", "0", "--health-port", str(port))
+        assert agent.wait(timeout=30) == exit_codes.EXIT_USAGE
+    problems = [line for line in agent.log_path.read_text().splitlines() if " INFO " not in line]
+    assert problems == [f"trainwarden agent: cannot start: cannot serve the health check on 127.0.0.1:{port}: "
+                        "Address already in use; another process holds it: stop it or choose another health port"]
+    assert not (tmp_path / "d.sock").exists()

@@ -44,6 +44,7 @@ def test_parser_errors_exit_usage(capsys, argv, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--socket", "/tmp/agent.sock", "--metrics-port", "70000"], "metrics port 70000 is not a TCP port"),
+    (["agent", "--socket", "/tmp/agent.sock", "--health-port", "70000"], "health port 70000 is not a TCP port"),
     (["agent", "--socket", "/tmp/" + "x" * 120 + ".sock"], "choose a shorter --socket"),
     (["agent", "--socket", "/tmp/agent.sock", "--etcd", "etcd-host"], "expected HOST:PORT"),
     (["agent", "--socket", "/proc/no-such-dir/agent.sock", "--metrics-port", "0", "--metrics-host", "127.0.0.1"],
@@ -86,6 +87,7 @@ def test_agent_defaults_match_the_deployment_contract():
     s = resolve_settings(args, environ={})
     assert (s["socket"], s["metrics_host"], s["metrics_port"]) == (str(DEFAULT_SOCKET), "0.0.0.0", 9478)
     assert s["etcd"] is None and not args.check
+    assert s["health_port"] is None and s["health_host"] == "127.0.0.1"  # off; loopback when asked for
 
 
 def test_incidents_list_and_show_are_wired(capsys, tmp_path):
@@ -168,46 +170,15 @@ def test_systemd_unit_watches_the_agent_and_spares_its_jobs():
     assert "CAP_KILL" in settings["CapabilityBoundingSet"].split()
 
 
-def test_daemonset_probe_is_a_command_the_cli_accepts():
-    text = (DEPLOY / "kubernetes" / "daemonset.yaml").read_text()
-    probes = re.findall(r"command: (\[\"trainwarden\", \"agent\", \"--check\".*\])", text)
-    assert len(probes) == 2
-    for probe in probes:
-        args = build_parser().parse_args(json.loads(probe)[1:])
-        assert args.command == "agent" and args.check and args.socket == "/run/trainwarden/agent.sock"
-
-
-def test_daemonset_is_valid_kubernetes():
-    """Kubernetes' own schema (kubernetes-validate, offline): a misspelt field, a wrong type or a missing
-    required one fails here, not at `kubectl apply` on a user's cluster."""
-    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed (the test extra has it)")
-    import sys
-
-    result = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict",
-                             str(DEPLOY / "kubernetes" / "daemonset.yaml")], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") + result.stderr.count("passed") == 2  # the namespace and the DaemonSet
-
-
-def test_deploy_files_agree_with_the_agent_on_its_port_and_socket():
-    """The contract between files: what Prometheus scrapes and the pod exposes is the port the agent serves,
-    and the workers' socket is where the agent's default puts it."""
+def test_prometheus_example_scrapes_the_agents_default_port():
+    """What deploy/prometheus.yml scrapes is the port the agent serves (deploy/kubernetes has its own checks:
+    tests/unit/test_deploy_kubernetes.py)."""
     yaml = pytest.importorskip("yaml", reason="PyYAML not installed")
-    from types import SimpleNamespace
-
     from trainwarden.agent.cli.agent import resolve_settings
 
-    defaults = SimpleNamespace(**resolve_settings(build_parser().parse_args(["agent"]), environ={}))
-    _, daemonset = yaml.safe_load_all((DEPLOY / "kubernetes" / "daemonset.yaml").read_text())
-    pod = daemonset["spec"]["template"]
-    container = pod["spec"]["containers"][0]
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(defaults.metrics_port)
-    assert [p["containerPort"] for p in container["ports"]] == [defaults.metrics_port]
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert volumes["run"]["hostPath"]["path"] == mounts["run"] == str(Path(defaults.socket).parent)
+    defaults = resolve_settings(build_parser().parse_args(["agent"]), environ={})
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    assert config["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(f":{defaults.metrics_port}")
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"][0].endswith(f":{defaults['metrics_port']}")
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
