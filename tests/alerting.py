@@ -9,6 +9,7 @@ records, by pid and start time.
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import re
@@ -25,10 +26,14 @@ import psutil
 import yaml
 
 from procs import ProcessGroup, wait_for
+from trainwarden.agent.etcd.client import open_client
 from trainwarden.agent.etcd.embedded import free_port
+from trainwarden.agent.etcd.jobs import JobControl
+from trainwarden.agent.etcd.keys import job_key
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"\[rank 0\] [\w.]+: step (\d+) loss")
+RESUMED = "[rank 0] trainwarden.runtime.examples.gpt: resumed from checkpoint step"
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 
@@ -210,6 +215,64 @@ class AlertingBed:
                     p.kill()
                 except psutil.Error:
                     pass
+
+
+def _spec(path: Path, name: str, ckpt: Path) -> Path:
+    fields = {"name": name, "nnodes": "1", "nproc_per_node": 2, "checkpoint_dir": str(ckpt), "max_restarts": 0,
+              "command": ["-m", "trainwarden.runtime.examples.gpt", "--batch", "4", "--steps", "30",
+                          "--ckpt-every", "5"],
+              }
+    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
+                    + 'env = { TRAINWARDEN_FAULTS = "crash:rank=1,step=14" }\n')
+    return path
+
+
+def _iso(text: str) -> float:
+    whole, _, frac = text.rstrip("Z").partition(".")
+    return calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{frac or 0}")
+
+
+def run_failed_job(bed: AlertingBed, job: str, *, resume_directly: bool = False) -> dict[str, float]:
+    """Submit a job that crashes at step 14 with no restart left, wait for it to be resumed (by the alert path,
+    or with ``resume_directly`` by this function the moment it sees the failure: the baseline of a human who
+    never sleeps) and to finish; the timings in seconds, from the failure to the first step after the resume."""
+    host, _, port = bed.etcd.rpartition(":")
+    client = open_client(host, int(port), timeout=5.0)
+    watch = PhaseWatch(client, job_key(job, "state")).start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "submit",
+                              str(_spec(bed.tmp / f"{job}.toml", job, bed.tmp / f"ckpt-{job}")), "--etcd", bed.etcd],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: watch.first(1, "failed") is not None, 240, what="generation 1 to fail at step 14")
+        if resume_directly:
+            JobControl(client).resume(job, by="bench")
+        wait_for(lambda: watch.first(2, "pending") is not None, 120,
+                 what="the alert to resume the job:\n" + bed.daemon_log()[-2000:])
+        first_step: list[float] = []
+
+        def resumed_and_stepped():
+            log = bed.job_log(job)
+            after = log[log.find(RESUMED):] if RESUMED in log else ""
+            if steps(after) and not first_step:
+                first_step.append(time.time())
+            return watch.first(2, "succeeded") is not None or watch.first(2, "failed") is not None
+
+        wait_for(resumed_and_stepped, 240, interval=0.1, what="generation 2 to finish:\n" + bed.job_log(job)[-3000:])
+        assert watch.first(2, "succeeded") is not None, bed.job_log(job)[-3000:]
+        records = [json.loads(v) for v, _ in client.get_prefix(job_key(job, "autoresume", ""))]
+    finally:
+        watch.stop()
+        client.close()
+    failed = watch.first(1, "failed").at
+    first = first_step[0] if first_step else float("nan")
+    if resume_directly:
+        return {"resume": first - watch.first(2, "pending").at, "total": first - failed}
+    (record,) = records
+    fired = _iso(record["startsAt"])
+    return {"failed": failed, "rule": fired - failed, "alertmanager": record["received_at"] - fired,
+            "webhook": record["at"] - record["received_at"],
+            "resume": first - record["at"], "total": first - failed}
 
 
 def _get(url: str) -> str | None:

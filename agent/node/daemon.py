@@ -187,7 +187,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                            f"{f', running the jobs submitted for node {config.node}' if runner else ''}"
                            f"{f', Alertmanager webhook {webhook.url}' if webhook else ''}")
                 logger.info("trainwarden agent %s serving: %s", config.node, serving)
-                keepalive = _keepalive(notifier, agent, runner, status=f"serving: {serving}")
+                keepalive = _keepalive(notifier, agent, runner, webhook, status=f"serving: {serving}")
                 keepalive.tick()
                 while not signals.event.wait(keepalive.wait_s(1.0)):  # timed: signal handlers run between waits
                     keepalive.tick()
@@ -211,14 +211,15 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
     return exit_codes.EXIT_OK
 
 
-def _keepalive(notifier: SdNotifier, agent: NodeAgent, runner, *, status: str) -> KeepAlive:
-    """Readiness and keep-alives from the agent's and the job runner's liveness. The health call through the
+def _keepalive(notifier: SdNotifier, agent: NodeAgent, runner, webhook=None, *, status: str) -> KeepAlive:
+    """Readiness and keep-alives from the agent's, the job runner's and the webhook's liveness. The health call through the
     socket gets half the keep-alive period at most (5 s), so a slow answer still leaves time to send."""
     period = notifier.watchdog_s / 2 if notifier.watchdog_s else None
     timeout = min(5.0, period / 2) if period else 5.0
 
     def check() -> str | None:
-        problems = [agent.liveness(timeout=timeout), runner.liveness() if runner is not None else None]
+        problems = [agent.liveness(timeout=timeout), runner.liveness() if runner is not None else None,
+                    webhook.liveness() if webhook is not None else None]
         return "; ".join(p for p in problems if p) or None
 
     return KeepAlive(notifier, check, status=status)

@@ -294,6 +294,12 @@ class AlertmanagerWebhook:
                     self.config.resumes_per_hour)
         return self
 
+    def liveness(self) -> str | None:
+        """None while the server thread serves; what is wrong otherwise (the daemon's keep-alives)."""
+        if self._thread is not None and not self._thread.is_alive() and self._server is not None:
+            return "the Alertmanager webhook's server thread has ended"
+        return None
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()

@@ -108,3 +108,21 @@ def test_the_dashboards_are_generated_importable_and_use_only_exported_metrics()
         assert not missing, f"{name} queries metrics the agent does not export: {missing}"
         recorded = {n for e in exprs for n in re.findall(r"\b(job[a-z_]*:[a-z0-9_:]+)", e)}
         assert recorded <= rules, f"{name} uses recording rules that alerts.yml lacks: {recorded - rules}"
+
+
+@pytest.mark.skipif(shutil.which("amtool") is None, reason="amtool not installed (Debian prometheus-alertmanager)")
+def test_the_alertmanager_example_routes_only_resume_alerts_to_the_webhook_and_operators_still_hear_them():
+    config = str(ROOT / "deploy" / "alertmanager.yml")
+    check = subprocess.run(["amtool", "check-config", config], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    failed = next(r for r in _rules() if r.get("alert") == "TrainwardenJobFailed")
+    labels = [f"{k}={v}" for k, v in {"alertname": "TrainwardenJobFailed", "job": "gpt", "generation": "2",
+                                      **failed["labels"]}.items()]
+
+    def receivers(*labels: str) -> list[str]:
+        out = subprocess.run(["amtool", "config", "routes", "test", f"--config.file={config}", *labels],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip().split(",")
+
+    assert receivers(*labels) == ["trainwarden-resume", "operators"]
+    assert receivers("alertname=TrainwardenStraggler", "job=gpt") == ["operators"]

@@ -10,35 +10,18 @@ resumes anything.
 
 from __future__ import annotations
 
-import calendar
 import json
 import shutil
-import time
-from pathlib import Path
 
 import pytest
 
-from alerting import TOKEN, AlertingBed, PhaseWatch, alertmanager_binary, payload, steps
+from alerting import RESUMED, TOKEN, AlertingBed, alertmanager_binary, payload, run_failed_job, steps
 from procs import wait_for
-from trainwarden.agent.etcd.client import open_client
 from trainwarden.agent.etcd.keys import job_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420),
               pytest.mark.skipif(shutil.which("prometheus") is None or alertmanager_binary() is None,
                                  reason="prometheus and prometheus-alertmanager not installed (Debian packages)")]
-
-
-RESUMED = "[rank 0] trainwarden.runtime.examples.gpt: resumed from checkpoint step"
-
-
-def _spec(path: Path, name: str, ckpt: Path) -> Path:
-    fields = {"name": name, "nnodes": "1", "nproc_per_node": 2, "checkpoint_dir": str(ckpt), "max_restarts": 0,
-              "command": ["-m", "trainwarden.runtime.examples.gpt", "--batch", "4", "--steps", "30",
-                          "--ckpt-every", "5"],
-              }
-    path.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
-                    + 'env = { TRAINWARDEN_FAULTS = "crash:rank=1,step=14" }\n')
-    return path
 
 
 @pytest.fixture
@@ -50,52 +33,9 @@ def bed(procs, tmp_path, etcd_server):
         b.close()
 
 
-def _iso(text: str) -> float:
-    whole, _, frac = text.rstrip("Z").partition(".")
-    return calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{frac or 0}")
-
-
-def run_failed_job_to_resumed(bed: AlertingBed, tmp_path: Path, etcd_server, job: str = "ar") -> dict[str, float]:
-    """Submit the crashing job, wait for the alert-driven resume to finish it; the timings (seconds)."""
-    import subprocess
-    import sys
-
-    client = open_client("127.0.0.1", etcd_server.client_port, timeout=5.0)
-    watch = PhaseWatch(client, job_key(job, "state")).start()
-    try:
-        out = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "submit",
-                              str(_spec(tmp_path / f"{job}.toml", job, tmp_path / "ckpt")), "--etcd", bed.etcd],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        wait_for(lambda: watch.first(1, "failed") is not None, 240, what="generation 1 to fail at step 14")
-        wait_for(lambda: watch.first(2, "pending") is not None, 120,
-                 what="the alert to resume the job:\n" + bed.daemon_log()[-2000:])
-        first_step: list[float] = []
-
-        def resumed_and_stepped():
-            log = bed.job_log(job)
-            after = log[log.find(RESUMED):] if RESUMED in log else ""
-            if steps(after) and not first_step:
-                first_step.append(time.time())
-            return watch.first(2, "succeeded") is not None or watch.first(2, "failed") is not None
-
-        wait_for(resumed_and_stepped, 240, interval=0.1, what="generation 2 to finish:\n" + bed.job_log(job)[-3000:])
-        assert watch.first(2, "succeeded") is not None, bed.job_log(job)[-3000:]
-        (record,) = [json.loads(v) for v, _ in client.get_prefix(job_key(job, "autoresume", ""))]
-    finally:
-        watch.stop()
-        client.close()
-    failed = watch.first(1, "failed").at
-    fired = _iso(record["startsAt"])
-    return {"failed": failed, "rule": fired - failed, "alertmanager": record["received_at"] - fired,
-            "webhook": record["at"] - record["received_at"],
-            "resume": (first_step[0] if first_step else float("nan")) - record["at"],
-            "total": (first_step[0] if first_step else float("nan")) - failed}
-
-
 def test_a_failed_job_resumes_from_its_checkpoint_through_prometheus_alertmanager_and_the_webhook(
         bed, tmp_path, etcd_server):
-    timings = run_failed_job_to_resumed(bed, tmp_path, etcd_server)
+    timings = run_failed_job(bed, "ar")
     print("fault -> first step after the alert-driven resume:",
           ", ".join(f"{k} {v:.1f} s" for k, v in timings.items() if k != "failed"))
     log = bed.job_log("ar")
