@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2
 DEMO_STEPS ?= 70
 
-.PHONY: demo demo-cluster test venv install install-test system-packages bench clean
+.PHONY: demo demo-cluster dashboard-pictures test venv install install-test system-packages bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ demo: $(VENV)/.installed
 DEMO_CLUSTER_FAULT ?= kill
 demo-cluster: $(VENV)/.installed
 	$(BIN)/python tests/demo_cluster.py --fault $(DEMO_CLUSTER_FAULT)
+
+# docs/img/dashboard-{job,node}.png: a real Prometheus scrapes a short faulted CPU run, then dashboards/render.py
+# draws both Grafana dashboards from its data (about 3 minutes)
+dashboard-pictures: $(VENV)/.installed-test system-packages
+	$(BIN)/python tests/dashboard_pictures.py --out docs/img
 
 test: $(VENV)/.installed-test system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,12 +1,16 @@
 """Incident counters for Prometheus: ``trainwarden_hangs_total{job,node}`` and
 ``trainwarden_incidents_total{job,node,kind}``. ``IncidentStore`` counts into an ``IncidentCollector``
 registered on the registry the caller passes (never the global one).
+
+Every kind of a job the node runs is exported from the start, at 0: a counter that is born at 1 shows no
+``increase()`` or ``changes()``, so the first incident of each kind would be missing from the dashboards'
+incident annotations and panels.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -19,8 +23,11 @@ __all__ = ["IncidentCollector"]
 class IncidentCollector(Collector):
     """Incident counters; `IncidentStore` counts into it, Prometheus scrapes it."""
 
-    def __init__(self, *, node: str) -> None:
+    def __init__(self, *, node: str, jobs: Callable[[], Iterable[str]] = tuple) -> None:
+        """``jobs``: the names of the jobs the node runs now (read at scrape time); each is exported with every
+        kind at 0 before its first incident."""
         self._node = node
+        self._jobs = jobs
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
 
@@ -35,9 +42,9 @@ class IncidentCollector(Collector):
         hangs = CounterMetricFamily("trainwarden_hangs", "Hangs detected by the watchdog.", labels=["job", "node"])
         incidents = CounterMetricFamily("trainwarden_incidents", "Incidents recorded, by kind.",
                                         labels=["job", "node", "kind"])
-        for job in sorted({j for j, _ in counts}):
+        for job in sorted({j for j, _ in counts} | set(self._jobs())):
             hangs.add_metric([job, self._node], counts.get((job, IncidentKind.HANG.value), 0))
-        for (job, kind), n in sorted(counts.items()):
-            incidents.add_metric([job, self._node, kind], n)
+            for kind in IncidentKind:
+                incidents.add_metric([job, self._node, kind.value], counts.get((job, kind.value), 0))
         yield hangs
         yield incidents

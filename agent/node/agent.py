@@ -120,7 +120,8 @@ class NodeAgent:
         self.publisher = CheckpointPublisher(JobRecords(None, writer=etcd)) if etcd is not None else None
         self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
-        self.incident_counts = IncidentCollector(node=config.node)
+        self.incident_counts = IncidentCollector(
+            node=config.node, jobs=lambda: [job.job for job in self.job_telemetry.snapshot()])
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
         self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)

@@ -28,10 +28,16 @@ def _target(expr: str, legend: str, ref: str = "A", **extra) -> dict:
 
 
 def _panel(pid: int, title: str, targets: list[dict], *, unit: str = "short", kind: str = "timeseries",
-           x: int = 0, y: int = 0, w: int = 12, h: int = 8, description: str = "", **extra) -> dict:
+           x: int = 0, y: int = 0, w: int = 12, h: int = 8, description: str = "",
+           thresholds: list[tuple[str, float | None]] | None = None, **extra) -> dict:
+    """``thresholds``: (colour, from value) steps, the first from None (the base colour), as Grafana's."""
+    defaults: dict = {"unit": unit}
+    if thresholds:
+        defaults["thresholds"] = {"mode": "absolute",
+                                  "steps": [{"color": color, "value": value} for color, value in thresholds]}
     return {"id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
             "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
-            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []}, "options": {}, **extra}
+            "fieldConfig": {"defaults": defaults, "overrides": []}, "options": {}, **extra}
 
 
 def _variable(name: str, query: str, *, label: str, multi: bool = False, include_all: bool = False) -> dict:
@@ -69,6 +75,9 @@ def job_dashboard() -> dict:
             f"sum by (rank) (rate(trainwarden_collective_wait_seconds_total{{{JOB}}}[{rate}])) / "
             f"sum by (rank) (rate(trainwarden_step_seconds_total{{{JOB}}}[{rate}]))", "{{rank}}", format="heatmap")],
             unit="percentunit", kind="heatmap", x=12, y=8,
+            options={"calculate": False, "yAxis": {"axisPlacement": "left"},
+                     "color": {"mode": "scheme", "scheme": "Viridis", "scale": "linear", "steps": 64,
+                               "min": 0, "max": 1}},
             description="Share of each rank's step time spent waiting in collectives (the rest is its own "
                         "compute). A straggler is the rank that waits least while the others wait for it."),
         _panel(5, "Straggler score per rank", [_target(f"trainwarden_straggler_score{{{JOB}}}",
@@ -85,8 +94,10 @@ def job_dashboard() -> dict:
                description="How long the last checkpoint blocked the training step on each rank."),
         _panel(9, "Restarts and incidents", [
             _target(f"sum(increase(trainwarden_worker_restarts_total{{{JOB}}}[5m]))", "restarts (5m)"),
-            _target(f"sum by (kind) (increase(trainwarden_incidents_total{{{JOB}}}[5m]))", "{{kind}} (5m)", ref="B")],
-            x=0, y=32),
+            _target(f"sum by (kind) (increase(trainwarden_incidents_total{{{JOB}}}[5m])) > 0", "{{kind}} (5m)",
+                    ref="B")],
+            x=0, y=32, description="Worker group restarts, and incidents by kind, in the last 5 minutes. Every kind "
+                                   "is exported from 0; only those that occurred are drawn."),
         _panel(10, "Ranks connected", [_target(f"sum(trainwarden_worker_up{{{JOB}}})", "ranks up")], x=12, y=32),
     ]
     annotations = [
@@ -120,12 +131,14 @@ def node_dashboard() -> dict:
                                                       "gpu {{gpu}}: {{reason}}")], x=0, y=16),
         _panel(6, "ECC errors", [_target(f"increase(trainwarden_gpu_ecc_errors_total{{{NODE}}}[1h])",
                                          "gpu {{gpu}} {{type}}")], x=12, y=16),
-        _panel(7, "XID errors", [_target(f"increase(trainwarden_gpu_xid_errors_total{{{NODE}}}[1h])",
-                                         "gpu {{gpu}} XID {{xid}}")], x=0, y=24),
+        _panel(7, "XID errors", [_target(f"trainwarden_gpu_xid_errors_total{{{NODE}}}", "gpu {{gpu}} XID {{xid}}")],
+               x=0, y=24, description="XIDs counted since the agent started, per GPU and XID. A series begins with "
+                                      "its first XID, at 1 (so not as an increase() of the counter)."),
         _panel(8, "PCIe replays", [_target(f"rate(trainwarden_gpu_pcie_replays_total{{{NODE}}}[{rate}])", gpu)],
                x=12, y=24),
         _panel(9, "GPU healthy", [_target(f"trainwarden_gpu_healthy{{{NODE}}}", gpu)], kind="stat", x=0, y=32,
-               description="0: a fatal XID, uncorrected ECC errors, a pending or failed row remap, or a lost GPU."),
+               description="0: a fatal XID, uncorrected ECC errors, a pending or failed row remap, or a lost GPU.",
+               thresholds=[("red", None), ("green", 1)]),
         _panel(10, "Host CPU", [_target(f"trainwarden_host_cpu_utilization_ratio{{{NODE}}}", "{{node}}")],
                unit="percentunit", x=12, y=32),
         _panel(11, "Host memory used", [_target(f"trainwarden_host_memory_used_bytes{{{NODE}}}", "{{node}}")],
@@ -134,9 +147,10 @@ def node_dashboard() -> dict:
                                          f"trainwarden_host_disk_total_bytes{{{NODE}}}", "{{node}} {{mountpoint}}")],
                unit="percentunit", x=12, y=40),
         _panel(13, "Network", [
-            _target(f"rate(trainwarden_host_network_receive_bytes_total{{{NODE}}}[{rate}])", "{{interface}} in"),
-            _target(f"rate(trainwarden_host_network_transmit_bytes_total{{{NODE}}}[{rate}])", "{{interface}} out",
-                    ref="B")], unit="Bps", x=0, y=48),
+            _target(f"rate(trainwarden_host_network_receive_bytes_total{{{NODE}}}[{rate}])",
+                    "{{node}} {{interface}} in"),
+            _target(f"rate(trainwarden_host_network_transmit_bytes_total{{{NODE}}}[{rate}])",
+                    "{{node}} {{interface}} out", ref="B")], unit="Bps", x=0, y=48),
     ]
     variables = [_variable("node", "label_values(trainwarden_agent_info, node)", label="Node", multi=True,
                            include_all=True)]

@@ -5,7 +5,6 @@ GPU and host collectors on a fake NVML; it loads trainwarden's rules, and every 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 import urllib.parse
@@ -14,26 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from local_prometheus import available, query, start_prometheus
 from procs import wait_for
 from trainwarden.agent.etcd.embedded import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT))
+from dashboards import queries, render  # noqa: E402
 from gpt_helpers import gpt_env  # noqa: E402
 
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("prometheus") is None,
-                                 reason="prometheus not installed (apt-get install prometheus)")]
-
-
-def query(port: int, promql: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-    with urllib.request.urlopen(url, timeout=5) as response:
-        body = json.load(response)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-ROOT = Path(__file__).resolve().parents[2]
+              pytest.mark.skipif(not available(), reason="prometheus not installed (apt-get install prometheus)")]
 
 
 @pytest.fixture
@@ -45,8 +36,8 @@ def gpu_node():
         yield exporter.url.split("//")[1].split("/")[0]
 
 
-def _fill(expr: str) -> str:
-    return expr.replace("$__rate_interval", "10s").replace('"$job"', '"prom"').replace('"$node"', '".+"')
+VARIABLES = {"job": "prom", "node": ".+", "__rate_interval": "10s"}
+"""The dashboards' variables as Grafana would fill them for this job (10 s: ten scrapes)."""
 
 
 def _grafana_queries() -> list[tuple[str, list[str]]]:
@@ -54,23 +45,18 @@ def _grafana_queries() -> list[tuple[str, list[str]]]:
     out = []
     for name in ("job.json", "node.json"):
         board = json.loads((ROOT / "dashboards" / "grafana" / name).read_text())
-        out += [(f"{name}: {p['title']}", [_fill(t["expr"]) for t in p["targets"]]) for p in board["panels"]]
-        out += [(f"{name}: annotation {a['name']}", [_fill(a["expr"])]) for a in board["annotations"]["list"]]
+        out += [(f"{name}: {p['title']}", [queries.fill(t["expr"], VARIABLES) for t in p["targets"]])
+                for p in board["panels"]]
+        out += [(f"{name}: annotation {a['name']}", [queries.fill(a["expr"], VARIABLES)])
+                for a in board["annotations"]["list"]]
     return out
 
 
 @pytest.mark.timeout(300)
 def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path, gpu_node):
     metrics_port, prom_port = free_port(), free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files: ['{ROOT / 'dashboards' / 'prometheus' / 'alerts.yml'}']\n"
-        "scrape_configs:\n  - job_name: trainwarden-agent\n    honor_labels: true\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}', '{gpu_node}']\n"
-    )
-    procs.spawn(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}"], log=tmp_path / "prometheus.log")
+    start_prometheus(procs, tmp_path, [f"127.0.0.1:{metrics_port}", gpu_node], port=prom_port)
+    started = time.time()
 
     env = gpt_env()
     env["TRAINWARDEN_STATE_HOME"] = str(tmp_path / "state")
@@ -152,3 +138,15 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path, gpu_node):
                + urllib.parse.urlencode({"match[]": match}))
         with urllib.request.urlopen(url, timeout=5) as response:
             assert json.load(response)["data"], (label, match)
+
+    # the dashboard pictures (dashboards/render.py) draw from this Prometheus: range queries over the run, the
+    # variables resolved as Grafana would ($job: the first job Prometheus has, the only one), every panel drawn
+    client = queries.PrometheusClient(f"http://127.0.0.1:{prom_port}")
+    for name in ("job.json", "node.json"):
+        board = json.loads((ROOT / "dashboards" / "grafana" / name).read_text())
+        data = queries.collect(board, client, start=started, end=time.time(), step=1.0, scrape_interval_s=1,
+                               rate_interval=VARIABLES["__rate_interval"])
+        assert data.variables.get("job", "prom") == "prom", data.variables
+        assert all(data.panels[p["id"]] for p in board["panels"]), name
+        picture = render.save(render.draw(board, data), tmp_path / render.output_name(Path(name)))
+        assert picture.stat().st_size > 20_000, picture

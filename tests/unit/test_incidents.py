@@ -88,6 +88,23 @@ def test_store_writes_files_mirrors_to_etcd_counts_and_logs(tmp_path, caplog):
     assert 'trainwarden_hangs_total{job="demo",node="n1"} 1.0' in text
     assert 'trainwarden_incidents_total{job="demo",kind="hang",node="n1"} 1.0' in text
     assert 'trainwarden_incidents_total{job="demo",kind="straggler_start",node="n1"} 1.0' in text
+    assert 'trainwarden_incidents_total{job="demo",kind="crash",node="n1"} 0.0' in text  # every kind, from 0
+
+
+def test_a_running_job_exports_every_incident_kind_at_zero_before_its_first_incident():
+    """A counter born at 1 shows no increase(): the dashboards would miss the job's first incident."""
+    registry = CollectorRegistry()
+    jobs = ["train"]
+    collector = IncidentCollector(node="n1", jobs=lambda: jobs)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'trainwarden_hangs_total{job="train",node="n1"} 0.0' in text
+    for kind in IncidentKind:
+        assert f'trainwarden_incidents_total{{job="train",kind="{kind.value}",node="n1"}} 0.0' in text
+    collector.count("train", IncidentKind.CRASH)
+    jobs.clear()  # the job ended: its counts stay
+    text = generate_latest(registry).decode()
+    assert 'trainwarden_incidents_total{job="train",kind="crash",node="n1"} 1.0' in text
 
 
 def test_etcd_failure_keeps_the_file(tmp_path):
