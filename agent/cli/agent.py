@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
                         "job's next rendezvous)")
     w = p.add_argument_group("Alertmanager webhook (alerts resume failed jobs; needs --etcd)")
     w.add_argument("--webhook-listen", metavar="HOST:PORT",
-                   help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9479)")
+                   help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9480)")
     w.add_argument("--webhook-token-file", metavar="FILE",
                    help="the bearer token Alertmanager sends (its http_config.authorization.credentials_file); "
                         "required with --webhook-listen")

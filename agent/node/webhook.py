@@ -79,7 +79,7 @@ class WebhookConfig:
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or int(port) > 65535:
-            raise ValueError(f"--webhook-listen {self.listen!r}: expected HOST:PORT, e.g. 0.0.0.0:9479")
+            raise ValueError(f"--webhook-listen {self.listen!r}: expected HOST:PORT, e.g. 0.0.0.0:9480")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--webhook-tls-cert and --webhook-tls-key go together: give both, or neither for plain "
                              "HTTP")

@@ -151,7 +151,7 @@ def test_configuration_errors_say_what_to_do(tmp_path):
         WebhookConfig(listen="127.0.0.1:0", token_file=token)
     token.write_text(TOKEN)
     with pytest.raises(ValueError, match="expected HOST:PORT"):
-        WebhookConfig(listen="9479", token_file=token)
+        WebhookConfig(listen="9480", token_file=token)
     with pytest.raises(ValueError, match="go together"):
         WebhookConfig(listen="127.0.0.1:0", token_file=token, tls_cert=token)
 
