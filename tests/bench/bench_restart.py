@@ -12,12 +12,15 @@ marks the end of its start-up phases (runtime/timings.py).
 Phases of the crash -> restart, as wall-clock times since the fault, in the order they happen:
 
   fault        the fault marker's time (runtime/faults.py writes it just before the SIGKILL)
-  detected     the elastic agent logs "Worker group FAILED ... will restart" (torch's agent, which both
-               launchers run; LOGLEVEL=INFO; for `trainwarden run` its lines are in the job's logs/run.log)
   old gone     the last worker of the failed round has exited (this script polls the agent's children
-               every 20 ms: _proctree.py)
-  rdzv closed  the agent logs "has joined round N" for the new round (torch's dynamic rendezvous: etcd3 for
-               `trainwarden run`, c10d for torchrun)
+               every 20 ms: _proctree.py). The survivors do not wait for the agent: their next collective
+               with rank 5 fails and they exit (runtime/peer_failure.py), so this comes before "detected"
+  detected     the elastic agent logs "Worker group FAILED ... will restart" (torch's agent, which both
+               launchers run; LOGLEVEL=INFO; for `trainwarden run` its lines are in the job's logs/run.log).
+               It polls its workers every --monitor-interval
+  rdzv closed  the agent logs "Rendezvous complete for workers" for the new round (torch's dynamic
+               rendezvous, etcd3 for `trainwarden run`, c10d for torchrun; its own "has joined round" line is
+               not logged at INFO)
   started      the earliest start time of a new worker process (from /proc)
   imported     the example's imports (torch among them) are done
   pg up        ``init_process_group`` returned (the default gloo group)
@@ -28,7 +31,8 @@ Phases of the crash -> restart, as wall-clock times since the fault, in the orde
 
 For every worker-side phase (imported .. restored) the time is the LATEST rank's: the slowest rank gates the
 next collective, so it gates the step. The torch agent rendezvouses before it starts the new workers, so
-"rdzv closed" comes before "started". Each run prints each phase's time since the fault and (in
+"rdzv closed" comes before "started". The agent's log lines and the workers' step lines have millisecond
+timestamps; process start times are exact to a clock tick (10 ms). Each run prints each phase's time since the fault and (in
 parentheses) the time since the phase before; then the medians per launcher and the ratio
 trainwarden / torchrun of fault -> first step.
 
@@ -66,7 +70,7 @@ GPT = ["-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp
 LAUNCHERS = ("trainwarden", "torchrun")
 JOB = "benchrestart"
 
-PHASES = ("detected", "old_gone", "rdzv", "started", "imported", "pg_up", "mesh_up", "model_built", "restored",
+PHASES = ("old_gone", "detected", "rdzv", "started", "imported", "pg_up", "mesh_up", "model_built", "restored",
           "first_step")
 LABELS = {"detected": "detected", "old_gone": "old gone", "rdzv": "rdzv closed", "started": "started",
           "imported": "imported", "pg_up": "pg up", "mesh_up": "mesh up", "model_built": "model built",
@@ -79,7 +83,7 @@ RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bresumed from 
 # torch's own log lines (glog style): "I1122 14:37:14.328000 4242 torch/.../api.py:707] [default] Rendezvous'ing ..."
 TORCH_LINE = re.compile(r"^\[?I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ \S+\] (.*)$", re.M)
 DETECTED = re.compile(r"^\[\w+\] Worker group (FAILED|UNHEALTHY)\. ")
-RDZV_CLOSED = re.compile(r"^The node '.*' has joined round (\d+) of the rendezvous ")
+RDZV_CLOSED = re.compile(r"^\[\w+\] Rendezvous complete for workers\.")
 RDZV_BEGIN = re.compile(r"^\[\w+\] Rendezvous'ing worker group")
 
 
@@ -199,8 +203,8 @@ def run_once(launcher: str, nproc: int, work: Path, timeout: float = 400.0) -> d
     return result
 
 
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _cell(value: float | None, sign: str = "") -> str:
+    return "-" if value is None else f"{value:{sign}.2f}"
 
 
 def describe(row: dict) -> str:
@@ -210,7 +214,7 @@ def describe(row: dict) -> str:
     parts, previous = [], 0.0
     for phase in PHASES:
         t = row[phase]
-        parts.append(f"{LABELS[phase]} {_cell(t)} (+{_cell(None if t is None else t - previous)})")
+        parts.append(f"{LABELS[phase]} {_cell(t)} ({_cell(None if t is None else t - previous, '+')})")
         previous = previous if t is None else t
     notes = row["evidence"]["notes"]
     return f"{row['launcher']}: " + ", ".join(parts) + f"; rc={row['rc']}" + (f"; {'; '.join(notes)}" if notes else "")
@@ -235,7 +239,7 @@ def table(rows: list[dict], launchers: list[str]) -> str:
         med, previous, cells = medians(mine), 0.0, []
         for phase in PHASES:
             t = med[phase]
-            cells.append("-" if t is None else f"{t:.1f} (+{t - previous:.1f})")
+            cells.append("-" if t is None else f"{t:.1f} ({t - previous:+.1f})")
             previous = previous if t is None else t
         lines.append(f"| {launcher} | {len(mine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

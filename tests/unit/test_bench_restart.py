@@ -26,11 +26,11 @@ def _glog(seconds: float) -> str:
 
 
 AGENT_LOG = f"""\
-{_glog(-20)} 4242 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1185] The node 'h_1_0' has joined round 0 of the rendezvous 'x' as rank 0 in a world of size 1.
+{_glog(-20)} 4242 torch/distributed/elastic/agent/server/api.py:553] [default] Rendezvous complete for workers. Result:
 {_glog(0.31)} 4242 torch/distributed/elastic/agent/server/api.py:932] [default] Worker group FAILED. 1/1 attempts left; will restart worker group
 {_glog(0.32)} 4242 torch/distributed/elastic/agent/server/api.py:733] [default] Stopping worker group
 {_glog(1.40)} 4242 torch/distributed/elastic/agent/server/api.py:707] [default] Rendezvous'ing worker group
-{_glog(1.90)} 4242 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1185] The node 'h_1_0' has joined round 1 of the rendezvous 'x' as rank 0 in a world of size 1.
+{_glog(1.90)} 4242 torch/distributed/elastic/agent/server/api.py:553] [default] Rendezvous complete for workers. Result:
 """
 OUTPUT = f"""\
 {_log(-3)} [rank 4] trainwarden.runtime.examples.gpt: step 15 loss 5.1 time 0.2s tok/s 100
@@ -54,14 +54,14 @@ def test_breakdown_of_a_recorded_restart():
     workers = [Worker(1, FAULT - 40, FAULT + 0.05), Worker(2, FAULT - 40, FAULT + 1.2),
                Worker(11, FAULT + 2.05, None), Worker(12, FAULT + 2.3, None)]
     row = breakdown(FAULT, OUTPUT, AGENT_LOG, _marks(), workers, nproc=2)
-    assert [row[p] for p in PHASES] == [0.31, 1.2, 1.9, 2.05, 10.1, 11.1, 12.1, 13.1, 14.6, 15.5]
+    assert [row[p] for p in PHASES] == [1.2, 0.31, 1.9, 2.05, 10.1, 11.1, 12.1, 13.1, 14.6, 15.5]
     assert row["evidence"]["resumed_from_step"] == 10
     assert row["evidence"]["rdzv_begin_s"] == 1.4
     assert row["evidence"]["rank_spread_s"]["imported"] == 0.1
     assert row["evidence"]["notes"] == []
     line = describe({"launcher": "torchrun", "rc": 0, **row})
-    assert "detected 0.31 (+0.31)" in line and "started 2.05 (+0.15)" in line and "first step 15.50 (+0.90)" in line
-    assert "| torchrun | 1 | 0.3 (+0.3) | 1.2 (+0.9) |" in table([{"launcher": "torchrun", "rc": 0, **row}],
+    assert "old gone 1.20 (+1.20), detected 0.31 (-0.89)" in line and "started 2.05 (+0.15)" in line and "first step 15.50 (+0.90)" in line
+    assert "| torchrun | 1 | 1.2 (+1.2) | 0.3 (-0.9) | 1.9 (+1.6) |" in table([{"launcher": "torchrun", "rc": 0, **row}],
                                                                 ["torchrun"])
 
 
@@ -71,7 +71,7 @@ def test_missing_evidence_is_none_and_said():
     assert row["imported"] == 10.0
     assert "1 workers seen before the fault, expected 2" in row["evidence"]["notes"]
     assert "imported: 1 of 2 ranks marked it" in row["evidence"]["notes"]
-    assert "detected - (+-)" in describe({"launcher": "trainwarden", "rc": 1, **row})
+    assert "old gone - (-), detected - (-)" in describe({"launcher": "trainwarden", "rc": 1, **row})
 
 
 def test_torch_lines_take_the_year_given():
