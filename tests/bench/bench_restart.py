@@ -13,11 +13,14 @@ Phases of the crash -> restart, as wall-clock times since the fault, in the orde
 
   fault        the fault marker's time (runtime/faults.py writes it just before the SIGKILL)
   old gone     the last worker of the failed round has exited (this script polls the agent's children
-               every 20 ms: _proctree.py). The survivors do not wait for the agent: their next collective
-               with rank 5 fails and they exit (runtime/peer_failure.py), so this comes before "detected"
+               every 20 ms: _proctree.py): the survivors exit on their own when their next collective with
+               rank 5 fails (runtime/peer_failure.py), or the agent SIGTERMs them when it notices the crash
+               first, whichever comes first
   detected     the elastic agent logs "Worker group FAILED ... will restart" (torch's agent, which both
                launchers run; LOGLEVEL=INFO; for `trainwarden run` its lines are in the job's logs/run.log).
-               It polls its workers every --monitor-interval
+               The agent polls its workers every --monitor-interval; the poll that sees a failure stops the
+               other workers before it returns (torch's SubprocessContext._poll), so this line comes after
+               "old gone"
   rdzv closed  the agent logs "Rendezvous complete for workers" for the new round (torch's dynamic
                rendezvous, etcd3 for `trainwarden run`, c10d for torchrun; its own "has joined round" line is
                not logged at INFO)
