@@ -19,6 +19,10 @@ resumed run reproduces an uninterrupted one bit for bit on the same mesh.
 
 Fault injection (:mod:`trainwarden.runtime.faults`, ``TRAINWARDEN_FAULTS``) is consulted at the start of
 every step, before any collective.
+
+With ``TRAINWARDEN_TIMINGS`` set, every rank marks the end of its start-up phases (imports done, default
+process group up, mesh up, model built, checkpoint restored, first step) for the restart breakdown benchmark
+(:mod:`trainwarden.runtime.timings`, tests/bench/bench_restart.py); unset, nothing is recorded.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
+from trainwarden.runtime.timings import PhaseTimings
+
+_IMPORTED_AT = time.time()
+"""When this module's imports (torch among them) were done: the restart benchmark's "torch imported" mark."""
 
 __all__ = ["EXIT_OK", "EXIT_TRAINING_FAILED", "EXIT_BAD_CONFIG", "TrainConfig", "TrainState", "parse_args", "train", "main"]
 
@@ -195,11 +203,15 @@ class TrainState(Stateful):
             raise ValueError(f"checkpoint data position {state_dict['data_position']} != step {self.step}")
 
 
-def train(cfg: TrainConfig, device: torch.device) -> float:
+def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | None = None) -> float:
     """Run (or resume) training up to ``cfg.steps`` in the initialised process group; the final loss
-    on the reporting rank, NaN elsewhere or if no step ran."""
+    on the reporting rank, NaN elsewhere or if no step ran. ``timings`` marks the start-up phases
+    (runtime/timings.py; off unless ``TRAINWARDEN_TIMINGS`` is set)."""
+    if timings is None:
+        timings = PhaseTimings(None, rank=dist.get_rank())
     faults = FaultInjector.from_env(rank=dist.get_rank())
     mesh = build_mesh(cfg.mesh, device)
+    timings.mark("mesh_up")
     torch.manual_seed(cfg.seed)
     pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed)
     if cfg.micro_batch_size and cfg.mesh.pp == 1:  # the pipeline schedule runs its own micro-batches
@@ -210,6 +222,7 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
 
+    timings.mark("model_built")
     ckpt_state = {"app": train_state, "rng": RNGState()}
     ckpt = None
     start = 1
@@ -223,6 +236,7 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
                 raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
             start = restored + 1
             log.info("resumed from checkpoint step %d in %s", restored, cfg.ckpt_dir)
+    timings.mark("restored")
 
     tokens_per_step = cfg.batch * cfg.model.seq
     loss_value = math.nan
@@ -241,6 +255,8 @@ def train(cfg: TrainConfig, device: torch.device) -> float:
             loss = pm.train_step(inputs, targets)
             optimizer.step()
         train_state.step = step
+        if step == start:
+            timings.mark("first_step")
         if loss is not None:
             loss_value = loss.item()
         last_seconds = time.monotonic() - began
@@ -288,10 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             log.error("bad configuration: %s", exc)
         return EXIT_BAD_CONFIG
+    timings = PhaseTimings.from_env(rank=rank)
+    timings.mark("imported", _IMPORTED_AT)
     device = pick_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend_for(device))
+    timings.mark("pg_up")
     try:
-        train(cfg, device)
+        train(cfg, device, timings=timings)
     except FaultSpecError as exc:
         _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
     except CheckpointUnloadableError as exc:
