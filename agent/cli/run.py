@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
+    p.add_argument("--warm-workers", action="store_true",
+                   help="restarted workers fork from a process that has torch and the script's imports loaded "
+                        "(a restart skips the interpreters' start-up; the first round starts cold)")
     p.add_argument("--managed", action="store_true", help=argparse.SUPPRESS)  # started by the node daemon
     add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
@@ -95,7 +98,8 @@ def _cmd_run(args) -> int:
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          straggler_policy=args.straggler_policy, extra_env=extra_env, managed=args.managed)
+                          straggler_policy=args.straggler_policy, extra_env=extra_env, managed=args.managed,
+                          warm_workers=args.warm_workers)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -232,7 +232,33 @@ def main(argv: list[str] | None = None) -> None:
     if fd:
         replies = ReplyChannel(int(reply_fd)) if reply_fd else None
         launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)), replies)
-    torchrun.main(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    zygote = _start_zygote(argv)
+    try:
+        torchrun.main(argv)
+    finally:
+        if zygote is not None:
+            zygote.terminate()  # its workers die with it (PR_SET_PDEATHSIG)
+            try:
+                zygote.wait(10)
+            except Exception:
+                zygote.kill()
+
+
+def _start_zygote(argv: list[str]):
+    """With warm workers (the script is agent/launch/warm.py's client), the process they fork from, started
+    here, from the main thread and before torch's agent starts any thread (its parent-death signal follows
+    the thread that started it)."""
+    import subprocess
+
+    from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV
+
+    marker = "trainwarden.agent.launch.warm"
+    path, map_dir = os.environ.get(SOCKET_ENV), os.environ.get(MAP_DIR_ENV)
+    if marker not in argv or not path or not map_dir:
+        return None
+    script = argv[argv.index(marker) + 1:]
+    return subprocess.Popen([sys.executable, "-m", marker, "--serve", path, map_dir, *script])
 
 
 if __name__ == "__main__":

@@ -111,6 +111,8 @@ class RunOptions:
     """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
+    warm_workers: bool = False
+    """Restarted workers fork from a process with torch imported (agent/launch/warm.py)."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -383,7 +385,7 @@ class _JobRun:
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, extra_env=self._network_env(), local_addr=self.local_addr,
-            rdzv_conf=self.rdzv_conf,
+            rdzv_conf=self.rdzv_conf, warm_dir=self._warm_dir(cleanup),
         )
         try:
             self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
@@ -805,6 +807,27 @@ class _JobRun:
         if refusal:
             logger.warning("job %s: %s", self.opts.job, refusal)
 
+    def _warm_dir(self, cleanup: ExitStack) -> str | None:
+        """A short private directory for the warm workers' zygote socket (unix socket paths are short)."""
+        if not self.opts.warm_workers:
+            return None
+        import shutil
+        import tempfile
+
+        self._warm = tempfile.mkdtemp(prefix="tw-warm-")
+        cleanup.callback(shutil.rmtree, self._warm, True)
+        return self._warm
+
+    def _is_round_worker(self, pid: int) -> bool:
+        """``pid`` is a worker of this node's current round: one torch's agent started, or the warm worker
+        one of those stands for (agent/launch/warm.py)."""
+        if pid in self._worker_pids:
+            return True
+        from trainwarden.agent.launch.warm import warm_parent
+
+        warm = getattr(self, "_warm", None)
+        return warm is not None and warm_parent(pid, os.path.join(warm, "workers")) in self._worker_pids
+
     def _commit_refusal(self, job: str, rank: int, pid: int, step: int, path: str, nbytes: int) -> str | None:
         """The telemetry server's commit guard: None when rank ``rank`` may publish checkpoint ``step`` as the
         job's latest, else why not. Only a worker of this node's current round, with this node's membership
@@ -812,7 +835,7 @@ class _JobRun:
         published in one transaction)."""
         if job != self.opts.job:
             return None
-        if pid not in self._worker_pids:
+        if not self._is_round_worker(pid):
             return f"rank {rank} (pid {pid}) is not a worker of node {self.node}'s current round"
         m = self.membership
         if m is None or m.confirmed_at is None or m.unconfirmed_for() > 2 * m.period:  # etcd away: do not wait on it

@@ -73,6 +73,8 @@ class LaunchSpec:
     local_addr: str | None = None
     """Address advertised in the rendezvous (and for the workers' store); None: loopback when the job
     has one node, torchrun's default (the host name) otherwise."""
+    warm_dir: str | None = None
+    """With a directory: warm workers (agent/launch/warm.py), the zygote's socket and pid map in it."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -101,6 +103,8 @@ def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str
                              "options; use paths without them")
         cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in sorted(spec.rdzv_conf.items()))]
     script = list(spec.script)
+    if spec.warm_dir:  # each rank's process is warm.py's client; it runs the script in a forked warm worker
+        script = ["-m", "trainwarden.agent.launch.warm", *script]
     if script[0] == "-m":
         cmd += ["-m", *script[1:]]
     else:
@@ -123,5 +127,10 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
     env.setdefault(CHECKPOINT_DIR_ENV, str(spec.state_dir / "checkpoints"))
     if spec.agent_socket:
         env[AGENT_SOCKET_ENV] = spec.agent_socket
+    if spec.warm_dir:
+        from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV
+
+        env[SOCKET_ENV] = os.path.join(spec.warm_dir, "zygote.sock")
+        env[MAP_DIR_ENV] = os.path.join(spec.warm_dir, "workers")
     env.update(spec.extra_env)
     return env

@@ -136,6 +136,8 @@ class WorkerWatch(threading.Thread):
         with self._lock:
             for pid, (state, ppid, ticks) in parents.items():
                 if ppid == self.launcher and pid not in self._workers and state not in ("Z", "X"):
+                    if "--serve" in _cmdline(self._proc, pid):  # the warm workers' zygote is no worker
+                        continue
                     self._workers[pid] = Worker(pid, boot + ticks / _TICKS_PER_S, ticks=ticks)
 
     def _find_launcher(self, parents: dict[int, tuple[str, int, int]]) -> int | None:

@@ -70,7 +70,9 @@ FAULT = "crash:rank=5,step=16"
 FAULT_STEP = 16
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "30",
        "--ckpt-every", "10"]
-LAUNCHERS = ("trainwarden", "torchrun")
+LAUNCHERS = ("trainwarden", "torchrun", "trainwarden-warm")
+"""``trainwarden-warm``: ``trainwarden run --warm-workers`` (restarted workers fork from a zygote with torch
+imported, agent/launch/warm.py); its "started" is the client process torch's agent starts per rank."""
 JOB = "benchrestart"
 
 PHASES = ("old_gone", "detected", "rdzv", "started", "imported", "pg_up", "mesh_up", "model_built", "restored",
@@ -153,10 +155,11 @@ def _command(launcher: str, nproc: int, work: Path) -> tuple[list[str], dict, Pa
     """argv, environment and the job's state directory (where the fault marker goes)."""
     env = gpt_env()
     env.update({"TRAINWARDEN_FAULTS": FAULT, TIMINGS_ENV: str(work / "marks"), "LOGLEVEL": "INFO"})
-    if launcher == "trainwarden":
+    if launcher.startswith("trainwarden"):
         env["TRAINWARDEN_STATE_HOME"] = str(work / "state")
+        warm = ["--warm-workers"] if launcher == "trainwarden-warm" else []
         return ([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job", JOB,
-                 "--metrics-port", "0", "--max-restarts", "1", "--", *GPT], env, work / "state" / "jobs" / JOB)
+                 "--metrics-port", "0", "--max-restarts", "1", *warm, "--", *GPT], env, work / "state" / "jobs" / JOB)
     state = work / "plain"
     env.update(TRAINWARDEN_STATE_DIR=str(state), TRAINWARDEN_CHECKPOINT_DIR=str(state / "ckpt"))
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -164,7 +167,7 @@ def _command(launcher: str, nproc: int, work: Path) -> tuple[list[str], dict, Pa
 
 
 def _is_launcher(launcher: str):
-    module = "trainwarden.agent.launch.elastic" if launcher == "trainwarden" else "torch.distributed.run"
+    module = "trainwarden.agent.launch.elastic" if launcher.startswith("trainwarden") else "torch.distributed.run"
     return lambda cmdline: module in cmdline
 
 
@@ -185,7 +188,7 @@ def run_once(launcher: str, nproc: int, work: Path, timeout: float = 400.0) -> d
         leftovers = watch.kill_leftovers()
     output = log_path.read_text(errors="replace")
     agent_log = output
-    if launcher == "trainwarden":  # torchrun's own INFO lines go to the job's log only (agent/launch/output.py)
+    if launcher.startswith("trainwarden"):  # torchrun's own INFO lines go to the job's log only (agent/launch/output.py)
         run_log = state / "logs" / "run.log"
         agent_log = run_log.read_text(errors="replace") if run_log.exists() else ""
     fault = fault_time(state)
@@ -198,7 +201,7 @@ def run_once(launcher: str, nproc: int, work: Path, timeout: float = 400.0) -> d
         result["evidence"]["notes"].append(f"killed workers left running: {leftovers}")
     if watch.error is not None:
         result["evidence"]["notes"].append(f"process watch: {watch.error!r}")
-    if launcher == "trainwarden":  # when the supervisor recorded the crash incident (it hears of it from the agent)
+    if launcher.startswith("trainwarden"):  # when the supervisor recorded the crash incident (it hears of it from the agent)
         crashes = [json.loads(p.read_text()) for p in (state / "incidents").glob("*.json")]
         crashes = [c for c in crashes if c.get("kind") == "crash"]
         if crashes:
@@ -252,13 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs per launcher; medians are printed (default 3)")
     p.add_argument("--nproc", type=int, default=8, help="ranks (default 8: the reference pp2 x tp2 x dp2 needs 8)")
-    p.add_argument("--only", choices=LAUNCHERS, help="run one launcher only (default: both, alternating)")
+    p.add_argument("--only", choices=LAUNCHERS, action="append",
+                   help="run only these launchers (repeatable; default: all, alternating)")
     p.add_argument("--json", action="store_true", help="also print every run's phases and evidence as JSON")
     p.add_argument("--keep", metavar="DIR", help="keep each run's logs and marks under DIR")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    launchers = [args.only] if args.only else list(LAUNCHERS)
+    launchers = list(args.only) if args.only else list(LAUNCHERS)
     rows = []
     for i in range(args.runs):
         for launcher in launchers:  # alternating, so a drift in the machine's load touches both alike
@@ -278,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, launchers))
     med = {launcher: medians([r for r in rows if r["launcher"] == launcher and "error" not in r])
            for launcher in launchers}
-    tw, plain = (med.get(name, {}).get("first_step") for name in LAUNCHERS)
-    if tw and plain:
-        print(f"\nfault -> first step: trainwarden {tw:.1f} s, torchrun {plain:.1f} s, ratio trainwarden/torchrun "
-              f"{tw / plain:.2f}")
+    plain = med.get("torchrun", {}).get("first_step")
+    for name in ("trainwarden", "trainwarden-warm"):
+        tw = med.get(name, {}).get("first_step")
+        if tw and plain:
+            print(f"fault -> first step: {name} {tw:.1f} s, torchrun {plain:.1f} s, ratio {name}/torchrun "
+                  f"{tw / plain:.2f}")
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0 if all("error" not in r and r["first_step"] is not None for r in rows) else 1

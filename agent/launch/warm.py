@@ -1,0 +1,341 @@
+"""Warm workers: restarted workers fork from a process that has torch imported already (``--warm-workers``).
+
+A restart's cost on this machine is mostly eight new interpreters importing torch at once (BENCHMARKS.md,
+"Restart breakdown": 9.5 s of 12.6 s). With warm workers the launcher (agent/launch/elastic.py) starts one
+*zygote* next to torch's agent: a process that imports torch, the runtime and the top-level imports of the job's
+script (read from its source, never executed) and then waits on a unix socket, single-threaded. torch's agent
+still starts one process per rank, but that process is this module's *client*: a plain interpreter that does not
+import torch. It connects to the zygote, hands over its argv, environment, working directory and standard
+streams (SCM_RIGHTS), and the zygote forks the real worker, which runs the job's script as ``__main__`` with
+them. The client stays as the worker's stand-in for torch's agent:
+
+* a signal sent to the client (SIGTERM from torch's agent, SIGUSR1...) is forwarded to the worker;
+* when the worker exits, the zygote sends its wait status and the client exits the same way (the same code,
+  or killed by the same signal), so torch's agent sees the failure it would have seen;
+* when the client dies (SIGKILL), the zygote kills the worker; when the zygote dies, the workers die with it
+  (``PR_SET_PDEATHSIG``).
+
+The worker is a fresh copy of a zygote that never trained: it reseeds Python's, NumPy's and torch's default
+generators from the OS as a new interpreter would, and applies ``OMP_NUM_THREADS``. Its pid is not the one
+torch's agent knows; the zygote writes ``<map dir>/<worker pid>`` holding the client's pid, so the supervisor
+can tell that a telemetry stream (identified by its kernel-reported pid) is one of its round's workers.
+
+Whatever fails on the way (no zygote yet, a refused connection, a zygote that died) the client falls back to
+``exec`` of a normal interpreter: a cold start, as without this option.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+__all__ = ["MAP_DIR_ENV", "SOCKET_ENV", "client_main", "warm_parent"]
+
+SOCKET_ENV = "TRAINWARDEN_WARM_SOCKET"
+MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+              signal.SIGCONT)
+_BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
+                 "torch.distributed.pipelining", "torch.distributed.fsdp", "numpy", "trainwarden.runtime")
+
+
+def warm_parent(pid: int, map_dir: str | None) -> int | None:
+    """The client pid a warm worker stands behind (None: not a warm worker)."""
+    if not map_dir:
+        return None
+    try:
+        with open(os.path.join(map_dir, str(int(pid)))) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# ---- framing: 4-byte length + JSON --------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    frame = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(sock, [frame], fds)
+    else:
+        sock.sendall(frame)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    return json.loads(_recv_exact(sock, n))
+
+
+# ---- the client: torch's agent starts one per rank ------------------------------------------------------------
+
+
+def client_main(argv: list[str]) -> None:
+    """``python -m trainwarden.agent.launch.warm [-m MODULE | SCRIPT] ARGS...``: run it in a warm worker."""
+    path = os.environ.get(SOCKET_ENV)
+    conn = None
+    if path:
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+            _send(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+            reply = _recv(conn)
+            child = int(reply["pid"])
+        except (OSError, ConnectionError, ValueError, KeyError):
+            if conn is not None:
+                conn.close()
+            conn = None
+    if conn is None:  # no zygote: a cold start, exactly what torch's agent would have run
+        os.execv(sys.executable, [sys.executable, *argv])
+
+    def forward(signum, _frame):
+        try:
+            os.kill(child, signum)
+        except OSError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        status = int(_recv(conn)["status"])
+    except (OSError, ConnectionError, ValueError, KeyError):
+        status = 1 << 8  # the zygote died: the worker died with it
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+# ---- the zygote -----------------------------------------------------------------------------------------------
+
+
+def _top_level_imports(argv: list[str]) -> list[str]:
+    """Absolute modules the job's script imports at its top level (from its source; nothing of it runs)."""
+    try:
+        if argv and argv[0] == "-m":
+            import importlib.util
+
+            spec = importlib.util.find_spec(argv[1])
+            source_path = spec.origin if spec else None
+        else:
+            source_path = argv[0] if argv else None
+        if not source_path or not source_path.endswith(".py"):
+            return []
+        with open(source_path) as f:
+            tree = ast.parse(f.read())
+    except Exception:
+        return []
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def _pdeathsig(sig: int = signal.SIGKILL) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class _Job:
+    """What a forked worker runs (returned from the serve loop in the child only)."""
+
+    def __init__(self, request: dict, fds: list[int]) -> None:
+        self.request, self.fds = request, fds
+
+
+def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
+    """Import, then fork a worker per client until the listening socket is closed; in a child, its job."""
+    import importlib
+    import select
+
+    for name in (*_BASE_IMPORTS, *_top_level_imports(script)):
+        try:
+            importlib.import_module(name)
+        except Exception:  # a module the job imports lazily or conditionally: the worker imports it itself
+            pass
+    os.makedirs(map_dir, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # clients never see a socket that does not accept yet
+    listener.listen(64)
+    r_wake, w_wake = os.pipe()
+    os.set_blocking(w_wake, False)
+    def wake(*_):
+        try:
+            os.write(w_wake, b"x")
+        except OSError:  # the pipe is full: a wake-up is pending already
+            pass
+
+    signal.signal(signal.SIGCHLD, wake)
+    children: dict[int, socket.socket] = {}  # worker pid -> its client's connection
+    by_conn: dict[int, int] = {}  # connection fd -> worker pid
+    while True:
+        watched = [listener, r_wake, *children.values()]
+        try:
+            ready, _, _ = select.select(watched, [], [])
+        except InterruptedError:
+            continue
+        if r_wake in ready:
+            os.read(r_wake, 4096)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                by_conn.pop(conn.fileno(), None)
+                try:
+                    _send(conn, {"status": status})
+                except OSError:
+                    pass
+                conn.close()
+            try:
+                os.unlink(os.path.join(map_dir, str(pid)))
+            except OSError:
+                pass
+        for conn in [c for c in ready if c not in (listener, r_wake)]:
+            if conn.fileno() < 0:
+                continue
+            try:
+                gone = conn.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                gone = True
+            if gone:  # the client died (SIGKILL): its worker must not outlive it
+                pid = by_conn.pop(conn.fileno(), None)
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                conn.close()
+        if listener in ready:
+            conn, _ = listener.accept()
+            try:
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                client_pid = struct.unpack("3i", creds)[0]
+                (n,) = struct.unpack("!I", _recv_exact(conn, 4))
+                data, fds, _, _ = socket.recv_fds(conn, n, 3)
+                while len(data) < n:
+                    more = conn.recv(n - len(data))
+                    if not more:
+                        raise ConnectionError("closed")
+                    data += more
+                request = json.loads(data)
+            except (OSError, ConnectionError, ValueError):
+                conn.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the worker
+                listener.close()
+                os.close(r_wake)
+                os.close(w_wake)
+                for other in children.values():
+                    other.close()
+                conn.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                return _Job(request, fds)
+            for fd in fds:
+                os.close(fd)
+            with open(os.path.join(map_dir, str(pid)), "w") as f:
+                f.write(str(client_pid))
+            children[pid] = conn
+            by_conn[conn.fileno()] = pid
+            try:
+                _send(conn, {"pid": pid})
+            except OSError:
+                pass
+
+
+def _become(job: _Job) -> None:
+    """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
+    _pdeathsig()
+    for target, fd in zip((0, 1, 2), job.fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    request = job.request
+    os.environ.clear()
+    os.environ.update(request["env"])
+    from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV
+
+    if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
+        os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
+    os.chdir(request["cwd"])
+    for sig in _FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import random
+
+    random.seed()
+    try:
+        import numpy
+
+        numpy.random.seed(int.from_bytes(os.urandom(4), "little"))
+    except Exception:
+        pass
+    try:
+        import torch
+
+        torch.seed()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+    except Exception:
+        pass
+    import runpy
+
+    argv = list(request["argv"])
+    if argv and argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        path, map_dir, script = sys.argv[2], sys.argv[3], sys.argv[4:]
+        _pdeathsig(signal.SIGTERM)  # the launcher (torchrun) is gone: so is the zygote
+        job = serve(path, map_dir, script)
+        if job is None:
+            return
+        _become(job)  # SystemExit and exceptions end this process as they would a fresh interpreter
+        return
+    client_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
