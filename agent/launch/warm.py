@@ -240,18 +240,22 @@ def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
                 conn.close()
         if listener in ready:
             conn, _ = listener.accept()
+            fds: list[int] = []
             try:
                 creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
                 client_pid = struct.unpack("3i", creds)[0]
-                (n,) = struct.unpack("!I", _recv_exact(conn, 4))
-                data, fds, _, _ = socket.recv_fds(conn, n, 3)
-                while len(data) < n:
-                    more = conn.recv(n - len(data))
-                    if not more:
-                        raise ConnectionError("closed")
-                    data += more
-                request = json.loads(data)
+                # the descriptors ride on the frame's first bytes: read those with recv_fds (a plain recv
+                # would drop them)
+                head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+                if len(head) < 4:
+                    head += _recv_exact(conn, 4 - len(head))
+                (n,) = struct.unpack("!I", head)
+                request = json.loads(_recv_exact(conn, n))
+                if len(fds) != 3:
+                    raise ValueError(f"expected the client's 3 standard streams, got {len(fds)} descriptors")
             except (OSError, ConnectionError, ValueError):
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             sys.stdout.flush()
@@ -272,6 +276,8 @@ def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
                 f.write(str(client_pid))
             children[pid] = conn
             by_conn[conn.fileno()] = pid
+            print(f"trainwarden: warm worker pid {pid} forked for rank {request['env'].get('RANK', '?')} (client pid "
+                  f"{client_pid})", file=sys.stderr, flush=True)
             try:
                 _send(conn, {"pid": pid})
             except OSError:

@@ -94,9 +94,11 @@ def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path):
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path, start):
     """`crash` at step 10 under `trainwarden run`: torchrun restarts the group through the etcd3
-    rendezvous, every rank restores step 8, and every printed loss equals the uninterrupted run's."""
+    rendezvous, every rank restores step 8, and every printed loss equals the uninterrupted run's. ``warm``:
+    with --warm-workers the restarted ranks are forked from the zygote (agent/launch/warm.py); the same."""
     import os
     import sys
 
@@ -107,7 +109,7 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     log = tmp_path / "run.log"
     proc = module_procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8", "--max-restarts", "1",
-         "--monitor-interval", "0.5", "--job", "crash", "--",
+         "--monitor-interval", "0.5", "--job", "crash", *(["--warm-workers"] if start == "warm" else []), "--",
          "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
         log=log, env=env,
     )
@@ -121,6 +123,8 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     # step 8's asynchronous save may still be in flight when the crash hits: then step 4 is the newest
     # complete checkpoint, and resuming from it must reproduce the same losses
     assert re.search(r"resumed from checkpoint step [48] ", text)
+    if start == "warm":  # the restarted ranks were forked from the zygote, none started cold
+        assert sorted(int(r) for r in re.findall(r"warm worker pid \d+ forked for rank (\d+)", text)) == list(range(8))
     assert re.search(r"restarts     1 \(failed after step 9, resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
     ckpts = tmp_path / "state" / "jobs" / "crash" / "checkpoints"
     assert os.path.exists(ckpts / "latest")

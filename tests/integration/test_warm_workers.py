@@ -1,0 +1,115 @@
+"""Warm workers (agent/launch/warm.py): a real zygote (it imports torch) forks the workers that real client
+processes ask for; exit codes, signals both ways, a killed client, the pid map and the cold fallback. The
+training-level check (a crash under `trainwarden run --warm-workers` resumes to the uninterrupted losses) is
+in test_gpt.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from procs import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SCRIPT = """
+import os, signal, sys, time
+import torch  # already imported in the zygote: free here
+out = sys.argv[1]
+with open(out, "w") as f:
+    f.write(f"{os.getpid()} {os.getppid()} {os.environ.get('WARM_TEST', '')} {' '.join(sys.argv[2:])} "
+            f"{torch.get_num_threads()} {__name__}\\n")
+mode = sys.argv[2]
+if mode == "exit":
+    sys.exit(int(sys.argv[3]))
+if mode == "raise":
+    raise RuntimeError("boom")
+if mode == "kill-self":
+    os.kill(os.getpid(), signal.SIGTERM)
+if mode == "wait":
+    def bye(signum, frame):
+        with open(out + ".sig", "w") as f:
+            f.write(str(signum))
+        sys.exit(7)
+    signal.signal(signal.SIGUSR1, bye)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zygote(procs, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    sock, map_dir = str(tmp_path / "z.sock"), str(tmp_path / "map")
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock, map_dir, str(script)],
+                       log=tmp_path / "zygote.log")
+    wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 60, what="the zygote to listen")
+    assert proc.poll() is None, (tmp_path / "zygote.log").read_text()
+    env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": sock, "WARM_TEST": "from-client", "OMP_NUM_THREADS": "1"}
+    yield script, env, map_dir, proc
+
+
+def _client(script: Path, env: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainwarden.agent.launch.warm", str(script), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _report(path: Path) -> list[str]:
+    wait_for(path.exists, 30, what=f"{path.name}")
+    time.sleep(0.05)
+    return path.read_text().split()
+
+
+def test_the_worker_is_forked_from_the_zygote_and_exits_as_the_client(zygote, tmp_path):
+    script, env, map_dir, z = zygote
+    out = tmp_path / "a"
+    client = _client(script, env, str(out), "exit", "3")
+    assert client.wait(30) == 3, client.stderr.read()
+    pid, ppid, marker, *rest = _report(out)
+    assert int(ppid) == z.pid and int(pid) != client.pid  # forked by the zygote, not started by the client
+    assert marker == "from-client" and rest == ["exit", "3", "1", "__main__"]  # env, argv, threads, __main__
+
+    out = tmp_path / "b"
+    client = _client(script, env, str(out), "raise")
+    _, err = client.communicate(timeout=30)
+    assert client.returncode == 1 and b"RuntimeError: boom" in err  # the traceback on the client's stderr
+
+    client = _client(script, env, str(tmp_path / "c"), "kill-self")
+    assert client.wait(30) == -signal.SIGTERM  # killed by the signal that killed the worker
+
+
+def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):
+    script, env, map_dir, _ = zygote
+    out = tmp_path / "w"
+    client = _client(script, env, str(out), "wait")
+    worker = int(_report(out)[0])
+    assert Path(map_dir, str(worker)).read_text() == str(client.pid)  # what the supervisor's commit guard reads
+    client.send_signal(signal.SIGUSR1)  # forwarded
+    assert client.wait(30) == 7
+    assert Path(str(out) + ".sig").read_text() == str(int(signal.SIGUSR1))
+    wait_for(lambda: not Path(map_dir, str(worker)).exists(), 10, what="the map entry to go")
+
+    out = tmp_path / "k"
+    client = _client(script, env, str(out), "wait")
+    worker = int(_report(out)[0])
+    client.kill()
+    client.wait(10)
+    wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10,
+             what="the worker of a SIGKILLed client to die")
+
+
+def test_without_a_zygote_the_client_starts_cold(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": str(tmp_path / "nobody.sock"), "OMP_NUM_THREADS": "1"}
+    client = _client(script, env, str(tmp_path / "cold"), "exit", "4")
+    assert client.wait(60) == 4, client.stderr.read()
+    pid, ppid, *_ = _report(tmp_path / "cold")
+    assert int(pid) == client.pid  # exec'd in place: the client became the worker
