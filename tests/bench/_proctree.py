@@ -117,6 +117,10 @@ class WorkerWatch(threading.Thread):
         with self._lock:
             alive = [w for w in self._workers.values() if w.gone is None]
         for worker in alive:
+            if "--serve" in _cmdline(self._proc, worker.pid):  # the zygote, seen before its exec: no worker
+                with self._lock:
+                    self._workers.pop(worker.pid, None)
+                continue
             stat = _stat(self._proc, worker.pid)
             if stat is None or stat[0] in ("Z", "X") or stat[1] != self.launcher:
                 worker.gone = self._wall()
