@@ -150,6 +150,27 @@ def _top_level_imports(argv: list[str]) -> list[str]:
     return names
 
 
+def _unsafe_to_fork() -> str | None:
+    """Why forking workers from this process would be unsafe, after its imports (None: it is safe). A child
+    forked from a process with other threads inherits their locks but not the threads; one forked after CUDA
+    was initialised cannot use CUDA."""
+    import threading
+
+    # Python threads: a fork copies the locks they may hold (logging's, the import lock) but not them. Native
+    # pools that libraries start at import (OpenBLAS without OMP_NUM_THREADS=1) re-arm through their
+    # pthread_atfork handlers, as they do under torch's DataLoader workers.
+    threads = threading.active_count()
+    if threads > 1:
+        return f"the job's imports started {threads - 1} Python thread(s) in the process workers would fork from"
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return "the job's imports initialised CUDA, which a forked worker could not use"
+    except Exception:
+        pass
+    return None
+
+
 def _pdeathsig(sig: int = signal.SIGKILL) -> None:
     try:
         import ctypes
@@ -176,6 +197,11 @@ def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
             importlib.import_module(name)
         except Exception:  # a module the job imports lazily or conditionally: the worker imports it itself
             pass
+    problem = _unsafe_to_fork()
+    if problem is not None:
+        print(f"trainwarden: warm workers are off for this job: {problem}; restarted workers start cold",
+              file=sys.stderr, flush=True)
+        return None
     os.makedirs(map_dir, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -113,3 +113,20 @@ def test_without_a_zygote_the_client_starts_cold(tmp_path):
     assert client.wait(60) == 4, client.stderr.read()
     pid, ppid, *_ = _report(tmp_path / "cold")
     assert int(pid) == client.pid  # exec'd in place: the client became the worker
+
+
+def test_imports_that_start_a_thread_turn_warm_workers_off_and_clients_start_cold(procs, tmp_path):
+    (tmp_path / "thready.py").write_text("import threading, time\n"
+                                         "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    script = tmp_path / "job.py"
+    script.write_text("import thready\n" + SCRIPT)
+    sock = str(tmp_path / "z.sock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock,
+                          str(tmp_path / "map"), str(script)], log=tmp_path / "zygote.log", env=env)
+    assert zygote.wait(60) == 0
+    assert "warm workers are off for this job: the job's imports started 1 Python thread(s)" in \
+        (tmp_path / "zygote.log").read_text()
+    client = _client(script, {**env, "TRAINWARDEN_WARM_SOCKET": sock}, str(tmp_path / "cold"), "exit", "5")
+    assert client.wait(60) == 5
+    assert int(_report(tmp_path / "cold")[0]) == client.pid  # started cold, in place
