@@ -67,16 +67,19 @@ def _run(cmd: list[str], env: dict, log_path: Path, deadline_s: float, state_dir
         stop_group(proc)
 
 
-def trainwarden(root: Path, nproc: int, bound: float) -> dict:
-    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(root / "tw"), TRAINWARDEN_FAULTS=FAULT)
-    state = root / "tw" / "jobs" / "benchhang"
+def trainwarden(root: Path, nproc: int, bound: float, warm: bool = False) -> dict:
+    home = root / ("tw-warm" if warm else "tw")
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(home), TRAINWARDEN_FAULTS=FAULT)
+    state = home / "jobs" / "benchhang"
     cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job",
-           "benchhang", "--metrics-port", "0", "--monitor-interval", "0.5", "--", *GPT]
-    rc = _run(cmd, env, root / "tw.log", 600, state, bound)
+           "benchhang", "--metrics-port", "0", "--monitor-interval", "0.5",
+           *(["--warm-workers"] if warm else []), "--", *GPT]
+    log_path = home.with_suffix(".log")
+    rc = _run(cmd, env, log_path, 600, state, bound)
     fired = _fault_time(state)
     hangs = [json.loads(p.read_text()) for p in (state / "incidents").glob("*.json")]
     hangs = [h for h in hangs if h["kind"] == "hang"]
-    log = (root / "tw.log").read_text(errors="replace")
+    log = log_path.read_text(errors="replace")
     resumed = log.find("resumed from checkpoint")
     recovered = _first_step_after(log[resumed:], fired) if fired and resumed >= 0 else None
     return {"rc": rc, "fault_at": fired, "detected_s": hangs[0]["detected_at"] - fired if hangs and fired else None,
@@ -103,10 +106,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bound", type=float, default=120.0, help="seconds after the fault to give plain torchrun")
     ap.add_argument("--nproc", type=int, default=8)
+    ap.add_argument("--warm", action="store_true", help="also run `trainwarden run --warm-workers`")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tw-bench-hang-"))
     try:
         tw = trainwarden(root, args.nproc, args.bound)
+        warm = trainwarden(root, args.nproc, args.bound, warm=True) if args.warm else None
         plain = plain_torchrun(root, args.nproc, args.bound)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -114,6 +119,10 @@ def main() -> None:
     print(f"trainwarden run : detected after {tw['detected_s']:.1f} s (culprit ranks {tw['culprits']}), "
           f"first step after resume {tw['recovered_s']:.1f} s after the fault, rc={tw['rc']}"
           if tw["detected_s"] is not None and tw["recovered_s"] is not None else f"trainwarden run: {tw}")
+    if warm is not None:
+        print(f"... --warm-workers: detected after {warm['detected_s']:.1f} s (culprit ranks {warm['culprits']}), "
+              f"first step after resume {warm['recovered_s']:.1f} s after the fault, rc={warm['rc']}"
+              if warm["detected_s"] is not None and warm["recovered_s"] is not None else f"warm: {warm}")
     if plain["progress_after_fault_s"] is None:
         print(f"plain torchrun  : no detection and no progress {args.bound:.0f} s after the fault "
               f"(cut off; gloo's default collective timeout is 1800 s), rc={plain['rc']}")
