@@ -57,8 +57,8 @@ def add_parser(sub) -> None:
                    help="address of the Prometheus endpoint (default 127.0.0.1)")
     p.add_argument("--no-agent", action="store_true",
                    help="run without the in-process agent (no telemetry, metrics or watchdog)")
-    p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between torchrun's checks of its workers (default 1)")
+    p.add_argument("--monitor-interval", type=float, default=0.25, metavar="S",
+                   help="seconds between torchrun's checks of its workers (default 0.25)")
     p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
                    help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")

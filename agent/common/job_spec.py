@@ -72,6 +72,8 @@ class JobSpec:
     straggler_policy: str = "alert"
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
+    warm_workers: bool = False
+    """``trainwarden run --warm-workers``: restarted workers fork with torch imported (agent/launch/warm.py)."""
     auto_resume: bool = True
     """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
     operator's `trainwarden resume` does."""
@@ -92,6 +94,8 @@ class JobSpec:
         """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
         args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
+        if self.warm_workers:
+            args.append("--warm-workers")
         env = dict(self.env)
         if self.checkpoint_dir:  # the workers' TRAINWARDEN_CHECKPOINT_DIR (the reference job's --ckpt-dir default)
             env.setdefault(CHECKPOINT_DIR_ENV, self.checkpoint_dir)
@@ -101,7 +105,8 @@ class JobSpec:
 
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
-           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool}
+           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool,
+           "warm_workers": bool}
 _REQUIRED = ("name", "command")
 _TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string",
                bool: "true or false"}
@@ -187,7 +192,8 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
-                   nodes=tuple(nodes), auto_resume=data.get("auto_resume", True))
+                   nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
+                   warm_workers=data.get("warm_workers", False))
 
 
 def dumps(spec: JobSpec) -> str:

@@ -89,7 +89,7 @@ class RunOptions:
     """TLS and auth for ``etcd``: the run's own clients and torchrun's rendezvous take the same settings."""
     max_restarts: int = 3
     """Worker-group restarts before the job fails."""
-    monitor_interval: float = 1.0
+    monitor_interval: float = 0.25
     """Seconds between torchrun's health checks of its workers."""
     state_home: Path | None = None
     """Root of job state directories (default: see ``paths.default_state_home``)."""

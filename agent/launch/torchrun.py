@@ -8,7 +8,7 @@ torchrun, and why:
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch 2.13 otherwise shares one TCP store across restart
   rounds and restarted gloo workers fail in ``connectFullMesh`` against the previous round's keys;
 - a restart budget (``--max-restarts``) and a short monitor interval, so a crash is noticed in about
-  a second;
+  a quarter of a second;
 - the runtime's environment: job name, state directory, agent socket, Flight Recorder on.
 """
 
@@ -62,7 +62,7 @@ class LaunchSpec:
     """``N`` or ``MIN:MAX`` nodes (elastic)."""
     max_restarts: int = 3
     """Worker-group restarts torchrun may do before the job fails."""
-    monitor_interval: float = 1.0
+    monitor_interval: float = 0.25
     """Seconds between torchrun's checks of its workers."""
     agent_socket: str | None = None
     """Unix socket of the node agent, passed to workers as ``TRAINWARDEN_AGENT_SOCKET``."""

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt", "--steps", "10"],
         "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
-        "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"}}
+        "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"},
+        "warm_workers": True, "auto_resume": False}
 
 
 def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
@@ -32,8 +33,10 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert args[:4] == ["--job", "gpt-small", "--nnodes", "2:4"]
     assert "OMP_NUM_THREADS=4" in args and "TRAINWARDEN_CHECKPOINT_DIR=/shared/ckpt" in args
     assert args[args.index("--") + 1:] == GOOD["command"]
+    assert "--warm-workers" in args and not spec.auto_resume
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
+    assert minimal.auto_resume and not minimal.warm_workers and "--warm-workers" not in minimal.launcher_args()
     assert minimal.targets("anything")
 
 
@@ -52,6 +55,8 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     ({"nodes": ["ok", "bad/name"]}, "field 'nodes' entry 'bad/name' is not a node name"),
     ({"env": {"A": 1}}, "field 'env' entry 'A' must map a variable name"),
     ({"checkpoint_dir": ""}, "field 'checkpoint_dir' is empty"),
+    ({"auto_resume": "yes"}, "field 'auto_resume' must be true or false, got str 'yes'"),
+    ({"warm_workers": 1}, "field 'warm_workers' must be true or false, got int 1"),
 ])
 def test_each_bad_field_is_named_with_the_file(change, message):
     with pytest.raises(JobSpecError) as info:
