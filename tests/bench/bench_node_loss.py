@@ -50,7 +50,8 @@ TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\]
                        r"Rendezvous complete for workers)", re.M)
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
 SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition", "tw-grow",
-             "torchrun-grow")
+             "torchrun-grow", "tw-kill-warm", "tw-partition-warm")
+"""``-warm``: ``trainwarden run --warm-workers`` (the survivors' restarted workers fork with torch imported)."""
 RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint step "
                               r"(\d+)", re.M)
 
@@ -71,7 +72,8 @@ def _command(scenario: str, bed: TestBed, node: str, ckpt: Path, state: Path) ->
     if scenario.startswith("tw-"):
         return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:3",
                 "--nproc-per-node", "2", "--node", node, "--max-restarts", "3", "--job", "bench",
-                "--etcd", bed.etcd_endpoints, "--", *job], env
+                "--etcd", bed.etcd_endpoints, *(["--warm-workers"] if scenario.endswith("-warm") else []),
+                "--", *job], env
     store = "n2" if scenario == "torchrun-kill-store" else "n0"
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="eth0")
     env.pop("TRAINWARDEN_AGENT_SOCKET", None)
@@ -151,7 +153,7 @@ def run_grow(scenario: str, bound: float, workdir: Path) -> dict:
 def run_scenario(scenario: str, bound: float, workdir: Path) -> dict:
     if scenario.endswith("-grow"):
         return run_grow(scenario, bound, workdir)
-    fault = "partition" if scenario.endswith("partition") else "kill"
+    fault = "partition" if "partition" in scenario else "kill"
     ckpt, state = workdir / "ckpt", workdir / "state"
     with TestBed(nodes=3, etcd_members=3 if scenario.startswith("tw-") else 0, workdir=workdir / "bed") as bed:
         logs = {n: workdir / f"{n}.log" for n in ("n0", "n1", "n2")}
