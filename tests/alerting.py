@@ -13,7 +13,6 @@ import calendar
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -22,10 +21,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import yaml
 
-from procs import ProcessGroup, wait_for
+from procs import ProcessGroup, stop_recorded_launchers, wait_for
 from trainwarden.agent.etcd.client import open_client
 from trainwarden.agent.etcd.embedded import free_port
 from trainwarden.agent.etcd.jobs import JobControl
@@ -194,27 +192,13 @@ class AlertingBed:
 
     def close(self) -> None:
         """Stop the launchers the daemon started (by their records: pid and start time)."""
-        owned = []
+        records = []
         for path in (self.home / "daemon" / "launchers").glob("*.json"):
             try:
-                rec = json.loads(path.read_text())
-                proc = psutil.Process(rec["pid"])
-                if abs(proc.create_time() - rec["started"]) <= 0.01:
-                    owned.append((proc, proc.children(recursive=True)))
-            except (ValueError, KeyError, psutil.Error):
+                records.append(json.loads(path.read_text()))
+            except ValueError:
                 continue
-        for proc, _ in owned:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-        psutil.wait_procs([p for p, _ in owned], timeout=30)
-        for proc, children in owned:
-            for p in [proc, *children]:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
+        stop_recorded_launchers(records)
 
 
 def _spec(path: Path, name: str, ckpt: Path) -> Path:

@@ -95,3 +95,32 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def stop_recorded_launchers(records) -> None:
+    """Stop the launchers a node daemon started, from its records (``{"pid", "started"}``, the start time as psutil
+    gives it): those run in sessions of their own by design, so no process group of a test reaches them. Only a
+    pid whose start time still matches is ours; SIGTERM first (`trainwarden run` stops torchrun and its workers),
+    SIGKILL to whatever of it is left after 30 s."""
+    import psutil
+
+    owned = []
+    for rec in records:
+        try:
+            proc = psutil.Process(rec["pid"])
+            if abs(proc.create_time() - rec["started"]) <= 0.01:
+                owned.append((proc, proc.children(recursive=True)))
+        except (KeyError, TypeError, psutil.Error):
+            continue
+    for proc, _ in owned:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    psutil.wait_procs([p for p, _ in owned], timeout=30)
+    for proc, children in owned:
+        for p in [proc, *children]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

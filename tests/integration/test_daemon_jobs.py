@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from procs import wait_for
+from procs import stop_recorded_launchers, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -82,27 +82,7 @@ class Daemons:
 
     def close(self) -> None:
         homes = {p.parent.parent.parent.name for p in self.tmp.glob("*/daemon/launchers/*.json")}
-        records = [rec for node in set(self.running) | homes for rec in self.launchers(node).values()]
-        owned = []
-        for rec in records:
-            try:
-                proc = psutil.Process(rec["pid"])
-                if abs(proc.create_time() - rec["started"]) <= 0.01:
-                    owned.append((proc, proc.children(recursive=True)))
-            except psutil.Error:
-                continue
-        for proc, _ in owned:  # `trainwarden run` stops torchrun and its workers on SIGTERM
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-        psutil.wait_procs([p for p, _ in owned], timeout=30)
-        for proc, children in owned:
-            for p in [proc, *children]:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
+        stop_recorded_launchers(rec for node in set(self.running) | homes for rec in self.launchers(node).values())
 
 
 @pytest.fixture
