@@ -40,20 +40,19 @@ from trainwarden.agent.common.signals import StopOnSignals
 from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
-from trainwarden.agent.etcd.keys import job_key
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, agree_checkpoint_step,
-                                           commit_in_round, read_leave, request_leave, round_id)
+from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, commit_in_round, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
-from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, GROW_WAIT_S, REPLY_FD_ENV
+from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.launch.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchrun_command, validate_launch,
@@ -130,11 +129,6 @@ dead node leaves the rendezvous 4-6 s after it died, and a round with at least M
 the last one joined. The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
 N/2 of them a second (not measured beyond the test bed's few nodes)."""
 
-GROW_MARGIN_STEPS, GROW_MARGIN_S = 5, 3.0
-"""Before the job grows, every worker checkpoints after one agreed step: the proposing node's latest step plus
-at least this many steps and this many seconds of steps, so that no rank on any node has passed it by the time
-the request reaches it (ranks of a synchronous job are within a step or two of each other)."""
-
 
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     """Run the job to its end (or until SIGINT/SIGTERM); returns the command's exit code."""
@@ -167,8 +161,6 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
 
 _FENCED = object()
 """``supervise``'s answer when this node lost etcd and stopped its workers (fencing)."""
-_LEFT = object()
-"""``supervise``'s answer when this node left the job on request (SIGUSR1, a drain); the job goes on."""
 
 
 class _Abandon(Exception):
@@ -194,18 +186,11 @@ def _describe_failures(failures: list[dict]) -> str:
     return "; ".join(parts) or "no worker reported"
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun:
+class _JobRun(Regrouping):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -505,130 +490,6 @@ class _JobRun:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
 
-    # ---- leaving the job on request (SIGUSR1: a drain) ------------------------------------------------
-
-    def on_leave_signal(self, signum, frame) -> None:
-        self._leave_asked.set()
-
-    def _watch_leave_loop(self, done: threading.Event) -> None:
-        while not done.wait(0.5):
-            self._watch_leave()
-
-    def _watch_leave(self) -> None:
-        """The leave protocol's watcher (a thread beside the supervise loop): ask for this node's leave when told
-        to, and act on the round's leave request, whichever node made it (module docstring;
-        agent/etcd/cluster.py). etcd calls here may take the client's timeout; nothing else waits for them."""
-        round_ = self._round
-        if self._leave_asked.is_set() and not self._multi_node and not self._leave_rounds:
-            self._leave_rounds.add(round_)
-            self._spawn(self._leave_alone)
-            return
-        if not self._multi_node or round_ is None or self.agent is None or round_ in self._leave_rounds:
-            return
-        now = time.monotonic()
-        if now - getattr(self, "_leave_polled", 0.0) < 1.0:
-            return
-        self._leave_polled = now
-        try:
-            key = str(round_)
-            if not self._leave_asked.is_set() and self._excluded():
-                print(f"trainwarden: node {self.node} is to be left out of job {self.opts.job} (straggler policy "
-                      "exclude); it leaves at a step boundary after a checkpoint", file=self.out, flush=True)
-                self._leave_asked.set()
-            if self._leave_asked.is_set() and self._asked_leave_round != round_:
-                self._asked_leave_round = round_
-                request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
-            request = read_leave(self.client, self.opts.job, key)
-        except Exception as exc:
-            logger.debug("cannot read the job's leave requests: %s", describe_etcd_error(exc))
-            return
-        if request is not None:
-            self._leave_rounds.add(round_)
-            self._leave_done[round_] = threading.Event()
-            self._spawn(self._on_leave, request, round_)
-
-    def _step_ahead(self) -> int:
-        """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
-        median = self.progress.median_step_seconds() or 1.0
-        return self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
-
-    def _excluded(self) -> bool:
-        """This node's watchdog asked for the node's exclusion from the job (``jobs/<job>/exclude/<node>``,
-        written under straggler policy ``exclude``): the request takes effect as a leave."""
-        value, _ = self.client.get(job_key(self.opts.job, "exclude", self.node))
-        return value is not None
-
-    def _spawn(self, target, *args) -> None:
-        threading.Thread(target=target, args=args, name="trainwarden-leave", daemon=True).start()
-
-    def _on_leave(self, request: dict, round_) -> None:
-        """Node ``request["node"]`` leaves after step ``request["step"]``: every local worker saves after it and
-        holds; once it is committed the leaver stops its workers and the others regroup without it."""
-        leaver, step = request["node"], request["step"]
-        me = leaver == self.node
-        try:
-            asked = self.agent.actions.request_checkpoint(self.opts.job, step, hold=True)
-            print(f"trainwarden: node {leaver} leaves job {self.opts.job}: every worker checkpoints after step {step} "
-                  f"and waits there; this node asked rank{'s' if len(asked) != 1 else ''} "
-                  f"{','.join(map(str, asked)) or 'none'}", file=self.out, flush=True)
-            committed = self._wait_for_commit(step)
-        finally:
-            self._leave_done[round_].set()
-        if me:
-            self._left_step = step if committed else None
-            self._left.set()
-        else:
-            print(f"trainwarden: node {leaver} has left; the job regroups without it"
-                  f"{f' from step {step}' if committed else ''}", file=self.out, flush=True)
-            self._reply(f"restart {round_}\n".encode())  # for this round only: stale once the group regrouped
-
-    def _leave_alone(self) -> None:
-        """A one-node job asked to leave: checkpoint at a step boundary, then stop (resumable from it)."""
-        step = self._step_ahead()
-        if self.agent is not None:
-            self.agent.actions.request_checkpoint(self.opts.job, step, hold=True)
-            print(f"trainwarden: leaving job {self.opts.job}: the workers checkpoint after step {step}",
-                  file=self.out, flush=True)
-            self._left_step = step if self._wait_for_commit(step) else None
-        self._left.set()
-
-    def _finish_leave(self) -> object:
-        self.pump.quiet = True
-        self.torchrun.stop(grace=10.0)  # SIGTERM: torchrun does not close the rendezvous on a signal
-        self.pump.join(5)
-        self.events.join(5)
-        saved = f"after the checkpoint of step {self._left_step}" if self._left_step else \
-            "without a new checkpoint (it was not committed in time)"
-        if self._multi_node:
-            print(f"trainwarden: node {self.node} left job {self.opts.job} {saved}; the job goes on without it",
-                  file=self.out, flush=True)
-            return _LEFT
-        self.transition(JobPhase.STOPPED, f"drained {saved}")
-        print(f"trainwarden: job {self.opts.job} stopped {saved} (its node was drained); resume it on another "
-              "node from that checkpoint", file=self.out, flush=True)
-        return _LEFT
-
-    def _wait_for_commit(self, step: int) -> bool:
-        """Until the checkpoint of ``step`` is committed (True), or it cannot be: a local worker died, its save
-        failed, torchrun ended, or GROW_WAIT_S passed."""
-        deadline = time.monotonic() + GROW_WAIT_S - 10.0
-        workers = self._workers()
-        while time.monotonic() < deadline and self.torchrun is not None and self.torchrun.poll() is None:
-            if self._committed(step):
-                return True
-            if self._failed_step >= step or any(not _alive(w) for w in workers):
-                break
-            time.sleep(0.5)
-        print(f"trainwarden: the checkpoint of step {step} was not committed; going on from the latest one there is",
-              file=self.out, flush=True)
-        return False
-
-    def _reply(self, line: bytes) -> None:
-        try:
-            os.write(self._reply_fd, line)
-        except (OSError, TypeError):
-            pass  # torchrun is gone, or was started without the pipe: nothing waits for us
-
     @property
     def _multi_node(self) -> bool:
         return parse_nnodes(self.opts.nnodes)[1] > 1
@@ -847,65 +708,6 @@ class _JobRun:
             self.records.put_checkpoint(job, pointer)
             return None
         return commit_in_round(self.client, job, round_id(self.record.generation, self._round), pointer)
-
-    # ---- growing: a checkpoint at one step on every node, then the membership restart ----------------------
-
-    def _checkpoint_before_growing(self, round_: int | None) -> None:
-        """Nodes wait to join this healthy round and torchrun waits for our ``go`` to restart the workers
-        into a larger world (agent/launch/elastic.py). Every node agrees on one step in etcd, has its workers
-        save after it and hold, and answers ``go`` once that checkpoint is committed: the new round restores
-        it and loses no step. Whatever goes wrong, ``go`` is answered: the restart then replays the steps
-        since the latest checkpoint, as it would without this."""
-        done = self._leave_done.get(round_)
-        if done is not None:  # a node leaves in this round: its checkpoint is the one the restart resumes from
-            done.wait(GROW_WAIT_S)
-            if not self._left.is_set():
-                self._reply(b"go\n")
-            return
-        try:
-            self._grow_checkpoint(round_)
-        except Exception as exc:
-            print(f"trainwarden: no checkpoint before the job grows ({describe_etcd_error(exc)}); it restarts "
-                  "from the latest one, replaying the steps since", file=self.out, flush=True)
-        finally:
-            self._reply(b"go\n")
-
-    def _grow_checkpoint(self, round_: int | None) -> None:
-        job = self.opts.job
-        if self.agent is None or self.client is None:
-            print("trainwarden: nodes wait to join; without the node agent the workers cannot checkpoint on request: "
-                  "restarting from the latest checkpoint", file=self.out, flush=True)
-            return
-        proposal = self._step_ahead()
-        step, proposer = agree_checkpoint_step(self.client, job, "round-unknown" if round_ is None else str(round_),
-                                               proposal, self.node)
-        asked = self.agent.actions.request_checkpoint(job, step, hold=True)
-        print(f"trainwarden: nodes wait to join job {job}: every worker checkpoints after step {step} (proposed by "
-              f"{proposer}) and waits there; this node asked rank{'s' if len(asked) != 1 else ''} "
-              f"{','.join(map(str, asked)) or 'none'}", file=self.out, flush=True)
-        if self._wait_for_commit(step):
-            print(f"trainwarden: checkpoint of step {step} committed; the job restarts with the waiting nodes",
-                  file=self.out, flush=True)
-
-    def _workers(self) -> list[psutil.Process]:
-        procs = []
-        for pid in self._worker_pids:
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.Error:
-                pass
-        return procs
-
-    def _committed(self, step: int) -> bool:
-        """The checkpoint of ``step`` (or a later one) is committed: reported by a worker of this node (the
-        committing rank), or published in etcd by the node that has it."""
-        if self._committed_step >= step:
-            return True
-        try:
-            pointer = self.records.get_checkpoint(self.opts.job) or {}
-        except Exception:  # etcd away: the local report may still come
-            return False
-        return int(pointer.get("step") or 0) >= step
 
     def _on_line(self, line: str) -> None:
         """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""
