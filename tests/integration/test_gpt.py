@@ -125,7 +125,9 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     assert re.search(r"resumed from checkpoint step [48] ", text)
     if start == "warm":  # the restarted ranks were forked from the zygote, none started cold
         assert sorted(int(r) for r in re.findall(r"warm worker pid \d+ forked for rank (\d+)", text)) == list(range(8))
-    assert re.search(r"restarts     1 \(failed after step 9, resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
+    # the summary's "failed after" is the newest step the agent heard of: a rank's report of step 9 is batched
+    # (flushed every 0.5 s) and is lost when rank 5's crash takes the group down before the flush, so 8 or 9
+    assert re.search(r"restarts     1 \(failed after step [89], resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
     ckpts = tmp_path / "state" / "jobs" / "crash" / "checkpoints"
     assert os.path.exists(ckpts / "latest")
     # torchrun reports whichever failed worker it noticed first (often a peer rank 5 took down); the
