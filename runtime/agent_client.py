@@ -8,11 +8,12 @@ A daemon thread owns the connection. It opens one bidirectional gRPC stream to t
 reads the agent's commands from it (handing each to `on_command`); gRPC pulls our request generator from
 its own thread, and that generator does the work: every `flush_interval_s` it drains the deque, turns
 records into protobuf messages (the steps of one drain go in one message) and feeds step boundaries to
-the collective reducer; every `fr_interval_s` it reads new Flight Recorder entries and sends cumulative
+the collective reducer; at the instants a `ReadSchedule` picks (every `fr_interval_s` at most, sooner when
+the ring would wrap before, never so often that reads take more than `fr_max_duty` of the time, on a
+wall-clock grid the node's ranks share) it reads new Flight Recorder entries and sends cumulative
 collective totals and the training thread's arrivals (an empty Collectives record when the recorder is
 unavailable: the agent advances compute time on it). A read costs time in proportion to the ring's size,
-not to the new entries (torch 2.13: ~8-20 ms for 1,000 entries, about a second for 20,000 on a 2-core
-VM), so the interval stretches to keep the median CPU cost of recent reads under `fr_max_duty`.
+not to the new entries (torch 2.13: ~6-12 us an entry on a 2-core VM, most of it with the GIL held).
 
 When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
 oldest drop), and the thread reconnects with exponential backoff capped at `backoff_max_s`, on one
@@ -26,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -40,7 +40,7 @@ from trainwarden.agent.proto import contract
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto.contract import EXIT_ABORTED
 
-from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder
+from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity
 
 __all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_collectives", "abort_process",
            "ask_commit"]
@@ -68,11 +68,13 @@ class ClientConfig:
     flush_interval_s: float = 0.5
     """How often the sender drains the queue."""
     fr_interval_s: float = 1.5
-    """Minimum seconds between Flight Recorder reads."""
+    """Longest period between Flight Recorder reads (how late arrivals may reach the agent)."""
+    fr_min_interval_s: float = 0.5
+    """Shortest period between reads, however fast the ring fills."""
     fr_max_duty: float = 0.005
-    """Longest share of one core's time spent reading the Flight Recorder: a read costs CPU in proportion
-    to the ring's size (not to the new entries), so costly reads (the median of the last 5) stretch the
-    interval to the next one."""
+    """Longest share of the time spent reading the Flight Recorder: a read costs CPU (with the GIL held)
+    in proportion to the ring's size, not to the new entries, so costly reads (the median of the last 5)
+    lengthen the period; collectives that overrun the ring in between are then sampled."""
     backoff_initial_s: float = 0.05
     """First reconnect delay."""
     backoff_max_s: float = 2.0
@@ -83,7 +85,7 @@ class ClientConfig:
             raise ValueError("socket_path must name the agent's unix socket")
         if self.queue_size < 16:
             raise ValueError(f"queue_size must be at least 16, got {self.queue_size}")
-        for name in ("flush_interval_s", "fr_interval_s", "fr_max_duty", "backoff_initial_s",
+        for name in ("flush_interval_s", "fr_interval_s", "fr_min_interval_s", "fr_max_duty", "backoff_initial_s",
                      "backoff_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -108,8 +110,12 @@ class TelemetryClient:
         self.reconnects = 0
         self.sent = 0
         self._reported_dropped = 0
-        self._next_fr_read = 0.0
-        self._fr_costs: deque[float] = deque(maxlen=5)  # CPU seconds of recent Flight Recorder reads
+        self._schedule = ReadSchedule(interval_s=config.fr_interval_s, min_interval_s=config.fr_min_interval_s,
+                                      max_duty=config.fr_max_duty, capacity=ring_capacity())
+        self._next_fr_read = self._schedule.next_read(time.time())  # wall clock: the grid the ranks share
+        self._fr_seen = 0  # entries returned or missed so far: their growth is the ring's fill rate
+        self.fr_reads = 0
+        self.fr_read_cpu_s = 0.0
         self._reported_missed = 0
         self._closing = threading.Event()
         self._goodbye = "closed"
@@ -211,8 +217,8 @@ class TelemetryClient:
         yield pb.WorkerMessage(hello=hello)
         while not stream_done.is_set():
             closing = self._closing.is_set()
-            if not closing:
-                self._wake.wait(self.config.flush_interval_s)
+            if not closing:  # wake for the next flush, or on the read grid if that comes first
+                self._wake.wait(max(0.0, min(self.config.flush_interval_s, self._next_fr_read - time.time())))
                 self._wake.clear()
                 if stream_done.is_set():  # the call failed while we waited: keep the records queued
                     return
@@ -255,17 +261,20 @@ class TelemetryClient:
                     stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
-        now = time.monotonic()
-        if final or now >= self._next_fr_read:
+        now = time.time()
+        # (a wall clock stepped back by more than a period would otherwise put the next read far away)
+        if final or now >= self._next_fr_read or self._next_fr_read - now > 2 * self._schedule.period_s:
             cpu = time.thread_time()
             messages.append(self._collectives())
-            # the duty budget is CPU this thread spends reading (waiting for the GIL costs the step nothing),
-            # and it follows the median of recent reads: one slow read (start-up, a checkpoint's burst) must
-            # not push the next one so far away that the ring wraps and the agent goes blind for seconds
-            self._fr_costs.append(time.thread_time() - cpu)
-            cost = statistics.median(self._fr_costs)
-            interval = max(self.config.fr_interval_s, cost / self.config.fr_max_duty)
-            self._next_fr_read = time.monotonic() + interval
+            # the duty budget is CPU this thread spends reading (with the GIL held: the training thread's
+            # time too), and it follows the median of recent reads: one slow read (start-up, a checkpoint's
+            # burst) must not push the next one so far away that the ring wraps and the agent goes blind
+            cost = time.thread_time() - cpu
+            self.fr_reads += 1
+            self.fr_read_cpu_s += cost
+            seen = self._fr.missed + self._fr.returned if self._fr is not None else 0
+            self._next_fr_read = self._schedule.next_read(now, cost_s=cost, entries=seen - self._fr_seen)
+            self._fr_seen = seen
         if self.dropped != self._reported_dropped:
             self._reported_dropped = self.dropped
             messages.append(pb.WorkerMessage(stats=pb.ClientStats(dropped=self.dropped,
@@ -284,10 +293,14 @@ class TelemetryClient:
             except Exception as exc:  # keep sending steps when the recorder misbehaves
                 log.warning("flight recorder read failed: %s", exc)
             if fr.missed > self._reported_missed:
-                log.warning("%d flight recorder entries were overwritten before they were read; collective "
-                            "wait is underestimated (more collectives than the ring holds between reads: raise "
-                            "fr_max_duty or TORCH_FR_BUFFER_SIZE)",
-                            fr.missed - self._reported_missed)
+                # once per process: a job this fast is sampled on purpose, every read would say it again
+                (log.warning if self._reported_missed == 0 else log.debug)(
+                    "%d flight recorder entries were overwritten before they were read: this rank enqueues "
+                    "more collectives in %.2g s than the ring holds, and reading it more often would cost more "
+                    "than %.2g%% of the time, so collectives are sampled (each read sees the ring's last "
+                    "entries; collective wait is measured on those). TRAINWARDEN_FR_MAX_DUTY or "
+                    "TORCH_FR_BUFFER_SIZE trade cost for coverage", fr.missed - self._reported_missed,
+                    self._schedule.period_s, self.config.fr_max_duty * 100)
                 self._reported_missed = fr.missed
         ops = [pb.CollectiveSummary(process_group=s.process_group, op=s.op, count=s.count,
                                     wait_seconds=s.wait_seconds, last_seq_id=s.last_seq_id)

@@ -34,18 +34,22 @@ read as a fallback). Without it the dump has no entries. TORCH_NCCL_ENABLE_TIMIN
 NCCL and is ignored by gloo. The launcher sets `FLIGHT_RECORDER_ENV` for workers.
 
 Ring size: every read dumps and unpickles the whole ring, so its cost grows with TORCH_FR_BUFFER_SIZE, not
-with the number of new entries (torch 2.13 on a 2-core VM: about 8-20 us an entry, most of it in the C++
-dump with the GIL held; ~1-2 s for 20,000). We keep 1,000: enough to name a hang's culprit (only the last
-few collectives per group matter) and 4 s of the reference job's collectives (about 240 a second on 4 CPU
-ranks), more than the client's read interval; entries overwritten before a read are counted (`missed`)
-and break the arrival chain there, which the agent handles.
+with the number of new entries (torch 2.13 on a 2-core VM: about 6-12 us an entry, most of it in the C++
+dump with the GIL held; ~1-2 s for 20,000). We keep 256: enough to name a hang's culprit (only the last
+few collectives per group matter) and about 1 s of the reference job's collectives (some 240 a second on 4
+CPU ranks). `ReadSchedule` reads before the ring wraps while that costs at most `fr_max_duty` of the time
+and samples beyond it; entries overwritten before a read are counted (`missed`) and break the arrival chain
+there, which the agent handles.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
+import os
 import pickle
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -53,7 +57,7 @@ from typing import Callable, Iterable
 from trainwarden.agent.proto.contract import FLIGHT_RECORDER_ENV
 
 __all__ = ["FLIGHT_RECORDER_ENV", "ArrivalBatch", "ArrivalLog", "CollectiveReducer", "CollectiveSummary",
-           "FlightRecorder"]
+           "FlightRecorder", "ReadSchedule", "ring_capacity"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +102,9 @@ class FlightRecorder:
         self._next_id = 0          # every record id below this was returned (or missed)
         self._returned: set[int] = set()  # ids at or above _next_id already returned
         self.missed = 0
+        """Entries overwritten before a read returned them."""
+        self.returned = 0
+        """Entries returned so far."""
 
     @property
     def available(self) -> bool:
@@ -141,7 +148,80 @@ class FlightRecorder:
         while self._next_id in self._returned:
             self._returned.discard(self._next_id)
             self._next_id += 1
+        self.returned += len(new)
         return new
+
+
+def ring_capacity(env: "dict[str, str] | os._Environ[str]" = os.environ) -> int | None:
+    """Entries the recorder keeps (TORCH_FR_BUFFER_SIZE, or its older name); None when unset or unreadable."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        value = env.get(name)
+        if value:
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+GRID_S = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+"""The read periods a schedule picks from: ranks that pick the same one read at the same instants."""
+
+
+class ReadSchedule:
+    """When to read the Flight Recorder next: as rarely as coverage allows, on a grid the node's ranks share.
+
+    A read dumps the whole ring, so it costs time in proportion to the ring's size whatever is new (with the
+    GIL held, the training thread's time). What a read must not do is come so late that the ring wrapped:
+    the entries in between are lost to the straggler detector. So the period is
+
+    * at most ``interval_s`` (the detectors' latency: arrivals reach the agent within a period),
+    * shorter when the collectives would fill ``fill_margin`` of the ring sooner (``capacity`` over the
+      highest recent rate of new entries),
+    * but never shorter than ``min_interval_s`` nor than the median cost of recent reads over ``max_duty``
+      (a job that enqueues collectives faster than that is *sampled*: each read sees the ring's last
+      ``capacity`` entries, and `FlightRecorder.missed` counts the rest);
+
+    rounded to a period of `GRID_S` (down when coverage bounds it, up when cost does), and each read falls
+    on a multiple of that period in wall-clock time. The node's ranks run at the same rate and share the
+    clock, so they read at the same instants and a sampled window holds the same collectives on every rank:
+    the arrivals still match across ranks.
+    """
+
+    def __init__(self, *, interval_s: float, min_interval_s: float, max_duty: float, capacity: int | None,
+                 fill_margin: float = 0.75) -> None:
+        self.interval_s = interval_s
+        self.min_interval_s = min(min_interval_s, interval_s)
+        self.max_duty = max_duty
+        self.capacity = capacity
+        self.fill_margin = fill_margin
+        self.period_s = interval_s
+        self._costs: deque[float] = deque(maxlen=5)
+        self._rates: deque[float] = deque(maxlen=3)
+        self._last_read: float | None = None
+
+    def next_read(self, now: float, *, cost_s: float | None = None, entries: int = 0) -> float:
+        """After a read at wall time ``now`` that cost ``cost_s`` seconds (CPU) and found ``entries`` new
+        (or overwritten) ones: the wall time of the next read. Without ``cost_s``: the first one."""
+        if cost_s is not None:
+            self._costs.append(cost_s)
+            if self._last_read is not None and now > self._last_read:
+                self._rates.append(entries / (now - self._last_read))
+        self._last_read = now  # (the first call: when counting began)
+        upper = self.interval_s
+        if self.capacity and self._rates and max(self._rates) > 0:
+            upper = min(upper, self.fill_margin * self.capacity / max(self._rates))
+        lower = self.min_interval_s
+        if self._costs:
+            lower = max(lower, statistics.median(self._costs) / self.max_duty)
+        if lower > upper:  # coverage costs more than the budget: sample
+            period = next((g for g in GRID_S if g >= lower), lower)
+        else:
+            period = next((g for g in reversed(GRID_S) if lower <= g <= upper), None)
+            if period is None:  # no grid period fits the range: the nearest above its floor
+                period = next((g for g in GRID_S if g >= lower), lower)
+        self.period_s = period
+        return (math.floor(now / period) + 1) * period
 
 
 def _done(entry: dict) -> bool:

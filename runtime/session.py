@@ -171,10 +171,14 @@ class Session:
         return self._client is not None
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
+        """The telemetry client's counters: records dropped, reconnects, messages sent, Flight Recorder
+        reads and the CPU seconds they took, entries overwritten before a read."""
         c = self._client
-        return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent} if c else \
-            {"dropped": 0, "reconnects": 0, "sent": 0}
+        if c is None:
+            return {"dropped": 0, "reconnects": 0, "sent": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0, "fr_missed": 0}
+        return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent, "fr_reads": c.fr_reads,
+                "fr_read_cpu_s": round(c.fr_read_cpu_s, 6), "fr_missed": self._fr.missed if self._fr else 0}
 
     def step(self, index: int, *, tokens: int = 0):
         """Context manager around one training step."""

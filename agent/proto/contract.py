@@ -42,9 +42,10 @@ STATE_DIR_ENV = "TRAINWARDEN_STATE_DIR"
 CHECKPOINT_DIR_ENV = "TRAINWARDEN_CHECKPOINT_DIR"
 """The default checkpoint directory of the job."""
 FLIGHT_RECORDER_ENV = {
-    # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read
-    # unpickles the whole ring, so it stays small (runtime/flight_recorder.py measures why)
-    "TORCH_FR_BUFFER_SIZE": "1000",
+    # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read dumps
+    # the whole ring, so it stays small: ~1 s of the reference job's collectives, read about once a second
+    # (runtime/flight_recorder.py, ReadSchedule)
+    "TORCH_FR_BUFFER_SIZE": "256",
     # GPU start/end times of NCCL collectives (ignored by gloo)
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }

@@ -134,6 +134,10 @@ class RankSnapshot:
     dropped_total: int
     flags: tuple[str, ...]
     straggler_score: float = 0.0
+    steady_step_p99_seconds: float = 0.0
+    """p99 of the steps this worker process took after its first `STARTUP_STEPS` (of all its recent steps
+    until `STARTUP_STEPS` more are in): what the hang deadline follows. Start-up steps (allocation, compilation, a restore's first batch) run under the
+    start-up deadline and would otherwise stretch the steady one for as long as they stay in the window."""
     verified: bool = False
     """The pid is the kernel's (see WorkerInfo.verified)."""
     started: float = 0.0
@@ -157,6 +161,10 @@ class JobSnapshot:
     """Checkpoints a restore passed over (quarantined, or unreadable and left)."""
 
 
+STARTUP_STEPS = 3
+"""A worker process's first steps, left out of its steady step time (`RankSnapshot.steady_step_p99_seconds`)."""
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -176,6 +184,8 @@ class _RankTelemetry:
         self.bucket_counts = [0] * (len(STEP_BUCKETS) + 1)
         self.tokens_total = 0
         self.recent = deque(maxlen=recent_steps)  # (start_unix, duration, tokens)
+        self.process_steps = 0  # steps the current worker process reported
+        self.steady = deque(maxlen=recent_steps)  # durations of its steps after the first STARTUP_STEPS
         self.wait_by_op: dict[str, float] = {}
         self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
         self.prev_cumulative: dict[tuple[str, str], tuple[int, float]] = {}
@@ -272,6 +282,8 @@ class JobTelemetry:
                     rank.goodbye = None
                     rank.prev_dropped = 0
                     rank.recent.clear()
+                    rank.process_steps = 0
+                    rank.steady.clear()
                     rank.checkpoint_stage = ""
                 rank.info, rank.connected, rank.last_seen = info, True, now
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
@@ -315,6 +327,9 @@ class JobTelemetry:
             state.tokens_total += max(0, int(tokens))
             state.last_step_end_ns = max(state.last_step_end_ns, int((float(start_unix) + duration) * 1e9))
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
+            state.process_steps += 1
+            if state.process_steps > STARTUP_STEPS:
+                state.steady.append(duration)
             if state.checkpoint_stage == "held":  # the hold ended without a restart: the rank trains again
                 state.checkpoint_stage = ""
         for listener in self._listeners:
@@ -530,4 +545,8 @@ class JobTelemetry:
             step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
             flags=tuple(sorted(flags)), straggler_score=r.straggler_score,
+            # until a few steady steps are in, all of them: a job whose every step is long must not be
+            # held to the floor deadline by an empty window
+            steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS
+                                     else _percentile(durations, 0.99)),
         )

@@ -208,7 +208,7 @@ class Watchdog:
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
-            step_p99_s=max((r.step_p99_seconds for r in connected), default=0.0),
+            step_p99_s=max((r.steady_step_p99_seconds for r in connected), default=0.0),
             in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)

@@ -84,6 +84,9 @@ def trainwarden(root: Path, nproc: int, bound: float, warm: bool = False) -> dic
     recovered = _first_step_after(log[resumed:], fired) if fired and resumed >= 0 else None
     return {"rc": rc, "fault_at": fired, "detected_s": hangs[0]["detected_at"] - fired if hangs and fired else None,
             "culprits": hangs[0]["ranks"] if hangs else None,
+            # the deadline that applied: the detection latency is about this plus the watchdog's period
+            "deadline_s": hangs[0]["evidence"].get("timeout_seconds") if hangs else None,
+            "deadline": hangs[0]["evidence"].get("deadline") if hangs else None,
             "recovered_s": recovered - fired if recovered and fired else None}
 
 
@@ -117,11 +120,13 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"fault {FAULT}, {args.nproc} ranks, reference job pp2 x tp2 x dp2")
     print(f"trainwarden run : detected after {tw['detected_s']:.1f} s (culprit ranks {tw['culprits']}), "
-          f"first step after resume {tw['recovered_s']:.1f} s after the fault, rc={tw['rc']}"
+          f"first step after resume {tw['recovered_s']:.1f} s after the fault, rc={tw['rc']}; deadline "
+          f"{tw['deadline_s']} s ({tw['deadline']})"
           if tw["detected_s"] is not None and tw["recovered_s"] is not None else f"trainwarden run: {tw}")
     if warm is not None:
         print(f"... --warm-workers: detected after {warm['detected_s']:.1f} s (culprit ranks {warm['culprits']}), "
-              f"first step after resume {warm['recovered_s']:.1f} s after the fault, rc={warm['rc']}"
+              f"first step after resume {warm['recovered_s']:.1f} s after the fault, rc={warm['rc']}; "
+              f"deadline {warm['deadline_s']} s ({warm['deadline']})"
               if warm["detected_s"] is not None and warm["recovered_s"] is not None else f"warm: {warm}")
     if plain["progress_after_fault_s"] is None:
         print(f"plain torchrun  : no detection and no progress {args.bound:.0f} s after the fault "

@@ -150,3 +150,62 @@ def test_arrival_log_marks_a_gap_when_entries_were_missed():
     batch = log.add([_arrival(9, 9, 900)], complete_below=10, missed=7)
     assert batch.arrivals == (("7", 9, 900, "all_reduce"),) and batch.continues is False and batch.members == {}
     assert log.add([_arrival(10, 10, 1000)], complete_below=11, missed=7).continues is True
+
+
+def _schedule(**kw):
+    from trainwarden.runtime.flight_recorder import ReadSchedule
+
+    args = dict(interval_s=1.5, min_interval_s=0.5, max_duty=0.002, capacity=256)
+    args.update(kw)
+    return ReadSchedule(**args)
+
+
+@pytest.mark.timeout(10)
+def test_a_slow_filling_ring_is_read_every_interval_on_the_wall_clock_grid():
+    s = _schedule()
+    assert s.next_read(100.2) == 100.5  # first read: the next multiple of the longest period
+    t = s.next_read(100.5, cost_s=0.001, entries=6)  # 20 collectives a second: the ring lasts 12 s
+    assert (t, s.period_s) == (102.0, 1.5)
+
+
+@pytest.mark.timeout(10)
+def test_a_fast_filling_ring_is_read_before_it_wraps():
+    s = _schedule()
+    s.next_read(0.0)
+    s.next_read(1.5, cost_s=0.0005)
+    # 300 new entries a second fill a 256-entry ring in 0.85 s: read every 0.5 s (75 % of it, rounded down to the grid)
+    assert s.next_read(3.0, cost_s=0.0005, entries=450) == 3.5 and s.period_s == 0.5
+    # the rate falls: the next period follows the highest of the last three rates, then relaxes
+    s.next_read(3.5, cost_s=0.0005, entries=10)
+    s.next_read(4.0, cost_s=0.0005, entries=10)
+    assert s.next_read(4.5, cost_s=0.0005, entries=10) == 6.0 and s.period_s == 1.5
+
+
+@pytest.mark.timeout(10)
+def test_reads_that_cost_more_than_the_duty_allows_are_spaced_out_and_the_ring_sampled():
+    s = _schedule()
+    s.next_read(0.0)
+    # a 10 ms read at 0.2 % duty: at most one every 5 s, rounded up to the grid; the ring (256 entries
+    # at 1,000 a second) then holds a quarter of a second of every six: sampled
+    assert s.next_read(1.5, cost_s=0.010, entries=1500) == 6.0 and s.period_s == 6.0
+    # a fast ring whose reads are cheap enough is read at the floor, not faster
+    s = _schedule(capacity=64)
+    s.next_read(0.0)
+    assert s.next_read(1.5, cost_s=0.0002, entries=3000) == 2.0 and s.period_s == 0.5
+
+
+@pytest.mark.timeout(10)
+def test_ranks_that_see_the_same_rate_read_at_the_same_instants():
+    a, b = _schedule(), _schedule()
+    a.next_read(10.0), b.next_read(10.3)
+    # their reads fall at different moments within a period (each thread wakes late by its own amount)
+    assert a.next_read(10.52, cost_s=0.0005, entries=12) == b.next_read(10.61, cost_s=0.0006, entries=13)
+
+
+@pytest.mark.timeout(10)
+def test_ring_capacity_comes_from_the_environment():
+    from trainwarden.runtime.flight_recorder import ring_capacity
+
+    assert ring_capacity({"TORCH_FR_BUFFER_SIZE": "256"}) == 256
+    assert ring_capacity({"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}) == 64
+    assert ring_capacity({}) is None and ring_capacity({"TORCH_FR_BUFFER_SIZE": "lots"}) is None

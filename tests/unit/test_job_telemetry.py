@@ -39,6 +39,32 @@ def test_steps_aggregate_into_counters_histogram_and_percentiles():
 
 
 @pytest.mark.timeout(10)
+def test_the_steady_step_time_leaves_out_each_processs_first_steps_once_enough_others_are_in():
+    """What the hang deadline follows: a 3 s first step (compilation, the restore's first batch) must not
+    hold the deadline at 5 x 3 s for the next 256 steps of 0.3 s; but a job whose every step is long keeps
+    its long deadline while its steady window fills."""
+    js = JobTelemetry(clock=FakeClock())
+    js.connect(hello())
+
+    def steady():
+        (job,) = js.snapshot()
+        return job.ranks[0].steady_step_p99_seconds
+
+    durations = [3.0, 0.4, 0.3, 0.3, 0.3]
+    for i, d in enumerate(durations):
+        js.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=d)
+    assert steady() == pytest.approx(3.0)  # two steady steps: not enough, all steps count
+    js.record_step("j", 0, index=5, start_unix=1005.0, duration_seconds=0.35)
+    assert steady() == pytest.approx(0.35)
+    (job,) = js.snapshot()
+    assert job.ranks[0].step_p99_seconds == pytest.approx(3.0)  # the plain p99 still shows it
+    js.connect(hello(pid=11))  # a new worker process: its start-up is left out again
+    for i, d in enumerate([2.0, 10.0, 10.0]):
+        js.record_step("j", 0, index=i, start_unix=2000.0 + i, duration_seconds=d)
+    assert steady() == pytest.approx(10.0)
+
+
+@pytest.mark.timeout(10)
 def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restart():
     js = JobTelemetry(clock=FakeClock())
     js.connect(hello(pid=10))
