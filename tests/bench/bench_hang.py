@@ -72,7 +72,7 @@ def trainwarden(root: Path, nproc: int, bound: float, warm: bool = False) -> dic
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(home), TRAINWARDEN_FAULTS=FAULT)
     state = home / "jobs" / "benchhang"
     cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job",
-           "benchhang", "--metrics-port", "0", "--monitor-interval", "0.5",
+           "benchhang", "--metrics-port", "0",
            *(["--warm-workers"] if warm else []), "--", *GPT]
     log_path = home.with_suffix(".log")
     rc = _run(cmd, env, log_path, 600, state, bound)
