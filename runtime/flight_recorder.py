@@ -214,12 +214,10 @@ class ReadSchedule:
         lower = self.min_interval_s
         if self._costs:
             lower = max(lower, statistics.median(self._costs) / self.max_duty)
-        if lower > upper:  # coverage costs more than the budget: sample
-            period = next((g for g in GRID_S if g >= lower), lower)
-        else:
-            period = next((g for g in reversed(GRID_S) if lower <= g <= upper), None)
-            if period is None:  # no grid period fits the range: the nearest above its floor
-                period = next((g for g in GRID_S if g >= lower), lower)
+        fits = [g for g in GRID_S if lower <= g <= upper]
+        # the longest grid period coverage allows; when none fits (coverage costs more than the budget: the
+        # ring is sampled), the shortest the budget allows
+        period = fits[-1] if fits else next((g for g in GRID_S if g >= lower), lower)
         self.period_s = period
         return (math.floor(now / period) + 1) * period
 

@@ -47,8 +47,6 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-
-
 class Regrouping:
     """The leave and grow protocols of one ``trainwarden run`` (module docstring)."""
 

@@ -136,8 +136,9 @@ class RankSnapshot:
     straggler_score: float = 0.0
     steady_step_p99_seconds: float = 0.0
     """p99 of the steps this worker process took after its first `STARTUP_STEPS` (of all its recent steps
-    until `STARTUP_STEPS` more are in): what the hang deadline follows. Start-up steps (allocation, compilation, a restore's first batch) run under the
-    start-up deadline and would otherwise stretch the steady one for as long as they stay in the window."""
+    until `STARTUP_STEPS` more are in): what the hang deadline follows. Start-up steps (allocation,
+    compilation, a restore's first batch) run under the start-up deadline and would otherwise stretch the
+    steady one for as long as they stay in the window."""
     verified: bool = False
     """The pid is the kernel's (see WorkerInfo.verified)."""
     started: float = 0.0
