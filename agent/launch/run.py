@@ -125,8 +125,9 @@ class RunOptions:
 MULTI_NODE_RDZV = {"last_call_timeout": "3", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
 """torch's dynamic-rendezvous timings for jobs of several nodes. torch's defaults (last call 30 s, a node
 declared dead after 3 missed 5 s heartbeats) put 45 s into every recovery from a lost node; with these a
-dead node leaves the rendezvous 4-6 s after it died, and a round with at least MIN nodes closes 3 s after
-the last one joined. The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
+dead node leaves the rendezvous 4-6 s after it died, and a first round with at least MIN nodes closes 3 s
+after the last one joined (a restart's round closes as soon as the previous round's living members are back:
+agent/rendezvous/members.py). The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
 N/2 of them a second (not measured beyond the test bed's few nodes)."""
 
 

@@ -16,7 +16,9 @@ What it is made of:
   truncated, is reported as ``RendezvousStateError`` instead of being unpickled.
 * ``Etcd3Store`` (``etcd_store.py``) is the c10d store the handler uses for round data and agent barriers.
 * ``torch.distributed.elastic.rendezvous.dynamic_rendezvous.create_handler`` does the rest: joining,
-  heartbeats, last call, closing. Nothing of its logic is copied here.
+  heartbeats, last call, closing. Nothing of its logic is copied here. One rule is added
+  (``members.py``): a restart's round closes as soon as the previous round's living members are back,
+  instead of waiting out the last call.
 
 The client (``connect``) is ``python3-etcd3`` with two deliberate differences from ``etcd3.client()``:
 a 2 s connect probe (``grpc.channel_ready_future``) so a wrong endpoint fails at start-up with
@@ -79,6 +81,7 @@ from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, SECURITY_ENV, Etc
                                           EtcdUnavailable, describe_etcd_error, open_etcd, read_password_file,
                                           with_failover)
 from trainwarden.agent.proto.contract import validate_job_name
+from trainwarden.agent.rendezvous.members import close_when_members_rejoin
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
@@ -422,6 +425,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     logger.info("etcd3 rendezvous for %r at %s under %s", params.run_id, config.etcd.describe(), job_prefix)
     handler = create_handler(store, backend, params)
     keep_training_through_etcd_outages(handler)
+    close_when_members_rejoin(handler)
     return handler
 
 

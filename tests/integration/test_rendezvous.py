@@ -345,3 +345,64 @@ def test_torchrun_restart_after_worker_crash_on_gloo(etcd_server, procs, tmp_pat
                      str(WORKER), "--crash-rank-1-first-round", env=_clean_env())
     log = _finish(proc, 200)
     assert _results(log) == {0: (2, 1, 3.0, True), 1: (2, 1, 3.0, True)}  # both ranks done in round 1
+
+
+# -- restart rounds close once the previous round's living members are back (members.py) ----------------
+
+
+def _handlers(endpoint: str, run_id: str, n: int, **timeouts: str):
+    params = dict(backend="etcd3", endpoint=endpoint, run_id=run_id, min_nodes=2, max_nodes=n,
+                  local_addr="127.0.0.1", join_timeout="60", last_call_timeout="30", **timeouts)
+    return [get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(n)]
+
+
+def _rendezvous_together(handlers, delays=None) -> list:
+    infos, errors = [None] * len(handlers), []
+
+    def join(i):
+        try:
+            if delays:
+                threading.Event().wait(delays[i])
+            infos[i] = handlers[i].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    return infos
+
+
+@pytest.mark.timeout(90)
+def test_after_a_node_dies_the_survivors_round_closes_without_the_last_call(shared_etcd, run_id, caplog):
+    """Three nodes train; one dies (its heartbeats stop). The two survivors re-join: torch would wait out
+    the 30 s last call for a third node; the round closes once the dead one's heartbeats are past torch's
+    window and both survivors are in."""
+    caplog.set_level("INFO", logger="trainwarden.agent.rendezvous.members")
+    handlers = _handlers(shared_etcd.endpoint, run_id, 3, keep_alive_interval="1", keep_alive_max_attempt="2")
+    try:
+        assert {info.world_size for info in _rendezvous_together(handlers)} == {3}
+        handlers[2]._stop_heartbeats()  # the node is gone: no heartbeat, no leave
+        infos = _rendezvous_together(handlers[:2])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)]
+        assert any("closing it without waiting the last call" in r.getMessage() for r in caplog.records)
+    finally:
+        for h in handlers[:2]:
+            h.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_survivor_slow_to_rejoin_is_waited_for(shared_etcd, run_id, caplog):
+    caplog.set_level("INFO", logger="trainwarden.agent.rendezvous.members")
+    handlers = _handlers(shared_etcd.endpoint, run_id, 3, keep_alive_interval="2", keep_alive_max_attempt="3")
+    try:
+        _rendezvous_together(handlers)
+        infos = _rendezvous_together(handlers, delays=[0, 0, 1.5])
+        assert {info.world_size for info in infos} == {3}
+        assert not any("without waiting the last call" in r.getMessage() for r in caplog.records)
+    finally:
+        for h in handlers:
+            h.shutdown()
