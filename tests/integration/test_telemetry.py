@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -359,3 +360,39 @@ def test_a_commit_is_asked_of_the_agent_which_sees_the_streams_pid_and_may_refus
         assert lonely.commit_refusal(5) is None
     finally:
         lonely.close()
+
+
+def _wakeups(native_id: int) -> int:
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+
+
+@pytest.mark.timeout(60)
+def test_the_sender_thread_sleeps_until_the_agent_speaks(server):
+    """gRPC's synchronous stack waits for a response in 0.1 s slices, so that a main thread blocked in a call
+    still runs its signal handlers (grpc/grpc#19464). The sender thread waited that way for the agent's
+    commands all the time: ten wake-ups a second, each taking the GIL from training (issue 14). It now
+    sleeps until a command, the end of the call or a cancel wakes it; other threads keep gRPC's slices."""
+    from grpc import _common
+
+    srv, js = server
+    rt = init("quiet", env={"RANK": "0", "WORLD_SIZE": "1"}, socket_path=str(srv.socket_path))
+    try:
+        with rt.step(1):
+            pass
+        wait_for(lambda: (rank_state(js, "quiet", 0) or None) and rank_state(js, "quiet", 0).connected, 10,
+                 what="the stream")
+        sender = rt._client._thread.native_id
+        time.sleep(0.5)
+        before = _wakeups(sender)
+        time.sleep(2.0)  # the agent says nothing: gRPC's own wait woke the thread 20 times (measured)
+        assert _wakeups(sender) - before <= 6
+        assert srv.send_command("quiet", 0, pb.AgentCommand(checkpoint_now=pb.CheckpointNow()))
+        wait_for(lambda: rt.checkpoint_requested, 10, what="the command to wake the sender")
+        # any other thread still waits in gRPC's slices
+        timeouts = []
+        _common.wait(lambda timeout: timeouts.append(timeout), lambda: len(timeouts) == 2)
+        assert timeouts == [_common.MAXIMUM_WAIT_TIMEOUT] * 2
+    finally:
+        rt.close()
+    assert not rt._client._thread.is_alive()  # the end of the call woke it
