@@ -114,8 +114,8 @@ def close_when_members_rejoin(handler: RendezvousHandler) -> MemberTracker | Non
     pieces (the handler then keeps torch's rule, and the log says so)."""
     holder = getattr(handler, "_state_holder", None)
     if _JoinOpClosingOnMembers is None or holder is None or not hasattr(holder, "state"):
-        logger.warning("this torch's dynamic rendezvous has no %s; restart rounds wait out their last call",
-                       "_RendezvousJoinOp" if holder is not None else "state holder")
+        logger.warning("this torch's dynamic rendezvous lacks the join operation or state holder members.py "
+                       "builds on; restart rounds wait out their last call")
         return None
     if _dr._RendezvousJoinOp is _STOCK_JOIN_OP:
         _dr._RendezvousJoinOp = _JoinOpClosingOnMembers
