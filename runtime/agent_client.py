@@ -103,10 +103,10 @@ class ClientConfig:
     """Records kept while the agent is away; the oldest are dropped beyond this."""
     flush_interval_s: float = 0.5
     """How often the sender drains the queue."""
-    fr_interval_s: float = 2.0
-    """Longest period between Flight Recorder reads (how late arrivals may reach the agent). The straggler
-    detector wants 3 s of persistence before a flag, so 2 s costs it at most 0.5 s against 1.5 s, and saves a
-    quarter of the reads of a job whose ring is not the bound (issue 14: the training thread's lost time)."""
+    fr_interval_s: float = 1.5
+    """Longest period between Flight Recorder reads (how late arrivals may reach the agent). 2 s would save a
+    quarter of the reads of a job whose ring is not the bound, but a 1.3x straggler in a DDP job with 0.2 s
+    steps was then flagged about 5 steps later (BENCHMARKS.md, issue 14), so it stays 1.5 s."""
     fr_min_interval_s: float = 0.5
     """Shortest period between reads, however fast the ring fills."""
     fr_max_duty: float = 0.005
