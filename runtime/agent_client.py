@@ -12,7 +12,9 @@ the collective reducer; at the instants a `ReadSchedule` picks (every `fr_interv
 the ring would wrap before, never so often that reads take more than `fr_max_duty` of the time, on a
 wall-clock grid the node's ranks share) it reads new Flight Recorder entries and sends cumulative
 collective totals and the training thread's arrivals (an empty Collectives record when the recorder is
-unavailable: the agent advances compute time on it). A read costs time in proportion to the ring's size,
+unavailable: the agent advances compute time on it). The agent may lengthen that longest period while its
+detectors need nothing soon (a `ReadPace` command, handled here and not passed to the training loop); every
+new stream starts at `fr_interval_s` again. A read costs time in proportion to the ring's size,
 not to the new entries (torch 2.13: ~6-12 us an entry on a 2-core VM, most of it with the GIL held).
 
 When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
@@ -57,6 +59,7 @@ CHECKPOINT_RECORD = "checkpoint"
 _ESTABLISHED_AFTER_S = 1.0
 _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
 _PATIENT_WAIT_S = 30.0
+_MAX_PACE_S = 30.0  # the longest read period an agent may ask for (the ring's coverage bounds it anyway)
 _sender = threading.local()
 
 
@@ -101,12 +104,16 @@ class ClientConfig:
     """The agent's unix socket (TRAINWARDEN_AGENT_SOCKET)."""
     queue_size: int = 4096
     """Records kept while the agent is away; the oldest are dropped beyond this."""
-    flush_interval_s: float = 0.5
-    """How often the sender drains the queue."""
+    flush_interval_s: float = 1.5
+    """How often the sender drains the queue. Every message costs the worker about a millisecond of
+    Python (gRPC's stack, with the GIL), and nothing needs steps sooner: the agent times a hang from the
+    step's own end, not from its batch's arrival. Checkpoint events are sent at once."""
     fr_interval_s: float = 1.5
-    """Longest period between Flight Recorder reads (how late arrivals may reach the agent). 2 s would save a
-    quarter of the reads of a job whose ring is not the bound, but a 1.3x straggler in a DDP job with 0.2 s
-    steps was then flagged about 5 steps later (BENCHMARKS.md, issue 14), so it stays 1.5 s."""
+    """Longest period between Flight Recorder reads (how late arrivals may reach the agent) until the agent
+    asks for another (a `ReadPace` command: it asks for a longer one while none of its detectors is near a
+    decision on the job, and for this one again when one is). 2 s here would save a quarter of the reads of
+    a job whose ring is not the bound, but a 1.3x straggler in a DDP job with 0.2 s steps was then flagged
+    about 5 steps later (BENCHMARKS.md, issue 14), so it stays 1.5 s."""
     fr_min_interval_s: float = 0.5
     """Shortest period between reads, however fast the ring fills."""
     fr_max_duty: float = 0.005
@@ -151,6 +158,9 @@ class TelemetryClient:
         self._schedule = ReadSchedule(interval_s=config.fr_interval_s, min_interval_s=config.fr_min_interval_s,
                                       max_duty=config.fr_max_duty, capacity=ring_capacity())
         self._next_fr_read = self._schedule.next_read(time.time())  # wall clock: the grid the ranks share
+        # the read period the agent asked for on this stream, and the one applied (a new stream starts with
+        # the default: the agent tells each stream what it wants, a restarted agent included)
+        self._pace_asked = self._pace_applied = config.fr_interval_s
         self._fr_seen = 0  # entries returned or missed so far: their growth is the ring's fill rate
         self.fr_reads = 0
         self.fr_read_cpu_s = 0.0
@@ -169,6 +179,11 @@ class TelemetryClient:
         if len(q) >= self._maxlen:
             self.dropped += 1
         q.append(item)
+
+    def record_soon(self, item: tuple) -> None:
+        """Queue one record and wake the sender (not for every step: waking it takes a lock)."""
+        self.record(item)
+        self._wake.set()
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
@@ -244,6 +259,11 @@ class TelemetryClient:
             channel.close()
 
     def _handle(self, command: pb.AgentCommand) -> None:
+        if command.WhichOneof("command") == "read_pace":  # the client's own business: applied by the drain
+            seconds = command.read_pace.max_period_seconds
+            self._pace_asked = min(_MAX_PACE_S, seconds) if seconds > 0 else self.config.fr_interval_s
+            self._wake.set()
+            return
         try:
             self._on_command(command)
         except Exception:
@@ -253,6 +273,7 @@ class TelemetryClient:
         hello = pb.Hello()
         hello.CopyFrom(self._hello)
         hello.peer_token = fetch_peer_token(self.config.socket_path)  # "" if the agent has none for us
+        self._pace_asked = self.config.fr_interval_s
         yield pb.WorkerMessage(hello=hello)
         while not stream_done.is_set():
             closing = self._closing.is_set()
@@ -301,6 +322,10 @@ class TelemetryClient:
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
         now = time.time()
+        pace = self._pace_asked
+        if pace != self._pace_applied:  # on the new period's grid, unless a read is planned sooner
+            self._pace_applied = pace
+            self._next_fr_read = min(self._next_fr_read, self._schedule.set_interval(pace, now))
         # (a wall clock stepped back by more than a period would otherwise put the next read far away)
         if final or now >= self._next_fr_read or self._next_fr_read - now > 2 * self._schedule.period_s:
             cpu = time.thread_time()

@@ -175,7 +175,8 @@ class ReadSchedule:
     GIL held, the training thread's time). What a read must not do is come so late that the ring wrapped:
     the entries in between are lost to the straggler detector. So the period is
 
-    * at most ``interval_s`` (the detectors' latency: arrivals reach the agent within a period),
+    * at most ``interval_s`` (the detectors' latency: arrivals reach the agent within a period; the agent
+      lengthens it while no detector is near a decision, `set_interval`),
     * shorter when the collectives would fill ``fill_margin`` of the ring sooner (``capacity`` over the
       highest recent rate of new entries),
     * but never shorter than ``min_interval_s`` nor than the median cost of recent reads over ``max_duty``
@@ -208,6 +209,16 @@ class ReadSchedule:
             if self._last_read is not None and now > self._last_read:
                 self._rates.append(entries / (now - self._last_read))
         self._last_read = now  # (the first call: when counting began)
+        return self._next_instant(now)
+
+    def set_interval(self, interval_s: float, now: float) -> float:
+        """Change the longest period (the agent's read pace) at wall time ``now``: the wall time of the next
+        read under it, on its grid, so that ranks told at slightly different instants still read together.
+        The caller keeps an earlier read it already planned."""
+        self.interval_s = max(interval_s, self.min_interval_s)
+        return self._next_instant(now)
+
+    def _next_instant(self, now: float) -> float:
         upper = self.interval_s
         if self.capacity and self._rates and max(self._rates) > 0:
             upper = min(upper, self.fill_margin * self.capacity / max(self._rates))

@@ -202,7 +202,7 @@ class Session:
         if code is None:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
         if self._client is not None:
-            self._client.record((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
+            self._client.record_soon((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
                                  str(detail)[:2000]))
 
     def poll_command(self) -> Command | None:

@@ -95,7 +95,10 @@ class Regrouping:
     def _step_ahead(self) -> int:
         """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
         median = self.progress.median_step_seconds() or 1.0
-        return self._round_step + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+        # steps arrive in batches (the runtime sends every `ClientConfig.flush_interval_s`): count the ones
+        # the ranks have most likely finished since the newest one reported
+        behind = min(10.0, max(0.0, time.time() - self._round_step_end)) if self._round_step_end else 0.0
+        return self._round_step + int(behind / median) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
 
     def _excluded(self) -> bool:
         """This node's watchdog asked for the node's exclusion from the job (``jobs/<job>/exclude/<node>``,

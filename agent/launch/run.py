@@ -207,6 +207,7 @@ class _JobRun(Regrouping):
         self.fenced = 0
         self._last_step_at: float | None = None  # monotonic: when a worker last completed a step
         self._round_step = 0  # the latest step completed in the current worker round
+        self._round_step_end = 0.0  # when it ended (wall clock, the step's own timestamp; 0: none yet)
         self._round: int | None = None  # the rendezvous round of the current workers
         self._committed_step = 0  # the latest checkpoint step a local worker reported committed
         self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
@@ -592,7 +593,7 @@ class _JobRun(Regrouping):
         """The launcher's structured events: rounds, failures with exit codes, restarts."""
         kind, at = event.get("event"), float(event.get("t") or time.time())
         if kind == "started":
-            self._round, self._round_step = event.get("round"), 0
+            self._round, self._round_step, self._round_step_end = event.get("round"), 0, 0.0
             if self._multi_node and self._round is not None:  # the job's current round is this one now
                 threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
                                  daemon=True).start()
@@ -646,7 +647,8 @@ class _JobRun(Regrouping):
         if job != self.opts.job:
             return
         self._last_step_at = time.monotonic()
-        self._round_step = max(self._round_step, index)
+        if index >= self._round_step:
+            self._round_step, self._round_step_end = index, start_unix + duration_s
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 

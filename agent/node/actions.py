@@ -78,6 +78,10 @@ class AgentActions:
         ranks = [r.rank for snap in self._job_telemetry.snapshot(job) for r in snap.ranks if r.connected]
         return [r for r in sorted(ranks) if self._server.send_command(job, r, command)]
 
+    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> list[int]:
+        command = pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=float(period_s)))
+        return [r for r in ranks if self._server.send_command(job, r, command)]
+
     def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
         command = pb.AgentCommand(abort=pb.Abort(reason=reason[:500]))
         # hold each worker by (pid, start time) before asking: after the grace period a pid that exited

@@ -96,6 +96,11 @@ class AgentConfig:
             raise ValueError(f"health port {self.health_port} is not a TCP port")
 
 
+QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
+"""The Flight Recorder read period the agent asks its workers for while no detector is near a decision
+(`WatchdogConfig.quiet_read_period_s`; 0: never ask)."""
+
+
 def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
     """The watchdog's configuration for a straggler policy name (``alert`` or ``exclude``)."""
     try:
@@ -104,7 +109,16 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
         raise ValueError(f"unknown straggler policy {straggler_policy!r}; use one of "
                          f"{', '.join(p.value for p in StragglerPolicy)}") from None
     trace = os.environ.get(TRACE_DIR_ENV)
-    return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None)
+    pace = os.environ.get(QUIET_READ_PERIOD_ENV, "").strip()
+    try:
+        quiet = float(pace) if pace else WatchdogConfig.quiet_read_period_s
+        if not 0 <= quiet <= 30:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{QUIET_READ_PERIOD_ENV}={pace!r}: expected seconds between 0 (never ask the workers "
+                         f"to read their Flight Recorders slowly) and 30") from None
+    return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None,
+                          quiet_read_period_s=quiet)
 
 
 class NodeAgent:

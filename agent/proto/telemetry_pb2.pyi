@@ -200,6 +200,12 @@ class CheckpointNow(_message.Message):
     hold: bool
     def __init__(self, step: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
+class ReadPace(_message.Message):
+    __slots__ = ("max_period_seconds",)
+    MAX_PERIOD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_period_seconds: float
+    def __init__(self, max_period_seconds: _Optional[float] = ...) -> None: ...
+
 class Abort(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -207,14 +213,16 @@ class Abort(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentCommand(_message.Message):
-    __slots__ = ("dump_diagnostics", "checkpoint_now", "abort")
+    __slots__ = ("dump_diagnostics", "checkpoint_now", "abort", "read_pace")
     DUMP_DIAGNOSTICS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    READ_PACE_FIELD_NUMBER: _ClassVar[int]
     dump_diagnostics: DumpDiagnostics
     checkpoint_now: CheckpointNow
     abort: Abort
-    def __init__(self, dump_diagnostics: _Optional[_Union[DumpDiagnostics, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
+    read_pace: ReadPace
+    def __init__(self, dump_diagnostics: _Optional[_Union[DumpDiagnostics, _Mapping]] = ..., checkpoint_now: _Optional[_Union[CheckpointNow, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., read_pace: _Optional[_Union[ReadPace, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job",)

@@ -143,6 +143,8 @@ class RankSnapshot:
     """The pid is the kernel's (see WorkerInfo.verified)."""
     started: float = 0.0
     """The process's start time when verified."""
+    last_step_end_unix: float = 0.0
+    """Wall time the newest reported step ended (its own timestamp; 0: none yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -545,7 +547,7 @@ class JobTelemetry:
             checkpoint_stage=r.checkpoint_stage,
             step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
-            flags=tuple(sorted(flags)), straggler_score=r.straggler_score,
+            flags=tuple(sorted(flags)), straggler_score=r.straggler_score, last_step_end_unix=r.last_step_end_ns / 1e9,
             # until a few steady steps are in, all of them: a job whose every step is long must not be
             # held to the floor deadline by an empty window
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS

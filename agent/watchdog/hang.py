@@ -122,13 +122,16 @@ class HangDetector:
         self._jobs: dict[str, _JobProgress] = {}
 
     def observe(self, job: str, *, round_id: Hashable, step_counts: Mapping[int, int], step_p99_s: float,
-                in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None) -> HangCheck:
+                in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None,
+                progress_age_s: float = 0.0) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
         its cumulative count of completed steps; `running` is False while no rank is connected;
         `checkpoint_io` maps each rank inside a blocking checkpoint stage to the cumulative bytes its process
-        read and wrote (ranks whose counters cannot be read are left out).
+        read and wrote (ranks whose counters cannot be read are left out); `progress_age_s` is how long
+        before now the newest reported step ended: steps reach the agent in batches, so a step's progress
+        counts from when it happened, not from when its batch arrived (the caller bounds it).
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -145,7 +148,9 @@ class HangDetector:
         left_checkpoint = state.in_checkpoint and not in_checkpoint
         state.in_checkpoint = in_checkpoint
         io_progressed = self._checkpoint_io(state, checkpoint_io if in_checkpoint else None)
-        if progressed or left_checkpoint or io_progressed or not running:
+        if progressed:
+            state.last_progress = max(state.last_progress, now - max(0.0, progress_age_s))
+        if left_checkpoint or io_progressed or not running:
             state.last_progress = now  # not running: the clock is paused
         if progressed:
             state.armed = True

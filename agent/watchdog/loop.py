@@ -13,6 +13,9 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
   as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
   rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
+- paces the ranks' Flight Recorder reads (`_pace_reads`, `actions.set_read_pace`): every `quiet_read_period_s`
+  while the straggler detector has been near no decision on the job for `quiet_after_s`, at the workers' own
+  pace again as soon as it is (a read holds the worker's GIL for milliseconds).
 
 Evidence first, one decision, recorded: the incident is written before the abort. The loop survives a bad
 iteration (logged, counted in trainwarden_watchdog_errors_total), stops with an Event and `join(timeout)`.
@@ -54,6 +57,10 @@ __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
+REPORT_AGE_CAP_S = 2.0
+"""The longest a step's report counts as late: the runtime sends its steps every 1.5 s, so progress counts from
+the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor, so that a
+wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
 STALL_S = 120.0
 """An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
 diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
@@ -79,6 +86,10 @@ class WatchdogActions(Protocol):
     def record(self, incident: Incident) -> Incident:
         """Store this version of the incident (same id = same incident, newer state)."""
 
+    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> Sequence[int]:
+        """Ask `ranks` to read their Flight Recorder at most every `period_s` seconds (0: at their own
+        pace); return the ranks the request reached."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class WatchdogConfig:
@@ -96,6 +107,14 @@ class WatchdogConfig:
     """The straggler scoring policy."""
     straggler_trace_dir: Path | None = None
     """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
+    quiet_read_period_s: float = 3.0
+    """The Flight Recorder read period the workers are asked for while the straggler detector is not near a
+    decision on their job (0: never ask; they read at their own pace, `ClientConfig.fr_interval_s`). A read
+    holds the worker's GIL for milliseconds; between decisions nothing needs arrivals sooner. Long enough to
+    halve the reads of a job whose ring is not the bound, short enough that a straggler's first slices
+    (`StragglerDetector.near_decision`) arrive while its flag is still slices away."""
+    quiet_after_s: float = 10.0
+    """How long nothing may have been near a decision before the workers are asked to read slowly."""
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
@@ -132,6 +151,9 @@ class Watchdog:
         self._suppressed: set[tuple[str, int]] = set()  # flagged without an incident
         self.suppressed: dict[str, int] = {}  # job -> straggler incidents not recorded (exported)
         self._step_s: dict[str, float] = {}  # last median step time per job
+        self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
+        self._paced: dict[str, dict[int, tuple[int, float]]] = {}  # job -> rank -> (pid, read period asked)
+        self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
@@ -191,6 +213,9 @@ class Watchdog:
             self._straggler.forget(job)
             self._step_s.pop(job, None)
             self._acting.pop(job, None)
+            self._attended.pop(job, None)
+            self._paced.pop(job, None)
+            self.read_pace.pop(job, None)
         with self._lock:
             self._published = (checks, self._straggler.scores())
 
@@ -205,11 +230,13 @@ class Watchdog:
         # every connected rank held at a step boundary for a membership change: the pause is the launcher's
         # (it restarts them once the checkpoint is committed), not a hang; the clock stops as for no ranks
         held = all(r.checkpoint_stage == "held" for r in connected)
+        newest = max((r.last_step_end_unix for r in snap.ranks), default=0.0)
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.steady_step_p99_seconds for r in connected), default=0.0),
-            in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io)
+            in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io,
+            progress_age_s=min(REPORT_AGE_CAP_S, max(0.0, self._wall() - newest)) if newest else 0.0)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -232,7 +259,33 @@ class Watchdog:
             self._on_straggler(snap, event)
         for rank, score in self._straggler.scores().get(snap.job, {}).items():
             self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
+        self._pace_reads(snap)
         return check
+
+    def _pace_reads(self, snap: JobSnapshot) -> None:
+        """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
+        a decision, and at their own pace as soon as it is (`quiet_read_period_s`). A worker starts every
+        stream at its own pace; each is told only when what it should do changes."""
+        quiet_period = self.config.quiet_read_period_s
+        if quiet_period <= 0:
+            return
+        now = self._clock()
+        if self._straggler.near_decision(snap.job):
+            self._attended[snap.job] = now
+        quiet = now - self._attended.setdefault(snap.job, now) >= self.config.quiet_after_s
+        want = quiet_period if quiet else 0.0
+        self.read_pace[snap.job] = want
+        told = self._paced.setdefault(snap.job, {})
+        pids = {r.rank: r.pid for r in snap.ranks}
+        asked = {rank: period for rank, (pid, period) in told.items() if pids.get(rank) == pid}  # new: at 0
+        stale = [r.rank for r in snap.ranks if r.connected and asked.get(r.rank, 0.0) != want]
+        if not stale:
+            return
+        for rank in self._actions.set_read_pace(snap.job, stale, want):
+            told[rank] = (pids[rank], want)
+        log.debug("job %s: ranks %s asked to read their Flight Recorders %s", snap.job, ",".join(map(str, stale)),
+                  f"at most every {want:g} s (no detector near a decision)" if quiet else "at their own pace again",
+                  extra={"job": snap.job})
 
     # ---- hang ----------------------------------------------------------------------------------------
 
@@ -446,6 +499,12 @@ class _WatchdogCollector(Collector):
         suppressed = CounterMetricFamily("trainwarden_straggler_incidents_suppressed",
                                          "Straggler flags raised without an incident (one already open for the "
                                          "rank, or the job's hourly limit reached).", labels=job_labels)
+        pace = GaugeMetricFamily("trainwarden_flight_recorder_read_pace_seconds",
+                                 "The longest Flight Recorder read period the watchdog asks the job's workers for "
+                                 "while no detector is near a decision (0: their own pace, 1.5 s by default).",
+                                 labels=job_labels)
+        for job, seconds in sorted(w.read_pace.items()):
+            pace.add_metric([job, w._node], seconds)
         for job, n in sorted(w.suppressed.items()):
             suppressed.add_metric([job, w._node], n)
         for job, ranks in scores.items():
@@ -456,7 +515,7 @@ class _WatchdogCollector(Collector):
             timeout.add_metric([job, w._node], check.timeout_s)
             stalled.add_metric([job, w._node], check.stalled_s)
         errors.add_metric([w._node], w.errors)
-        yield from (score, flag, timeout, stalled, errors, suppressed)
+        yield from (score, flag, timeout, stalled, errors, suppressed, pace)
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:

@@ -33,7 +33,7 @@ with pipeline parallelism, the ranks of the same stage (stages differ in work by
 passes that grouping.
 
 Slices follow the data's timestamps, so persistence is counted in the job's time however bursty the data's
-arrival is (the runtime reads its Flight Recorder every couple of seconds). A slice is scored once every
+arrival is (the runtime reads its Flight Recorder every 1.5 s, or every 3 s while `near_decision` is False). A slice is scored once every
 rank still reporting has data past it, and a rank needs slice scores for at least half the window before
 it has a score at all. What the watchdog makes of the flags (one open incident per rank, at most
 `max_incidents_per_hour` per job) is in agent/watchdog/loop.py.
@@ -235,6 +235,23 @@ class StragglerDetector:
         """Latest score of every scored rank, per job."""
         return {job: {r: s.score for r, s in sorted(j.ranks.items()) if s.score is not None}
                 for job, j in sorted(self._jobs.items())}
+
+    def near_decision(self, job: str, recent_slices: int = 3) -> bool:
+        """True while a decision on a rank of `job` may be near: a rank is flagged (its clearing is being
+        judged), its score is above `clear_score`, or the median of its last `recent_slices` slice scores is
+        above `start_score` (a straggler's first slices, long before its window score follows). The agent
+        reads its workers' Flight Recorders slowly while this is False (agent/watchdog/loop.py)."""
+        state = self._jobs.get(job)
+        if state is None:
+            return False
+        cfg = self.config
+        for r in state.ranks.values():
+            if r.flagged or (r.score is not None and r.score.score > cfg.clear_score):
+                return True
+            if len(r.slices) >= recent_slices and statistics.median(
+                    s for s, _, _ in list(r.slices)[-recent_slices:]) > cfg.start_score:
+                return True
+        return False
 
     def flagged(self, job: str) -> list[int]:
         state = self._jobs.get(job)

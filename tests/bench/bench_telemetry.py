@@ -41,9 +41,18 @@ from pathlib import Path
 
 AGENT = """
 import sys, time
+from pathlib import Path
+from trainwarden.agent.incidents.store import IncidentStore
+from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
-TelemetryServer(sys.argv[1], JobTelemetry()).start()
+from trainwarden.agent.watchdog.loop import Watchdog
+js = JobTelemetry()
+server = TelemetryServer(sys.argv[1], js)
+server.start()
+state = Path(sys.argv[2])
+actions = AgentActions(server, js, IncidentStore(state_dir=lambda job: state / job), node="bench")
+Watchdog(js, actions, node="bench", diagnostics_dir=lambda job: state / job / "diagnostics").start()
 print("serving", flush=True)
 time.sleep(3600)
 """
@@ -70,6 +79,15 @@ def calibrate(step_ms: float) -> int:
     return max(1, round(step_ms / 1000 / best))
 
 
+def _runqueue_wait_s() -> float:
+    """The calling thread's time ready to run but waiting for a CPU (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def child(mode: str, steps: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -83,7 +101,7 @@ def child(mode: str, steps: int, repeats: int) -> dict:
     small = torch.ones(1)
     for _ in range(int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0"))):  # steady state: the ring is full
         dist.all_reduce(small)
-    rt = trainwarden.runtime.init(job="bench")
+    rt = trainwarden.runtime.init(job="bench", **json.loads(os.environ.get("BENCH_CLIENT_OPTIONS", "{}")))
 
     def one_step(i):
         for _ in range(repeats):
@@ -93,7 +111,16 @@ def child(mode: str, steps: int, repeats: int) -> dict:
     for i in range(20):  # warm up (and connect)
         with rt.step(i, tokens=1):
             one_step(i)
-    walls, cpu0, main0 = [], time.process_time(), time.thread_time()
+    client = getattr(rt, "_client", None)
+    if mode.startswith("alive") and client is not None:
+        # the steady state: the agent's watchdog asks a job that no detector is near a decision on to read its
+        # Flight Recorder slowly (WatchdogConfig.quiet_after_s after it first sees it)
+        deadline, i = time.monotonic() + 20, 20
+        while client._schedule.interval_s == client.config.fr_interval_s and time.monotonic() < deadline:
+            with rt.step(i, tokens=1):
+                one_step(i)
+            i += 1
+    walls, cpu0, main0, queued0 = [], time.process_time(), time.thread_time(), _runqueue_wait_s()
     for i in range(20, 20 + steps):
         w0 = time.perf_counter()
         if mode == "baseline":
@@ -104,13 +131,17 @@ def child(mode: str, steps: int, repeats: int) -> dict:
         walls.append(time.perf_counter() - w0)
     cpu = (time.process_time() - cpu0) / steps
     main_cpu = (time.thread_time() - main0) / steps
+    queued = (_runqueue_wait_s() - queued0) / steps
     background = cpu - main_cpu  # CPU of every thread but the training thread
     result = {"mode": mode, "wall_median_s": statistics.median(walls), "wall_mean_s": statistics.fmean(walls),
               "cpu_per_step_s": cpu, "background_cpu_per_step_s": background,
               # the training thread's time off the CPU: waiting for the GIL (a Flight Recorder dump holds it),
               # or preempted; less baseline's, the time the watching took from training
               "off_cpu_per_step_s": statistics.fmean(walls) - main_cpu,
-              "stats": rt.stats}
+              # of which ready to run but not running (preempted by another thread or process); the rest it
+              # was blocked: in gloo, or waiting for the GIL
+              "runqueue_per_step_s": queued,
+              "stats": rt.stats, "read_pace_s": client._schedule.interval_s if client is not None else None}
     if mode == "alive":
         n = 100_000
         t0 = time.perf_counter()
@@ -137,9 +168,19 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=50.0)
     parser.add_argument("--ring", type=int, default=None,
                         help="Flight Recorder ring size (TORCH_FR_BUFFER_SIZE); default: what the launcher sets")
-    parser.add_argument("--child", choices=["baseline", "alive", "alive-nofr", "absent"])
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="also run an alive mode named NAME with these client options (ClientConfig fields, "
+                             "e.g. slow:fr_interval_s=3,flush_interval_s=1.5); repeatable")
+    parser.add_argument("--child")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    variants: dict[str, dict] = {}
+    for spec in args.variant:
+        name, _, options = spec.partition(":")
+        try:
+            variants[name] = {k: json.loads(v) for k, v in (o.split("=", 1) for o in options.split(",") if o)}
+        except ValueError:
+            parser.error(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE] with JSON values")
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.steps, args.repeats)), flush=True)
         return
@@ -149,11 +190,12 @@ def main() -> None:
     repeats = calibrate(args.step_ms)
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     sock = tmp / "agent.sock"
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock)], stdout=subprocess.PIPE, text=True,
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock), str(tmp / "state")], stdout=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
         assert agent.stdout.readline().strip() == "serving"
         results: dict[str, list[dict]] = {"baseline": [], "alive": [], "alive-nofr": [], "absent": []}
+        results.update((f"alive-{name}", []) for name in variants)
         for round_ in range(args.rounds):
             for mode in results:
                 env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
@@ -167,7 +209,10 @@ def main() -> None:
                     env["TORCH_FR_BUFFER_SIZE"] = "0"
                 elif mode == "absent":
                     env["TRAINWARDEN_AGENT_SOCKET"] = str(tmp / "nobody.sock")
-                out = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
+                elif mode.removeprefix("alive-") in variants:
+                    env["BENCH_CLIENT_OPTIONS"] = json.dumps(variants[mode.removeprefix("alive-")])
+                child_mode = "alive" if mode.removeprefix("alive-") in variants else mode
+                out = subprocess.run([sys.executable, __file__, "--child", child_mode, "--steps", str(args.steps),
                                       "--repeats", str(repeats)], env=env, capture_output=True,
                                      text=True, timeout=600, start_new_session=True)
                 line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -177,7 +222,8 @@ def main() -> None:
                 print(f"round {round_} {mode:10s} wall {results[mode][-1]['wall_median_s'] * 1e3:8.3f} ms  "
                       f"cpu {results[mode][-1]['cpu_per_step_s'] * 1e3:8.3f} ms  background cpu "
                       f"{results[mode][-1]['background_cpu_per_step_s'] * 1e6:7.1f} us  training thread off "
-                      f"CPU {results[mode][-1]['off_cpu_per_step_s'] * 1e6:7.1f} us", flush=True)
+                      f"CPU {results[mode][-1]['off_cpu_per_step_s'] * 1e6:7.1f} us (in the run queue "
+                      f"{results[mode][-1]['runqueue_per_step_s'] * 1e6:5.1f} us)", flush=True)
     finally:
         os.killpg(agent.pid, 9)
         agent.wait()
@@ -187,32 +233,36 @@ def main() -> None:
     print(f"\n{repeats} matmuls (256x256) per step")
     print(f"baseline: {base_wall * 1e3:.3f} ms/step wall, {base_cpu * 1e3:.3f} ms/step CPU "
           f"({args.rounds} rounds x {args.steps} steps, median of medians)")
-    for mode in ("alive", "alive-nofr", "absent"):
+    others = [m for m in results if m != "baseline"]
+    for mode in others:
         wall = statistics.median(r["wall_median_s"] for r in results[mode])
         cpu = statistics.median(r["cpu_per_step_s"] for r in results[mode])
         print(f"{mode:7s}: wall {wall * 1e3:.3f} ms/step  overhead {(wall - base_wall) * 1e6:+8.1f} us "
               f"({(wall / base_wall - 1) * 100:+.2f} %)   cpu overhead {(cpu - base_cpu) * 1e6:+8.1f} us/step "
-              f"({(cpu / base_cpu - 1) * 100:+.2f} %)   client {results[mode][-1]['stats']}")
+              f"({(cpu / base_cpu - 1) * 100:+.2f} %)   client {results[mode][-1]['stats']}, read pace {results[mode][-1].get('read_pace_s')} s")
     base_bg = statistics.median(r["background_cpu_per_step_s"] for r in results["baseline"])
     alive = results["alive"]
     hot = statistics.median(r["hot_path_us"] for r in alive)
     base_off = statistics.median(r["off_cpu_per_step_s"] for r in results["baseline"])
-    for mode in ("alive", "alive-nofr", "absent"):
+    base_queued = statistics.median(r["runqueue_per_step_s"] for r in results["baseline"])
+    for mode in others:
         bg = statistics.median(r["background_cpu_per_step_s"] for r in results[mode]) - base_bg
         lost = statistics.median(r["off_cpu_per_step_s"] for r in results[mode]) - base_off
         total = bg + hot / 1e6
         print(f"{mode:10s}: background threads {bg * 1e6:+8.1f} us CPU/step; with the hot path "
               f"{total * 1e6:8.1f} us/step = {total / base_cpu * 100:.3f} % of the step's "
               f"{base_cpu * 1e3:.1f} ms CPU ({total / base_wall * 100:.3f} % of its {base_wall * 1e3:.1f} ms wall); "
-              f"training thread lost {lost * 1e6:+7.1f} us/step ({lost / base_wall * 100:+.3f} %)")
+              f"training thread lost {lost * 1e6:+7.1f} us/step ({lost / base_wall * 100:+.3f} %; in the run queue "
+              f"{(statistics.median(r['runqueue_per_step_s'] for r in results[mode]) - base_queued) * 1e6:+6.1f} us)")
     print(f"hot path (with rt.step(): pass): {hot:.2f} us/step")
     from trainwarden.runtime.agent_client import ClientConfig
 
     fr_cost = statistics.median(r["fr_full_read_s"] for r in alive)
     defaults = ClientConfig(socket_path="-")
-    interval = max(defaults.fr_interval_s, fr_cost / defaults.fr_max_duty)
+    paced = alive[-1].get("read_pace_s") or defaults.fr_interval_s
+    interval = max(paced, fr_cost / defaults.fr_max_duty)
     print(f"flight recorder read of a full ring ({alive[-1]['fr_entries']} entries): {fr_cost * 1e3:.1f} ms; "
-          f"with the default interval rule one read every {interval:.1f} s = "
+          f"at the agent's read pace ({paced:g} s) one read every {interval:.1f} s = "
           f"{fr_cost / interval * base_wall * 1e6:.1f} us/step amortized (may fall outside the measured steps)")
 
 

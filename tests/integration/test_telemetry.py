@@ -396,3 +396,57 @@ def test_the_sender_thread_sleeps_until_the_agent_speaks(server):
     finally:
         rt.close()
     assert not rt._client._thread.is_alive()  # the end of the call woke it
+
+
+@pytest.mark.timeout(60)
+def test_the_agents_read_pace_reaches_the_flight_recorder_schedule_and_a_new_stream_starts_afresh(server):
+    srv, js = server
+    rt = init("paced", env={"RANK": "0", "WORLD_SIZE": "1"}, socket_path=str(srv.socket_path))
+    try:
+        with rt.step(1):
+            pass
+        wait_for(lambda: (rank_state(js, "paced", 0) or None) and rank_state(js, "paced", 0).connected, 10,
+                 what="the stream")
+        schedule = rt._client._schedule
+        assert schedule.interval_s == 1.5
+        assert srv.send_command("paced", 0, pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=3.0)))
+        wait_for(lambda: schedule.interval_s == 3.0, 10, what="the read pace to apply")
+        assert not rt.checkpoint_requested and rt.poll_command() is None  # the client's own: not the loop's
+        # past the cap: the longest the client accepts; 0: its own pace
+        assert srv.send_command("paced", 0, pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=600)))
+        wait_for(lambda: schedule.interval_s == 30.0, 10, what="the capped pace")
+        assert srv.send_command("paced", 0, pb.AgentCommand(read_pace=pb.ReadPace()))
+        wait_for(lambda: schedule.interval_s == 1.5, 10, what="the worker's own pace")
+        assert srv.send_command("paced", 0, pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=3.0)))
+        wait_for(lambda: schedule.interval_s == 3.0, 10, what="the read pace to apply")
+        # the agent restarts: the new one has told the worker nothing, so the worker reads at its own pace
+        srv.stop(0.5)
+        srv2 = TelemetryServer(srv.socket_path, js, max_message_bytes=4096)
+        srv2.start()
+        try:
+            with rt.step(2):
+                pass
+            wait_for(lambda: schedule.interval_s == 1.5, 20, what="a new stream to reset the pace")
+        finally:
+            srv2.stop(0.5)
+    finally:
+        rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_event_is_sent_at_once_not_with_the_next_batch_of_steps(server):
+    srv, js = server
+    rt = init("ckpt", env={"RANK": "0", "WORLD_SIZE": "1"}, socket_path=str(srv.socket_path), flush_interval_s=60.0,
+               fr_interval_s=60.0)
+    try:
+        wait_for(lambda: (rank_state(js, "ckpt", 0) or None) and rank_state(js, "ckpt", 0).connected, 10,
+                 what="the stream")
+        with rt.step(1):
+            pass
+        rt.checkpoint_event("save_start", 1)
+        # steps go in batches a minute apart here; the checkpoint stage wakes the sender, and the step queued
+        # before it goes along in order
+        wait_for(lambda: rank_state(js, "ckpt", 0).checkpoint_stage == "save_start", 10, what="the event")
+        assert rank_state(js, "ckpt", 0).last_step == 1
+    finally:
+        rt.close()

@@ -203,6 +203,21 @@ def test_ranks_that_see_the_same_rate_read_at_the_same_instants():
 
 
 @pytest.mark.timeout(10)
+def test_the_agents_read_pace_lengthens_the_period_within_the_rings_coverage():
+    s = _schedule()
+    s.next_read(0.0)
+    s.next_read(1.5, cost_s=0.001, entries=30)  # 20 collectives a second: the ring lasts 12.8 s
+    # asked for 3 s: the next read on the 3 s grid (the caller keeps a sooner one it had planned)
+    assert s.set_interval(3.0, 2.2) == 3.0 and s.period_s == 3.0
+    assert s.next_read(3.0, cost_s=0.001, entries=30) == 6.0
+    # asked for 30 s: coverage still bounds it (75 % of 12.8 s, rounded down to the grid)
+    assert s.set_interval(30.0, 6.1) == 8.0 and s.period_s == 8.0
+    # back to the worker's own pace, and never below the floor
+    assert s.set_interval(1.5, 6.1) == 7.5 and s.period_s == 1.5
+    assert s.set_interval(0.1, 6.1) == 6.5 and s.period_s == 0.5
+
+
+@pytest.mark.timeout(10)
 def test_ring_capacity_comes_from_the_environment():
     from trainwarden.runtime.flight_recorder import ring_capacity
 

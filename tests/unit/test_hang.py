@@ -61,6 +61,30 @@ def test_fires_once_after_the_floor_on_a_fast_job():
     assert not _run(det, clock, counts).hung  # disarmed until progress or a new round
 
 
+def test_progress_counts_from_when_the_step_ended_not_from_when_its_batch_arrived():
+    """Steps reach the agent in batches (every 1.5 s): a hang's last step must start the deadline when it
+    ended, or every hang would be declared up to a batch late."""
+    clock = Clock()
+    det = HangDetector(HangConfig(floor_s=5.0), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 1.5
+    counts = {r: c + 5 for r, c in counts.items()}  # a batch: its newest step ended 1.2 s ago, then the hang
+    check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                        running=True, progress_age_s=1.2)
+    assert check.progressed and check.stalled_s == pytest.approx(1.2)
+    clock.now += 3.7
+    assert not _run(det, clock, counts).hung
+    clock.now += 0.1
+    check = _run(det, clock, counts)
+    assert check.hung and check.stalled_s == pytest.approx(5.0)
+    # the next batch: counted from its newest step's end again
+    clock.now += 1.0
+    counts = {r: c + 1 for r, c in counts.items()}
+    check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                        running=True, progress_age_s=0.5)
+    assert check.stalled_s == pytest.approx(0.5)
+
+
 def test_one_rank_progressing_is_progress():
     clock = Clock()
     det = HangDetector(HangConfig(), clock=clock)

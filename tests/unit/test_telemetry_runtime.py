@@ -146,6 +146,8 @@ class _Recorder:
     def record(self, item):
         self.items.append(item)
 
+    record_soon = record
+
 
 @pytest.mark.timeout(20)
 def test_a_checkpoint_request_for_a_step_is_answered_at_that_step_only_and_a_hold_waits_before_the_next():

@@ -43,6 +43,7 @@ class Actions:
         self.answer, self.lagging, self.abort_ok = set(answer), lagging, abort_ok
         self.requests, self.aborts, self.records = [], [], []
         self.exclusions = {}
+        self.paces = []
 
     def request_diagnostics(self, job, ranks, directory):
         self.requests.append((job, list(ranks), directory))
@@ -71,6 +72,10 @@ class Actions:
 
     def withdraw_exclusion(self, job, node):
         self.exclusions.pop((job, node), None)
+
+    def set_read_pace(self, job, ranks, period_s):
+        self.paces.append((job, list(ranks), period_s))
+        return list(ranks)
 
 
 class Sim:
@@ -111,7 +116,7 @@ class Sim:
 
 def _watchdog(sim, actions, tmp_path, **config):
     cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3), **config)
-    return Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=lambda: 1_790_000_000.0,
+    return Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock,
                     sleep=sim.clock.sleep, probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / job)
 
 
@@ -158,6 +163,36 @@ def test_hang_names_culprit_records_aborts_and_resolves_after_restart(tmp_path):
     assert resolved.id == opened.id and resolved.state is IncidentState.RESOLVED
     assert "progressed again" in resolved.outcome
     assert "hung" not in _flags(sim)[1]
+
+
+def test_a_hang_is_timed_from_the_last_steps_end_when_its_report_arrives_late(tmp_path):
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    wd = _watchdog(sim, actions, tmp_path)
+    for _ in range(5):
+        sim.run(2)
+        wd.check_once()
+    sim.run(2)  # the last steps before the hang: their batch reaches the agent 1.2 s after they ended
+    sim.clock.now += 1.2
+    wd.check_once()
+    sim.clock.now += 3.7
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now += 0.2
+    wd.check_once()
+    assert actions.records[0].kind is IncidentKind.HANG  # 5.1 s after the last step ended, not 6.3 s
+    # a wall clock stepped far ahead makes no hang of a fresh report: its age counts 2 s at most
+    sim2 = Sim(ranks=2)
+    actions2 = Actions(answer={0, 1})
+    skew = lambda: sim2.clock() + 3600.0
+    wd2 = Watchdog(sim2.js, actions2, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                   clock=sim2.clock, wall=skew, sleep=sim2.clock.sleep, probe=lambda pid: "stopped",
+                   diagnostics_dir=lambda job: tmp_path / "skew")
+    for _ in range(10):
+        sim2.run(2)
+        wd2.check_once()
+        sim2.clock.now += 1.0
+    assert actions2.records == []
 
 
 def test_failed_abort_marks_the_incident_failed(tmp_path):
@@ -245,6 +280,53 @@ def test_pipeline_stages_are_scored_separately(tmp_path):
         # (one all-reduce over all four ranks: stage 0 waits for stage 1 and is never compared to it)
         wd.check_once()
     assert actions.records == []
+
+
+def test_workers_read_slowly_while_no_straggler_is_near_and_at_their_own_pace_once_one_is(tmp_path):
+    sim = Sim(ranks=4)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path, straggler=StragglerConfig(window_steps=10, persist_steps=5),
+                   quiet_read_period_s=3.0, quiet_after_s=10.0)
+    for _ in range(8):  # a balanced job: 8 x 1.75 s
+        sim.run(7)
+        wd.check_once()
+    # nothing was near a decision for 10 s: every worker is asked once to read at most every 3 s
+    assert actions.paces == [("j", [0, 1, 2, 3], 3.0)]
+    registry = CollectorRegistry()
+    registry.register(wd.collector())
+    assert 'trainwarden_flight_recorder_read_pace_seconds{job="j",node="n1"} 3.0' in generate_latest(registry).decode()
+    # rank 2 turns slow (1.2x): its first slices bring every worker back to its own pace, before the flag
+    sim.run(5, compute={2: 0.3})
+    wd.check_once()
+    assert actions.paces[1:] == [("j", [0, 1, 2, 3], 0.0)] and actions.records == []
+    for _ in range(10):
+        sim.run(7, compute={2: 0.3})
+        wd.check_once()
+    assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
+    assert len(actions.paces) == 2  # told once; nothing repeated while it stays so
+    # the straggler recovers and the flag clears: 10 s later the workers read slowly again
+    for _ in range(20):
+        sim.run(7)
+        wd.check_once()
+    assert IncidentKind.STRAGGLER_END in [i.kind for i in actions.records]
+    assert actions.paces[-1] == ("j", [0, 1, 2, 3], 3.0)
+    # a new worker round starts at its own pace: only the new processes are told
+    for r in range(4):
+        sim.js.disconnect("j", r, 100 + r)
+    sim.connect(pid_base=200)
+    sim.run(7)
+    wd.check_once()
+    assert actions.paces[-1] == ("j", [0, 1, 2, 3], 3.0) and len(actions.paces) == 4
+
+
+def test_read_pacing_can_be_turned_off(tmp_path):
+    sim = Sim(ranks=2)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=0)
+    for _ in range(10):
+        sim.run(7)
+        wd.check_once()
+    assert actions.paces == []
 
 
 class FlakyJobState:
@@ -353,7 +435,7 @@ def test_a_long_restore_that_reads_is_not_aborted_and_one_that_stops_reading_is(
     actions = Actions()
     moved = {100: 0, 101: 0}
     cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, checkpoint_s=60))
-    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=lambda: 1_790_000_000.0,
+    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock,
                   sleep=sim.clock.sleep, probe=lambda pid: "no_answer", io_bytes=moved.get,
                   diagnostics_dir=lambda job: tmp_path / "j")
     sim.run(10)
@@ -452,7 +534,7 @@ def test_a_hang_seen_on_several_nodes_is_recorded_once_by_the_node_that_owns_it(
     sim, actions = Sim(ranks=2), Actions(answer={0, 1})
     cluster = FakeCoordinator(owner="n0")
     wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
-                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
                   diagnostics_dir=lambda job: tmp_path / job, cluster=cluster)
     _hang(sim, wd)
     assert actions.records == []  # n0 records it
@@ -469,7 +551,7 @@ def test_the_owner_names_a_culprit_on_another_node(tmp_path):
     sim, actions = Sim(ranks=2), Actions(answer={0, 1})
     remote = {"n2": {"node": "n2", "verdict": {"culprits": [4], "summary": "rank 4 never entered all_reduce #31"}}}
     wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
-                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
                   diagnostics_dir=lambda job: tmp_path / job, cluster=FakeCoordinator(others=remote))
     _hang(sim, wd)
     opened = actions.records[0]
@@ -483,7 +565,19 @@ def test_the_owner_names_a_culprit_on_another_node(tmp_path):
 def test_without_etcd_the_node_records_the_hang_itself(tmp_path):
     sim, actions = Sim(ranks=2), Actions(answer={0, 1})
     wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
-                  clock=sim.clock, wall=lambda: 1_790_000_000.0, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
                   diagnostics_dir=lambda job: tmp_path / job, cluster=FakeCoordinator(fail=True))
     _hang(sim, wd)
     assert [i.kind for i in actions.records[:1]] == [IncidentKind.HANG] and len(actions.aborts) == 1
+
+
+def test_the_quiet_read_period_comes_from_the_environment_and_a_bad_one_says_what_to_do(monkeypatch):
+    from trainwarden.agent.node.agent import QUIET_READ_PERIOD_ENV, watchdog_config
+
+    assert watchdog_config().quiet_read_period_s == 3.0
+    monkeypatch.setenv(QUIET_READ_PERIOD_ENV, "0")
+    assert watchdog_config().quiet_read_period_s == 0.0
+    for bad in ("soon", "-1", "120"):
+        monkeypatch.setenv(QUIET_READ_PERIOD_ENV, bad)
+        with pytest.raises(ValueError, match="TRAINWARDEN_QUIET_READ_PERIOD_S.*between 0"):
+            watchdog_config()
