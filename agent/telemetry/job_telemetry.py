@@ -145,6 +145,9 @@ class RankSnapshot:
     """The process's start time when verified."""
     last_step_end_unix: float = 0.0
     """Wall time the newest reported step ended (its own timestamp; 0: none yet)."""
+    streams: int = 0
+    """Streams opened for this rank so far (a reconnect of the same process counts: what the agent told
+    the old stream, the new one does not know)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +182,7 @@ class _RankTelemetry:
     def __init__(self, info: WorkerInfo, recent_steps: int, now: float) -> None:
         self.info = info
         self.restarts = 0  # new worker processes seen for this rank
+        self.streams = 1  # streams opened for this rank (Hellos), reconnects of the same process included
         self.connected = True
         self.last_seen = now
         self.last_step = -1
@@ -289,6 +293,7 @@ class JobTelemetry:
                     rank.steady.clear()
                     rank.checkpoint_stage = ""
                 rank.info, rank.connected, rank.last_seen = info, True, now
+                rank.streams += 1
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
 
     def disconnect(self, job: str, rank: int, pid: int) -> None:
@@ -548,6 +553,7 @@ class JobTelemetry:
             step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
             flags=tuple(sorted(flags)), straggler_score=r.straggler_score, last_step_end_unix=r.last_step_end_ns / 1e9,
+            streams=r.streams,
             # until a few steady steps are in, all of them: a job whose every step is long must not be
             # held to the floor deadline by an empty window
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS

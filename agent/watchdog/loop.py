@@ -152,7 +152,7 @@ class Watchdog:
         self.suppressed: dict[str, int] = {}  # job -> straggler incidents not recorded (exported)
         self._step_s: dict[str, float] = {}  # last median step time per job
         self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
-        self._paced: dict[str, dict[int, tuple[int, float]]] = {}  # job -> rank -> (pid, read period asked)
+        self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
         self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
@@ -265,7 +265,7 @@ class Watchdog:
     def _pace_reads(self, snap: JobSnapshot) -> None:
         """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
         a decision, and at their own pace as soon as it is (`quiet_read_period_s`). A worker starts every
-        stream at its own pace; each is told only when what it should do changes."""
+        stream at its own pace; each stream is told only when what it should do changes."""
         quiet_period = self.config.quiet_read_period_s
         if quiet_period <= 0:
             return
@@ -276,13 +276,14 @@ class Watchdog:
         want = quiet_period if quiet else 0.0
         self.read_pace[snap.job] = want
         told = self._paced.setdefault(snap.job, {})
-        pids = {r.rank: r.pid for r in snap.ranks}
-        asked = {rank: period for rank, (pid, period) in told.items() if pids.get(rank) == pid}  # new: at 0
+        streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}
+        # a new stream (a new process, or the same one reconnected) starts at the worker's own pace
+        asked = {rank: period for rank, (stream, period) in told.items() if streams.get(rank) == stream}
         stale = [r.rank for r in snap.ranks if r.connected and asked.get(r.rank, 0.0) != want]
         if not stale:
             return
         for rank in self._actions.set_read_pace(snap.job, stale, want):
-            told[rank] = (pids[rank], want)
+            told[rank] = (streams[rank], want)
         log.debug("job %s: ranks %s asked to read their Flight Recorders %s", snap.job, ",".join(map(str, stale)),
                   f"at most every {want:g} s (no detector near a decision)" if quiet else "at their own pace again",
                   extra={"job": snap.job})

@@ -310,6 +310,13 @@ def test_workers_read_slowly_while_no_straggler_is_near_and_at_their_own_pace_on
         wd.check_once()
     assert IncidentKind.STRAGGLER_END in [i.kind for i in actions.records]
     assert actions.paces[-1] == ("j", [0, 1, 2, 3], 3.0)
+    # a stream that reconnects (same process) starts at the worker's own pace again: it is told again
+    sim.js.disconnect("j", 1, 101)
+    sim.js.connect(WorkerInfo(job="j", rank=1, local_rank=1, world_size=4, mesh=sim.mesh, pid=101, hostname="host1"))
+    sim.run(7)
+    wd.check_once()
+    assert actions.paces[-1] == ("j", [1], 3.0)
+    del actions.paces[-1]
     # a new worker round starts at its own pace: only the new processes are told
     for r in range(4):
         sim.js.disconnect("j", r, 100 + r)
