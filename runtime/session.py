@@ -203,7 +203,7 @@ class Session:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
         if self._client is not None:
             self._client.record_soon((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
-                                 str(detail)[:2000]))
+                                      str(detail)[:2000]))
 
     def poll_command(self) -> Command | None:
         """The oldest agent command not yet polled, or None (never blocks)."""

@@ -150,10 +150,9 @@ class HangDetector:
         io_progressed = self._checkpoint_io(state, checkpoint_io if in_checkpoint else None)
         if progressed:
             state.last_progress = max(state.last_progress, now - max(0.0, progress_age_s))
+            state.armed = True
         if left_checkpoint or io_progressed or not running:
             state.last_progress = now  # not running: the clock is paused
-        if progressed:
-            state.armed = True
         done = [state.counts[r] - state.baseline[r] for r in state.counts]
         steps = max(done, default=0)
         timeout, reason = self.config.steady_timeout(step_p99_s), "steady"

@@ -190,12 +190,13 @@ def main() -> None:
     repeats = calibrate(args.step_ms)
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     sock = tmp / "agent.sock"
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock), str(tmp / "state")], stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock), str(tmp / "state")], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
     try:
         assert agent.stdout.readline().strip() == "serving"
         results: dict[str, list[dict]] = {"baseline": [], "alive": [], "alive-nofr": [], "absent": []}
-        results.update((f"alive-{name}", []) for name in variants)
+        variant_of = {f"alive-{name}": options for name, options in variants.items()}
+        results.update((mode, []) for mode in variant_of)
         for round_ in range(args.rounds):
             for mode in results:
                 env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
@@ -209,9 +210,9 @@ def main() -> None:
                     env["TORCH_FR_BUFFER_SIZE"] = "0"
                 elif mode == "absent":
                     env["TRAINWARDEN_AGENT_SOCKET"] = str(tmp / "nobody.sock")
-                elif mode.removeprefix("alive-") in variants:
-                    env["BENCH_CLIENT_OPTIONS"] = json.dumps(variants[mode.removeprefix("alive-")])
-                child_mode = "alive" if mode.removeprefix("alive-") in variants else mode
+                elif mode in variant_of:
+                    env["BENCH_CLIENT_OPTIONS"] = json.dumps(variant_of[mode])
+                child_mode = "alive" if mode in variant_of else mode
                 out = subprocess.run([sys.executable, __file__, "--child", child_mode, "--steps", str(args.steps),
                                       "--repeats", str(repeats)], env=env, capture_output=True,
                                      text=True, timeout=600, start_new_session=True)
