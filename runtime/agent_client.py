@@ -408,6 +408,26 @@ def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.
         channel.close()
 
 
+def ask_checkpoint_record(socket_path: str, job: str, timeout: float = 10.0) -> tuple[int | None, str, str]:
+    """(step, path, source) of what etcd's job record says was committed, asked of the agent; (None, "", why)
+    when none is recorded or it is unknown (no agent, no etcd, a timeout). Once per restore, off the hot path."""
+    if not os.path.exists(socket_path):
+        return None, "", "unknown (no node agent)"
+    channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
+    try:
+        call = channel.unary_unary(contract.CHECKPOINT_RECORD_METHOD,
+                                   request_serializer=pb.CheckpointRecordRequest.SerializeToString,
+                                   response_deserializer=pb.CheckpointRecordReply.FromString)
+        reply = call(pb.CheckpointRecordRequest(job=job), timeout=timeout)
+    except grpc.RpcError as exc:
+        return None, "", f"unknown (the node agent did not answer: {exc.code() if hasattr(exc, 'code') else exc})"
+    finally:
+        channel.close()
+    if not reply.known:
+        return None, "", f"unknown ({reply.source})"
+    return (int(reply.step) if reply.found else None), reply.path, reply.source
+
+
 def _arrivals_message(batch) -> pb.Arrivals:
     index: dict[str, int] = {}
     ops: dict[str, int] = {}

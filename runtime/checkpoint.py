@@ -13,14 +13,19 @@ Save (``Checkpointer.save``):
 4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_store``),
    publishes the atomic ``latest`` pointer, calls ``on_commit(CheckpointInfo)`` and applies retention.
 
-Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and skips incomplete ones (logging
-why); the candidate list is broadcast; every rank tries to load the first candidate, and the ranks agree
-with an all_gather of their errors: a failure is retried (``load_attempts``) and only one that repeats
-moves every rank on to the next candidate together, while rank 0 sets the failed one aside
-(``step-N.unloadable``, with QUARANTINE.json saying why). Restore never deletes, and ranks never end up on
-different checkpoints. No checkpoint at all returns None (fresh start) unless ``require=True``;
-checkpoints that exist but none of which loads raise ``CheckpointUnloadableError`` unless
-``allow_fresh_start=True``.
+Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and weighs what the job knows of
+its own checkpoints (``resume_evidence``: the ``latest`` pointer, etcd's record through the node agent,
+set-aside directories, the worker round). A checkpoint that cannot be read (an I/O error, or a committed one
+whose ``.metadata`` is missing: a lagging filesystem) is looked at again with backoff and, if it still
+cannot be read, stops the job (``CheckpointReadError``) with nothing set aside: a read error is not
+corruption. The candidate list is broadcast; every rank tries to load the first candidate, and the ranks
+agree with an all_gather of their errors: a failure is retried (``load_attempts``) and only one that repeats,
+with bad content rather than a read error, moves every rank on to the next candidate together, while rank 0
+sets the failed one aside (``step-N.unloadable``, with QUARANTINE.json saying why). Restore never deletes,
+and ranks never end up on different checkpoints. When nothing loads, a job that has ever committed a
+checkpoint stops (``CheckpointUnloadableError``) unless ``allow_fresh_start=True``; each refusal is reported
+to the agent as ``resume_blocked``. Only a job with no evidence of any commit starts fresh (None), unless
+``require=True``.
 
 RNG state is per rank and cannot go through DCP (a key saved by 8 ranks does not exist for rank 8 of 16):
 ``RNGState`` entries of the state dict are taken out of the DCP state and written as ``rng-rank<R>.pt``
@@ -35,8 +40,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -48,11 +55,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from trainwarden.runtime import checkpoint_store as store
+from trainwarden.runtime import resume_evidence
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.checkpoint_store import (
     CheckpointError,
     CheckpointInfo,
     CheckpointNotFoundError,
+    CheckpointReadError,
     CheckpointUnloadableError,
     CheckpointSaveError,
     find_complete,
@@ -65,6 +74,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointSaveError",
     "CheckpointUnloadableError",
     "Checkpointer",
@@ -93,6 +103,65 @@ def describe(exc: BaseException) -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:700]
+
+
+def _is_read_error(exc: BaseException) -> bool:
+    """Whether a failed load was the storage's doing (an OSError anywhere in the causes on any rank: I/O,
+    stale handle, permission, timeout, a file gone) rather than wrong content."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return False
+
+
+def _doubtful(statuses, evidence) -> list[store.CheckpointStatus]:
+    """What may be a read problem rather than a fact: unreadable checkpoints, and the committed step's
+    directory when it has no ``.metadata`` (a committed checkpoint is never an unfinished save)."""
+    committed = evidence.committed_step
+    return [s for s in statuses if s.state == store.UNREADABLE
+            or (s.state == store.UNFINISHED and committed is not None and s.step == committed)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RestorePlan:
+    """Rank 0's decision, broadcast to every rank."""
+
+    candidates: list = field(default_factory=list)
+    """(step, path) of complete checkpoints, newest first."""
+    passed_over: list = field(default_factory=list)
+    evidence: str = ""
+    ever_committed: bool = False
+    blocked: str = ""
+    """Why the job may not resume at all (a read problem); empty otherwise."""
+    error: str = ""
+
+
+READ_BACKOFF_ENV = "TRAINWARDEN_CKPT_READ_BACKOFF_S"
+DEFAULT_READ_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+"""30 s in all: an NFS server restart or a stale handle's remount, not an outage."""
+
+
+def _read_backoff_from_env() -> tuple[float, ...]:
+    """``TRAINWARDEN_CKPT_READ_BACKOFF_S="1,2,4"`` (seconds between looks), else ``DEFAULT_READ_BACKOFF_S``."""
+    raw = os.environ.get(READ_BACKOFF_ENV, "").strip()
+    if not raw:
+        return DEFAULT_READ_BACKOFF_S
+    try:
+        delays = tuple(float(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{READ_BACKOFF_ENV}={raw!r}: expected seconds separated by commas, e.g. 1,2,4") from None
+    if any(d < 0 for d in delays):
+        raise ValueError(f"{READ_BACKOFF_ENV}={raw!r}: delays must be >= 0")
+    return delays
 
 
 class _Writer(FileSystemWriter):
@@ -149,7 +218,8 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
                  process_group: dist.ProcessGroup | None = None,
                  on_commit: Callable[[CheckpointInfo], None] | None = None,
-                 session=None, before_save: Callable[[int], None] | None = None) -> None:
+                 session=None, before_save: Callable[[int], None] | None = None,
+                 read_backoff_s: tuple[float, ...] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
         self.directory = Path(directory)
@@ -158,6 +228,8 @@ class Checkpointer:
         self._on_commit = on_commit
         self._events = session  # reports stages to the node agent; None: the process's current runtime session
         self._before_save = before_save  # e.g. the fault injector's slow_save
+        self.read_backoff_s = read_backoff_s if read_backoff_s is not None else _read_backoff_from_env()
+        """Pauses between looks at checkpoints that cannot be read yet, before restore gives up and stops."""
         self._distributed = dist.is_available() and dist.is_initialized()
         self._owns_pg = False
         if self._distributed and process_group is None:
@@ -264,6 +336,7 @@ class Checkpointer:
                          "unchanged.", step, refusal, target, extra={"event": "checkpoint_fenced", "step": step})
             self._report("failed", step, path=str(target), detail=f"fenced: {refusal}"[:1000])
             return None
+        store.mark_committed(path, step)  # from here on this directory is never an "unfinished save"
         store.write_latest(self.directory, info)
         self.last_committed = info
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
@@ -342,85 +415,117 @@ class Checkpointer:
                 load_attempts: int = 3, retry_delay_s: float = 1.0) -> int | None:
         """Load the newest complete checkpoint in place into ``state``; its step, or None to start fresh.
 
-        Nothing is deleted here. Saves newer than the newest complete checkpoint that never finished or are
-        corrupt are quarantined (``step-N.unfinished``/``.corrupt`` with a note); unreadable ones (an I/O or
-        permission error, metadata of another torch) are skipped and left where they are. A checkpoint that
-        fails to load is tried ``load_attempts`` times (a transient error on one rank must not cost a good
-        checkpoint) and only then quarantined (``.unloadable``); all ranks move on together.
+        Nothing is deleted here. Saves newer than the newest complete checkpoint (and than any committed step)
+        that never finished, and newer ones whose bytes are wrong, are set aside (``step-N.unfinished`` /
+        ``.corrupt`` with a note). A checkpoint that cannot be read (an I/O or permission error, or a committed
+        one whose ``.metadata`` is missing) is looked at again with backoff; if it still cannot be read and it
+        is newer than what would load, ``CheckpointReadError`` is raised and nothing is set aside. A checkpoint
+        that fails to load is tried ``load_attempts`` times and only then set aside (``.unloadable``), unless
+        the failure was a read error (then ``CheckpointReadError``); all ranks move on together.
 
-        When checkpoints exist but none loads, ``CheckpointUnloadableError`` is raised (training from step 1
-        would silently throw the run away) unless ``allow_fresh_start``; when none exists at all, None is
-        returned, or ``CheckpointNotFoundError`` raised with ``require``. If every candidate failed and a
-        fresh start is allowed, tensors in ``state`` may hold part of a failed load: re-initialize them."""
+        When nothing loads but the job has ever committed a checkpoint (``resume_evidence``: the pointer,
+        etcd's record, set-aside or unreadable checkpoints), ``CheckpointUnloadableError`` is raised unless
+        ``allow_fresh_start``; a fresh start allowed on purpose first sets every remaining ``step-N`` aside as
+        ``.superseded``, so the new run never overwrites it. With no evidence at all, None is returned, or
+        ``CheckpointNotFoundError`` raised with ``require``. Every refusal is reported to the node agent as
+        ``resume_blocked`` (one incident, and the launcher stops the job without spending restarts). If every
+        candidate failed and a fresh start is allowed, tensors in ``state`` may hold part of a failed load."""
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer; create a new one")
         self.wait()
         began = time.monotonic()
         self._report("restore_start", 0)
-        # rank 0 decides; an error there must reach every rank, or they would wait in the broadcast forever
-        choice: tuple[list[tuple[int, str]], list[str], str] = ([], [], "")
-        if self.rank == 0:
-            try:
-                candidates, passed_over = self._candidates()
-                choice = (candidates, passed_over, "")
-            except OSError as exc:
-                choice = ([], [], f"cannot list checkpoints in {self.directory}: {exc}; check that it exists and "
-                                  f"is readable from every node")
-        candidates, passed_over, error = self._broadcast(choice)
-        if error:
-            raise CheckpointError(error)
-        for step, path in candidates:
-            failed = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
+        plan = self._broadcast(self._plan_restore() if self.rank == 0 else None)
+        if plan.error:
+            self._block(plan.error, CheckpointError)
+        if plan.blocked:
+            self._block(plan.blocked, CheckpointReadError)
+        passed_over = list(plan.passed_over)
+        for step, path in plan.candidates:
+            failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
-                self._restore_rng(Path(path), state)
-                self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
-                if self.rank == 0:
-                    try:
-                        self._repoint(step, Path(path))
-                    except OSError as exc:
-                        logger.warning("could not update the checkpoint pointer in %s: %s", self.directory, exc)
-                logger.info("restored checkpoint step %d from %s", step, path,
-                            extra={"event": "checkpoint_restore", "step": step})
-                self._report("restored", step, seconds=time.monotonic() - began, path=str(path))
+                self._resumed(step, Path(path), state, began)
                 return step
+            if read_error:  # not proof of corruption: keep it where it is and stop
+                self._block(f"checkpoint {path} could not be read on every attempt ({failed}); it was left where "
+                            "it is. Fix the storage (mounts, permissions, the file server), then resume the job",
+                            CheckpointReadError)
             passed_over.append(f"{path}: failed to load on every attempt ({failed})")
             if self.rank == 0:
                 self._quarantine(step, Path(path), store.UNLOADABLE, failed)
             self._barrier()
-        self._report("restored", 0, seconds=time.monotonic() - began)
-        if passed_over and not allow_fresh_start:
-            raise CheckpointUnloadableError(
-                f"checkpoints exist in {self.directory} but none could be loaded; not starting from scratch, which "
-                f"would throw the run away: {'; '.join(passed_over)[:3000]}. Fix or restore a checkpoint there, or "
-                "start fresh on purpose (allow_fresh_start=True; the reference job's --allow-fresh-start)")
-        message = f"no loadable checkpoint in {self.directory}; starting fresh"
-        if require:
-            raise CheckpointNotFoundError(f"no loadable checkpoint in {self.directory}; the job requires one: "
-                                          "restore one there or run without require=True")
-        logger.warning(message)
+        self._start_fresh(passed_over, plan.evidence, plan.ever_committed, require=require,
+                          allow_fresh_start=allow_fresh_start)
+        self._report("restored", 0, seconds=time.monotonic() - began)  # step 0: starting fresh
         return None
 
-    def _load_with_retries(self, path: Path, state: Mapping[str, Any], attempts: int, delay: float) -> str:
-        """"" once every rank loaded `path`; else what failed, after `attempts` tries that all failed."""
-        detail = ""
+    def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
+        self._restore_rng(path, state)
+        self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
+        if self.rank == 0:
+            try:
+                self._repoint(step, path)
+            except OSError as exc:
+                logger.warning("could not update the checkpoint pointer in %s: %s", self.directory, exc)
+        logger.info("restored checkpoint step %d from %s", step, path,
+                    extra={"event": "checkpoint_restore", "step": step})
+        self._report("restored", step, seconds=time.monotonic() - began, path=str(path))
+
+    def _start_fresh(self, passed_over: list[str], evidence: str, ever_committed: bool, *, require: bool,
+                     allow_fresh_start: bool) -> None:
+        """Nothing loaded: stop when the job has committed before (unless told to start over); otherwise set
+        what is left aside when starting over on purpose."""
+        if (passed_over or ever_committed) and not allow_fresh_start:
+            why = "; ".join(passed_over)[:3000] or "no checkpoint directory could be loaded"
+            self._block(f"the job has committed checkpoints ({evidence}) but none could be loaded; not starting "
+                        f"from step 1, which would throw the run away: {why}. `trainwarden checkpoints` lists what "
+                        "is there and why each was set aside; fix or put one back (`trainwarden checkpoints ... "
+                        "restore-aside step-N`), or start over on purpose (the reference job's --allow-fresh-start)",
+                        CheckpointUnloadableError)
+        if require:
+            self._block(f"no loadable checkpoint in {self.directory}; the job requires one: restore one there or "
+                        "run without require=True", CheckpointNotFoundError)
+        if (ever_committed or passed_over) and self.rank == 0:  # on purpose: keep it out of the new run's way
+            for status in store.scan(self.directory):
+                self._quarantine(status.step, status.path, store.SUPERSEDED,
+                                 "a fresh start was allowed on purpose (allow_fresh_start); kept, never overwritten")
+        if ever_committed or passed_over:
+            self._barrier()
+        logger.warning("no loadable checkpoint in %s; starting fresh (%s)", self.directory, evidence)
+
+    def _block(self, message: str, error: type[CheckpointError]) -> None:
+        """Report why the job may not resume (the agent records one incident; the launcher stops the job
+        without spending a restart), then raise ``error``."""
+        if self.rank == 0:
+            logger.error("%s", message, extra={"event": "resume_blocked"})
+            self._report("resume_blocked", 0, path=str(self.directory), detail=message[:1000])
+        raise error(message)
+
+    def _load_with_retries(self, path: Path, state: Mapping[str, Any], attempts: int,
+                           delay: float) -> tuple[str, bool]:
+        """("", False) once every rank loaded `path`; else what failed after `attempts` tries that all failed,
+        and whether the last failure was a read error (an OSError on some rank) rather than bad content."""
+        detail, read_error = "", False
         for attempt in range(1, max(1, attempts) + 1):
-            errors = self._gather(self._try_load(path, state))
-            failed = {r: e for r, e in enumerate(errors) if e}
+            results = self._gather(self._try_load(path, state))
+            failed = {r: e for r, (e, _) in enumerate(results) if e}
             if not failed:
-                return ""
+                return "", False
+            read_error = any(is_read for _, is_read in results)
             by_error: dict[str, list[int]] = {}
             for r, e in sorted(failed.items()):
                 by_error.setdefault(e, []).append(r)
             detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
             if attempt < attempts:
                 logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s", path,
-                               attempt, attempts, detail, delay)
+                               attempt, attempts, detail, delay * attempt)
                 self._barrier()
-                time.sleep(delay)
-        logger.error("checkpoint %s failed to load on all %d attempts (%s). If the model or optimizer definition "
-                     "changed since it was saved, that is the cause.", path, attempts, detail,
+                time.sleep(delay * attempt)
+        logger.error("checkpoint %s failed to load on all %d attempts (%s)%s", path, attempts, detail,
+                     " (a read error: the storage, not the checkpoint)" if read_error else
+                     ". If the model or optimizer definition changed since it was saved, that is the cause.",
                      extra={"event": "checkpoint_unloadable"})
-        return detail
+        return detail, read_error
 
     def _quarantine(self, step: int, path: Path, state: str, reason: str) -> None:
         """Rank 0: move a checkpoint aside (never delete it) and report it."""
@@ -449,44 +554,88 @@ class Checkpointer:
             except Exception:
                 logger.exception("on_commit callback failed for %s", path)
 
-    def _candidates(self) -> tuple[list[tuple[int, str]], list[str]]:
-        """Rank 0: the complete checkpoints, newest first, and why the others were passed over. Saves newer
-        than the newest complete one that never finished or are corrupt are quarantined; an unreadable one is
-        looked at again (a flaky filesystem) and, if still unreadable, left in place."""
-        statuses = store.scan(self.directory)
-        for attempt in range(2):
-            if not any(s.state == store.UNREADABLE for s in statuses):
-                break
-            time.sleep(1.0 + attempt)
-            statuses = store.scan(self.directory)
+    def _plan_restore(self) -> "_RestorePlan":
+        """Rank 0: what to try, what was passed over, and whether the job may not resume at all."""
+        try:
+            return self._plan()
+        except OSError as exc:
+            return _RestorePlan(error=f"cannot list checkpoints in {self.directory}: {exc}; check that it exists "
+                                      "and is readable from every node (nothing was changed)")
+
+    def _plan(self) -> "_RestorePlan":
+        record = self._committed_record()
+        statuses, evidence = self._scan_with_backoff(record)
         complete = [s for s in statuses if s.complete]
         newest = complete[0].step if complete else -1
+        committed = evidence.committed_step if evidence.committed_step is not None else -1
+        doubtful = [s for s in _doubtful(statuses, evidence) if s.step > newest]
+        if doubtful:
+            return _RestorePlan(evidence=evidence.describe(), ever_committed=True, blocked=(
+                "checkpoints newer than any loadable one cannot be read after retrying for "
+                f"{sum(self.read_backoff_s):.0f} s: {'; '.join('; '.join(s.problems) for s in doubtful)[:2000]}. "
+                "Nothing was set aside: this is a storage problem (an I/O error, a stale handle, a permission, a "
+                "lagging or half-restored filesystem), not proof of corruption. Fix the storage, then resume the job"))
+        if committed > newest:
+            logger.warning("the job committed step %d (%s), but no directory of that step is here; resuming from "
+                           "the newest complete one (step %s)", committed, evidence.describe(), newest,
+                           extra={"event": "checkpoint_missing"})
         passed_over = []
         for status in statuses:
-            if status.complete:
+            if status.complete or status.state == store.UNREADABLE:
                 continue
             reason = "; ".join(status.problems)
             logger.warning("skipping incomplete checkpoint: %s", reason,
                            extra={"event": "checkpoint_incomplete", "step": status.step})
-            if status.state == store.UNFINISHED:
-                if status.step > newest:  # the resumed run will write this step again: keep the old one aside
+            if status.state == store.UNFINISHED:  # no checkpoint: it does not count as one that failed to load
+                if status.step > max(newest, committed):  # the resumed run writes this step again
                     self._quarantine(status.step, status.path, status.state, reason)
-                continue  # an unfinished save is no checkpoint: it does not count as one that failed to load
+                continue
             passed_over.append(reason)
-            if status.state == store.CORRUPT and status.step > newest:
+            if status.step > newest:  # corrupt: its own bytes are wrong
                 self._quarantine(status.step, status.path, status.state, reason)
-            elif status.state == store.UNREADABLE:
-                self._report("set_aside", status.step, path=str(status.path), detail=f"unreadable: {reason}"[:1000])
-        return [(s.step, str(s.path)) for s in complete], passed_over
+        return _RestorePlan(candidates=[(s.step, str(s.path)) for s in complete], passed_over=passed_over,
+                            evidence=evidence.describe(), ever_committed=bool(evidence.reasons()))
 
-    def _try_load(self, path: Path, state: Mapping[str, Any]) -> str:
+    def _scan_with_backoff(self, record: tuple[int | None, str]):
+        """Scan; while something may be a read problem (``_doubtful``), look again after each backoff."""
+        statuses = store.scan(self.directory)
+        evidence = resume_evidence.gather(self.directory, statuses, record=record)
+        for delay in self.read_backoff_s:
+            doubtful = _doubtful(statuses, evidence)
+            if not doubtful:
+                break
+            logger.warning("checkpoints in %s cannot be read yet (%s); looking again in %.1f s", self.directory,
+                           "; ".join(p for s in doubtful for p in s.problems)[:500], delay)
+            time.sleep(delay)
+            statuses = store.scan(self.directory)
+            evidence = resume_evidence.gather(self.directory, statuses, record=record)
+        return statuses, evidence
+
+    def _committed_record(self) -> tuple[int | None, str]:
+        """(step, source) of etcd's record of the job's checkpoint in this directory, asked of the node agent;
+        (None, why) when there is none, it is unknown, or it names another directory."""
+        session = self._events or current_session()
+        ask = getattr(session, "committed_record", None)
+        if ask is None:
+            return None, "unknown (no node agent)"
+        try:
+            step, path, source = ask()
+        except Exception as exc:
+            logger.warning("could not ask the node agent for the job's committed checkpoint: %s", exc)
+            return None, f"unknown ({exc})"
+        if step is not None and path and Path(path).resolve().parent != self.directory.resolve():
+            return None, f"{source} names step {step} in another directory ({path}): not counted here"
+        return step, (f"step {step}" if step is not None else source)
+
+    def _try_load(self, path: Path, state: Mapping[str, Any]) -> tuple[str, bool]:
+        """("", False) when loaded; else (what failed, whether it was a read error)."""
         dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
         try:
             dcp.load(dcp_state, checkpoint_id=str(path), process_group=self._pg,
                      no_dist=not self._distributed)
         except _SAVE_LOAD_ERRORS as exc:
-            return describe(exc)
-        return ""
+            return describe(exc), _is_read_error(exc)
+        return "", False
 
     def _restore_rng(self, path: Path, state: Mapping[str, Any]) -> None:
         entries = {k: v for k, v in state.items() if isinstance(v, RNGState)}

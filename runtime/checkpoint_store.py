@@ -11,10 +11,19 @@ Layout::
                                     RNG keys
         rng-rank<R>.pt              per-rank RNG sidecar (see ``checkpoint.RNGState``), one per saved rank
         .metadata                   DCP metadata; the coordinator writes it last, after every rank's data
+        COMMITTED                   written by the committing rank after validation, before the pointer: this
+                                    directory was the job's checkpoint, so it is never an "unfinished save"
     <dir>/latest                    JSON pointer to the newest committed checkpoint {step, path, time, bytes}
     <dir>/step-00000300.unloadable  moved aside by restore: validated but failed to load, again and again
     <dir>/step-00000310.unfinished  moved aside by restore: a save newer than the one resumed that never
                                     finished (``.corrupt`` likewise); each holds QUARANTINE.json saying why
+    <dir>/step-00000004.superseded  moved aside when a fresh start was allowed on purpose, so the new run's
+                                    saves never overwrite it
+
+Nothing restore sets aside is ever deleted (``list_set_aside`` lists it, ``restore_aside`` puts one back); the
+only set-aside kind retention removes is ``.fenced`` (a stale round's save, older than the newest complete
+checkpoint). A directory without ``.metadata`` that holds the ``COMMITTED`` marker is ``unreadable`` (its
+metadata is missing: a lagging or damaged filesystem), never ``unfinished``.
 
 Completeness (``validate``): ``.metadata`` exists and unpickles, every file it references is present with at
 least the bytes it references, and, when the manifest lists RNG keys, every saved rank's sidecar is present.
@@ -46,6 +55,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointSaveError",
     "CheckpointUnloadableError",
     "CheckpointStatus",
@@ -54,11 +64,16 @@ __all__ = [
     "POINTER_NAME",
     "atomic_write",
     "choose_deletions",
+    "COMMIT_MARKER",
+    "SetAside",
     "find_complete",
     "info_for",
     "classify",
+    "list_set_aside",
+    "mark_committed",
     "quarantine",
     "quarantined_removable",
+    "restore_aside",
     "read_latest",
     "read_manifest",
     "remove_checkpoint",
@@ -75,14 +90,18 @@ logger = logging.getLogger(__name__)
 POINTER_NAME = "latest"
 MANIFEST_NAME = "trainwarden.json"
 METADATA_NAME = ".metadata"
+COMMIT_MARKER = "COMMITTED"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+_ASIDE_RE = re.compile(r"^step-(\d{8,})\.([a-z]+)(?:\.(\d+))?$")
 
 COMPLETE, UNFINISHED, UNREADABLE, CORRUPT = "complete", "unfinished", "unreadable", "corrupt"
 UNLOADABLE = "unloadable"
+"""Complete by its files, but loading it failed on every attempt (quarantined by restore)."""
 FENCED = "fenced"
 """Complete on disk but written by a round that was no longer the job's (its commit was refused): set aside
 so no restore takes it for the job's latest state."""
-"""Complete by its files, but loading it failed on every attempt (quarantined by restore)."""
+SUPERSEDED = "superseded"
+"""Set aside when a fresh start was allowed on purpose (``--allow-fresh-start``): kept, never overwritten."""
 """What ``classify`` finds: complete; a save that never finished (no ``.metadata``); a checkpoint that could
 not be read here (an I/O or permission error, or metadata classes this torch does not have: it may be fine
 elsewhere or later); a checkpoint whose own bytes are wrong (garbage metadata, missing or short files)."""
@@ -103,6 +122,12 @@ class CheckpointNotFoundError(CheckpointError):
 class CheckpointUnloadableError(CheckpointError):
     """Checkpoints exist but none could be loaded; the job stops rather than silently train from step 1.
     Retrying does not help: fix or restore a checkpoint, or allow a fresh start on purpose."""
+
+
+class CheckpointReadError(CheckpointUnloadableError):
+    """Checkpoints exist but cannot be read here (an I/O error, a stale handle, a permission, a timeout, or a
+    committed checkpoint whose ``.metadata`` is missing), after retries: not proof of corruption, so nothing
+    is set aside and the job stops. Fix the storage, then resume; the checkpoints are where they were."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -192,6 +217,9 @@ def classify(path: str | os.PathLike) -> tuple[str, list[str]]:
             return CORRUPT, [f"{path} is not a directory"]
         meta_path = path / METADATA_NAME
         if not meta_path.exists():
+            if (path / COMMIT_MARKER).exists():
+                return UNREADABLE, [f"{path}: its {METADATA_NAME} is missing, but it was committed ({COMMIT_MARKER} "
+                                    "is there): the filesystem may be lagging or damaged"]
             return UNFINISHED, [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes "
                                 "it last)"]
     except OSError as exc:
@@ -368,17 +396,81 @@ def quarantine(path: Path, *, state: str, reason: str) -> Path:
 
 
 def quarantined_removable(directory: str | os.PathLike, older_than: int) -> list[tuple[Path, str]]:
-    """Quarantined saves retention may delete, with what they are: saves that never finished
-    (``step-N.unfinished*``, never a usable checkpoint) and fenced ones (``step-N.fenced*``: written by a round
-    that was no longer the job's, or while etcd could not confirm it), with N below ``older_than``, the
-    newest complete checkpoint."""
+    """Set-aside saves retention may delete, with what they are: only fenced ones (``step-N.fenced*``:
+    written by a round that was no longer the job's, or while etcd could not confirm it), with N below
+    ``older_than``, the newest complete checkpoint. Nothing restore set aside (unfinished, corrupt,
+    unloadable, superseded) is ever deleted: it may be the run's only copy once the storage recovers."""
+    return sorted((aside.path, "fenced checkpoint") for aside in list_set_aside(directory)
+                  if aside.state == FENCED and aside.step < older_than)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SetAside:
+    """A ``step-N.<state>[.k]`` directory: a checkpoint or save moved out of the ``step-*`` namespace."""
+
+    step: int
+    state: str
+    path: Path
+    reason: str
+    """From its QUARANTINE.json; empty when the note is missing or unreadable."""
+    time: float | None
+    """When it was set aside (UNIX seconds), from the note."""
+
+    @property
+    def had_metadata(self) -> bool:
+        """Whether it ever was a finished save: DCP's ``.metadata`` or the commit marker is in it."""
+        return any((self.path / name).exists() for name in (METADATA_NAME, COMMIT_MARKER))
+
+
+def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
+    """Every set-aside directory under ``directory``, newest step first, with the reason it was set aside."""
     directory = Path(directory)
     found = []
-    for entry in directory.glob("step-*.*"):
-        match = re.match(rf"^step-(\d{{8,}})\.({UNFINISHED}|{FENCED})(\.\d+)?$", entry.name)
-        if match and int(match.group(1)) < older_than and entry.is_dir():
-            found.append((entry, "unfinished save" if match.group(2) == UNFINISHED else "fenced checkpoint"))
-    return sorted(found)
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = _ASIDE_RE.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        reason, when = "", None
+        try:
+            note = json.loads((entry / QUARANTINE_NOTE).read_text())
+            reason, when = str(note.get("reason", "")), float(note.get("time") or 0) or None
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+        found.append(SetAside(step=int(match.group(1)), state=match.group(2), path=entry, reason=reason, time=when))
+    return sorted(found, key=lambda a: (a.step, a.path.name), reverse=True)
+
+
+def mark_committed(path: Path, step: int) -> None:
+    """Write the commit marker into checkpoint ``path`` (after it validated, before the pointer names it)."""
+    atomic_write(path / COMMIT_MARKER, (json.dumps({"step": step, "time": time.time()}) + "\n").encode())
+
+
+def restore_aside(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, str]:
+    """Put a set-aside checkpoint back as ``step-N`` (an operator, after fixing the storage): its new path and
+    what ``classify`` finds in it now. Refused, naming what to do, when ``step-N`` exists, when ``name`` is not
+    a set-aside directory, or when it is still not complete (unless ``force``)."""
+    directory = Path(directory)
+    source = directory / name
+    match = _ASIDE_RE.match(name)
+    if not match or not source.is_dir():
+        raise CheckpointError(f"{source} is not a set-aside checkpoint (step-NNNNNNNN.<state>); "
+                              f"`trainwarden checkpoints` lists them")
+    target = step_dir(directory, int(match.group(1)))
+    if target.exists():
+        raise CheckpointError(f"{target} exists: set it aside or remove it before putting {name} back")
+    state, problems = classify(source)
+    if state != COMPLETE and not force:
+        raise CheckpointError(f"{source} is still {state}: {'; '.join(problems)[:500]}. Fix it first, or put it "
+                              "back anyway with --force")
+    os.replace(source, target)
+    note = target / QUARANTINE_NOTE
+    if note.exists():
+        os.replace(note, target / f"{QUARANTINE_NOTE}.restored")
+    return target, state
 
 
 def retention_candidates(statuses: Sequence[CheckpointStatus], keep: int) -> list[CheckpointStatus]:

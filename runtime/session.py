@@ -58,7 +58,7 @@ from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_pare
 
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
-                           TelemetryClient, abort_process, ask_commit)
+                           TelemetryClient, abort_process, ask_checkpoint_record, ask_commit)
 from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
@@ -246,6 +246,14 @@ class Session:
         if reply is None or reply.allowed:
             return None
         return reply.reason or "refused by the node agent"
+
+    def committed_record(self) -> tuple[int | None, str, str]:
+        """(step, path, source) of the checkpoint etcd's job record says was committed, asked of the node
+        agent; (None, "", why) when none or unknown (no agent, or one without etcd). A restore's evidence
+        (runtime/resume_evidence.py)."""
+        if self._client is None:
+            return None, "", "unknown (no node agent)"
+        return ask_checkpoint_record(self._client.config.socket_path, self.job)
 
     def _hold(self, index: int) -> None:
         """Wait before step ``index``: the launcher restarts the workers once the checkpoint this rank just

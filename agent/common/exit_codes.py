@@ -6,7 +6,7 @@ Shell users and supervisors (systemd, Kubernetes) act on these, so they never ch
 from trainwarden.agent.proto.contract import EXIT_ABORTED  # the workers' code, defined with the protocol
 
 __all__ = [
-    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE", "EXIT_CONFIG",
+    "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_RESUME_BLOCKED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE", "EXIT_CONFIG",
     "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
 ]
 
@@ -23,6 +23,10 @@ EXIT_LAUNCH_FAILED = 4
 EXIT_CONFIG = 6
 """The job cannot start as configured (a missing script, a malformed fault spec, workers that fail the same
 way before their first step twice): fix it; restarting does not help."""
+EXIT_RESUME_BLOCKED = 7
+"""The job's checkpoints exist (or were committed) but none can be read or loaded: it stopped rather than
+start over, and spent no restart. Fix the storage or put a checkpoint back (`trainwarden checkpoints`),
+then resume; `--allow-fresh-start` (the reference job's) starts over on purpose."""
 EXIT_AGENT_UNAVAILABLE = 5
 """No node agent answers on the socket (`trainwarden status/top`, `agent --check`): start one, or retry."""
 EXIT_INTERRUPTED = 130

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from trainwarden.agent.proto.contract import JOB_NAME_RE, validate_job_name  # the one rule, shared with workers
 
-__all__ = ["JOB_NAME_RE", "default_state_home", "job_state_dir", "validate_job_name"]
+__all__ = ["CHECKPOINT_DIR_RECORD", "JOB_NAME_RE", "default_state_home", "job_checkpoint_dir", "job_state_dir",
+           "validate_job_name"]
 
 
 
@@ -22,6 +23,21 @@ def default_state_home(env=os.environ) -> Path:
         return Path(env["TRAINWARDEN_STATE_HOME"])
     xdg = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(xdg) / "trainwarden"
+
+
+CHECKPOINT_DIR_RECORD = "checkpoint_dir"
+"""The file in a job's state directory naming its checkpoint directory (written by `trainwarden run`, kept after
+the run so `trainwarden checkpoints --job J` finds a directory given with the script's --ckpt-dir)."""
+
+
+def job_checkpoint_dir(job: str, state_home: str | os.PathLike | None = None) -> Path:
+    """Where job ``job`` keeps its checkpoints on this node: what its last run recorded, else the default."""
+    state = job_state_dir(job, state_home)
+    try:
+        recorded = (state / CHECKPOINT_DIR_RECORD).read_text().strip()
+    except OSError:
+        recorded = ""
+    return Path(recorded) if recorded else state / "checkpoints"
 
 
 def job_state_dir(job: str, state_home: str | os.PathLike | None = None) -> Path:

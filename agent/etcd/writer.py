@@ -52,6 +52,12 @@ class EtcdWriter:
         self._thread = threading.Thread(target=self._run, name="trainwarden-etcd-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def client(self):
+        """The etcd client the writes go through (for the few reads an agent makes, e.g. a job's checkpoint
+        record when a worker asks before a restore)."""
+        return self._client
+
     # ---- callers' side: never blocks ---------------------------------------------------------------
 
     def put(self, key: str, value: str | bytes) -> None:

@@ -40,6 +40,9 @@ class IncidentKind(str, enum.Enum):
     """A save failed (disk full, I/O error); the latest committed checkpoint is unchanged."""
     CHECKPOINT_SET_ASIDE = "checkpoint_set_aside"
     """A restore passed a checkpoint over: quarantined (unfinished, corrupt, unloadable) or unreadable."""
+    RESUME_BLOCKED = "resume_blocked"
+    """The job stopped rather than start over: it has committed checkpoints but none could be read or loaded
+    (a storage problem, or every one corrupt). No restart was spent; the evidence says what was found."""
     CORDONED = "cordoned"
     """The node takes no new work (an operator's cordon or drain, or the daemon's own on a GPU fault); with a
     drain its jobs leave it after a checkpoint. Recorded for each job the node was running."""

@@ -61,7 +61,9 @@ from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_ABORTED, validate_node_name
+from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
+from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_RESUME_BLOCKED,
+                                              validate_node_name)
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
@@ -231,6 +233,9 @@ class _JobRun(Regrouping):
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
         self.config_error: str | None = None
+        self.resume_blocked: str | None = None
+        """Why the workers may not resume (their checkpoints cannot be read or loaded): the job stops, no restart."""
+        self._resume_detail = ""
         self._startup_failure: tuple | None = None  # how the last round failed, if before its first step
         self._wake: threading.Event | None = None
         self.env: dict[str, str] = {}
@@ -437,6 +442,7 @@ class _JobRun(Regrouping):
         cleanup.callback(os.close, reply_write)
         cleanup.callback(self.torchrun.stop)
         self.run_record.set("torchrun", self.torchrun.pid)
+        atomic_write(self.state_dir / CHECKPOINT_DIR_RECORD, f"{self.checkpoint_dir.resolve()}\n".encode())
         if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
             self.agent.actions.register_launcher(self.opts.job, self.torchrun.pid)
         self.events = LaunchEventReader(events_read, self._on_launch_event)
@@ -467,6 +473,8 @@ class _JobRun(Regrouping):
             torchrun.stop(grace=10.0)
             pump.join(5)
             self.events.join(5)
+            if self.resume_blocked is not None:  # recorded by the agent as a resume_blocked incident
+                return self._stop_resume_blocked()
             print(f"trainwarden: {self.config_error}", file=self.out, flush=True)
             self.transition(JobPhase.FAILED, "configuration error: " + self.config_error[:200])
             if self.failures is not None:
@@ -603,6 +611,8 @@ class _JobRun(Regrouping):
         elif kind == "failed":
             self.progress.round_failed(at)
             failures = event.get("failures") or []
+            if self._check_resume_blocked(failures):
+                return
             self._check_deterministic(failures)
             if self.failures is not None:
                 self.failures.round_failed(failures)
@@ -621,6 +631,27 @@ class _JobRun(Regrouping):
             print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
                   "left)", file=self.out, flush=True)
             self.transition(JobPhase.RESTARTING, why, failure=after_failure)
+
+    def _check_resume_blocked(self, failures: list[dict]) -> bool:
+        """Workers that exit with EXIT_RESUME_BLOCKED found checkpoints they may not start without: not a crash
+        (no incident of that kind) and no restart; the job stops and says why (their own last words)."""
+        blocked = [f for f in failures if int(f["exitcode"]) == EXIT_RESUME_BLOCKED]
+        if not blocked:
+            return False
+        said = next((str(f.get("message")) for f in blocked if f.get("message")), "")
+        self.resume_blocked = said or "its checkpoints exist but none could be read or loaded"
+        self.config_error = self.resume_blocked
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def _stop_resume_blocked(self) -> int:
+        why = (self._resume_detail or self.resume_blocked or "")[:1500]
+        print(f"trainwarden: the job stopped rather than start over: {why}\ntrainwarden: no restart was spent. "
+              f"`trainwarden checkpoints --job {self.opts.job}` lists its checkpoints and why each was set aside; "
+              f"the workers' own output is in {self.logs / 'run.log'}", file=self.out, flush=True)
+        self.transition(JobPhase.FAILED, "resume blocked: " + why[:300])
+        return exit_codes.EXIT_RESUME_BLOCKED
 
     def _check_deterministic(self, failures: list[dict]) -> None:
         """A round that fails before its first step exactly as the previous one did is a configuration error
@@ -658,6 +689,8 @@ class _JobRun(Regrouping):
             self._committed_step = max(self._committed_step, step)
         elif job == self.opts.job and stage == "failed":
             self._failed_step = max(self._failed_step, step)
+        elif job == self.opts.job and stage == "resume_blocked" and detail:
+            self._resume_detail = detail  # the committing rank's reason, in full
 
     # ---- fenced rounds: who may publish a checkpoint ---------------------------------------------------
 

@@ -10,33 +10,46 @@ from typing import TextIO
 from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.runtime import checkpoint_store as store
 
 __all__ = ["print_summary"]
 
 
-def _latest_checkpoint(directory: Path) -> str:
-    pointer = directory / "latest"
+def _latest_checkpoint(directory: Path, job: str) -> str:
+    """"latest complete: step 70", or what is wrong with it, and how many checkpoints are set aside."""
+    pointer = directory / store.POINTER_NAME
     try:
         info = json.loads(pointer.read_text())
-        return f"latest complete: step {info['step']}"
+        step = int(info["step"])
+        latest = f"latest complete: step {step}"
+        if not (directory / store.step_dir(directory, step).name / store.METADATA_NAME).exists():
+            latest = f"the latest pointer names step {step}, which is no longer complete here"
     except FileNotFoundError:
-        return "none committed"
-    except (ValueError, KeyError, OSError) as exc:
-        return f"unreadable pointer {pointer}: {exc}"
+        latest = "none committed"
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        latest = f"unreadable pointer {pointer}: {exc}"
+    aside = store.list_set_aside(directory) if directory.is_dir() else []
+    if aside:
+        latest += f"; {len(aside)} set aside: trainwarden checkpoints --job {job}"
+    return latest
 
 
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
                   ckpt_dir: Path, log_path: Path) -> None:
     """The end-of-run summary of the job ``record`` names."""
     lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
-    if progress.max_step is not None:
+    blocked = record.reason.startswith("resume blocked")
+    if blocked:  # the restore stopped the job: no step, no restart, nothing lost but the attempt
+        lines.append("  steps        none: the job stopped before its first step rather than start over (its "
+                     "checkpoints could not be read or loaded)")
+    elif progress.max_step is not None:
         median = progress.median_step_seconds()
         loss = f", last loss {progress.last_loss}" if progress.last_loss is not None else ""
         lines.append(f"  steps        last step {progress.max_step}{loss}, median step {median:.3f}s")
     else:
         lines.append("  steps        none reported (the script sends no telemetry: wrap each step in "
                      "trainwarden.runtime's rt.step)")
-    if progress.failures:
+    if progress.failures and not blocked:
         parts = []
         for f in progress.failures:
             lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
@@ -47,7 +60,7 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
         lines.append(f"  time lost    {progress.lost_seconds:.1f}s to failures")
     else:
         lines.append("  restarts     0")
-    lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir)})")
+    lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir, record.job)})")
     incidents = _incident_summary(state_dir)
     if incidents:
         lines.append(f"  incidents    {incidents} (trainwarden incidents --job {record.job})")

@@ -134,6 +134,8 @@ class NodeAgent:
         self.publisher = CheckpointPublisher(JobRecords(None, writer=etcd)) if etcd is not None else None
         self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
+        if etcd is not None:  # a restore asks what etcd says the job committed before it may start over
+            self.server.checkpoint_record = JobRecords(etcd.client).get_checkpoint
         self.incident_counts = IncidentCollector(
             node=config.node, jobs=lambda: [job.job for job in self.job_telemetry.snapshot()])
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "FLIGHT_RECORDER_ENV",
+    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "EXIT_RESUME_BLOCKED", "FLIGHT_RECORDER_ENV",
     "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
@@ -22,6 +22,7 @@ SERVICE_NAME = "trainwarden.v1.Telemetry"
 STREAM_METHOD = f"/{SERVICE_NAME}/Stream"
 STATUS_METHOD = f"/{SERVICE_NAME}/Status"
 COMMIT_METHOD = f"/{SERVICE_NAME}/Commit"
+CHECKPOINT_RECORD_METHOD = f"/{SERVICE_NAME}/CheckpointRecord"
 
 
 
@@ -55,11 +56,16 @@ FLIGHT_RECORDER_ENV = {
 
 EXIT_ABORTED = 75
 """A worker exits with this code when the agent aborts it (hang recovery); torchrun restarts it."""
+EXIT_RESUME_BLOCKED = 76
+"""A worker exits with this code when its job may not resume: checkpoints exist (or were committed) but none
+can be read or loaded. The launcher stops the job at once, without spending a restart: a restart would meet
+the same checkpoints (runtime/checkpoint.py, ``CheckpointUnloadableError``)."""
 PEER_GONE = "peer gone"
 """How a worker's goodbye reason starts when it left because another rank had failed
 (``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""
 
-CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held")
+CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held",
+                     "resume_blocked")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
 has the same names, upper-case)."""
 

@@ -18,6 +18,7 @@ class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[CheckpointStage]
     SET_ASIDE: _ClassVar[CheckpointStage]
     HELD: _ClassVar[CheckpointStage]
+    RESUME_BLOCKED: _ClassVar[CheckpointStage]
 CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
 SAVE_START: CheckpointStage
 STAGED: CheckpointStage
@@ -27,6 +28,7 @@ RESTORED: CheckpointStage
 FAILED: CheckpointStage
 SET_ASIDE: CheckpointStage
 HELD: CheckpointStage
+RESUME_BLOCKED: CheckpointStage
 
 class Hello(_message.Message):
     __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token")
@@ -322,3 +324,23 @@ class CommitReply(_message.Message):
     allowed: bool
     reason: str
     def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointRecordRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CheckpointRecordReply(_message.Message):
+    __slots__ = ("known", "found", "step", "path", "source")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    found: bool
+    step: int
+    path: str
+    source: str
+    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...

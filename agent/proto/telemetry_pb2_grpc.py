@@ -49,6 +49,11 @@ class TelemetryStub:
                 request_serializer=telemetry__pb2.CommitRequest.SerializeToString,
                 response_deserializer=telemetry__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.CheckpointRecord = channel.unary_unary(
+                '/trainwarden.v1.Telemetry/CheckpointRecord',
+                request_serializer=telemetry__pb2.CheckpointRecordRequest.SerializeToString,
+                response_deserializer=telemetry__pb2.CheckpointRecordReply.FromString,
+                _registered_method=True)
 
 
 class TelemetryServicer:
@@ -72,6 +77,12 @@ class TelemetryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckpointRecord(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_TelemetryServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=telemetry__pb2.CommitRequest.FromString,
                     response_serializer=telemetry__pb2.CommitReply.SerializeToString,
+            ),
+            'CheckpointRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckpointRecord,
+                    request_deserializer=telemetry__pb2.CheckpointRecordRequest.FromString,
+                    response_serializer=telemetry__pb2.CheckpointRecordReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Telemetry:
             '/trainwarden.v1.Telemetry/Commit',
             telemetry__pb2.CommitRequest.SerializeToString,
             telemetry__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckpointRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwarden.v1.Telemetry/CheckpointRecord',
+            telemetry__pb2.CheckpointRecordRequest.SerializeToString,
+            telemetry__pb2.CheckpointRecordReply.FromString,
             options,
             channel_credentials,
             insecure,

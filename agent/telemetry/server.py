@@ -120,6 +120,9 @@ class TelemetryServer:
         self._health: health.HealthServicer | None = None
         self.commit_guard: CommitGuard | None = None
         """Decides the Commit RPC (the launcher of a multi-node job sets it); None allows every commit."""
+        self.checkpoint_record: CheckpointRecordSource | None = None
+        """Answers the CheckpointRecord RPC from etcd's ``jobs/<job>/checkpoint`` (the launcher sets it);
+        None: unknown."""
 
     @property
     def address(self) -> str:
@@ -155,6 +158,9 @@ class TelemetryServer:
             "Commit": grpc.unary_unary_rpc_method_handler(
                 self._commit, request_deserializer=self._deserializer(pb.CommitRequest),
                 response_serializer=pb.CommitReply.SerializeToString),
+            "CheckpointRecord": grpc.unary_unary_rpc_method_handler(
+                self._checkpoint_record, request_deserializer=self._deserializer(pb.CheckpointRecordRequest),
+                response_serializer=pb.CheckpointRecordReply.SerializeToString),
         }),))
         self._health = health.HealthServicer()  # a stopped one stays NOT_SERVING: a fresh one per start
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -402,6 +408,32 @@ class TelemetryServer:
             refusal = f"the agent could not check the job's round: {exc}"
         return pb.CommitReply(allowed=refusal is None, reason=refusal or "")
 
+
+    def _checkpoint_record(self, request, context) -> pb.CheckpointRecordReply:
+        """What etcd's record says the job committed (a restore's evidence before any fresh start)."""
+        if isinstance(request, _Rejected):
+            self._reject(context, request)
+        source = self.checkpoint_record
+        if source is None:
+            return pb.CheckpointRecordReply(known=False, source="this agent has no etcd record of the job")
+        try:
+            record = source(request.job)
+        except Exception as exc:  # etcd away: unknown, never a refusal to answer
+            log.warning("cannot read the checkpoint record of job %s: %s", request.job, exc)
+            return pb.CheckpointRecordReply(known=False, source=f"etcd could not be read: {exc}"[:500])
+        if record is None:
+            return pb.CheckpointRecordReply(known=True, found=False, source="none recorded")
+        try:
+            step = int(record["step"])
+        except (KeyError, TypeError, ValueError):
+            return pb.CheckpointRecordReply(known=False, source=f"etcd's record is malformed: {record!r}"[:500])
+        return pb.CheckpointRecordReply(known=True, found=True, step=step, path=str(record.get("path", ""))[:4096],
+                                        source="found")
+
+
+CheckpointRecordSource = Callable[[str], "dict | None"]
+"""``job -> etcd's checkpoint record`` (a dict with ``step``), None when none is recorded; raises when etcd
+cannot be read."""
 
 CommitGuard = Callable[[str, int, int, int, str, int], "str | None"]
 """``(job, rank, pid, step, path, bytes) -> None`` to allow a commit, or why it is refused."""

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, PEER_GONE
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_RESUME_BLOCKED, PEER_GONE
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointUnloadableError, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.peer_failure import peer_failure
@@ -64,8 +64,9 @@ EXIT_TRAINING_FAILED = 1
 """Training raised; a restart from the last checkpoint may help."""
 EXIT_BAD_CONFIG = 2
 """Flags, mesh or fault specification are invalid: fix the command line, a restart will not help."""
-EXIT_NO_CHECKPOINT = 3
-"""Checkpoints exist but none loads: fix or restore one, or pass --allow-fresh-start."""
+EXIT_NO_CHECKPOINT = EXIT_RESUME_BLOCKED
+"""Checkpoints exist (or were committed) but none can be read or loaded: fix the storage or put one back
+(`trainwarden checkpoints`), or pass --allow-fresh-start. The launcher stops the job without a restart."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainwarden.runtime import checkpoint_store as store
-from trainwarden.runtime.checkpoint import Checkpointer, CheckpointUnloadableError
+from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,15 +56,11 @@ def saved(tmp_path, steps, events=None):
 FUTURE_METADATA = b"ctorch.distributed.checkpoint.metadata_v9\nMetadata\n)R."
 
 
-def test_restore_quarantines_unfinished_and_leaves_unreadable_newer_checkpoints_and_deletes_nothing(tmp_path):
+def test_restore_quarantines_an_unfinished_newer_save_and_deletes_nothing(tmp_path):
     saved(tmp_path, [10])
     unfinished = store.step_dir(tmp_path, 12)
     unfinished.mkdir()
     (unfinished / "__0_0.distcp").write_bytes(b"half a save")
-    unreadable = store.step_dir(tmp_path, 14)
-    unreadable.mkdir()
-    (unreadable / ".metadata").write_bytes(FUTURE_METADATA)
-    assert store.classify(unreadable)[0] == store.UNREADABLE
     events, box = Events(), Box()
     with Checkpointer(tmp_path, session=events) as ckpt:
         assert ckpt.restore({"box": box}) == 10
@@ -73,9 +69,24 @@ def test_restore_quarantines_unfinished_and_leaves_unreadable_newer_checkpoints_
     assert moved.is_dir() and (moved / "__0_0.distcp").read_bytes() == b"half a save"  # kept, not deleted
     note = json.loads((moved / store.QUARANTINE_NOTE).read_text())
     assert note["state"] == "unfinished" and "no .metadata" in note["reason"]
-    assert (unreadable / ".metadata").exists()  # may be fine elsewhere or later: left where it is
-    assert [(s[0], s[1]) for s in events.of("set_aside")] == [("set_aside", 14), ("set_aside", 12)]
+    assert [(s[0], s[1]) for s in events.of("set_aside")] == [("set_aside", 12)]
     assert events.of("restored")[-1][1] == 10
+
+
+def test_an_unreadable_newer_checkpoint_is_retried_then_stops_the_job_and_nothing_is_set_aside(tmp_path):
+    saved(tmp_path, [10])
+    unreadable = store.step_dir(tmp_path, 14)
+    unreadable.mkdir()
+    (unreadable / ".metadata").write_bytes(FUTURE_METADATA)
+    assert store.classify(unreadable)[0] == store.UNREADABLE
+    events = Events()
+    with Checkpointer(tmp_path, session=events, read_backoff_s=(0.01, 0.01)) as ckpt:
+        with pytest.raises(CheckpointReadError, match="cannot be read after retrying") as err:
+            ckpt.restore({"box": Box()})
+    assert "step-00000014" in str(err.value) and "Fix the storage" in str(err.value)
+    assert (unreadable / ".metadata").exists() and store.step_dir(tmp_path, 10).is_dir()  # nothing moved
+    assert not events.of("set_aside") and not events.of("restored")
+    assert len(events.of("resume_blocked")) == 1
 
 
 def test_a_transient_load_error_is_retried_not_quarantined(tmp_path, monkeypatch):
@@ -98,17 +109,17 @@ def test_a_transient_load_error_is_retried_not_quarantined(tmp_path, monkeypatch
 
 def test_when_checkpoints_exist_but_none_loads_the_job_stops_instead_of_starting_over(tmp_path):
     saved(tmp_path, [4])
-    unreadable = store.step_dir(tmp_path, 6)
-    unreadable.mkdir()
-    (unreadable / ".metadata").write_bytes(FUTURE_METADATA)
     wrong = {"other": torch.zeros(3)}  # step 4 does not fit this state: it fails to load, every time
-    with Checkpointer(tmp_path, session=Events()) as ckpt:
+    events = Events()
+    with Checkpointer(tmp_path, session=events) as ckpt:
         with pytest.raises(CheckpointUnloadableError, match="none could be loaded") as err:
             ckpt.restore(wrong, retry_delay_s=0.01)
-        assert "step-00000006" in str(err.value) and "step-00000004" in str(err.value)
-        assert "allow_fresh_start" in str(err.value)
+        assert "step-00000004" in str(err.value) and "--allow-fresh-start" in str(err.value)
     assert (tmp_path / "step-00000004.unloadable").is_dir()  # moved aside after every attempt failed
-    assert unreadable.is_dir()
+    assert len(events.of("resume_blocked")) == 1
+    with Checkpointer(tmp_path, session=Events()) as ckpt:  # the next attempt refuses too: it was set aside
+        with pytest.raises(CheckpointUnloadableError, match="set-aside checkpoints exist"):
+            ckpt.restore(wrong, retry_delay_s=0.01)
     with Checkpointer(tmp_path, session=Events()) as ckpt:  # on purpose: allowed
         assert ckpt.restore(wrong, allow_fresh_start=True, retry_delay_s=0.01) is None
 
