@@ -29,7 +29,7 @@ from trainwarden.agent.common.job_spec import JobSpec
 from trainwarden.agent.etcd.client import with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
-__all__ = ["JobConflict", "JobControl", "JobView", "operator"]
+__all__ = ["JobConflict", "JobControl", "JobView", "operator", "submission_record"]
 
 _TERMINAL = {p.value for p in JobPhase if p.terminal}
 
@@ -45,6 +45,13 @@ def operator() -> str:
     except Exception:  # no passwd entry in a container
         user = "?"
     return f"{user}@{socket.gethostname()}"
+
+
+def submission_record(spec: JobSpec, *, by: str) -> dict[str, Any]:
+    """``jobs/<job>/spec`` as `submit` writes it: the spec's fields and ``SUBMISSION_KEYS``. The daemon reads it
+    back with ``JobSpec.from_json`` (the same validation as `submit`)."""
+    record = {**spec.to_json(), "managed": True, "submitted_by": by, "submitted_at": time.time()}
+    return record
 
 
 @dataclass
@@ -126,7 +133,7 @@ class JobControl:
             raise JobConflict(f"job {spec.name} is {phase} (generation {state.get('generation', 0)}); stop it first "
                               f"(trainwarden stop {spec.name}) or submit under another name")
         generation = int((state or {}).get("generation", 0)) + 1
-        record = {**spec.to_json(), "managed": True, "submitted_by": by or operator(), "submitted_at": time.time()}
+        record = submission_record(spec, by=by or operator())
         txn = self._client.transactions
         if not self._txn(self._unchanged(state_key, meta), [
                 txn.put(spec_key, json.dumps(record, sort_keys=True)),
