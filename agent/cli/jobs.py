@@ -17,8 +17,11 @@ from typing import Callable
 
 from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.job_lifecycle import JobPhase
 
 __all__ = ["add_parsers"]
+
+_TERMINAL = {p.value for p in JobPhase if p.terminal}
 
 
 def add_parsers(sub) -> None:
@@ -124,10 +127,10 @@ def _jobs(args, control) -> int:
         nodes = ", ".join(f"{n} ({rec.get('nproc_per_node', '?')})" for n, rec in sorted(v.nodes.items())) or "-"
         ckpt = str((v.checkpoint or {}).get("step", "-"))
         since = _ago(now - float(v.state.get("last_change") or now))
-        phase = v.phase + ("*" if v.stop_requested and v.phase not in ("stopped", "failed", "succeeded") else "")
+        phase = v.phase + ("*" if v.stop_requested and v.phase not in _TERMINAL else "")
         print(f"{v.name:24} {phase:11} {v.generation:>3} {nodes[:28]:28} {ckpt:>10}  {since} "
               f"{v.state.get('reason', '')}"[:160])
-    if any(v.stop_requested and v.phase not in ("stopped", "failed", "succeeded") for v in views):
+    if any(v.stop_requested and v.phase not in _TERMINAL for v in views):
         print("* stop requested")
     return exit_codes.EXIT_OK
 
