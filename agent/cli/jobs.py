@@ -15,10 +15,13 @@ import sys
 import time
 from typing import Callable
 
-from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
+from trainwarden.agent.cli.args import EtcdCommandError, add_etcd_security, connect_etcd, job_name, node_name
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.job_lifecycle import JobPhase
 
 __all__ = ["add_parsers"]
+
+_TERMINAL = {p.value for p in JobPhase if p.terminal}
 
 
 def add_parsers(sub) -> None:
@@ -57,8 +60,7 @@ def add_parsers(sub) -> None:
 def _with_control(args, func: Callable) -> int:
     """Connect to etcd and run ``func(args, JobControl)``; etcd's problems as one line and an exit code."""
     from trainwarden.agent.common.job_spec import JobSpecError, load_job_spec
-    from trainwarden.agent.etcd.client import EtcdAccessDenied, describe_etcd_error, is_auth_error
-    from trainwarden.agent.etcd.job_records import EtcdUnavailable, connect
+    from trainwarden.agent.etcd.client import describe_etcd_error, is_auth_error
     from trainwarden.agent.etcd.jobs import JobConflict, JobControl
 
     if getattr(args, "spec", None):  # a bad spec is reported before etcd is asked anything
@@ -75,14 +77,10 @@ def _with_control(args, func: Callable) -> int:
               file=sys.stderr)
         return exit_codes.EXIT_USAGE
     try:
-        members = tuple(e.strip() for e in args.etcd.split(",") if e.strip())
-        client = connect(etcd_security(args).config(members, timeout=5.0, connect_timeout=2.0))
-    except ValueError as exc:
+        client = connect_etcd(args)
+    except EtcdCommandError as exc:
         print(f"trainwarden {args.command}: {exc}", file=sys.stderr)
-        return exit_codes.EXIT_USAGE
-    except (EtcdUnavailable, EtcdAccessDenied) as exc:
-        print(f"trainwarden {args.command}: {exc}", file=sys.stderr)
-        return exit_codes.EXIT_ETCD_UNAVAILABLE
+        return exc.code
     try:
         return func(args, JobControl(client))
     except JobConflict as exc:
@@ -124,10 +122,10 @@ def _jobs(args, control) -> int:
         nodes = ", ".join(f"{n} ({rec.get('nproc_per_node', '?')})" for n, rec in sorted(v.nodes.items())) or "-"
         ckpt = str((v.checkpoint or {}).get("step", "-"))
         since = _ago(now - float(v.state.get("last_change") or now))
-        phase = v.phase + ("*" if v.stop_requested and v.phase not in ("stopped", "failed", "succeeded") else "")
+        phase = v.phase + ("*" if v.stop_requested and v.phase not in _TERMINAL else "")
         print(f"{v.name:24} {phase:11} {v.generation:>3} {nodes[:28]:28} {ckpt:>10}  {since} "
               f"{v.state.get('reason', '')}"[:160])
-    if any(v.stop_requested and v.phase not in ("stopped", "failed", "succeeded") for v in views):
+    if any(v.stop_requested and v.phase not in _TERMINAL for v in views):
         print("* stop requested")
     return exit_codes.EXIT_OK
 

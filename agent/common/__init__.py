@@ -1,6 +1,7 @@
 """What every layer of the agent uses: state paths, exit codes, the job lifecycle, stop signals, liveness.
 
-``paths`` (where a job's state lives on disk), ``exit_codes`` (named exit codes of the CLI), ``job_lifecycle``
+``paths`` (where a job's state lives on disk), ``preflight`` (what would fail every worker at once: checked by
+the launcher and by the node daemon), ``exit_codes`` (named exit codes of the CLI), ``job_lifecycle``
 (the job's phases and their transition table), ``signals`` (SIGINT/SIGTERM as an event), ``heartbeat`` (a
 background loop's proof of life) and ``sdnotify`` (readiness and keep-alives to systemd). It imports only
 the protocol package (``trainwarden.agent.proto``), so no lower layer ever needs ``launch`` or ``cli``.

@@ -30,14 +30,17 @@ class JobPhase(str, enum.Enum):
     FAILED = "failed"
     STOPPED = "stopped"
     """Stopped by an operator (Ctrl-C or SIGTERM to `trainwarden run`)."""
+    REFUSED = "refused"
+    """Never started: a node daemon cannot run this generation (its spec does not parse, or the script or the
+    checkpoint directory is missing on the node); the reason says which node and why (agent/node/job_refusal.py)."""
 
     @property
     def terminal(self) -> bool:
-        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED, JobPhase.REFUSED)
 
 
 _TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
-    JobPhase.PENDING: frozenset({JobPhase.STARTING, JobPhase.FAILED, JobPhase.STOPPED}),
+    JobPhase.PENDING: frozenset({JobPhase.STARTING, JobPhase.FAILED, JobPhase.STOPPED, JobPhase.REFUSED}),
     JobPhase.STARTING: frozenset({JobPhase.RUNNING, JobPhase.RESTARTING, JobPhase.SUCCEEDED,
                                   JobPhase.FAILED, JobPhase.STOPPED}),
     JobPhase.RUNNING: frozenset({JobPhase.RESTARTING, JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED}),
@@ -46,6 +49,7 @@ _TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
     JobPhase.SUCCEEDED: frozenset(),
     JobPhase.FAILED: frozenset(),
     JobPhase.STOPPED: frozenset(),
+    JobPhase.REFUSED: frozenset(),
 }
 
 

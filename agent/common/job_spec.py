@@ -15,6 +15,11 @@ shares with it.
 
 Every problem is a ``JobSpecError`` that names the file and the field: a missing or unknown field (with the
 closest known name), a wrong type, a value out of range. Nothing is submitted unless the whole spec is valid.
+
+**One contract.** ``parse_job_spec`` is the only validation: `submit`, `submit --check` and the daemon's reading of
+the record in etcd (``JobSpec.from_json``) all run it, against one schema (``_FIELDS``). A field is either required
+(``name``, ``command``) or optional everywhere, and null for an optional field means its default, so whatever
+`submit` accepts the daemon accepts. ``to_json`` leaves out what is None (a daemon of an earlier release reads it).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["JobSpec", "JobSpecError", "STRAGGLER_POLICIES", "load_job_spec", "parse_job_spec", "parse_nnodes",
-           "read_toml", "unknown_key_message"]
+__all__ = ["JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS", "load_job_spec",
+           "parse_job_spec", "parse_nnodes", "read_toml", "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
+SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
+"""What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -82,13 +89,16 @@ class JobSpec:
         return not self.nodes or node in self.nodes
 
     def to_json(self) -> dict[str, Any]:
+        """The spec's fields as ``parse_job_spec`` reads them back; a field that is None is left out."""
         data = asdict(self)
         data["command"], data["nodes"], data["env"] = list(self.command), list(self.nodes), dict(self.env)
-        return data
+        return {key: value for key, value in data.items() if value is not None}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "etcd") -> "JobSpec":
-        return parse_job_spec({k: v for k, v in data.items() if k in _FIELDS}, source)
+        """The spec in a stored record: ``SUBMISSION_KEYS`` set aside, every other key validated (an unknown one
+        is refused, never ignored: a field this release does not know could be one it must honour)."""
+        return parse_job_spec({k: v for k, v in data.items() if k not in SUBMISSION_KEYS}, source)
 
     def launcher_args(self) -> list[str]:
         """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
@@ -108,6 +118,8 @@ _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node":
            "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool,
            "warm_workers": bool}
 _REQUIRED = ("name", "command")
+OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
+"""Fields that may be left out, or given as null: their default applies."""
 _TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string",
                bool: "true or false"}
 
@@ -141,6 +153,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     for key in data:
         if key not in _FIELDS:
             raise JobSpecError(unknown_key_message(key, _FIELDS, source))
+    data = {key: value for key, value in data.items() if value is not None}  # null: the default
     for key in _REQUIRED:
         if key not in data:
             raise JobSpecError(f"{source}: field {key!r} is missing; a job needs at least 'name' and 'command'")

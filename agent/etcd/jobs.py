@@ -29,7 +29,7 @@ from trainwarden.agent.common.job_spec import JobSpec
 from trainwarden.agent.etcd.client import with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
-__all__ = ["JobConflict", "JobControl", "JobView", "operator"]
+__all__ = ["JobConflict", "JobControl", "JobView", "operator", "submission_record"]
 
 _TERMINAL = {p.value for p in JobPhase if p.terminal}
 
@@ -47,6 +47,13 @@ def operator() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+def submission_record(spec: JobSpec, *, by: str) -> dict[str, Any]:
+    """``jobs/<job>/spec`` as `submit` writes it: the spec's fields and ``SUBMISSION_KEYS``. The daemon reads it
+    back with ``JobSpec.from_json`` (the same validation as `submit`)."""
+    record = {**spec.to_json(), "managed": True, "submitted_by": by, "submitted_at": time.time()}
+    return record
+
+
 @dataclass
 class JobView:
     """One job as etcd has it."""
@@ -58,6 +65,8 @@ class JobView:
     nodes: dict[str, dict] = field(default_factory=dict)
     """Live members (``jobs/<job>/nodes/<node>``): owner, address, ranks per node, phase."""
     checkpoint: dict[str, Any] | None = None
+    spec_revision: int = 0
+    """The etcd revision that last wrote the spec: a new one means the operator changed it."""
 
     @property
     def managed(self) -> bool:
@@ -126,7 +135,7 @@ class JobControl:
             raise JobConflict(f"job {spec.name} is {phase} (generation {state.get('generation', 0)}); stop it first "
                               f"(trainwarden stop {spec.name}) or submit under another name")
         generation = int((state or {}).get("generation", 0)) + 1
-        record = {**spec.to_json(), "managed": True, "submitted_by": by or operator(), "submitted_at": time.time()}
+        record = submission_record(spec, by=by or operator())
         txn = self._client.transactions
         if not self._txn(self._unchanged(state_key, meta), [
                 txn.put(spec_key, json.dumps(record, sort_keys=True)),
@@ -153,7 +162,8 @@ class JobControl:
 
     def _view(self, name: str) -> JobView:
         view = JobView(name)
-        view.spec = self._get(self._key(name, "spec"))[0] or {}
+        spec, meta = self._get(self._key(name, "spec"))
+        view.spec, view.spec_revision = spec or {}, int(meta.mod_revision) if meta is not None else 0
         view.state = self._get(self._key(name, "state"))[0] or {}
         view.control = self._get(self._key(name, "control"))[0]
         view.checkpoint = self._get(self._key(name, "checkpoint"))[0]
@@ -187,6 +197,17 @@ class JobControl:
         if phase == JobPhase.PENDING.value:
             return f"job {name} stopped before it started (generation {generation})"
         return f"asked the nodes running job {name} to stop it (generation {generation}, {phase})"
+
+    def refuse(self, name: str, generation: int, reason: str) -> bool:
+        """Move the pending ``generation`` to ``refused`` with ``reason`` (one transaction on the state's
+        revision); False when it is no longer pending in that generation (started, stopped or refused meanwhile)."""
+        state_key = self._key(name, "state")
+        state, meta = self._get(state_key)
+        if (state or {}).get("phase") != JobPhase.PENDING.value or int(state.get("generation", 0)) != generation:
+            return False
+        refused = {**state, "phase": JobPhase.REFUSED.value, "reason": reason[:500], "last_change": time.time()}
+        put = self._client.transactions.put(state_key, json.dumps(refused))
+        return self._txn(self._unchanged(state_key, meta), [put])
 
     def resume(self, name: str, *, by: str | None = None) -> int:
         """Start a failed or stopped submitted job again as the next generation; the generation."""

@@ -52,6 +52,10 @@ class IncidentKind(str, enum.Enum):
     AUTO_RESUME = "auto_resume"
     """The daemon's Alertmanager webhook decided on an alert about the job: resumed it (a new generation), or
     not (a duplicate, throttled, rejected), and why."""
+    JOB_REFUSED = "job_refused"
+    """A node daemon cannot run a submitted job (its spec does not parse, or its script or checkpoint directory is
+    missing on the node): recorded once per generation and spec revision; a pending generation becomes
+    ``refused``."""
 
 
 class IncidentState(str, enum.Enum):

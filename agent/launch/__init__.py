@@ -1,7 +1,7 @@
 """What ``trainwarden run`` does on a node: torchrun's command line and environment, the process tree it
 starts, the job's output and progress, the run summary and the job's lifecycle in etcd.
 
-``preflight`` checks what would fail every worker at once (the script, the fault spec) before anything
+``common.preflight`` checks what would fail every worker at once (the script, the fault spec) before anything
 starts; ``run_record`` keeps what a run started (``supervisor.json``) so a rerun stops a killed run's
 leftovers; ``torchrun`` builds the torchrun invocation (``LaunchSpec``); ``elastic`` is torchrun with a
 launcher that reports structured events (round started, failed with which ranks and exit codes,

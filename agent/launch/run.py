@@ -50,7 +50,7 @@ from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
-from trainwarden.agent.launch.preflight import preflight
+from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError

@@ -14,6 +14,10 @@ A stale file (the pid is gone or belongs to another process now) is removed. The
 `trainwarden run` supervisors with their own node agent, so their workers' telemetry, watchdog and checkpoints
 never pass through the daemon: its death costs the job nothing.
 
+**Refusals.** A job this node cannot run (its spec in etcd does not parse; its script, package or checkpoint
+directory is missing here) is refused once per generation and spec revision (agent/node/job_refusal.py): one
+``job_refused`` incident, and a pending generation becomes ``refused`` with the reason; nothing is retried per round.
+
 **Exits and restarts.** A launcher that exits on its own ends this node's part of that generation: the job's
 phase in etcd says how it went, and it is not started again unless the operator resumes the job (a new
 generation). One killed by a signal the daemon did not send (the OOM killer, an operator's kill) is started again
@@ -59,6 +63,7 @@ from trainwarden.agent.common.job_spec import JobSpecError
 from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
 from trainwarden.agent.etcd.jobs import JobControl, JobView
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.node.job_refusal import JobRefusals, node_problems
 from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -118,6 +123,7 @@ class JobRunner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainwarden-jobs", daemon=True)
         self._heartbeat = Heartbeat("job runner", stall_s=STALL_S, clock=clock)
+        self._refusals = JobRefusals(self._control, node=node, path=self._dir / "refused.json", record=record)
         self.adopted: list[str] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -194,24 +200,30 @@ class JobRunner:
     def _reconcile_job(self, view: JobView, *, cordoned: bool) -> None:
         if not view.managed:
             return
-        try:
-            spec = view.job_spec()
-        except JobSpecError as exc:
-            logger.error("job %s: its spec in etcd is not usable (%s); resubmit it", view.name, exc)
-            return
-        if not spec.targets(self.node):
-            return
-        self._phases_next[view.name] = (view.generation, view.phase)
         rec = self._launchers.get(view.name)
-        if rec is not None:
+        if rec is not None:  # running here: watched and stopped on request, whatever its spec says now
+            self._phases_next[view.name] = (view.generation, view.phase)
             if view.stop_requested and rec.pid not in self._terminated:
                 self._terminate(rec, f"stop requested by {(view.control or {}).get('by', '?')}")
             return
         live = view.phase in _LIVE and not view.stop_requested
-        if not live or self._finished.get(view.name) == view.generation:
+        try:
+            spec = view.job_spec()
+        except JobSpecError as exc:  # the same validation as `submit`: a hand-edited record, or a newer field
+            if live:
+                self._refusals.refuse(view, f"its spec in etcd is not usable: {exc}")
+            return
+        if not spec.targets(self.node):
+            return
+        self._phases_next[view.name] = (view.generation, view.phase)
+        if not live or self._finished.get(view.name) == view.generation or self._refusals.refused(view):
             return
         if cordoned:
             logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
+            return
+        problems = node_problems(spec)
+        if problems:
+            self._refusals.refuse(view, "; ".join(problems))
             return
         self._launch(view, spec)
 

@@ -1,6 +1,6 @@
 import pytest
 
-from trainwarden.agent.launch.preflight import preflight
+from trainwarden.agent.common.preflight import preflight
 
 pytestmark = pytest.mark.timeout(10)
 

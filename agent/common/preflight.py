@@ -6,7 +6,8 @@ that fails and is restarted until the budget is spent.
 - ``TRAINWARDEN_FAULTS``, if set, parses (agent/proto/fault_spec.py: the workers parse it the same way).
 
 A failure that only shows once the workers run, the same way twice before any step, is caught by the
-supervisor instead (agent/launch/run.py); both end with ``EXIT_CONFIG``.
+supervisor instead (agent/launch/run.py); both end with ``EXIT_CONFIG``. The node daemon runs the same checks
+before it starts a submitted job's launcher (agent/node/job_refusal.py), so a node that cannot run it refuses it once.
 """
 
 from __future__ import annotations

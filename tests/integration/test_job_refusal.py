@@ -1,0 +1,124 @@
+"""One job-spec contract for `submit` and the daemon, and a refusal that is one incident, not a log line per poll
+(issue 23, item 2): real etcd on loopback, real `trainwarden agent` daemons and `trainwarden run` launchers.
+
+A spec submitted without ``checkpoint_dir`` used to be stored with a null there, which the daemon's reading refused
+every 2 s forever; now it runs. A spec this node cannot run (its script missing here, or its record unreadable)
+becomes one ``job_refused`` incident (in the state home and in etcd) and the phase ``refused`` with the reason,
+counted over several of the daemon's rounds and across a daemon restart.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from procs import wait_for
+from test_daemon_jobs import Daemons, _cli, _jobs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PREFIX = "/trainwarden/v1"
+
+
+@pytest.fixture
+def daemons(procs, tmp_path, etcd_server):
+    d = Daemons(procs, tmp_path, etcd_server.endpoint)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def _write_spec(path: Path, **fields) -> Path:
+    path.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in fields.items()) + "\n")
+    return path
+
+
+def _script(path: Path) -> Path:
+    path.write_text("print('hello from a job without a checkpoint_dir', flush=True)\n")
+    return path
+
+
+def _rounds(etcd_client, node: str, n: int) -> None:
+    """Wait until the daemon of ``node`` has finished ``n`` more rounds (each rewrites its node record)."""
+    seen: set[float] = set()
+
+    def more() -> bool:
+        value, _ = etcd_client.get(f"{PREFIX}/nodes/{node}")
+        if value is not None:
+            seen.add(json.loads(value)["at"])
+        return len(seen) > n
+
+    wait_for(more, 120, what=f"{n} rounds of the daemon on {node}")
+
+
+def _incidents(etcd_client, home: Path, job: str) -> tuple[list[dict], list[dict]]:
+    """The job's incidents in the node's state home and in etcd."""
+    local = [json.loads(p.read_text()) for p in (home / "jobs" / job / "incidents").glob("*.json")]
+    remote = [json.loads(v) for v, _ in etcd_client.get_prefix(f"{PREFIX}/jobs/{job}/incidents/")]
+    return local, remote
+
+
+def test_a_spec_without_checkpoint_dir_runs_under_the_daemon(daemons, tmp_path, etcd_server):
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _write_spec(tmp_path / "nockpt.toml", name="nockpt", command=[str(_script(tmp_path / "hello.py"))])
+    assert _cli("submit", str(spec), "--check", etcd=etcd).returncode == 0
+    out = _cli("submit", str(spec), etcd=etcd)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: _jobs(etcd)["nockpt"]["phase"] in ("succeeded", "refused", "failed"), 120,
+             what="the job without a checkpoint_dir to finish")
+    assert _jobs(etcd)["nockpt"]["phase"] == "succeeded", _jobs(etcd)["nockpt"]
+    assert "hello from a job without a checkpoint_dir" in daemons.job_log("n0", "nockpt")
+    assert "not usable" not in daemons.log("n0") and "refused" not in daemons.log("n0")
+
+
+def test_a_job_this_node_cannot_run_is_refused_once_with_one_incident_then_runs_once_fixed(
+        daemons, tmp_path, etcd_server, etcd_client):
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    script = tmp_path / "later.py"  # not there yet: the node cannot run the job
+    spec = _write_spec(tmp_path / "later.toml", name="later", command=[str(script)], nodes=["n0"])
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["later"]["phase"] != "pending", 60, what="the daemon to decide on the job")
+    job = _jobs(etcd)["later"]
+    assert job["phase"] == "refused" and "refused by node n0" in job["reason"] and str(script) in job["reason"], job
+    _rounds(etcd_client, "n0", 4)
+    daemons.procs.kill(daemons.running["n0"], signal.SIGTERM)  # a restarted daemon does not record it again
+    daemons.running["n0"].wait(30)
+    daemons.start("n0")
+    _rounds(etcd_client, "n0", 4)
+
+    local, remote = _incidents(etcd_client, daemons.home("n0"), "later")
+    assert [i["kind"] for i in local] == ["job_refused"] and remote == local, (local, remote)
+    assert local[0]["node"] == "n0" and str(script) in local[0]["evidence"]["reason"]
+    assert daemons.log("n0").count("job later generation 1: refused by node n0") == 1
+    assert "later" not in daemons.launchers("n0")
+    listed = _cli("jobs", etcd=etcd).stdout
+    assert "refused" in listed and "refused by node n0" in listed
+
+    _script(script)  # the operator fixes the node and resumes: a new generation is looked at afresh
+    resumed = _cli("resume", "later", etcd=etcd)
+    assert resumed.returncode == 0 and "generation 2" in resumed.stdout, resumed.stderr
+    wait_for(lambda: _jobs(etcd)["later"]["phase"] == "succeeded", 120, what="the fixed job to succeed")
+    assert len(_incidents(etcd_client, daemons.home("n0"), "later")[0]) == 1
+
+
+def test_an_unreadable_spec_in_etcd_is_refused_once_not_logged_every_poll(daemons, etcd_server, etcd_client):
+    record = {"name": "handmade", "command": ["train.py"], "nproc_per_node": "2", "managed": True}
+    state = {"job": "handmade", "phase": "pending", "generation": 1, "restarts": 0, "last_change": 0.0,
+             "reason": "written by hand", "owner": {}}
+    etcd_client.put(f"{PREFIX}/jobs/handmade/spec", json.dumps(record))
+    etcd_client.put(f"{PREFIX}/jobs/handmade/state", json.dumps(state))
+    daemons.start("n0")
+    wait_for(lambda: _jobs(etcd_server.endpoint)["handmade"]["phase"] != "pending", 60,
+             what="the daemon to decide on the job")
+    job = _jobs(etcd_server.endpoint)["handmade"]
+    assert job["phase"] == "refused" and "field 'nproc_per_node' must be a whole number" in job["reason"], job
+    _rounds(etcd_client, "n0", 4)
+    local, remote = _incidents(etcd_client, daemons.home("n0"), "handmade")
+    assert [i["kind"] for i in remote] == ["job_refused"] and remote == local
+    assert daemons.log("n0").count("nproc_per_node") == 1
