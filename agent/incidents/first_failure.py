@@ -78,7 +78,7 @@ def first_failure(failures: Sequence[Mapping], ended: Sequence[Mapping] = ()) ->
         leading = [s for s in tied if float(s.at) == earliest]
     first = tuple(sorted(s.rank for s in leading))
     collateral = tuple(sorted(r for r in suspects if r not in first))
-    return FirstFailure(first=first, collateral=collateral, why=_why(leading, tier, len(tied), len(collateral)))
+    return FirstFailure(first=first, collateral=collateral, why=_why(leading, tier, len(tied)))
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _describe(failure: Mapping, words: str) -> str:
     return f"{how}, saying {words[:120]!r}" if words else how
 
 
-def _why(leading: list[_Suspect], tier: int, tied: int, collateral: int) -> str:
+def _why(leading: list[_Suspect], tier: int, tied: int) -> str:
     ranks = ", ".join(f"rank {s.rank} ({s.how})" for s in leading)
     rule = ("killed, not exited (its peers exit with a code: they cannot make a rank die of a signal)" if tier == 0
             else "exited with an error of its own, not a lost peer")
@@ -103,4 +103,4 @@ def _why(leading: list[_Suspect], tier: int, tied: int, collateral: int) -> str:
         rule += f"; it exited first of the {tied} that did"
     elif tied > 1:
         rule += "; which of them failed first is unknown (no exit times)"
-    return f"{ranks}: {rule}; {collateral} collateral"
+    return f"{ranks}: {rule}"

@@ -103,11 +103,13 @@ class WorkerFailureRecorder:
         if verdict is None:  # every exit was the agent's abort or torchrun's stop: the restart's reason is elsewhere
             ranks = tuple(sorted({f["global_rank"] for f in failures}))
             evidence["ranks_are"] = "global ranks the launcher reported failed"
-        else:
+        else:  # the ranks torchrun stopped or the agent aborted after the first failure are collateral too
             ranks = verdict.first
+            collateral = sorted(({f["global_rank"] for f in failures} | set(verdict.collateral)) - set(ranks))
             evidence.update(ranks_are="global rank(s) that failed first" if crashed else
-                            "none: the failure is not on this node", collateral=list(verdict.collateral),
-                            summary=verdict.why)
+                            "none: the failure is not on this node", collateral=collateral,
+                            summary=f"{verdict.why}; {len(collateral)} collateral"
+                            f"{' (ranks ' + ','.join(map(str, collateral)) + ')' if collateral else ''}")
         self._since = now
         incident = Incident(
             id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,

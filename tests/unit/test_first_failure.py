@@ -20,7 +20,6 @@ def test_a_sigkill_beats_the_exit_codes_of_the_peers_it_took_down():
     verdict = first_failure([failed(1, 1), failed(3, 1), failed(5, -9), failed(6, 1), failed(7, 1)])
     assert verdict.first == (5,) and verdict.collateral == (1, 3, 6, 7)
     assert verdict.why.startswith("rank 5 (SIGKILL") or verdict.why.startswith("rank 5 (signal 9")
-    assert verdict.why.endswith("4 collateral")
 
 
 def test_peers_that_said_goodbye_before_the_killed_ranks_stream_broke_are_still_collateral():

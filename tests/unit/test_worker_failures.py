@@ -90,7 +90,7 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
     assert crash.evidence["failed_workers"][0]["global_rank"] == 0   # the launcher's report is kept
     assert crash.evidence["summary"] == ("rank 2 (its stream broke first, without a goodbye): killed, not exited "
                                          "(its peers exit with a code: they cannot make a rank die of a signal); "
-                                         "1 collateral")
+                                         "1 collateral (ranks 0)")
     assert crash.evidence["collateral"] == [0]
     # the next round only looks at streams that ended after this incident
     assert rec._since == 1001.4
