@@ -72,5 +72,8 @@ def _incident_summary(state_dir: Path) -> str:
         collateral = {r for i in items for r in i.evidence.get("collateral") or ()} - set(ranks)
         if collateral and kind == "crash":
             named += f"; {len(collateral)} collateral"
+        if kind == "node_lost":  # the node is the news: "node_lost 1 (n2: ranks 4,5)"
+            named = "; ".join(i.node + (f": rank{'s' if len(i.ranks) > 1 else ''} {','.join(map(str, i.ranks))}"
+                                        if i.ranks else "") for i in items)
         parts.append(f"{kind} {len(items)}{f' ({named})' if named else ''}")
     return ", ".join(parts)
