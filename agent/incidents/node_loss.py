@@ -53,7 +53,8 @@ class NodeLossWatcher:
         """Read the members once; the incidents this node recorded (raises on etcd errors)."""
         now = self._wall()
         live = member_records(self._client, self._job, prefix=self._prefix)
-        gone = {name: seen for name, seen in self._seen.items() if name != self._node and name not in live}
+        gone = {name: seen for name, seen in self._seen.items() if name != self._node and (
+            name not in live or live[name][0].get("owner") != seen[0].get("owner"))}  # or a new run replaced it
         self._seen = {name: (rec, rev, now) for name, (rec, rev) in live.items()}
         recorded = []
         for name, (rec, rev, last_seen) in sorted(gone.items()):

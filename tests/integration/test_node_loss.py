@@ -63,3 +63,19 @@ def test_a_member_that_stops_on_purpose_is_no_loss(etcd_client):
         assert recorded == []
     finally:
         a.stop()
+
+
+def test_a_member_replaced_by_a_new_run_before_its_lease_ended_is_a_loss(etcd_client):
+    a = _member(etcd_client, "lr", "a")
+    lease = etcd_client.lease(30)
+    key = nodes_prefix("lr") + "b"
+    etcd_client.put(key, json.dumps({"owner": {"pid": 1}, "ranks": [2, 3]}), lease=lease)
+    try:
+        recorded, [watcher] = _watchers(etcd_client, "lr", "a")
+        watcher.check_once()
+        etcd_client.put(key, json.dumps({"owner": {"pid": 2}}), lease=lease)  # b restarted: its old run was gone
+        watcher.check_once()
+        assert [(i.node, i.ranks) for i in recorded] == [("b", (2, 3))]
+    finally:
+        a.stop()
+        lease.revoke()
