@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import re
 
+from trainwarden.agent.proto.contract import PEER_FAILURE_MARKERS, PEER_FAILURE_TYPES
+
 __all__ = ["peer_failure"]
 
-_PEER_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Connection refused",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "remote process exited",
-)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
-_PEER_TYPES = ("DistNetworkError", "DistBackendError", "DistStoreError")
 
 
 def peer_failure(exc: BaseException) -> str | None:
@@ -31,7 +24,7 @@ def peer_failure(exc: BaseException) -> str | None:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         text = str(current)
-        if type(current).__name__ in _PEER_TYPES or any(m in text for m in _PEER_MARKERS):
+        if type(current).__name__ in PEER_FAILURE_TYPES or any(m in text for m in PEER_FAILURE_MARKERS):
             first = next((line.strip() for line in text.splitlines() if line.strip()), type(current).__name__)
             first = _SOURCE_PREFIX.sub("", first).split(" This is typically")[0]
             return first[:200]

@@ -19,6 +19,11 @@ ordered):
 (``update``); callers never wait for etcd. If etcd is away long enough for the lease to expire, the record
 is written again under a new lease when etcd is back (the node is still running the job), and
 ``lost_since`` says since when the node could not confirm its membership (the fencing input).
+
+A node that leaves on purpose (``stop``) first writes ``jobs/<job>/departed/<node>`` (short lease); a record
+that vanishes without it is a lost node. The survivors that notice race for
+``jobs/<job>/lost/<node>/<create revision>`` (``claim_node_loss``): one of them records the incident
+(agent/incidents/node_loss.py).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Admission", "MEMBERSHIP_TTL_S", "NodeMembership", "NodeTaken", "admit", "live_nodes", "should_fence"]
+__all__ = ["Admission", "MEMBERSHIP_TTL_S", "NodeMembership", "NodeTaken", "admit", "claim_node_loss", "departed",
+           "live_nodes", "mark_departed", "member_records", "should_fence"]
 
 MEMBERSHIP_TTL_S = 10
 """Lease TTL of a node record: how long a dead node stays listed (and how long etcd may be away before a
@@ -89,6 +95,49 @@ def live_nodes(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, d
             logger.error("etcd key %s%s holds invalid JSON; treating the node as live", nodes_prefix(job, prefix), name)
         nodes[name] = record or {}
     return nodes
+
+
+DEPARTED_TTL_S = 60
+"""How long a node that left on purpose stays marked as departed: longer than any survivor's poll."""
+NODE_LOSS_TTL_S = 300
+"""How long the claim on a lost node's incident stays: every survivor notices the loss well within it."""
+
+
+def mark_departed(client, job: str, node: str, *, prefix: str = DEFAULT_PREFIX) -> None:
+    """Say ``node`` leaves the job on purpose (its record is about to go): the others record no loss."""
+    lease = with_failover(client, lambda: client.lease(DEPARTED_TTL_S))
+    with_failover(client, lambda: client.put(job_key(job, "departed", node, prefix=prefix), "1", lease=lease))
+
+
+def departed(client, job: str, node: str, *, prefix: str = DEFAULT_PREFIX) -> bool:
+    value, _ = with_failover(client, lambda: client.get(job_key(job, "departed", node, prefix=prefix)))
+    return value is not None
+
+
+def claim_node_loss(client, job: str, node: str, membership: str, claimant: str, *,
+                    prefix: str = DEFAULT_PREFIX) -> bool:
+    """True for the one survivor that records the loss of ``node``'s membership ``membership`` (the record's
+    create revision: the same node lost again after it rejoined is a new loss)."""
+    key = job_key(job, "lost", node, membership, prefix=prefix)
+    lease = with_failover(client, lambda: client.lease(NODE_LOSS_TTL_S))
+    won, _ = with_failover(client, lambda: client.transaction(
+        compare=[client.transactions.version(key) == 0],
+        success=[client.transactions.put(key, claimant, lease=lease)], failure=[]))
+    return bool(won)
+
+
+def member_records(client, job: str, *, prefix: str = DEFAULT_PREFIX) -> dict[str, tuple[dict, str]]:
+    """The job's live node records with each one's create revision (which membership it is), by node."""
+    base = nodes_prefix(job, prefix)
+    found = {}
+    for value, meta in with_failover(client, lambda: list(client.get_prefix(base))):
+        name = meta.key.decode()[len(base):]
+        try:
+            record = json.loads(value)
+        except (TypeError, ValueError):
+            record = {}
+        found[name] = (record if isinstance(record, dict) else {}, str(meta.create_revision))
+    return found
 
 
 def _stale(record: dict, host: str) -> bool:
@@ -172,7 +221,7 @@ class NodeMembership:
 
     def __init__(self, client, job: str, node: str, record: dict[str, Any], *, ttl: int = MEMBERSHIP_TTL_S,
                  prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.monotonic) -> None:
-        self._client, self.job, self.node = client, job, node
+        self._client, self.job, self.node, self._prefix = client, job, node, prefix
         self.key = nodes_prefix(job, prefix) + node
         self._record = dict(record)
         self._ttl = ttl
@@ -224,7 +273,8 @@ class NodeMembership:
         return max(0.5, self._ttl / 3)
 
     def stop(self, timeout: float = 3.0) -> None:
-        """Stop the keep-alive and revoke the lease: the record goes at once (best effort)."""
+        """Stop the keep-alive, say the node departed on purpose, and revoke the lease: the record goes at
+        once (best effort)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -233,6 +283,7 @@ class NodeMembership:
         lease = self._lease
         if lease is not None:
             try:
+                mark_departed(self._client, self.job, self.node, prefix=self._prefix)
                 lease.revoke()
             except Exception as exc:
                 logger.info("cannot revoke the lease of %s (%s); it expires in %d s", self.key,

@@ -49,6 +49,9 @@ class IncidentKind(str, enum.Enum):
     FENCED = "fenced"
     """The node lost etcd for longer than its membership lease and stopped its workers; it rejoins the job as
     a new member when etcd answers again."""
+    NODE_LOST = "node_lost"
+    """A node of the job stopped renewing its membership lease (killed, powered off, cut off): which node,
+    its ranks in the last round, when its lease ended. Recorded once per loss, by one surviving node."""
     AUTO_RESUME = "auto_resume"
     """The daemon's Alertmanager webhook decided on an alert about the job: resumed it (a new generation), or
     not (a duplicate, throttled, rejected), and why."""

@@ -10,13 +10,13 @@ abort. The incident is ``acting`` while the group restarts and ``resolved`` when
 completes; if the restart budget is spent, ``failed``.
 
 torchrun reports the failures it noticed, which often include peers the dead rank took down (rank 5 is
-SIGKILLed, rank 0's next collective fails with exit code 1). When the agent is in the same process,
-``ended_streams`` tells who left first and how. The rank that fails first leaves first: its peers notice
-only when their next collective with it fails. A crash incident therefore names the first rank whose
-telemetry stream ended, unless that rank said it was leaving because a peer was gone
-(``runtime.goodbye("peer gone: ...")``: the first failure was on another node) — then the launcher's
-report stands. The order and manner of every ending (said goodbye and why, or just broke, as a rank killed
-by a signal does) are kept as evidence.
+SIGKILLed, the others' next collective fails and they exit 1). A crash incident names the rank(s) that
+failed first and lists the others in ``evidence["collateral"]``: the rule is ``first_failure``
+(agent/incidents/first_failure.py): last words that say a peer is gone make a rank collateral, a signal
+beats an exit code, the earliest exit (the launcher's exit time, else when its telemetry stream ended)
+breaks ties. When every failed rank here left because a peer was gone, the failure is on another node:
+a ``restart`` naming no rank here. The ended telemetry streams (who said goodbye, and why) are kept as
+evidence.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
-from trainwarden.agent.proto.contract import EXIT_ABORTED, PEER_GONE
+from trainwarden.agent.incidents.first_failure import first_failure
+from trainwarden.agent.proto.contract import EXIT_ABORTED
 
 __all__ = ["WorkerFailureRecorder", "describe_exit"]
 
@@ -60,11 +61,13 @@ class WorkerFailureRecorder:
         self._open: Incident | None = None
 
     def round_failed(self, failures: Sequence[Mapping]) -> None:
-        """The launcher's report of the failed workers (global_rank, local_rank, pid, exitcode, message)."""
+        """The launcher's report of the failed workers (global_rank, local_rank, pid, exitcode, message,
+        exited_at)."""
         self._failures = [{"global_rank": int(f["global_rank"]), "local_rank": int(f["local_rank"]),
                            "pid": f.get("pid"), "exitcode": int(f["exitcode"]),
                            "cause": describe_exit(int(f["exitcode"])),
-                           **({"error": str(f["message"])[:500]} if f.get("message") else {})}
+                           **({"error": str(f["message"])[:500]} if f.get("message") else {}),
+                           **({"exited_at": float(f["exited_at"])} if f.get("exited_at") is not None else {})}
                           for f in failures]
 
     def restarting(self) -> None:
@@ -92,21 +95,21 @@ class WorkerFailureRecorder:
                                                now=self._wall()))
             self._open = None
         failures, self._failures = self._failures, []
-        own = [f for f in failures if self._caused_here(f)]
         now = self._wall()
-        evidence: dict = {"failed_workers": failures, "ranks_are": "global ranks the launcher reported failed"}
-        elsewhere = self._peer_lost_elsewhere(own)
-        if elsewhere:  # every rank here left because a peer is gone: the failure is on another node
-            own = []
-            evidence["ranks_are"] = "none: the failure is not on this node"
-            evidence["summary"] = (f"every failed rank on this node left because a peer is gone ({elsewhere}); "
-                                   "the failed rank is on another node")
-        crashed = bool(own)
-        ranks = () if elsewhere else tuple(sorted({f["global_rank"] for f in own or failures}))
-        if crashed and self._ended_streams is not None:
-            first = self._attribute(evidence, failures)
-            if first is not None:
-                ranks = (first,)
+        ended = self._ended()
+        verdict = first_failure([f for f in failures if self._caused_here(f)], ended)
+        evidence: dict = {"failed_workers": failures, **({"telemetry_streams_ended": ended} if ended else {})}
+        crashed = verdict is not None and bool(verdict.first)
+        if verdict is None:  # every exit was the agent's abort or torchrun's stop: the restart's reason is elsewhere
+            ranks = tuple(sorted({f["global_rank"] for f in failures}))
+            evidence["ranks_are"] = "global ranks the launcher reported failed"
+        else:  # the ranks torchrun stopped or the agent aborted after the first failure are collateral too
+            ranks = verdict.first
+            collateral = sorted(({f["global_rank"] for f in failures} | set(verdict.collateral)) - set(ranks))
+            evidence.update(ranks_are="global rank(s) that failed first" if crashed else
+                            "none: the failure is not on this node", collateral=collateral,
+                            summary=f"{verdict.why}; {len(collateral)} collateral"
+                            f"{' (ranks ' + ','.join(map(str, collateral)) + ')' if collateral else ''}")
         self._since = now
         incident = Incident(
             id=new_incident_id(now), kind=IncidentKind.CRASH if crashed else IncidentKind.RESTART,
@@ -118,17 +121,14 @@ class WorkerFailureRecorder:
             incident = self._record(incident.transition(state, outcome=outcome or None, now=now))
         self._open = incident if state == IncidentState.ACTING else None
 
-    def _peer_lost_elsewhere(self, own: list[dict]) -> str:
-        """The first goodbye when every rank of this node whose stream ended said its peer was gone (a node
-        of the job was lost or cut off), else "": a stream here that ended otherwise (a SIGKILL, an error)
-        is this node's crash."""
-        if not own or self._ended_streams is None:
-            return ""
+    def _ended(self) -> list[dict]:
+        """The telemetry streams that ended since the last incident, oldest first (evidence only: never raises)."""
+        if self._ended_streams is None:
+            return []
         try:
-            said = [e.get("goodbye") or "" for e in self._ended_streams(self._since)]
-        except Exception:  # evidence only
-            return ""
-        return said[0] if said and all(g.startswith(PEER_GONE) for g in said) else ""
+            return self._ended_streams(self._since)
+        except Exception:
+            return []
 
     def _caused_here(self, failure: dict) -> bool:
         """The worker failed of its own accord (not the agent's abort, nor torchrun stopping it)."""
@@ -137,23 +137,3 @@ class WorkerFailureRecorder:
             return False
         return not (code == -signal.SIGKILL and failure.get("pid") is not None
                     and self._killed_by_agent(int(failure["pid"])))
-
-    def _attribute(self, evidence: dict, failures: list[dict]) -> int | None:
-        """The rank that failed first, from the order the telemetry streams ended (evidence added)."""
-        try:
-            ended = self._ended_streams(self._since)
-        except Exception:  # evidence only: never lose the incident over it
-            ended = []
-        if not ended:
-            return None
-        evidence["telemetry_streams_ended"] = ended
-        first = ended[0]
-        goodbye = first["goodbye"]
-        if (goodbye or "").startswith(PEER_GONE):
-            return None
-        evidence["ranks_are"] = "global rank whose telemetry stream ended first (the first to fail; its peers followed)"
-        how = "without a goodbye (killed by a signal or died hard)" if goodbye is None else f"saying {goodbye!r}"
-        reported = ", ".join(f"rank {f['global_rank']} ({f['cause']})" for f in failures)
-        evidence["summary"] = (f"rank {first['rank']} failed first: its stream ended {how}, {len(ended) - 1} "
-                               f"other rank(s) followed; the launcher reported {reported or 'nothing'}")
-        return first["rank"]

@@ -10,7 +10,8 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   worker's global rank and pid;
 - ``failed``: the round failed: per failed worker its global and local rank, pid, exit code (a negative
   code is the signal that killed it) and the message of its error file when it wrote one
-  (``torch.distributed.elastic.multiprocessing.errors.record``), with the time of the failure;
+  (``torch.distributed.elastic.multiprocessing.errors.record``), with the time of the failure and each
+  worker's exit time to the millisecond (``exited_at``, agent/launch/exit_clock.py: the exit order);
 - ``membership_pending``: nodes are waiting to join a healthy round (the job grows). With a reply pipe
   (``TRAINWARDEN_LAUNCH_REPLY_FD``) the agent then waits, at most GROW_WAIT_S, for the supervisor's line
   ``go``: meanwhile the supervisor has every worker save a checkpoint at one agreed step and hold there,
@@ -45,6 +46,7 @@ import threading
 import time
 from typing import Any
 
+from trainwarden.agent.launch.exit_clock import ExitClock
 from trainwarden.agent.proto.contract import EXIT_RESUME_BLOCKED
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
@@ -144,6 +146,8 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    exits = ExitClock()
+
     class ReportingElasticAgent(LocalElasticAgent):
         _reported_failure = False
 
@@ -152,6 +156,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
 
         def _start_workers(self, worker_group):
             pids = super()._start_workers(worker_group)
+            exits.watch(pid for pid in pids.values() if pid)
             self._reported_failure = False
             sink.emit("started", restart_count=self._restart_count(), group_rank=worker_group.group_rank,
                       group_world_size=worker_group.group_world_size, round=_rendezvous_round(worker_group),
@@ -178,7 +183,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                 sink.emit("failed", restart_count=self._restart_count(), state=result.state.name,
                           restarts_left=self._remaining_restarts, failures=[
                               {"global_rank": rank, "local_rank": f.local_rank, "pid": f.pid,
-                               "exitcode": f.exitcode, "at": f.timestamp,
+                               "exitcode": f.exitcode, "at": f.timestamp, "exited_at": exits.exited_at(f.pid),
                                "message": _error_message(f) if os.path.isfile(f.error_file or "") else ""}
                               for rank, f in sorted(result.failures.items())])
             return result

@@ -44,6 +44,7 @@ from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, conn
 from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, commit_in_round, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
 from trainwarden.agent.etcd.writer import EtcdWriter
+from trainwarden.agent.incidents.node_loss import NodeLossWatcher
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
 from trainwarden.agent.launch.output import OutputPump
@@ -326,6 +327,9 @@ class _JobRun(Regrouping):
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
             cleanup.callback(progress.stop)
+            lost = NodeLossWatcher(self.client, opts.job, self.node, agent.incidents.record)  # one node_lost per loss
+            lost.start()
+            cleanup.callback(lost.stop)
         self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
         if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
             self._write_record(cleanup, AGENT_METRICS_RECORD, agent.metrics_url)
@@ -608,6 +612,9 @@ class _JobRun(Regrouping):
             self.progress.round_started(at)
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
             self.run_record.set_workers(self._worker_pids)
+            if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
+                self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),
+                                       round=self._round)
         elif kind == "failed":
             self.progress.round_failed(at)
             failures = event.get("failures") or []

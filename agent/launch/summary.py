@@ -69,7 +69,7 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
 
 
 def _incident_summary(state_dir: Path) -> str:
-    """"hang 1 (rank 2), crash 1, ..." from the job's incident records; "" when there are none."""
+    """"hang 1 (rank 2), crash 1 (rank 5; 7 collateral), ..." from the job's incident records; "" when there are none."""
     try:
         found = list_incidents(state_dir)
     except (OSError, ValueError) as exc:
@@ -80,7 +80,13 @@ def _incident_summary(state_dir: Path) -> str:
     parts = []
     for kind, items in sorted(kinds.items()):
         ranks = sorted({r for i in items for r in i.ranks})
-        named = f" (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))})" if \
-            ranks and kind != "restart" else ""
-        parts.append(f"{kind} {len(items)}{named}")
+        named = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks and kind != "restart" \
+            else ""
+        collateral = {r for i in items for r in i.evidence.get("collateral") or ()} - set(ranks)
+        if collateral and kind == "crash":
+            named += f"; {len(collateral)} collateral"
+        if kind == "node_lost":  # the node is the news: "node_lost 1 (n2: ranks 4,5)"
+            named = "; ".join(i.node + (f": rank{'s' if len(i.ranks) > 1 else ''} {','.join(map(str, i.ranks))}"
+                                        if i.ranks else "") for i in items)
+        parts.append(f"{kind} {len(items)}{f' ({named})' if named else ''}")
     return ", ".join(parts)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "EXIT_RESUME_BLOCKED", "FLIGHT_RECORDER_ENV",
-    "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME", "STATE_DIR_ENV",
+    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
+    "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
+    "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME",
+    "STATE_DIR_ENV",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -63,6 +65,18 @@ the same checkpoints (runtime/checkpoint.py, ``CheckpointUnloadableError``)."""
 PEER_GONE = "peer gone"
 """How a worker's goodbye reason starts when it left because another rank had failed
 (``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+"""Text of the errors a rank's collectives raise when a peer rank died (gloo, NCCL): the runtime recognises
+its own exception by them (runtime/peer_failure.py), the agent a worker's error file."""
+PEER_FAILURE_TYPES = ("DistNetworkError", "DistBackendError", "DistStoreError")
+"""torch's exception types for the same."""
 
 CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held",
                      "resume_blocked")

@@ -16,7 +16,12 @@ the last `window_steps` slices:
 1.0 means as busy as a typical peer. A rank is flagged when its score stays above `start_score` (1.15) for
 `persist_steps` (7) slices and `persist_s` (3 s) of the job's time, and cleared when it stays below
 `clear_score` (1.1) for `clear_persist_steps` (5) slices and `clear_s` (3 s), and never before the flag has
-been up `min_flag_s` (10 s) by the agent's clock.
+been up `min_flag_s` (10 s) by the agent's clock. A start also needs the cost to be real: the window median
+of how much longer its peers waited than it did, as a share of the job's time, at least `min_wait_share`
+(0.13, what a rank 1.15x slower costs). The score is a ratio over the intervals the node can match, and
+when those cover little of the step (tensor parallelism on the node, the data-parallel all-reduce with
+other nodes) a small systematic extra of rank 0 (checkpoint coordination, logging) scored 1.16-1.29 while
+its peer waited for it 10% of the time (`make demo-cluster`, tests/fixtures/straggler/cluster3n).
 
 Why seconds as well as steps: on short steps, scheduling noise of a few milliseconds is a large share of
 one step, and a one-step slice made a straggler of whichever rank the noise hit; persistence counted in
@@ -91,6 +96,10 @@ class StragglerConfig:
     """...and at least this many seconds of the job's time..."""
     min_flag_s: float = 10.0
     """...and the flag has been up this long (agent clock): a flag never flickers."""
+    min_wait_share: float = 0.13
+    """...and its peers wait for it at least this share of the job's time (window median of per-slice waits):
+    what a rank `start_score` (1.15) times slower costs them (1 - 1/1.15). A high score from intervals that
+    cover little of the step (most of it in collectives with other nodes) costs the job little."""
     warmup_steps: int = 10
     """Steps every rank of a new worker round completes before its data is scored (start-up is noisy)."""
     max_incidents_per_hour: int = 6
@@ -117,6 +126,8 @@ class StragglerConfig:
             raise ValueError(f"max_incidents_per_hour must be at least 1, got {self.max_incidents_per_hour}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must not be negative, got {self.warmup_steps}")
+        if not 0.0 <= self.min_wait_share < 1.0:
+            raise ValueError(f"min_wait_share must be in [0, 1), got {self.min_wait_share}")
         if not 0.0 < self.min_coverage <= 1.0:
             raise ValueError(f"min_coverage must be in (0, 1], got {self.min_coverage}")
         object.__setattr__(self, "policy", StragglerPolicy(self.policy))
@@ -132,6 +143,8 @@ class RankScore:
     """Share of the rank's time in the window that was its own work."""
     peer_compute_share: float
     """Median compute share of its peers."""
+    peer_wait_share: float = 0.0
+    """Median share of the job's time its peers waited for it, beyond its own waits."""
     window_seconds: float
     slices: int
     """Slice scores the median was taken over."""
@@ -157,7 +170,7 @@ class _RankScoring:
     __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "flagged_at", "score")
 
     def __init__(self) -> None:
-        self.slices: deque[tuple[float, float, float]] = deque()  # (slice score, share, peer share)
+        self.slices: deque[tuple[float, float, float, float]] = deque()  # (score, share, peer share, peer wait)
         self.ends: list[int] = []
         self.total: list[int] = [0]     # prefix sums: total[i] = sum of the first i intervals
         self.compute: list[int] = [0]
@@ -249,7 +262,7 @@ class StragglerDetector:
             if r.flagged or (r.score is not None and r.score.score > cfg.clear_score):
                 return True
             if len(r.slices) >= recent_slices and statistics.median(
-                    s for s, _, _ in list(r.slices)[-recent_slices:]) > cfg.start_score:
+                    s[0] for s in list(r.slices)[-recent_slices:]) > cfg.start_score:
                 return True
         return False
 
@@ -265,27 +278,29 @@ class StragglerDetector:
         """Score the slice (position - stride, position] and judge every rank on its window of slices."""
         cfg = self.config
         shares: dict[int, float] = {}
+        waits: dict[int, float] = {}  # share of the slice the rank spent waiting for its peers
         for rank, r in ranks.items():
             total, compute = r.sums(position - stride, position)
             if total > 0 and total >= cfg.min_coverage * stride:
-                shares[rank] = compute / total
+                shares[rank], waits[rank] = compute / total, (total - compute) / stride
         events = []
         for rank, share in sorted(shares.items()):
-            peers = [shares[p] for p in shares if p != rank and groups.get(p) == groups.get(rank)]
+            peers = [p for p in shares if p != rank and groups.get(p) == groups.get(rank)]
             if not peers:
                 continue
             state = ranks[rank]
-            peer_share = max(_MIN_SHARE, statistics.median(peers))
-            state.slices.append((share / peer_share, share, peer_share))
+            peer_share = max(_MIN_SHARE, statistics.median(shares[p] for p in peers))
+            peer_wait = statistics.median(waits[p] for p in peers) - waits[rank]
+            state.slices.append((share / peer_share, share, peer_share, peer_wait))
             while len(state.slices) > cfg.window_steps:
                 state.slices.popleft()
             if len(state.slices) * 2 < cfg.window_steps:
                 continue
-            score = statistics.median(s for s, _, _ in state.slices)
-            event = self._judge(state, score, stride / 1e9)
+            score, _, _, wait = (statistics.median(column) for column in zip(*state.slices))
+            event = self._judge(state, score, wait, stride / 1e9)
             state.score = RankScore(
-                rank=rank, score=score, compute_share=statistics.median(s for _, s, _ in state.slices),
-                peer_compute_share=statistics.median(p for _, _, p in state.slices),
+                rank=rank, score=score, compute_share=statistics.median(s[1] for s in state.slices),
+                peer_compute_share=statistics.median(s[2] for s in state.slices), peer_wait_share=wait,
                 window_seconds=stride * cfg.window_steps / 1e9, slices=len(state.slices), flagged=state.flagged)
             if event is not None:
                 events.append(StragglerEvent(job=job, rank=rank, started=event[0], score=state.score,
@@ -293,12 +308,14 @@ class StragglerDetector:
                                              policy=cfg.policy))
         return events
 
-    def _judge(self, state: _RankScoring, score: float, slice_s: float) -> tuple[bool, int] | None:
-        """Persistence counted in slices and in the job's seconds; the flag also holds `min_flag_s` of agent
-        time. Returns (started, slices that led to it) on a change."""
+    def _judge(self, state: _RankScoring, score: float, wait: float, slice_s: float) -> tuple[bool, int] | None:
+        """Persistence counted in slices and in the job's seconds; a start also needs the peers to lose
+        `min_wait_share` of the time waiting; the flag holds `min_flag_s` of agent time. Returns (started,
+        slices that led to it) on a change."""
         cfg = self.config
         if not state.flagged:
-            state.above = state.above + 1 if score > cfg.start_score else 0
+            costly = score > cfg.start_score and wait >= cfg.min_wait_share
+            state.above = state.above + 1 if costly else 0
             if state.above >= cfg.persist_steps and state.above * slice_s >= cfg.persist_s:
                 state.flagged, state.below, state.flagged_at = True, 0, self.clock()
                 return True, state.above

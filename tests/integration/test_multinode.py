@@ -212,4 +212,10 @@ def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_g
         _check_continuation(story, steps, require_replay=False)
         # growing back: every worker saved after one agreed step and held there; the new round resumed from it
         assert "checkpoints after step" in text() and _lost_at_last_resume(story) == []
+        # one survivor named the killed node, with its ranks of the last round
+        import json
+        lost = [json.loads(p.read_text()) for n in ("n0", "n1")
+                for p in (tmp_path / n / "state" / "jobs" / "mr" / "incidents").glob("*.json")]
+        lost = [i for i in lost if i["kind"] == "node_lost"]
+        assert [(i["node"], len(i["ranks"])) for i in lost] == [("n2", 2)], lost
     assert bed.leftovers() == []

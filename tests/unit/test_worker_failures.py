@@ -88,9 +88,10 @@ def test_a_crash_names_the_rank_that_was_killed_not_the_peer_torchrun_noticed_fi
     assert [e["rank"] for e in crash.evidence["telemetry_streams_ended"]] == [2, 0]
     assert crash.evidence["telemetry_streams_ended"][1]["how"] == "goodbye: peer gone: Connection reset by peer"
     assert crash.evidence["failed_workers"][0]["global_rank"] == 0   # the launcher's report is kept
-    assert crash.evidence["summary"] == ("rank 2 failed first: its stream ended without a goodbye (killed by a "
-                                         "signal or died hard), 1 other rank(s) followed; the launcher reported "
-                                         "rank 0 (exit code 1)")
+    assert crash.evidence["summary"] == ("rank 2 (its stream broke first, without a goodbye): killed, not exited "
+                                         "(its peers exit with a code: they cannot make a rank die of a signal); "
+                                         "1 collateral (ranks 0)")
+    assert crash.evidence["collateral"] == [0]
     # the next round only looks at streams that ended after this incident
     assert rec._since == 1001.4
 
@@ -99,9 +100,9 @@ def test_when_every_rank_here_left_for_a_lost_peer_none_of_them_is_blamed():
     from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 
     js = JobTelemetry(wall=lambda: 1001.0)
-    js.connect(WorkerInfo(job="j", rank=0, world_size=2, pid=100))
-    js.goodbye("j", 0, 100, "peer gone: Connection closed by peer")   # the failed rank is on another node
-    js.disconnect("j", 0, 100)
+    js.connect(WorkerInfo(job="j", rank=3, world_size=4, pid=28001))
+    js.goodbye("j", 3, 28001, "peer gone: Connection closed by peer")   # the failed rank is on another node
+    js.disconnect("j", 3, 28001)
     rec, versions = recorder(ended_streams=lambda since: js.ended_streams("j", since))
     rec.round_failed([failed(3, 1, local=0)])
     rec.restarting()
@@ -138,3 +139,33 @@ def test_ranks_that_left_because_a_node_elsewhere_was_lost_are_a_restart_not_a_c
     incident = versions[-1]
     assert incident.kind == IncidentKind.RESTART and incident.ranks == ()
     assert "the failed rank is on another node" in incident.evidence["summary"]
+
+
+def test_a_sigkilled_rank_among_peers_that_exited_1_is_named_alone_with_the_rest_collateral():
+    """8 ranks, rank 5 SIGKILLed at step 12: torchrun reported ranks 1, 3, 5, 6, 7 (the ones it noticed),
+    the incident said "crash (ranks 1,3,5,6,7)". A script that sends no telemetry: the signal decides."""
+    rec, versions = recorder()
+    rec.round_failed([failed(1, 1), failed(3, 1), failed(5, -9), failed(6, 1), failed(7, 1)])
+    rec.restarting()
+    crash = versions[-1]
+    assert crash.kind == IncidentKind.CRASH and crash.ranks == (5,)
+    assert crash.evidence["collateral"] == [1, 3, 6, 7]
+
+
+def test_a_killed_rank_whose_stream_broke_after_its_peers_said_goodbye_is_still_named():
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
+
+    now = [1000.0]
+    js = JobTelemetry(wall=lambda: now[0])
+    for r in range(4):
+        js.connect(WorkerInfo(job="j", rank=r, world_size=4, pid=27998 + r))
+    rec, versions = recorder(ended_streams=lambda since: js.ended_streams("j", since))
+    now[0] = 1001.0
+    js.goodbye("j", 1, 27999, "peer gone: Connection closed by peer")  # the peer's goodbye arrived first
+    js.disconnect("j", 1, 27999)
+    now[0] = 1001.2
+    js.disconnect("j", 2, 28000)                                        # the killed rank's stream broke later
+    rec.round_failed([failed(1, 1), failed(2, -9)])
+    rec.restarting()
+    assert versions[-1].kind == IncidentKind.CRASH and versions[-1].ranks == (2,)
+    assert versions[-1].evidence["collateral"] == [1]
