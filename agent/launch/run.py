@@ -56,8 +56,8 @@ from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
-from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchrun_command, validate_launch,
-                                             worker_environment)
+from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
+                                             validate_launch, worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
@@ -263,6 +263,14 @@ class _JobRun(Regrouping):
                   f"running (pids {', '.join(map(str, stopped))})", file=self.out, flush=True)
         self.run_record.set("supervisor", os.getpid())
         cleanup.callback(self.run_record.remove)
+        for scratch in (torchelastic_log_dir(self.state_dir), self.embedded_etcd_dir):  # a killed run's, if any
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    @property
+    def embedded_etcd_dir(self) -> Path:
+        """The embedded etcd's data: in the job's state directory (removed when the run ends, or by the next run
+        after a kill), never a ``trainwarden-etcd-*`` directory left in the system's temporary directory."""
+        return self.state_dir / "embedded-etcd"
 
     def start_etcd(self, cleanup: ExitStack) -> None:
         """An embedded etcd unless --etcd names one; a client checked to answer."""
@@ -272,7 +280,8 @@ class _JobRun(Regrouping):
                            "(or TRAINWARDEN_ETCD_*) apply to an etcd named with --etcd; the embedded one listens on "
                            "loopback without TLS or auth")
         if endpoint is None:
-            etcd = EmbeddedEtcd(log_path=self.logs / "etcd.log")
+            etcd = EmbeddedEtcd(data_dir=self.embedded_etcd_dir, log_path=self.logs / "etcd.log")
+            cleanup.callback(shutil.rmtree, self.embedded_etcd_dir, True)  # after etcd.stop (registered below)
             try:
                 etcd.start()
             except (EtcdNotFoundError, EtcdStartError) as exc:

@@ -9,7 +9,10 @@ torchrun, and why:
   rounds and restarted gloo workers fail in ``connectFullMesh`` against the previous round's keys;
 - a restart budget (``--max-restarts``) and a short monitor interval, so a crash is noticed in about
   a quarter of a second;
-- the runtime's environment: job name, state directory, agent socket, Flight Recorder on.
+- the runtime's environment: job name, state directory, agent socket, Flight Recorder on;
+- torchrun's log directory (the workers' error files) in the job's state directory, ``logs/torchelastic``
+  (``torchelastic_log_dir``), not a ``torchelastic_*`` directory left in the system's temporary directory by
+  every run; the supervisor empties it before each launch, so it holds the last run's files.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from trainwarden.agent.common.job_spec import parse_nnodes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LaunchSpec", "parse_nnodes", "torchrun_command", "validate_launch", "worker_environment"]
+__all__ = ["LaunchSpec", "parse_nnodes", "torchelastic_log_dir", "torchrun_command", "validate_launch",
+           "worker_environment"]
+
+
+def torchelastic_log_dir(state_dir: Path) -> Path:
+    """Where torchrun keeps the workers' error files for a job (module docstring)."""
+    return Path(state_dir) / "logs" / "torchelastic"
 
 def validate_launch(spec) -> None:
     """Checks shared by every description of a launch (``LaunchSpec``, ``run.RunOptions``)."""
@@ -90,6 +99,7 @@ def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str
         "--rdzv-id", spec.job,
         "--max-restarts", str(spec.max_restarts),
         "--monitor-interval", str(spec.monitor_interval),
+        "--log-dir", str(torchelastic_log_dir(spec.state_dir)),
     ]
     local_addr = spec.local_addr
     if local_addr is None and parse_nnodes(spec.nnodes)[1] == 1:

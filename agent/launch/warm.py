@@ -189,20 +189,30 @@ class _Job:
 
 def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
     """Import, then fork a worker per client until the listening socket is closed; in a child, its job."""
+    problem = _preload(script)
+    if problem is not None:
+        print(f"trainwarden: warm workers are off for this job: {problem}; restarted workers start cold",
+              file=sys.stderr, flush=True)
+        return None
+    os.makedirs(map_dir, exist_ok=True)
+    return _Zygote(_listen(path), map_dir).run()
+
+
+def _preload(script: list[str]) -> str | None:
+    """Import what every worker would (torch, the runtime, the script's top-level imports); why forking from
+    this process would be unsafe after that, or None."""
     import importlib
-    import select
 
     for name in (*_BASE_IMPORTS, *_top_level_imports(script)):
         try:
             importlib.import_module(name)
         except Exception:  # a module the job imports lazily or conditionally: the worker imports it itself
             pass
-    problem = _unsafe_to_fork()
-    if problem is not None:
-        print(f"trainwarden: warm workers are off for this job: {problem}; restarted workers start cold",
-              file=sys.stderr, flush=True)
-        return None
-    os.makedirs(map_dir, exist_ok=True)
+    return _unsafe_to_fork()
+
+
+def _listen(path: str) -> socket.socket:
+    """The zygote's listening socket at ``path``, in place only once it accepts."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         os.unlink(path)
@@ -211,103 +221,142 @@ def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # clients never see a socket that does not accept yet
     listener.listen(64)
-    r_wake, w_wake = os.pipe()
-    os.set_blocking(w_wake, False)
-    def wake(*_):
+    return listener
+
+
+class _Zygote:
+    """The serve loop: it accepts clients and forks their workers, reports each worker's exit to its client, and
+    kills the worker of a client that died. Single-threaded; SIGCHLD wakes it through a pipe."""
+
+    def __init__(self, listener: socket.socket, map_dir: str) -> None:
+        self.listener, self.map_dir = listener, map_dir
+        self.r_wake, self.w_wake = os.pipe()
+        os.set_blocking(self.w_wake, False)
+        self.children: dict[int, socket.socket] = {}  # worker pid -> its client's connection
+        self.by_conn: dict[int, int] = {}  # connection fd -> worker pid
+        signal.signal(signal.SIGCHLD, self._wake)
+
+    def _wake(self, *_) -> None:
         try:
-            os.write(w_wake, b"x")
+            os.write(self.w_wake, b"x")
         except OSError:  # the pipe is full: a wake-up is pending already
             pass
 
-    signal.signal(signal.SIGCHLD, wake)
-    children: dict[int, socket.socket] = {}  # worker pid -> its client's connection
-    by_conn: dict[int, int] = {}  # connection fd -> worker pid
-    while True:
-        watched = [listener, r_wake, *children.values()]
-        try:
-            ready, _, _ = select.select(watched, [], [])
-        except InterruptedError:
-            continue
-        if r_wake in ready:
-            os.read(r_wake, 4096)
-        while children:
+    def run(self) -> _Job | None:
+        """Serve; returns only in a forked worker, with its job."""
+        import select
+
+        while True:
+            try:
+                ready, _, _ = select.select([self.listener, self.r_wake, *self.children.values()], [], [])
+            except InterruptedError:
+                continue
+            if self.r_wake in ready:
+                os.read(self.r_wake, 4096)
+            self._reap()
+            self._drop_gone([c for c in ready if c not in (self.listener, self.r_wake)])
+            if self.listener in ready:
+                job = self._accept()
+                if job is not None:
+                    return job
+
+    def _reap(self) -> None:
+        """Workers that exited: their wait status to their client, which exits the same way."""
+        while self.children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            conn = children.pop(pid, None)
+            conn = self.children.pop(pid, None)
             if conn is not None:
-                by_conn.pop(conn.fileno(), None)
+                self.by_conn.pop(conn.fileno(), None)
                 try:
                     _send(conn, {"status": status})
                 except OSError:
                     pass
                 conn.close()
             try:
-                os.unlink(os.path.join(map_dir, str(pid)))
+                os.unlink(os.path.join(self.map_dir, str(pid)))
             except OSError:
                 pass
-        for conn in [c for c in ready if c not in (listener, r_wake)]:
+
+    def _drop_gone(self, conns: list[socket.socket]) -> None:
+        """Clients whose connection closed (SIGKILL): their workers must not outlive them."""
+        for conn in conns:
             if conn.fileno() < 0:
                 continue
             try:
                 gone = conn.recv(1, socket.MSG_PEEK) == b""
             except OSError:
                 gone = True
-            if gone:  # the client died (SIGKILL): its worker must not outlive it
-                pid = by_conn.pop(conn.fileno(), None)
+            if gone:
+                pid = self.by_conn.pop(conn.fileno(), None)
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
                         pass
                 conn.close()
-        if listener in ready:
-            conn, _ = listener.accept()
-            fds: list[int] = []
-            try:
-                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                client_pid = struct.unpack("3i", creds)[0]
-                # the descriptors ride on the frame's first bytes: read those with recv_fds (a plain recv
-                # would drop them)
-                head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-                if len(head) < 4:
-                    head += _recv_exact(conn, 4 - len(head))
-                (n,) = struct.unpack("!I", head)
-                request = json.loads(_recv_exact(conn, n))
-                if len(fds) != 3:
-                    raise ValueError(f"expected the client's 3 standard streams, got {len(fds)} descriptors")
-            except (OSError, ConnectionError, ValueError):
-                for fd in fds:
-                    os.close(fd)
-                conn.close()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # the worker
-                listener.close()
-                os.close(r_wake)
-                os.close(w_wake)
-                for other in children.values():
-                    other.close()
-                conn.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                return _Job(request, fds)
-            for fd in fds:
-                os.close(fd)
-            with open(os.path.join(map_dir, str(pid)), "w") as f:
-                f.write(str(client_pid))
-            children[pid] = conn
-            by_conn[conn.fileno()] = pid
-            print(f"trainwarden: warm worker pid {pid} forked for rank {request['env'].get('RANK', '?')} (client pid "
-                  f"{client_pid})", file=sys.stderr, flush=True)
-            try:
-                _send(conn, {"pid": pid})
-            except OSError:
-                pass
+
+    def _accept(self) -> _Job | None:
+        """One client: its request, then a worker forked for it; in that worker, its job."""
+        conn, _ = self.listener.accept()
+        try:
+            client_pid, request, fds = _receive(conn)
+        except (OSError, ConnectionError, ValueError):
+            conn.close()
+            return None
+        return self._fork(conn, client_pid, request, fds)
+
+    def _fork(self, conn: socket.socket, client_pid: int, request: dict, fds: list[int]) -> _Job | None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            self.listener.close()
+            os.close(self.r_wake)
+            os.close(self.w_wake)
+            for other in self.children.values():
+                other.close()
+            conn.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            return _Job(request, fds)
+        for fd in fds:
+            os.close(fd)
+        with open(os.path.join(self.map_dir, str(pid)), "w") as f:
+            f.write(str(client_pid))
+        self.children[pid] = conn
+        self.by_conn[conn.fileno()] = pid
+        print(f"trainwarden: warm worker pid {pid} forked for rank {request['env'].get('RANK', '?')} (client pid "
+              f"{client_pid})", file=sys.stderr, flush=True)
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            pass
+        return None
+
+
+def _receive(conn: socket.socket) -> tuple[int, dict, list[int]]:
+    """The client's pid (the kernel's word), its request and its three standard streams; a request that does not
+    arrive whole raises (OSError, ConnectionError, ValueError) with the descriptors it brought closed."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    client_pid = struct.unpack("3i", creds)[0]
+    # the descriptors ride on the frame's first bytes: read those with recv_fds (a plain recv would drop them)
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    try:
+        if len(head) < 4:
+            head += _recv_exact(conn, 4 - len(head))
+        (n,) = struct.unpack("!I", head)
+        request = json.loads(_recv_exact(conn, n))
+        if len(fds) != 3:
+            raise ValueError(f"expected the client's 3 standard streams, got {len(fds)} descriptors")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return client_pid, request, fds
 
 
 def _become(job: _Job) -> None:

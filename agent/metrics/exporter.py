@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_METRICS_PORT",
     "AgentInfoCollector",
     "ExporterError",
+    "MergingRegistry",
     "MetricsExporter",
     "build_registry",
 ]
@@ -72,9 +73,46 @@ class AgentInfoCollector:
         yield started
 
 
+class MergingRegistry(CollectorRegistry):
+    """A registry whose exposition holds each family once, however many collectors yield it: the daemon's own
+    families and those it relays from its jobs' launchers (agent/metrics/relay.py) share names. A series that two
+    collectors both yield (the same name and labels) is a counter of events both count on this node (incidents of a
+    job, recorded by the daemon and by the job's launcher): its values add up; for any other type the first wins."""
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for family in super().collect():
+            first = merged.get(family.name)
+            if first is None:
+                merged[family.name] = family
+            elif first.type == family.type:
+                merged[family.name] = _merged(first, family)
+            else:
+                logger.debug("family %s is a %s and a %s; keeping the %s", family.name, first.type, family.type,
+                             first.type)
+        yield from merged.values()
+
+
+def _merged(first: Metric, other: Metric) -> Metric:
+    add = first.type == "counter"
+    out = Metric(first.name, first.documentation, first.type, first.unit)
+    index: dict[tuple, int] = {}
+    samples = []
+    for sample in [*first.samples, *other.samples]:
+        key = (sample.name, tuple(sorted(sample.labels.items())))
+        at = index.get(key)
+        if at is None:
+            index[key] = len(samples)
+            samples.append(sample)
+        elif add and sample.name.endswith("_total"):
+            samples[at] = samples[at]._replace(value=samples[at].value + sample.value)
+    out.samples = samples
+    return out
+
+
 def build_registry(collectors: Iterable[Collector]) -> CollectorRegistry:
-    """A fresh registry holding exactly ``collectors`` (anything with ``collect()``)."""
-    registry = CollectorRegistry()
+    """A fresh registry holding exactly ``collectors`` (anything with ``collect()``), each family exposed once."""
+    registry = MergingRegistry()
     for collector in collectors:
         registry.register(collector)
     return registry

@@ -4,10 +4,10 @@ It runs one ``NodeAgent`` (agent/node/agent.py: telemetry socket, Prometheus end
 watchdog) until SIGTERM or SIGINT, then stops it (the socket file is removed) and exits 0. Jobs on the
 node find it through ``TRAINWARDEN_AGENT_SOCKET`` (default ``/run/trainwarden/agent.sock``). With ``--etcd``,
 incidents are also written to etcd, and (unless ``--no-jobs``) the ``JobRunner`` (agent/node/job_runner.py)
-registers the node and runs this node's part of every submitted job that targets it. Those jobs outlive the
-daemon: stopping it (or killing it) leaves them running, and the next daemon adopts them. With
-``--webhook-listen`` it also serves Alertmanager's webhook, through which alerts resume failed jobs
-(agent/node/webhook.py).
+registers the node and runs this node's part of every submitted job that targets it; the daemon's metrics
+endpoint relays each of those jobs' own series (agent/metrics/relay.py). Those jobs outlive the daemon: stopping
+it (or killing it) leaves them running, and the next daemon adopts them. With ``--webhook-listen`` it also
+serves Alertmanager's webhook, through which alerts resume failed jobs (agent/node/webhook.py).
 
 Under systemd (``Type=notify``, deploy/systemd/trainwarden-agent.service) the daemon says ``READY=1`` once the
 agent answers its own health check through the socket, sends ``WATCHDOG=1`` keep-alives while every part works
@@ -42,7 +42,7 @@ from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
 from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
-from trainwarden.agent.node.endpoints import check_agent
+from trainwarden.agent.node.endpoints import check_agent, recorded_metrics_url
 from trainwarden.agent.node.liveness import KeepAlive
 from trainwarden.agent.node.webhook import WebhookConfig
 
@@ -109,6 +109,19 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record)
 
 
+def _relay(runner, config: AgentConfig):
+    """The series of the jobs this daemon runs, relayed from their launchers (agent/metrics/relay.py)."""
+    from trainwarden.agent.common.paths import default_state_home
+    from trainwarden.agent.metrics.relay import LauncherRelay
+
+    home = config.state_home or default_state_home()
+
+    def targets() -> dict[str, str]:
+        return {job: recorded_metrics_url(job, state_home=home) or "" for job in runner.launchers()}
+
+    return LauncherRelay(targets, node=config.node)
+
+
 def _webhook(options: DaemonOptions, client, agent: NodeAgent):
     from trainwarden.agent.etcd.jobs import JobControl
     from trainwarden.agent.node.webhook import AlertmanagerWebhook, AlertResumer
@@ -171,6 +184,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
                     runner = _job_runner(options, client, agent)
                     runner.start()
                     agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
+                    agent.registry.register(_relay(runner, config))  # each running job's own series
                 if options.webhook is not None:
                     webhook = _webhook(options, client, agent)
                     try:

@@ -20,7 +20,7 @@ from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SER
 
 __all__ = [
     "AGENT_METRICS_RECORD", "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV",
-    "AgentUnavailable", "check_agent", "fetch_status", "health_status", "resolve_metrics_url", "resolve_socket",
+    "AgentUnavailable", "check_agent", "fetch_status", "health_status", "recorded_metrics_url", "resolve_metrics_url", "resolve_socket",
 ]
 
 DEFAULT_SOCKET = Path("/run/trainwarden/agent.sock")
@@ -62,14 +62,15 @@ def resolve_metrics_url(explicit: str | None = None, job: str | None = None, *,
     running `trainwarden run` of --job recorded, else the daemon's default."""
     if explicit:
         return None if explicit == "none" else explicit
-    if job:
-        try:
-            recorded = (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip()
-        except (OSError, ValueError):
-            recorded = ""
-        if recorded:
-            return recorded
-    return DEFAULT_METRICS_URL
+    return (recorded_metrics_url(job, state_home=state_home) if job else None) or DEFAULT_METRICS_URL
+
+
+def recorded_metrics_url(job: str, *, state_home: str | os.PathLike | None = None) -> str | None:
+    """The metrics URL the running `trainwarden run` of ``job`` recorded in its state directory, or None."""
+    try:
+        return (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip() or None
+    except (OSError, ValueError):
+        return None
 
 
 def _unavailable(socket_path: Path, why: str = "") -> AgentUnavailable:

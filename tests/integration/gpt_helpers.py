@@ -47,6 +47,7 @@ def run_gpt(group, log: Path, *, nproc: int, args: list[str], timeout: float = 2
     """Run ``torchrun --standalone --nproc-per-node nproc -m trainwarden.runtime.examples.gpt args`` in its
     own session (through ``group``, a ``tests/procs.ProcessGroup``) and wait for it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--log-dir", str(log.parent / "torchelastic"),  # not a torchelastic_* directory left in TMPDIR
            "-m", "trainwarden.runtime.examples.gpt", *args]
     proc = group.spawn(cmd, log=log, env=gpt_env())
     try:

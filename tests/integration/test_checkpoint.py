@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 def torchrun(procs: ProcessGroup, nproc: int, log: Path, *args: str, timeout: float = 150) -> str:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(WORKER), *args]
+           "--log-dir", str(log.parent / "torchelastic"), str(WORKER), *args]
     proc = procs.spawn(cmd, log=log, env=env)
     try:
         rc = proc.wait(timeout)

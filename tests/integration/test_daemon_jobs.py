@@ -20,7 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from local_prometheus import available as prometheus_available, query, start_prometheus
 from procs import stop_recorded_launchers, wait_for
+from trainwarden.agent.etcd.embedded import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -56,7 +58,7 @@ class Daemons:
         home = self.home(node)
         proc = self.procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.etcd,
                                  "--node", node, "--state-home", str(home), "--socket", str(home / "agent.sock"),
-                                 "--metrics-port", "0", "--local-addr", "127.0.0.1"],
+                                 "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--local-addr", "127.0.0.1"],
                                 log=home / "daemon.log", env=dict(os.environ))
         self.running[node] = proc
         wait_for(lambda: "serving" in self.log(node) or proc.poll() is not None, 60, what=f"daemon {node} to serve")
@@ -132,6 +134,31 @@ def test_a_submitted_job_runs_on_its_node_outlives_a_killed_daemon_and_is_adopte
     assert "started its launcher" not in daemons.log("n0").split("adopted its running launcher")[1]
     nodes = json.loads(_cli("nodes", "--json", etcd=etcd).stdout)
     assert nodes["n0"]["record"]["health"] == "ok"
+
+
+@pytest.mark.skipif(not prometheus_available(), reason="prometheus not installed (apt-get install prometheus)")
+def test_prometheus_scraping_the_daemon_alone_sees_the_step_series_of_the_job_it_runs(daemons, tmp_path, etcd_server):
+    """What deploy/prometheus.yml does (the node's daemon is the only target, honor_labels) is enough to see a
+    daemon-run job: its launcher's own endpoint is on a port nobody lists."""
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    daemon_target = re.search(r"metrics http://(127\.0\.0\.1:\d+)/metrics", daemons.log("n0")).group(1)
+    prom_port = free_port()
+    start_prometheus(daemons.procs, tmp_path / "prometheus", [daemon_target], port=prom_port)
+    spec = _spec(tmp_path / "pm.toml", "pm", 2000, tmp_path / "ckpt", nodes=["n0"])
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+
+    def steps_seen() -> list[dict]:
+        try:
+            return query(prom_port, 'trainwarden_last_step{job="pm", node="n0"} > 5')
+        except (OSError, ValueError, AssertionError):  # Prometheus still starting
+            return []
+
+    wait_for(lambda: len(steps_seen()) == 2, 240, interval=1.0, what="Prometheus to see both ranks of pm past step 5")
+    assert query(prom_port, 'trainwarden_job_metrics_up{job="pm", node="n0"} == 1')
+    assert len(query(prom_port, 'trainwarden_step_duration_seconds_count{job="pm", node="n0"} > 0')) == 2
+    assert _cli("stop", "pm", etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["pm"]["phase"] == "stopped", 90, what="the job to stop")
 
 
 def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daemons, tmp_path, etcd_server):

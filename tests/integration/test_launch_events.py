@@ -22,7 +22,7 @@ def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_report
     env = {**os.environ, EVENTS_FD_ENV: str(write), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainwarden.agent.launch.elastic", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "--monitor-interval", "0.2", str(WORKER)],
+         "--max-restarts", "1", "--monitor-interval", "0.2", "--log-dir", str(tmp_path / "torchelastic"), str(WORKER)],
         env=env, pass_fds=(write,), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     os.close(write)
     try:
@@ -50,6 +50,7 @@ def test_without_the_variable_it_is_plain_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != EVENTS_FD_ENV}
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run([sys.executable, "-m", "trainwarden.agent.launch.elastic", "--standalone",
-                          "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2", str(WORKER)],
+                          "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2",
+                          "--log-dir", str(tmp_path / "torchelastic"), str(WORKER)],
                          env=env, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -295,7 +295,8 @@ def _torchrun(procs, tmp_path: Path, name: str, endpoint: str, run_id: str, *ext
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--rdzv-backend", "etcd3", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-        "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", *extra,
+        "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", "--log-dir", str(tmp_path / f"{name}.torchelastic"),
+        *extra,
     ]
     return procs.spawn(cmd, log=tmp_path / f"{name}.log", env=env)
 

@@ -178,6 +178,7 @@ def test_gloo_job_reports_steps_collectives_and_obeys_commands(tmp_path, procs, 
                OMP_NUM_THREADS="1", **FLIGHT_RECORDER_ENV)
     steps = 40
     job = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       "--log-dir", str(tmp_path / "torchelastic"),
                        str(script), str(tmp_path), str(steps)], log=tmp_path / "torchrun.log", env=env)
 
     def both_at(step):

@@ -22,6 +22,7 @@ def test_command_uses_etcd3_rendezvous_and_module():
     assert "--rdzv-endpoint 127.0.0.1:2379" in joined
     assert "--rdzv-id demo" in joined
     assert "--rdzv-conf join_timeout=60" in joined
+    assert "--log-dir /tmp/state/logs/torchelastic" in joined  # not a torchelastic_* directory in TMPDIR
     assert cmd[-4:] == ["-m", "trainwarden.runtime.examples.gpt", "--steps", "3"]
 
 
