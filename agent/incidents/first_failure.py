@@ -69,8 +69,8 @@ def first_failure(failures: Sequence[Mapping], ended: Sequence[Mapping] = ()) ->
     tier = min(s.tier for s in suspects.values())
     if tier == 2:  # every rank here followed a failure elsewhere (another node)
         said = next(s.how for s in suspects.values())
-        return FirstFailure(first=(), collateral=tuple(sorted(suspects)),
-                            why=f"every failed rank here said a peer was gone ({said}): the failed rank is on another node")
+        return FirstFailure(first=(), collateral=tuple(sorted(suspects)), why=f"every failed rank here said a "
+                            f"peer was gone ({said}): the failed rank is on another node")
     tied = [s for s in suspects.values() if s.tier == tier]
     leading = tied
     if all(s.at is not None for s in tied):

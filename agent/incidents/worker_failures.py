@@ -30,7 +30,7 @@ from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentS
 from trainwarden.agent.incidents.first_failure import first_failure
 from trainwarden.agent.proto.contract import EXIT_ABORTED
 
-__all__ = ["WorkerFailureRecorder", "describe_exit"]
+__all__ = ["WorkerFailureRecorder", "describe_exit", "describe_failures"]
 
 
 def describe_exit(exitcode: int) -> str:
@@ -43,6 +43,17 @@ def describe_exit(exitcode: int) -> str:
     if exitcode == EXIT_ABORTED:
         return "aborted by the agent"
     return f"exit code {exitcode}"
+
+
+def describe_failures(failures: list[dict]) -> str:
+    """"rank 2 (SIGKILL); torchrun stopped ranks 0,1,3": the ranks torchrun terminated itself come last."""
+    stopped = sorted(f["global_rank"] for f in failures if int(f["exitcode"]) == -signal.SIGTERM)
+    failed = [f"rank {f['global_rank']} ({describe_exit(int(f['exitcode']))})" for f in failures
+              if int(f["exitcode"]) != -signal.SIGTERM]
+    parts = ["; ".join(failed)] if failed else []
+    if stopped:
+        parts.append(f"torchrun stopped rank{'s' if len(stopped) > 1 else ''} {','.join(map(str, stopped))}")
+    return "; ".join(parts) or "no worker reported"
 
 
 class WorkerFailureRecorder:

@@ -46,7 +46,7 @@ from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, 
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.node_loss import NodeLossWatcher
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
-from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit
+from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit, describe_failures
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
@@ -177,17 +177,6 @@ class _Abandon(Exception):
 
 def _announce(signum: int) -> None:
     print(f"\ntrainwarden: {signal.Signals(signum).name} received; stopping the job", file=sys.stderr, flush=True)
-
-
-def _describe_failures(failures: list[dict]) -> str:
-    """"rank 2 (SIGKILL); torchrun stopped ranks 0,1,3": the ranks torchrun terminated itself come last."""
-    stopped = sorted(f["global_rank"] for f in failures if int(f["exitcode"]) == -signal.SIGTERM)
-    failed = [f"rank {f['global_rank']} ({describe_exit(int(f['exitcode']))})" for f in failures
-              if int(f["exitcode"]) != -signal.SIGTERM]
-    parts = ["; ".join(failed)] if failed else []
-    if stopped:
-        parts.append(f"torchrun stopped rank{'s' if len(stopped) > 1 else ''} {','.join(map(str, stopped))}")
-    return "; ".join(parts) or "no worker reported"
 
 
 def _exit_code(signum: int) -> int:
@@ -632,7 +621,7 @@ class _JobRun(Regrouping):
             self._check_deterministic(failures)
             if self.failures is not None:
                 self.failures.round_failed(failures)
-            print(f"trainwarden: the worker round failed: {_describe_failures(failures)}", file=self.out, flush=True)
+            print(f"trainwarden: the worker round failed: {describe_failures(failures)}", file=self.out, flush=True)
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
             self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)

@@ -69,7 +69,8 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
 
 
 def _incident_summary(state_dir: Path) -> str:
-    """"hang 1 (rank 2), crash 1 (rank 5; 7 collateral), ..." from the job's incident records; "" when there are none."""
+    """"hang 1 (rank 2), crash 1 (rank 5; 7 collateral), node_lost 1 (n2: ranks 4,5)" from the job's incident
+    records; "" when there are none."""
     try:
         found = list_incidents(state_dir)
     except (OSError, ValueError) as exc:
@@ -79,14 +80,21 @@ def _incident_summary(state_dir: Path) -> str:
         kinds.setdefault(incident.kind.value, []).append(incident)
     parts = []
     for kind, items in sorted(kinds.items()):
-        ranks = sorted({r for i in items for r in i.ranks})
-        named = f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks and kind != "restart" \
-            else ""
-        collateral = {r for i in items for r in i.evidence.get("collateral") or ()} - set(ranks)
-        if collateral and kind == "crash":
-            named += f"; {len(collateral)} collateral"
-        if kind == "node_lost":  # the node is the news: "node_lost 1 (n2: ranks 4,5)"
-            named = "; ".join(i.node + (f": rank{'s' if len(i.ranks) > 1 else ''} {','.join(map(str, i.ranks))}"
-                                        if i.ranks else "") for i in items)
+        named = _named(kind, items)
         parts.append(f"{kind} {len(items)}{f' ({named})' if named else ''}")
     return ", ".join(parts)
+
+
+def _ranks(ranks) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}" if ranks else ""
+
+
+def _named(kind: str, items: list) -> str:
+    """What the incidents of one kind name: the node lost, the first failed rank and its collateral, the ranks."""
+    if kind == "node_lost":  # the node is the news
+        return "; ".join(i.node + (f": {_ranks(i.ranks)}" if i.ranks else "") for i in items)
+    if kind == "restart":
+        return ""
+    ranks = sorted({r for i in items for r in i.ranks})
+    collateral = {r for i in items for r in i.evidence.get("collateral") or ()} - set(ranks)
+    return _ranks(ranks) + (f"; {len(collateral)} collateral" if collateral and kind == "crash" else "")

@@ -405,6 +405,7 @@ class Watchdog:
         now = self._wall()
         evidence = {"score": round(s.score, 4), "compute_share": round(s.compute_share, 4),
                     "peer_compute_share": round(s.peer_compute_share, 4),
+                    "peer_wait_share": round(s.peer_wait_share, 4),
                     "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
                     "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
                     "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
@@ -412,7 +413,8 @@ class Watchdog:
         verb = "has been" if event.started else "is back in line:"
         evidence["summary"] = (f"rank {rank} {verb} busy {s.compute_share:.0%} of its time against its peers' "
                                f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.seconds:.0f} s"
-                               + (", so they wait for it" if event.started else ""))
+                               + (f", so they wait for it {s.peer_wait_share:.0%} of the time" if event.started
+                                  else ""))
         self._job_telemetry.set_flag(job, rank, "straggler", event.started)
         if not self._admit_straggler_incident(job, rank, event.started, now):
             return
