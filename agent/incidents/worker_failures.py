@@ -108,7 +108,8 @@ class WorkerFailureRecorder:
         failures, self._failures = self._failures, []
         now = self._wall()
         ended = self._ended()
-        verdict = first_failure([f for f in failures if self._caused_here(f)], ended)
+        own = [f for f in failures if self._caused_here(f)]
+        verdict = first_failure(own, ended) if own else None  # no exit of its own: no stream makes it a crash
         evidence: dict = {"failed_workers": failures, **({"telemetry_streams_ended": ended} if ended else {})}
         crashed = verdict is not None and bool(verdict.first)
         if verdict is None:  # every exit was the agent's abort or torchrun's stop: the restart's reason is elsewhere
