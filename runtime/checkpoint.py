@@ -10,7 +10,7 @@ Save (``Checkpointer.save``):
    process group created once in the constructor, so they never interleave with training collectives.
    Our ``FileSystemWriter`` subclass writes, before its rank enters DCP's planning collective, the rank's RNG
    sidecar and, on the coordinator, the manifest (and removes a stale ``.metadata`` left in the directory).
-4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_store``),
+4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_layout``),
    publishes the atomic ``latest`` pointer, calls ``on_commit(CheckpointInfo)`` and applies retention.
 
 Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and weighs what the job knows of
@@ -54,10 +54,10 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from trainwarden.runtime import checkpoint_store as store
+from trainwarden.agent.proto import checkpoint_layout as store
 from trainwarden.runtime import resume_evidence
 from trainwarden.runtime.peer_failure import peer_failure
-from trainwarden.runtime.checkpoint_store import (
+from trainwarden.agent.proto.checkpoint_layout import (
     CheckpointError,
     CheckpointInfo,
     CheckpointNotFoundError,
@@ -371,7 +371,7 @@ class Checkpointer:
             logger.exception("retention after %s failed; old checkpoints are kept", path)
 
     def _apply_retention(self) -> None:
-        """The only deleter (checkpoint_store.choose_deletions): complete checkpoints beyond ``keep``, saves
+        """The only deleter (checkpoint_layout.choose_deletions): complete checkpoints beyond ``keep``, saves
         that never finished older than the newest complete one, and their quarantined kind."""
         statuses = store.scan(self.directory)
         doomed = [(s.path, "complete checkpoint" if s.complete else "unfinished save")

@@ -4,12 +4,11 @@ Lists a job's checkpoint directory as an operator needs it at 3 AM: what is comm
 one the ``latest`` pointer names), what restore or a fenced commit set aside and why (from each directory's
 QUARANTINE.json), and what is in flight or unfinished. ``restore-aside`` puts a set-aside checkpoint back
 once the storage is fixed; it must be complete again (``--force`` to put it back anyway). Works on plain
-directories (runtime/checkpoint_store.py), without an agent, etcd or torch.
+directories (agent/proto/checkpoint_layout.py), without an agent, etcd or torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -19,7 +18,7 @@ from typing import TextIO
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.paths import job_checkpoint_dir
-from trainwarden.runtime import checkpoint_store as store
+from trainwarden.agent.proto import checkpoint_layout as store
 
 __all__ = ["add_parser", "checkpoint_rows", "format_rows"]
 

@@ -10,7 +10,7 @@ from typing import TextIO
 from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
 from trainwarden.agent.launch.progress import JobProgress
-from trainwarden.runtime import checkpoint_store as store
+from trainwarden.agent.proto import checkpoint_layout as store
 
 __all__ = ["print_summary"]
 

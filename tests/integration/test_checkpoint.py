@@ -130,6 +130,7 @@ def test_reshard_dp2_to_dp1_ignores_directory_without_metadata(trained, tmp_path
     ckpt = copy_ckpt(root, tmp_path)
     partial = Path(shutil.copytree(ckpt / "step-00000008", ckpt / "step-00000010"))
     (partial / ".metadata").unlink()
+    (partial / "COMMITTED").unlink(missing_ok=True)  # a save that never finished was never committed
     log = torchrun(procs, 1, tmp_path / "restore.log", "restore", "--dir", str(ckpt), "--dump-dir", str(tmp_path))
     restored = load(tmp_path / "restored.pt")
     assert restored["step"] == 8, log[-3000:]

@@ -4,12 +4,11 @@ restore sets aside is ever deleted. Each test here reproduces a way a job used t
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 
-from trainwarden.runtime import checkpoint_store as store
+from trainwarden.agent.proto import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
 from test_checkpoint_safety import Box, Events, saved
