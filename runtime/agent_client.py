@@ -54,6 +54,8 @@ CHECKPOINT_STAGES = {name: pb.CheckpointStage.Value(name.upper()) for name in co
 """Stage name -> its protocol enum value."""
 STEP_RECORD = "step"
 """Tag of a queued step: (STEP_RECORD, index, start wall ns, duration ns, tokens, phases)."""
+HELLO_RECORD = "hello"
+"""Tag of a queued Hello update: (HELLO_RECORD,); the sender sends the client's current Hello."""
 CHECKPOINT_RECORD = "checkpoint"
 """Tag of a queued checkpoint event: (CHECKPOINT_RECORD, stage enum, step, seconds, bytes, path, detail)."""
 _ESTABLISHED_AFTER_S = 1.0
@@ -185,6 +187,19 @@ class TelemetryClient:
         self.record(item)
         self._wake.set()
 
+    def update_hello(self, *, mesh=None, step_source: str | None = None) -> None:
+        """Change what this worker says about itself (its mesh, where its steps come from): sent now on the
+        open stream as a second Hello, and at the start of every later one."""
+        hello = pb.Hello()
+        hello.CopyFrom(self._hello)
+        if mesh is not None:
+            hello.mesh.clear()
+            hello.mesh.update({str(k): int(v) for k, v in dict(mesh).items()})
+        if step_source is not None:
+            hello.step_source = step_source
+        self._hello = hello  # one reference swap: the sender copies whichever it sees
+        self.record_soon((HELLO_RECORD,))
+
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -312,6 +327,13 @@ class TelemetryClient:
                 if len(steps.steps) >= _STEPS_PER_MESSAGE:
                     messages.append(pb.WorkerMessage(steps=steps))
                     steps = pb.Steps()
+            elif kind == HELLO_RECORD:
+                if steps.steps:
+                    messages.append(pb.WorkerMessage(steps=steps))
+                    steps = pb.Steps()
+                hello = pb.Hello()
+                hello.CopyFrom(self._hello)
+                messages.append(pb.WorkerMessage(hello=hello))
             elif kind == CHECKPOINT_RECORD:
                 _, stage, step, seconds, nbytes, path, detail = item
                 if steps.steps:  # keep the order of steps and checkpoint events

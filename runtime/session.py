@@ -160,6 +160,8 @@ class Session:
         self._hold_after: int | None = None  # start no step after this one (a checkpoint with hold)
         self.hold_limit_s = HOLD_LIMIT_S
         self._client: TelemetryClient | None = None
+        self._manual_steps = False  # the script called step(): auto-instrumentation's hooks stop counting
+        self.step_source = getattr(hello, "step_source", "") or "rt.step"
         if client_config is not None:
             self._client = TelemetryClient(client_config, hello, on_command=self._on_command,
                                            flight_recorder=self._fr)
@@ -184,7 +186,21 @@ class Session:
         """Context manager around one training step."""
         if self._client is None:
             return _NULL
+        if not self._manual_steps:
+            self._take_over_steps()
         return _StepContext(self, index, tokens)
+
+    def _take_over_steps(self) -> None:
+        """The script reports its own steps: auto-instrumentation's optimizer hooks stop, and the agent hears
+        where steps come from now."""
+        self._manual_steps = True
+        if self.step_source != "rt.step":
+            self.step_source = "rt.step"
+            self._update_hello(step_source="rt.step")
+
+    def _update_hello(self, *, mesh: Mapping[str, int] | None = None, step_source: str | None = None) -> None:
+        if self._client is not None:
+            self._client.update_hello(mesh=mesh, step_source=step_source)
 
     def phase(self, name: str):
         """Context manager around a part of the step ("forward", "backward", "optimizer")."""
@@ -336,10 +352,21 @@ class Session:
 
 
 def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
-         socket_path: str | None = None, env: Mapping[str, str] | None = None,
+         socket_path: str | None = None, env: Mapping[str, str] | None = None, step_source: str = "rt.step",
          **client_options) -> Session:
-    """Start telemetry for this worker (call after `init_process_group`); see the module docstring."""
+    """Start telemetry for this worker (call after `init_process_group`); see the module docstring.
+
+    In a worker trainwarden instrumented by itself (runtime/auto.py), the session already exists: it is
+    returned, told the script's ``mesh``, and the script's ``rt.step`` calls then count the steps."""
     env = os.environ if env is None else env
+    existing = _auto_session()
+    if existing is not None and step_source == "rt.step":
+        if job and job != existing.job:
+            log.warning("trainwarden: init(job=%r) in a worker already reporting as job %r; keeping %r", job,
+                        existing.job, existing.job)
+        if mesh:
+            existing._update_hello(mesh=mesh)
+        return existing
     rank, world_size = _rank_and_world(env)
     job = job or env.get(JOB_ENV) or env.get("TORCHELASTIC_RUN_ID") or "default"
     socket_path = socket_path or env.get(AGENT_SOCKET_ENV)
@@ -358,7 +385,7 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
     hello = pb.Hello(job=job, rank=rank, local_rank=int(env.get("LOCAL_RANK", "0")), world_size=world_size,
                      mesh=dict(mesh or {}), pid=os.getpid(),
                      restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                     hostname=socket.gethostname())
+                     hostname=socket.gethostname(), step_source=step_source)
     if env.get(FR_DUTY_ENV) and "fr_max_duty" not in client_options:
         try:
             client_options["fr_max_duty"] = float(env[FR_DUTY_ENV])
@@ -391,6 +418,15 @@ def _remember(session: Session) -> Session:
     global _current
     _current = weakref.ref(session)
     return session
+
+
+def _auto_session() -> Session | None:
+    """The live session auto-instrumentation opened in this process, if any."""
+    session = _current() if _current is not None else None
+    if session is not None and session.enabled and session.step_source == "optimizer hooks" \
+            and not session._manual_steps:
+        return session
+    return None
 
 
 def current() -> Session:

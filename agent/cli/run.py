@@ -67,11 +67,28 @@ def add_parser(sub) -> None:
     p.add_argument("--warm-workers", action="store_true",
                    help="restarted workers fork from a process that has torch and the script's imports loaded "
                         "(a restart skips the interpreters' start-up; the first round starts cold)")
+    p.add_argument("--no-auto-instrument", action="store_true",
+                   help="do not instrument the script by itself: without it, a script that never imports "
+                        "trainwarden gets step times (one step per optimizer.step()), collective timing, hang and "
+                        "straggler detection; scripts that call rt.step report their own steps either way")
+    p.add_argument("--tokens-per-step", type=_tokens, default=0, metavar="N",
+                   help="tokens one step processes on one rank: an auto-instrumented script's tokens/s (default: "
+                        "steps/s only)")
     p.add_argument("--managed", action="store_true", help=argparse.SUPPRESS)  # started by the node daemon
     add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
                    help="the training script and its arguments, or -m MODULE ARGS...")
     p.set_defaults(func=_cmd_run)
+
+
+def _tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _cmd_run(args) -> int:
@@ -99,7 +116,8 @@ def _cmd_run(args) -> int:
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy, extra_env=extra_env, managed=args.managed,
-                          warm_workers=args.warm_workers)
+                          warm_workers=args.warm_workers, auto_instrument=not args.no_auto_instrument,
+                          tokens_per_step=args.tokens_per_step)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -9,6 +9,8 @@ shares with it.
     max_restarts = 3          # optional: worker-group restarts before the job fails
     straggler_policy = "alert"                  # optional: alert or exclude
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
+    auto_instrument = true    # optional: instrument the unchanged script (default true)
+    tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)
 
     [env]                     # optional: more environment for the workers
     OMP_NUM_THREADS = "4"
@@ -80,6 +82,8 @@ class JobSpec:
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
     warm_workers: bool = False
+    auto_instrument: bool = True
+    tokens_per_step: int = 0
     """``trainwarden run --warm-workers``: restarted workers fork with torch imported (agent/launch/warm.py)."""
     auto_resume: bool = True
     """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
@@ -106,6 +110,10 @@ class JobSpec:
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
         if self.warm_workers:
             args.append("--warm-workers")
+        if not self.auto_instrument:
+            args.append("--no-auto-instrument")
+        if self.tokens_per_step:
+            args += ["--tokens-per-step", str(self.tokens_per_step)]
         env = dict(self.env)
         if self.checkpoint_dir:  # the workers' TRAINWARDEN_CHECKPOINT_DIR (the reference job's --ckpt-dir default)
             env.setdefault(CHECKPOINT_DIR_ENV, self.checkpoint_dir)
@@ -116,7 +124,7 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool}
+           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
 """Fields that may be left out, or given as null: their default applies."""
@@ -200,13 +208,17 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
             validate_node_name(node if isinstance(node, str) else repr(node))
         except ValueError as exc:
             raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
+    tokens = data.get("tokens_per_step", 0)
+    if tokens < 0:
+        raise fail("tokens_per_step", f"must be 0 or more, got {tokens}")
     checkpoint_dir = data.get("checkpoint_dir")
     if checkpoint_dir is not None and not checkpoint_dir:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
-                   warm_workers=data.get("warm_workers", False))
+                   warm_workers=data.get("warm_workers", False),
+                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens)
 
 
 def dumps(spec: JobSpec) -> str:

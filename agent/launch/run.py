@@ -55,7 +55,7 @@ from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
-from trainwarden.agent.launch.summary import print_summary
+from trainwarden.agent.launch.summary import print_summary, step_source
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              validate_launch, worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
@@ -115,6 +115,10 @@ class RunOptions:
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = False
     """Restarted workers fork from a process with torch imported (agent/launch/warm.py)."""
+    auto_instrument: bool = True
+    """Instrument the unchanged script's workers (runtime/auto.py); only with the agent."""
+    tokens_per_step: int = 0
+    """Tokens one step processes on one rank, for an auto-instrumented script's tokens/s (0: steps/s)."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -379,7 +383,8 @@ class _JobRun(Regrouping):
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, extra_env=self._network_env(), local_addr=self.local_addr,
-            rdzv_conf=self.rdzv_conf, warm_dir=self._warm_dir(cleanup),
+            rdzv_conf=self.rdzv_conf, warm_dir=self._warm_dir(cleanup), auto_instrument=opts.auto_instrument,
+            tokens_per_step=opts.tokens_per_step,
         )
         try:
             self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
@@ -555,7 +560,16 @@ class _JobRun(Regrouping):
     def print_summary(self) -> None:
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
-                      log_path=self.logs / "run.log")
+                      log_path=self.logs / "run.log", steps_from=self._steps_from())
+
+    def _steps_from(self) -> str | None:
+        if self.agent is None:
+            return None
+        try:
+            snaps = self.agent.job_telemetry.snapshot(self.opts.job)
+        except Exception:
+            return None
+        return step_source(snaps[0].ranks) if snaps else None
 
     # ---- helpers -----------------------------------------------------------------------------------
 

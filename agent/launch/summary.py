@@ -34,9 +34,21 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
     return latest
 
 
+def step_source(ranks) -> str | None:
+    """Where a job's steps came from, from its ranks' snapshots: "rt.step", "optimizer hooks" (both, joined,
+    when ranks differ), "collectives only" (no step, but collectives: hang detection still had a heartbeat),
+    or None (nothing reported)."""
+    sources = sorted({r.step_source or "rt.step" for r in ranks if r.step_count > 0})
+    if sources:
+        return " and ".join(sources)
+    if any(r.collectives_seen > 0 for r in ranks):
+        return "collectives only"
+    return None
+
+
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
-                  ckpt_dir: Path, log_path: Path) -> None:
-    """The end-of-run summary of the job ``record`` names."""
+                  ckpt_dir: Path, log_path: Path, steps_from: str | None = None) -> None:
+    """The end-of-run summary of the job ``record`` names; ``steps_from`` is `step_source`'s answer."""
     lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
     blocked = record.reason.startswith("resume blocked")
     if blocked:  # the restore stopped the job: no step, no restart, nothing lost but the attempt
@@ -45,10 +57,14 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
     elif progress.max_step is not None:
         median = progress.median_step_seconds()
         loss = f", last loss {progress.last_loss}" if progress.last_loss is not None else ""
-        lines.append(f"  steps        last step {progress.max_step}{loss}, median step {median:.3f}s")
+        source = f" (from {steps_from})" if steps_from and steps_from != "collectives only" else ""
+        lines.append(f"  steps        last step {progress.max_step}{loss}, median step {median:.3f}s{source}")
+    elif steps_from == "collectives only":
+        lines.append("  steps        none (collectives only: no optimizer stepped; hangs were detected from the "
+                     "collectives)")
     else:
-        lines.append("  steps        none reported (the script sends no telemetry: wrap each step in "
-                     "trainwarden.runtime's rt.step)")
+        lines.append("  steps        none reported (the script sends no telemetry: leave auto-instrumentation on, "
+                     "or wrap each step in trainwarden.runtime's rt.step)")
     if progress.failures and not blocked:
         parts = []
         for f in progress.failures:

@@ -10,6 +10,8 @@ torchrun, and why:
 - a restart budget (``--max-restarts``) and a short monitor interval, so a crash is noticed in about
   a quarter of a second;
 - the runtime's environment: job name, state directory, agent socket, Flight Recorder on;
+- auto-instrumentation (runtime/auto.py): the worker bootstrap's directory first on PYTHONPATH (the
+  user's PYTHONPATH follows it) and ``TRAINWARDEN_AUTO_INSTRUMENT=1``, unless turned off;
 - torchrun's log directory (the workers' error files) in the job's state directory, ``logs/torchelastic``
   (``torchelastic_log_dir``), not a ``torchelastic_*`` directory left in the system's temporary directory by
   every run; the supervisor empties it before each launch, so it holds the last run's files.
@@ -24,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, CHECKPOINT_DIR_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
-                                             STATE_DIR_ENV, validate_job_name)
+from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
+                                             FLIGHT_RECORDER_ENV, JOB_ENV, STATE_DIR_ENV, TOKENS_PER_STEP_ENV,
+                                             validate_job_name)
 
 from trainwarden.agent.common.job_spec import parse_nnodes
 
@@ -38,6 +41,17 @@ __all__ = ["LaunchSpec", "parse_nnodes", "torchelastic_log_dir", "torchrun_comma
 def torchelastic_log_dir(state_dir: Path) -> Path:
     """Where torchrun keeps the workers' error files for a job (module docstring)."""
     return Path(state_dir) / "logs" / "torchelastic"
+
+def worker_bootstrap_dir() -> str:
+    """The directory whose ``sitecustomize`` arms auto-instrumentation in a worker (runtime/bootstrap). The
+    runtime package sits beside the agent's, installed or editable; found by path, not imported (the agent
+    never imports the runtime)."""
+    directory = Path(__file__).resolve().parents[2] / "runtime" / "bootstrap"
+    if not (directory / "sitecustomize.py").is_file():
+        raise ValueError(f"trainwarden's worker bootstrap is missing ({directory / 'sitecustomize.py'}): the "
+                           "installation is incomplete; reinstall trainwarden, or run with --no-auto-instrument")
+    return str(directory)
+
 
 def validate_launch(spec) -> None:
     """Checks shared by every description of a launch (``LaunchSpec``, ``run.RunOptions``)."""
@@ -84,6 +98,10 @@ class LaunchSpec:
     has one node, torchrun's default (the host name) otherwise."""
     warm_dir: str | None = None
     """With a directory: warm workers (agent/launch/warm.py), the zygote's socket and pid map in it."""
+    auto_instrument: bool = True
+    """Instrument the workers with no change to the script (runtime/auto.py): needs ``agent_socket``."""
+    tokens_per_step: int = 0
+    """Tokens one step processes on one rank, for auto-instrumented scripts' tokens/s (0: steps/s only)."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
@@ -143,4 +161,12 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
         env[SOCKET_ENV] = os.path.join(spec.warm_dir, "zygote.sock")
         env[MAP_DIR_ENV] = os.path.join(spec.warm_dir, "workers")
     env.update(spec.extra_env)
+    if spec.agent_socket and spec.auto_instrument:  # after the user's env: their PYTHONPATH follows ours
+        bootstrap = worker_bootstrap_dir()
+        env[AUTO_INSTRUMENT_ENV] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH", "")) if p)
+        if spec.tokens_per_step:
+            env[TOKENS_PER_STEP_ENV] = str(spec.tokens_per_step)
+    else:
+        env[AUTO_INSTRUMENT_ENV] = "0"
     return env

@@ -10,10 +10,11 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "AGENT_SOCKET_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
+    "AGENT_SOCKET_ENV", "AUTO_INSTRUMENT_ENV", "AUTO_OWNER_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES",
+    "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME",
-    "STATE_DIR_ENV",
+    "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -53,6 +54,19 @@ FLIGHT_RECORDER_ENV = {
     "TORCH_NCCL_ENABLE_TIMING": "1",
 }
 """Set for every worker (without overriding the user's values) so the Flight Recorder records collectives."""
+AUTO_INSTRUMENT_ENV = "TRAINWARDEN_AUTO_INSTRUMENT"
+"""``1``: the worker instruments itself when its process group is created, with no change to the script
+(runtime/auto.py, started from the ``sitecustomize`` the launcher puts first on PYTHONPATH); ``0``: it does
+not."""
+AUTO_OWNER_ENV = "TRAINWARDEN_AUTO_PID"
+"""Set by an auto-instrumented worker in its own environment: a process started from it (a spawned
+DataLoader worker, a subprocess) inherits it with another pid and stays quiet."""
+TOKENS_PER_STEP_ENV = "TRAINWARDEN_TOKENS_PER_STEP"
+"""Tokens one step of an auto-instrumented script processes (job-wide per rank: tokens/s are reported only
+when it is set; steps/s always)."""
+STEP_SOURCES = ("rt.step", "optimizer hooks")
+"""Where a worker's steps come from (its Hello's ``step_source``): the script's own ``rt.step``, or the
+optimizer hooks of auto-instrumentation. A job with collectives and no step at all is "collectives only"."""
 
 # ---- how a worker leaves ------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ HELD: CheckpointStage
 RESUME_BLOCKED: CheckpointStage
 
 class Hello(_message.Message):
-    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token")
+    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token", "step_source")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class Hello(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     local_rank: int
@@ -57,7 +58,8 @@ class Hello(_message.Message):
     restart_count: int
     hostname: str
     peer_token: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ..., peer_token: _Optional[str] = ...) -> None: ...
+    step_source: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ..., peer_token: _Optional[str] = ..., step_source: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("index", "start_unix", "duration_seconds", "tokens", "phases")

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Protocol
 
 from trainwarden.agent.proto.contract import CHECKPOINT_STAGES
@@ -87,6 +87,8 @@ class WorkerInfo:
     """`pid` is the kernel's (peer credentials), not the worker's claim: only then may the agent signal it."""
     started: float = 0.0
     """The process's start time when it was verified (a reused pid has another)."""
+    step_source: str = ""
+    """Where its steps come from: "rt.step" or "optimizer hooks" (contract.STEP_SOURCES); "" from older runtimes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +150,16 @@ class RankSnapshot:
     streams: int = 0
     """Streams opened for this rank so far (a reconnect of the same process counts: what the agent told
     the old stream, the new one does not know)."""
+    step_source: str = ""
+    """Where the rank's steps come from (WorkerInfo.step_source)."""
+    collectives_seen: int = 0
+    """Collectives the rank reported entering (arrivals) or completing (measured totals): monotonic. Their
+    growth is progress too: the hang detector's heartbeat for a loop without steps."""
+    last_collective_unix: float = 0.0
+    """Wall time the newest reported collective was entered (its own timestamp; 0: none or unknown)."""
+    collective_gap_max_seconds: float = 0.0
+    """The longest time between two consecutive collectives of the rank's current process, over its recent
+    collectives (0: fewer than two seen): how long such a loop may go quiet."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +180,8 @@ class JobSnapshot:
 
 
 STARTUP_STEPS = 3
+COLLECTIVE_GAPS_KEPT = 512
+"""Gaps between a rank's consecutive collectives kept for `RankSnapshot.collective_gap_max_seconds`."""
 """A worker process's first steps, left out of its steady step time (`RankSnapshot.steady_step_p99_seconds`)."""
 
 
@@ -209,6 +223,10 @@ class _RankTelemetry:
         self.flags: set[str] = set()
         self.goodbye: str | None = None  # the reason the worker gave before its stream ended, if it did
         self.straggler_score = 0.0  # the watchdog's latest score (0: not scored)
+        self.collectives_seen = 0
+        self.last_collective_ns = 0
+        self.collective_gaps: deque[int] = deque(maxlen=COLLECTIVE_GAPS_KEPT)  # ns, of the current process
+        self.prev_arrival_ns = 0  # the last arrival of an unbroken stretch (0: none)
 
     def update_compute(self) -> None:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
@@ -292,6 +310,8 @@ class JobTelemetry:
                     rank.process_steps = 0
                     rank.steady.clear()
                     rank.checkpoint_stage = ""
+                    rank.collective_gaps.clear()
+                    rank.prev_arrival_ns = 0
                 rank.info, rank.connected, rank.last_seen = info, True, now
                 rank.streams += 1
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
@@ -310,6 +330,20 @@ class JobTelemetry:
             state = self._rank(job, rank)
             if state is not None and state.info.pid == pid:
                 state.goodbye = reason[:200]
+
+    def update_worker(self, job: str, rank: int, pid: int, *, mesh: Mapping[str, int],
+                      step_source: str) -> None:
+        """A later Hello on a worker's stream: it says more about itself (a script's own ``init(mesh=...)``
+        after auto-instrumentation opened the stream; ``rt.step`` taking over from the optimizer hooks)."""
+        with self._lock:
+            owner = self._jobs.get(job)
+            state = owner.ranks.get(rank) if owner is not None else None
+            if state is None or state.info.pid != pid:
+                return
+            if mesh:
+                owner.mesh = dict(mesh)
+            state.info = replace(state.info, mesh=dict(mesh) or state.info.mesh,
+                                 step_source=step_source or state.info.step_source)
 
     def ended_streams(self, job: str, since: float) -> list[dict]:
         """Streams of `job` that ended at or after wall time `since`, oldest first: who left first, and
@@ -368,6 +402,8 @@ class JobTelemetry:
                     prev_count, prev_wait = 0, 0.0
                 d_count, d_wait = t.count - prev_count, max(0.0, t.wait_seconds - prev_wait)
                 state.prev_cumulative[key] = (t.count, t.wait_seconds)
+                if has_durations:  # measured completions (NCCL); on gloo, arrivals count (record_arrivals)
+                    state.collectives_seen += max(0, d_count)
                 old = state.collectives.get(key)
                 state.collectives[key] = CollectiveTotals(
                     process_group=t.process_group, op=t.op,
@@ -396,6 +432,8 @@ class JobTelemetry:
                 return
             for group, ranks in (members or {}).items():
                 owner.matcher.set_members(group, ranks)
+            arrivals = list(arrivals)
+            self._count_arrivals(owner.ranks[rank], arrivals, continues)
             owner.matcher.add(rank, arrivals, continues=continues)
             owner.matcher.resolve(r for r, st in owner.ranks.items() if st.connected)
             for r, waits in owner.matcher.take_waits().items():
@@ -405,6 +443,22 @@ class JobTelemetry:
                 for op, seconds in waits.items():
                     self._add_wait(target, op, seconds)
                 target.update_compute()
+
+    @staticmethod
+    def _count_arrivals(state: "_RankTelemetry", arrivals: list[Arrival], continues: bool) -> None:
+        """Collective progress and the gaps between consecutive collectives (within unbroken stretches: a
+        gap across entries the ring lost would be too long)."""
+        if not arrivals:
+            return
+        state.collectives_seen += len(arrivals)
+        previous = state.prev_arrival_ns if continues else 0
+        for a in arrivals:
+            t = int(a.enqueued_ns)
+            if previous and t >= previous:
+                state.collective_gaps.append(t - previous)
+            previous = t
+        state.prev_arrival_ns = previous
+        state.last_collective_ns = max(state.last_collective_ns, previous)
 
     def _add_wait(self, state: "_RankTelemetry", op: str, seconds: float) -> None:
         if op not in state.wait_by_op and len(state.wait_by_op) >= MAX_OPS:
@@ -553,7 +607,9 @@ class JobTelemetry:
             step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
             flags=tuple(sorted(flags)), straggler_score=r.straggler_score, last_step_end_unix=r.last_step_end_ns / 1e9,
-            streams=r.streams,
+            streams=r.streams, step_source=r.info.step_source, collectives_seen=r.collectives_seen,
+            last_collective_unix=r.last_collective_ns / 1e9,
+            collective_gap_max_seconds=max(r.collective_gaps, default=0) / 1e9,
             # until a few steady steps are in, all of them: a job whose every step is long must not be
             # held to the floor deadline by an empty window
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS

@@ -365,9 +365,12 @@ class TelemetryServer:
             js.goodbye(job, rank, info.pid, message.goodbye.reason)
             log.debug("job %s rank %d said goodbye: %s", job, rank, message.goodbye.reason[:200],
                       extra={"job": job, "rank": rank})
-        elif kind == "hello":
-            if (message.hello.job, message.hello.rank, message.hello.pid) != (job, rank, info.pid):
+        elif kind == "hello":  # a later Hello updates what the worker says of itself (mesh, step source)
+            h = message.hello
+            if (h.job, h.rank) != (job, rank) or (h.pid != info.pid and not info.verified) or len(h.mesh) > 8:
                 js.count_rejected("invalid")  # a stream speaks for one worker
+                return
+            js.update_worker(job, rank, info.pid, mesh=dict(h.mesh), step_source=h.step_source[:32])
         else:
             js.count_rejected("invalid")
 
@@ -378,7 +381,8 @@ class TelemetryServer:
             return None
         return WorkerInfo(job=hello.job, rank=hello.rank, local_rank=hello.local_rank,
                           world_size=hello.world_size, mesh=dict(hello.mesh), pid=hello.pid,
-                          restart_count=hello.restart_count, hostname=hello.hostname[:256])
+                          restart_count=hello.restart_count, hostname=hello.hostname[:256],
+                          step_source=hello.step_source[:32])
 
     def _status(self, request, context) -> pb.StatusReply:
         if isinstance(request, _Rejected):

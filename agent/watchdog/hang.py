@@ -21,8 +21,20 @@ The deadline adapts to the job:
   is never aborted, however long it takes, and one that stopped moving bytes is a hang after
   ``checkpoint_s``. After ``staged`` the write continues in the background and steps go on.
 
-Work between steps that the runtime does not report (a long evaluation pass, say) looks like a hang:
-raise ``floor_s`` for such jobs.
+Collectives are progress too. Every rank reports the collectives it enters (gloo: the Flight Recorder's
+enqueue records) or completes (NCCL with timing); when their count grows, some collective completed on every
+member, so the job is alive even between steps: an evaluation pass with its all-reduces, a loop without an
+optimizer. A stuck rank stops its peers at their next collective, so the count stops with the steps.
+
+- A job that reports steps keeps the step deadline (collectives only keep it alive longer, in the work
+  between steps).
+- A job that reports no step in its round ("collectives only": a script with no optimizer, auto-instrumented)
+  gets the deadline from its collectives once ``warmup_collectives`` of them completed since the round
+  started: ``multiplier`` x the longest gap between two consecutive collectives of a rank in its recent
+  ones, clamped like the step deadline. Before that, the start-up deadline.
+
+Work between steps with no collective and no step (a long evaluation on one rank, say) still looks like a
+hang: raise ``floor_s`` for such jobs.
 
 After firing, a job is not judged again until it progresses or a new worker round starts (the restart
 that the abort causes), so one hang gives one incident. A job none of whose ranks is connected is not
@@ -54,6 +66,9 @@ class HangConfig:
     """Deadline until `warmup_steps` steps completed since the (re)start."""
     warmup_steps: int = 3
     """Steps that must complete after a (re)start before the steady-state deadline applies."""
+    warmup_collectives: int = 64
+    """Collectives a job that reports no step must complete after a (re)start before its deadline follows
+    the gaps between its collectives (until then: ``startup_s``)."""
     checkpoint_s: float = 180.0
     """Deadline while a rank is inside a blocking checkpoint stage, counted from the stage's last I/O
     progress (a constant allowance turned every restore longer than it into an abort-restore loop)."""
@@ -91,13 +106,15 @@ class HangCheck:
     timeout_s: float
     """The deadline that applied."""
     reason: str
-    """Which deadline applied: "steady", "startup" or "checkpoint"."""
+    """Which deadline applied: "steady", "startup", "checkpoint" or "collectives"."""
     steps_since_start: int
     """Steps completed since the current worker round started (max over ranks)."""
     min_steps_since_start: int = 0
     """Steps every rank has completed since the round started (min over ranks)."""
     progressed: bool
     """The job progressed in this observation."""
+    heartbeat: str = "steps"
+    """What the deadline followed: "steps", or "collectives" (a job with no step in its round)."""
 
 
 @dataclass
@@ -106,6 +123,8 @@ class _JobProgress:
     round_start: float
     baseline: dict[int, int] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
+    collective_baseline: dict[int, int] = field(default_factory=dict)
+    collective_counts: dict[int, int] = field(default_factory=dict)
     last_progress: float = 0.0
     armed: bool = True
     in_checkpoint: bool = False
@@ -123,7 +142,8 @@ class HangDetector:
 
     def observe(self, job: str, *, round_id: Hashable, step_counts: Mapping[int, int], step_p99_s: float,
                 in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None,
-                progress_age_s: float = 0.0) -> HangCheck:
+                progress_age_s: float = 0.0, collective_counts: Mapping[int, int] | None = None,
+                collective_gap_s: float = 0.0, collective_age_s: float = 0.0) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
@@ -132,6 +152,9 @@ class HangDetector:
         read and wrote (ranks whose counters cannot be read are left out); `progress_age_s` is how long
         before now the newest reported step ended: steps reach the agent in batches, so a step's progress
         counts from when it happened, not from when its batch arrived (the caller bounds it).
+        `collective_counts` maps rank to its cumulative count of collectives (module docstring),
+        `collective_gap_s` is the longest recent gap between a rank's consecutive collectives and
+        `collective_age_s` how long before now the newest reported one was entered.
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -143,6 +166,15 @@ class HangDetector:
             if count > state.counts.get(rank, state.baseline[rank]):
                 progressed = True
             state.counts[rank] = count
+        collectives_moved = False
+        for rank, count in (collective_counts or {}).items():
+            state.collective_baseline.setdefault(rank, count)
+            if count > state.collective_counts.get(rank, state.collective_baseline[rank]):
+                collectives_moved = True
+            state.collective_counts[rank] = count
+        if collectives_moved:
+            state.last_progress = max(state.last_progress, now - max(0.0, collective_age_s))
+            state.armed = True
         # leaving a blocking checkpoint stage is progress: the next step's report is still on its way, and
         # measuring from the last step would call a long save a hang the moment it ends
         left_checkpoint = state.in_checkpoint and not in_checkpoint
@@ -155,9 +187,15 @@ class HangDetector:
             state.last_progress = now  # not running: the clock is paused
         done = [state.counts[r] - state.baseline[r] for r in state.counts]
         steps = max(done, default=0)
-        timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
-        if steps < self.config.warmup_steps and self.config.startup_s > timeout:
-            timeout, reason = self.config.startup_s, "startup"
+        collectives = max((state.collective_counts[r] - state.collective_baseline[r]
+                           for r in state.collective_counts), default=0)
+        heartbeat = "collectives" if steps == 0 and collectives >= self.config.warmup_collectives else "steps"
+        if heartbeat == "collectives":
+            timeout, reason = self.config.steady_timeout(collective_gap_s), "collectives"
+        else:
+            timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
+            if steps < self.config.warmup_steps and self.config.startup_s > timeout:
+                timeout, reason = self.config.startup_s, "startup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
         stalled = now - state.last_progress
@@ -166,7 +204,7 @@ class HangDetector:
             state.armed = False
         return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
                          steps_since_start=steps, min_steps_since_start=min(done, default=0),
-                         progressed=progressed)
+                         progressed=progressed or collectives_moved, heartbeat=heartbeat)
 
     def _checkpoint_io(self, state: _JobProgress, io: Mapping[int, int] | None) -> bool:
         """True when the ranks in a blocking checkpoint stage moved enough bytes since the last progress.

@@ -231,12 +231,16 @@ class Watchdog:
         # (it restarts them once the checkpoint is committed), not a hang; the clock stops as for no ranks
         held = all(r.checkpoint_stage == "held" for r in connected)
         newest = max((r.last_step_end_unix for r in snap.ranks), default=0.0)
+        newest_collective = max((r.last_collective_unix for r in snap.ranks), default=0.0)
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=max((r.steady_step_p99_seconds for r in connected), default=0.0),
             in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io,
-            progress_age_s=min(REPORT_AGE_CAP_S, max(0.0, self._wall() - newest)) if newest else 0.0)
+            progress_age_s=self._report_age(newest),
+            collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
+            collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
+            collective_age_s=self._report_age(newest_collective))
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -261,6 +265,10 @@ class Watchdog:
             self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
         self._pace_reads(snap)
         return check
+
+    def _report_age(self, unix: float) -> float:
+        """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
+        return min(REPORT_AGE_CAP_S, max(0.0, self._wall() - unix)) if unix else 0.0
 
     def _pace_reads(self, snap: JobSnapshot) -> None:
         """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
@@ -295,8 +303,9 @@ class Watchdog:
         incident_id = new_incident_id(detected)
         directory = Path(self._diagnostics_dir(job)) / incident_id
         connected = [r.rank for r in snap.ranks if r.connected]
-        log.error("job %s hung: no step for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
-                  check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
+        log.error("job %s hung: no %s for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
+                  "collective" if check.heartbeat == "collectives" else "step or collective", check.stalled_s,
+                  check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
         try:
             directory.mkdir(parents=True, exist_ok=True)
             reached = list(self._actions.request_diagnostics(job, connected, directory))
