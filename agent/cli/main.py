@@ -11,12 +11,12 @@ import os
 import sys
 
 from trainwarden.agent import __version__
-from trainwarden.agent.cli import agent, checkpoints, incidents, jobs, run, status
+from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, run, status
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["build_parser", "main"]
 
-COMMANDS = (run, status, incidents, checkpoints, agent)
+COMMANDS = (run, status, incidents, checkpoints, agent, env)
 """Modules with an ``add_parser(subparsers)``, in the order ``--help`` lists them."""
 
 

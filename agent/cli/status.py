@@ -62,7 +62,16 @@ def _job_line(job: pb.JobStatus) -> str:
     return (f"job {job.job}  {connected}/{len(job.ranks)} ranks connected  world {job.world_size or '-'}  "
             f"mesh {mesh}  "
             f"step {_step(job.last_step)}  p50 {_seconds(job.step_p50_seconds)}  p99 {_seconds(job.step_p99_seconds)}"
-            f"  tokens/s {_rate(job.tokens_per_second)}  checkpoint {ckpt}  flags {','.join(job.flags) or '-'}")
+            f"  {_throughput(job)}  checkpoint {ckpt}  flags {','.join(job.flags) or '-'}"
+            + (f"  steps from {job.steps_from}" if job.steps_from else ""))
+
+
+def _throughput(job: pb.JobStatus) -> str:
+    """Tokens/s where the job reports tokens; steps/s otherwise (an auto-instrumented script not told
+    --tokens-per-step)."""
+    if job.tokens_per_second > 0 or job.step_p50_seconds <= 0:
+        return f"tokens/s {_rate(job.tokens_per_second)}"
+    return f"steps/s {1.0 / job.step_p50_seconds:.2f}"
 
 
 _STATUS_COLUMNS = ("RANK", "PID", "CONNECTED", "STEP", "SEEN", "P50", "P99", "WAIT", "TOKENS/S", "SCORE",

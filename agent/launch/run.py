@@ -55,7 +55,7 @@ from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
-from trainwarden.agent.launch.summary import print_summary, step_source
+from trainwarden.agent.launch.summary import print_summary
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              validate_launch, worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
@@ -66,6 +66,7 @@ from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
 from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_RESUME_BLOCKED,
                                               validate_node_name)
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
+from trainwarden.agent.telemetry.job_telemetry import steps_from
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
@@ -569,7 +570,7 @@ class _JobRun(Regrouping):
             snaps = self.agent.job_telemetry.snapshot(self.opts.job)
         except Exception:
             return None
-        return step_source(snaps[0].ranks) if snaps else None
+        return (steps_from(snaps[0].ranks) or None) if snaps else None
 
     # ---- helpers -----------------------------------------------------------------------------------
 

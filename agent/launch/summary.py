@@ -34,18 +34,6 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
     return latest
 
 
-def step_source(ranks) -> str | None:
-    """Where a job's steps came from, from its ranks' snapshots: "rt.step", "optimizer hooks" (both, joined,
-    when ranks differ), "collectives only" (no step, but collectives: hang detection still had a heartbeat),
-    or None (nothing reported)."""
-    sources = sorted({r.step_source or "rt.step" for r in ranks if r.step_count > 0})
-    if sources:
-        return " and ".join(sources)
-    if any(r.collectives_seen > 0 for r in ranks):
-        return "collectives only"
-    return None
-
-
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
                   ckpt_dir: Path, log_path: Path, steps_from: str | None = None) -> None:
     """The end-of-run summary of the job ``record`` names; ``steps_from`` is `step_source`'s answer."""

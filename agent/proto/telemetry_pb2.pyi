@@ -267,7 +267,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hostname: _Optional[str] = ..., connected: _Optional[bool] = ..., last_step: _Optional[int] = ..., last_seen_seconds_ago: _Optional[float] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., wait_share: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., restart_count: _Optional[int] = ..., flags: _Optional[_Iterable[str]] = ..., straggler_score: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "mesh", "last_step", "step_p50_seconds", "step_p99_seconds", "tokens_per_second", "checkpoint_last_step", "ranks", "flags")
+    __slots__ = ("job", "world_size", "mesh", "last_step", "step_p50_seconds", "step_p99_seconds", "tokens_per_second", "checkpoint_last_step", "ranks", "flags", "steps_from")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class JobStatus(_message.Message):
     CHECKPOINT_LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FROM_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     mesh: _containers.ScalarMap[str, int]
@@ -295,7 +296,8 @@ class JobStatus(_message.Message):
     checkpoint_last_step: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
     flags: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[int] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., checkpoint_last_step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., flags: _Optional[_Iterable[str]] = ...) -> None: ...
+    steps_from: str
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[int] = ..., step_p50_seconds: _Optional[float] = ..., step_p99_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., checkpoint_last_step: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., flags: _Optional[_Iterable[str]] = ..., steps_from: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("node", "jobs")

@@ -185,6 +185,19 @@ COLLECTIVE_GAPS_KEPT = 512
 """A worker process's first steps, left out of its steady step time (`RankSnapshot.steady_step_p99_seconds`)."""
 
 
+def steps_from(ranks: "Iterable[RankSnapshot]") -> str:
+    """Where a job's steps come from, from its ranks' snapshots: "rt.step", "optimizer hooks" (both, joined,
+    when ranks differ), "collectives only" (no step, but collectives: hang detection still has a heartbeat),
+    or "" (nothing reported)."""
+    ranks = list(ranks)
+    sources = sorted({r.step_source or "rt.step" for r in ranks if r.step_count > 0})
+    if sources:
+        return " and ".join(sources)
+    if any(r.collectives_seen > 0 for r in ranks):
+        return "collectives only"
+    return ""
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0

@@ -47,7 +47,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.arrivals import Arrival
-from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo
+from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto.contract import JOB_NAME_RE, SERVICE_NAME
 
@@ -464,6 +464,7 @@ def _job_status(job: JobSnapshot, now: float) -> pb.JobStatus:
     else:
         status.last_step = -1
     status.flags.extend(sorted(flags))
+    status.steps_from = steps_from(job.ranks)
     return status
 
 

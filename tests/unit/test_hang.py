@@ -232,3 +232,70 @@ def test_without_io_counters_the_allowance_is_the_plain_deadline():
                        running=True, checkpoint_io={}).hung
     with pytest.raises(ValueError, match="checkpoint_io_bytes"):
         HangConfig(checkpoint_io_bytes=0)
+
+
+# ---- collectives as the heartbeat ----------------------------------------------------------------------
+
+
+def _observe_collectives(det, counts, *, steps=None, gap=0.1, age=0.0):
+    return det.observe("j", round_id=("r", 1), step_counts=steps or {0: 0, 1: 0}, step_p99_s=0.0,
+                       in_checkpoint=False, running=True, collective_counts=counts, collective_gap_s=gap,
+                       collective_age_s=age)
+
+
+def test_a_loop_without_steps_gets_its_deadline_from_its_collectives_after_their_warm_up():
+    clock = Clock()
+    det = HangDetector(HangConfig(warmup_collectives=64), clock=clock)
+    counts = {0: 0, 1: 0}
+    check = _observe_collectives(det, counts)
+    assert check.reason == "startup" and check.timeout_s == 300  # no collective yet: the start-up deadline
+    for _ in range(7):  # 70 collectives per rank, 10 a second
+        clock.now += 1.0
+        counts = {r: c + 10 for r, c in counts.items()}
+        check = _observe_collectives(det, counts, gap=0.4)
+        assert check.progressed and not check.hung
+    assert check.heartbeat == "collectives" and check.reason == "collectives" and check.timeout_s == 5.0
+    clock.now += 4.0
+    assert not _observe_collectives(det, counts, gap=0.4).hung
+    clock.now += 1.5
+    check = _observe_collectives(det, counts, gap=0.4)
+    assert check.hung and check.heartbeat == "collectives" and check.stalled_s == pytest.approx(5.5)
+
+
+def test_the_collective_deadline_follows_the_longest_gap_between_collectives():
+    clock = Clock()
+    det = HangDetector(HangConfig(warmup_collectives=8), clock=clock)
+    counts = {0: 0}
+    for _ in range(10):  # an evaluation loop: one all_reduce every 4 s
+        clock.now += 4.0
+        counts = {0: counts[0] + 1}
+        check = _observe_collectives(det, counts, steps={0: 0}, gap=4.0)
+    assert check.timeout_s == 20.0  # 5 x 4 s
+    clock.now += 12.0
+    assert not _observe_collectives(det, counts, steps={0: 0}, gap=4.0).hung
+
+
+def test_collectives_keep_a_job_with_steps_alive_between_steps_and_keep_the_step_deadline():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    coll = {0: 100, 1: 100}
+    for _ in range(20):  # an evaluation pass of 20 s: collectives, no step
+        clock.now += 1.0
+        coll = {r: c + 3 for r, c in coll.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, collective_counts=coll, collective_gap_s=0.2)
+        assert not check.hung and check.heartbeat == "steps" and check.reason == "steady"
+    clock.now += 5.1  # then nothing moves: the step deadline (5 s floor)
+    check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                        running=True, collective_counts=coll, collective_gap_s=0.2)
+    assert check.hung
+
+
+def test_a_collective_reported_late_counts_from_when_it_was_entered():
+    clock = Clock()
+    det = HangDetector(HangConfig(warmup_collectives=1), clock=clock)
+    _observe_collectives(det, {0: 0})
+    clock.now += 3.0
+    check = _observe_collectives(det, {0: 50}, age=2.5)  # read late: the newest was entered 2.5 s ago
+    assert check.progressed and check.stalled_s == pytest.approx(2.5)
