@@ -38,6 +38,8 @@ __all__ = ["MAP_DIR_ENV", "SOCKET_ENV", "client_main", "warm_parent"]
 
 SOCKET_ENV = "TRAINWARDEN_WARM_SOCKET"
 MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
+_CLIENT_PID_ENV = "TRAINWARDEN_WARM_CLIENT_PID"
+"""The client's pid, in the environment it hands the zygote (auto-instrumentation's mark is the client's)."""
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
               signal.SIGCONT)
 _BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
@@ -93,7 +95,8 @@ def client_main(argv: list[str]) -> None:
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(path)
-            _send(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, [0, 1, 2])
+            env = dict(os.environ, **{_CLIENT_PID_ENV: str(os.getpid())})
+            _send(conn, {"argv": argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
             reply = _recv(conn)
             child = int(reply["pid"])
         except (OSError, ConnectionError, ValueError, KeyError):
@@ -359,6 +362,25 @@ def _receive(conn: socket.socket) -> tuple[int, dict, list[int]]:
     return client_pid, request, fds
 
 
+def _arm_auto_instrumentation() -> None:
+    """Arm the runtime's auto-instrumentation in this child, as the worker bootstrap's ``sitecustomize`` does
+    at a cold worker's start (which a forked child never has). The client that asked for it ran that
+    bootstrap itself and marked its environment as its own; this child is the worker, so the mark is its.
+    The one place the agent's code imports the runtime: from here on this process is the user's worker."""
+    from trainwarden.agent.proto.contract import AUTO_OWNER_ENV
+
+    if os.environ.get(AUTO_OWNER_ENV) == str(os.environ.get(_CLIENT_PID_ENV, "")):
+        os.environ.pop(AUTO_OWNER_ENV)
+    os.environ.pop(_CLIENT_PID_ENV, None)
+    try:
+        from trainwarden.runtime.auto import bootstrap
+
+        bootstrap()
+    except Exception as exc:
+        print(f"trainwarden: auto-instrumentation is off for this worker ({type(exc).__name__}: {exc})",
+              file=sys.stderr, flush=True)
+
+
 def _become(job: _Job) -> None:
     """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
     _pdeathsig()
@@ -373,6 +395,7 @@ def _become(job: _Job) -> None:
     if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
     os.chdir(request["cwd"])
+    _arm_auto_instrumentation()
     for sig in _FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
