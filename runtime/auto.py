@@ -125,7 +125,8 @@ _steps: "OptimizerSteps | None" = None
 
 def _on_torch(torch) -> None:
     """torch is imported: wrap init_process_group, register the optimizer hooks, wrap GradScaler.step."""
-    global _steps
+    global _steps, _Tensor
+    _Tensor = getattr(torch, "Tensor", None)
     steps = _steps = OptimizerSteps(tokens=_tokens_per_step(os.environ))
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is not None and hasattr(optimizer, "register_optimizer_step_post_hook"):
@@ -244,17 +245,21 @@ class OptimizerSteps:
             pass
 
 
+_Tensor = None  # torch.Tensor, once torch is imported
+
+
 def _step_index(optimizer, boundaries: int) -> int:
-    """The optimizer's own count of steps, minus one, when it keeps one on the CPU; else ``boundaries - 1``."""
+    """The optimizer's own count of steps, minus one, when it keeps one in a plain CPU tensor (or a number);
+    else ``boundaries - 1``. A GPU tensor is never read here (that would synchronize), nor a tensor subclass
+    (a DTensor's value may take a collective)."""
     try:
         state = optimizer.state.get(optimizer.param_groups[0]["params"][0])
         if state:
             count = state.get("step")
-            if count is not None:
-                if isinstance(count, (int, float)):
-                    return max(0, int(count) - 1)
-                if count.device.type == "cpu":  # never read a GPU tensor here: that would synchronize
-                    return max(0, int(count) - 1)
+            if isinstance(count, (int, float)):
+                return max(0, int(count) - 1)
+            if type(count) is _Tensor and count.device.type == "cpu":
+                return max(0, int(count) - 1)
     except Exception:
         pass
     return boundaries - 1

@@ -86,13 +86,21 @@ def test_when_the_primary_optimizer_is_gone_the_next_to_step_takes_over():
     assert len(steps.session._client.records) == 2
 
 
-def test_the_index_is_the_optimizers_own_count_when_it_keeps_one_on_the_cpu():
+def test_the_index_is_the_optimizers_own_count_when_it_keeps_one_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(auto, "_Tensor", torch.Tensor)  # what arming sets once torch is imported
     steps = _steps()
     p = torch.nn.Parameter(torch.ones(2))
     adam = torch.optim.Adam([p], lr=0.1)
     adam.state[p]["step"] = torch.tensor(41.0)  # resumed from the script's own checkpoint
     steps.on_optimizer_step(adam)
     assert steps.session._client.records[-1][1] == 40
+
+    class Subclass(torch.Tensor):  # a DTensor-like wrapper: its value is never read on the step's path
+        pass
+
+    adam.state[p]["step"] = torch.tensor(41.0).as_subclass(Subclass)
+    steps.on_optimizer_step(adam)
+    assert steps.session._client.records[-1][1] == 1  # the boundaries counted instead
 
 
 def test_rt_step_wins_and_a_broken_client_never_raises_into_the_step():
