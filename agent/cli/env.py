@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_cmd_env)
 
 
-def _cmd_env(args, out: TextIO = sys.stdout) -> int:
+def _cmd_env(args, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     if args.tokens_per_step < 0:
         print(f"trainwarden env: --tokens-per-step must be 0 or more, got {args.tokens_per_step}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

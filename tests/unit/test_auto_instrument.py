@@ -210,3 +210,33 @@ def test_steps_from_says_where_the_steps_came_from():
     assert steps_from(js.snapshot("j")[0].ranks) == "collectives only"
     js.record_step("j", 1, index=0, start_unix=1.0, duration_seconds=0.1)
     assert steps_from(js.snapshot("j")[0].ranks) == "optimizer hooks"
+
+
+# ---- plain torchrun: `trainwarden env` -------------------------------------------------------------------
+
+
+def test_trainwarden_env_keeps_the_users_path_and_flight_recorder_settings():
+    from trainwarden.agent.cli.env import torchrun_environment
+    from trainwarden.agent.launch.torchrun import worker_bootstrap_dir
+
+    env = torchrun_environment(job="j", socket="/run/a.sock", tokens_per_step=8,
+                               current={"PYTHONPATH": "/mine", "TORCH_FR_BUFFER_SIZE": "4096"})
+    assert env["PYTHONPATH"] == f"{worker_bootstrap_dir()}:/mine"
+    assert "TORCH_FR_BUFFER_SIZE" not in env and env["TORCH_NCCL_ENABLE_TIMING"] == "1"
+    assert (env["TRAINWARDEN_JOB"], env["TRAINWARDEN_AGENT_SOCKET"], env["TRAINWARDEN_AUTO_INSTRUMENT"],
+            env["TRAINWARDEN_TOKENS_PER_STEP"]) == ("j", "/run/a.sock", "1", "8")
+
+
+def test_trainwarden_env_prints_export_lines_and_refuses_a_bad_job_name(tmp_path, capsys):
+    from trainwarden.agent.cli.main import main
+
+    sock = tmp_path / "a.sock"
+    sock.touch()
+    assert main(["env", "--job", "my-job", "--socket", str(sock)]) == 0
+    out = capsys.readouterr().out
+    assert f"export TRAINWARDEN_AGENT_SOCKET={sock}\n" in out and "export TRAINWARDEN_JOB=my-job\n" in out
+    with pytest.raises(SystemExit) as exited:
+        main(["env", "--job", "bad name!", "--socket", str(sock)])
+    assert exited.value.code == 2
+    assert main(["env", "--job", "j", "--socket", str(sock), "--tokens-per-step", "-3"]) == 2
+    assert "--tokens-per-step must be 0 or more" in capsys.readouterr().err
