@@ -65,7 +65,7 @@ def test_plain_torchrun_with_trainwarden_env_gets_steps_and_hang_recovery(procs,
 
     torchrun = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             "--max-restarts", "2", "--log-dir", str(tmp_path / "torchelastic"), str(SCRIPT),
-                            "--steps", "400", "--sleep", "0.1"], log=tmp_path / "torchrun.log", env=env)
+                            "--steps", "150", "--sleep", "0.1"], log=tmp_path / "torchrun.log", env=env)
     wait_for(lambda: [(r["last_step"] or 0) >= 15 for r in ranks(sock, "plain")] == [True, True]
              or torchrun.poll() is not None,
              timeout=90, what="both ranks reporting steps")
