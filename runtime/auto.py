@@ -17,7 +17,9 @@ Step rule: one step per ``step()`` of the optimizer that steps first in the proc
 optimizers' steps are not counted (two optimizers stepping together give one step; gradient accumulation
 gives one step per ``optimizer.step()``, not per micro-batch). A step GradScaler skips (inf/NaN gradients:
 ``optimizer.step()`` is not called) still counts as a step of the primary. LR schedulers do not matter. A
-step's time runs from the end of the previous one (the first: from the process group's creation). Its index
+step's time runs from the end of the previous one (the first: from the process group's creation). The
+``step()`` DCP's ``get_state_dict`` takes to create an optimizer's state (zero gradients, learning rate 0) is
+not a step. Its index
 is the optimizer's own step count when it keeps one on the CPU (Adam, AdamW: it survives the script's own
 checkpoint, so a resumed job's indices go on), otherwise the boundaries counted in this process. Once the
 script calls ``rt.step`` itself, that wins: the hooks stop counting.
@@ -132,6 +134,11 @@ def _on_torch(torch) -> None:
     if optimizer is not None and hasattr(optimizer, "register_optimizer_step_post_hook"):
         optimizer.register_optimizer_step_post_hook(steps.on_optimizer_step)
     _wrap_grad_scaler(steps)
+    state_dict = sys.modules.get(_DCP_STATE_DICT)
+    if state_dict is not None:
+        _wrap_optimizer_state_init(state_dict, steps)
+    else:
+        sys.meta_path.insert(0, _AfterImport(_DCP_STATE_DICT, lambda m: _wrap_optimizer_state_init(m, steps)))
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     original = getattr(c10d, "init_process_group", None) if c10d is not None else None
     if original is None:
@@ -152,6 +159,29 @@ def _on_torch(torch) -> None:
         if getattr(module, "__name__", "").startswith("torch") and \
                 module.__dict__.get("init_process_group") is original:
             module.init_process_group = init_process_group
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def _wrap_optimizer_state_init(module, steps: "OptimizerSteps") -> None:
+    """DCP's ``get_state_dict`` creates an empty optimizer's state by calling its ``step()`` with zero gradients
+    and a learning rate of 0 (``_init_optim_state``): not a training step. The hook ignores steps taken while it
+    runs."""
+    original = getattr(module, "_init_optim_state", None)
+    if original is None or getattr(original, "_trainwarden", False):
+        return
+
+    def _init_optim_state(*args, **kwargs):
+        steps.initializing += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            steps.initializing -= 1
+
+    _init_optim_state._trainwarden = True  # type: ignore[attr-defined]
+    _init_optim_state.__wrapped__ = original  # type: ignore[attr-defined]
+    module._init_optim_state = _init_optim_state
 
 
 def _wrap_grad_scaler(steps: "OptimizerSteps") -> None:
@@ -198,6 +228,8 @@ class OptimizerSteps:
                  wall_ns: Callable[[], int] = time.time_ns) -> None:
         self.tokens = tokens
         self.session = None
+        self.initializing = 0
+        """Above 0 while DCP initializes an optimizer's state with a step that trains nothing."""
         self.boundaries = 0
         """Boundaries of the primary optimizer seen (a GradScaler's skipped step included)."""
         self._primary: "weakref.ref | None" = None
@@ -220,6 +252,8 @@ class OptimizerSteps:
 
     def on_optimizer_step(self, optimizer, args=None, kwargs=None) -> None:
         try:
+            if self.initializing:
+                return
             primary = self._primary
             if primary is None:
                 self._primary = weakref.ref(optimizer)

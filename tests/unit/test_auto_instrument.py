@@ -240,3 +240,23 @@ def test_trainwarden_env_prints_export_lines_and_refuses_a_bad_job_name(tmp_path
     assert exited.value.code == 2
     assert main(["env", "--job", "j", "--socket", str(sock), "--tokens-per-step", "-3"]) == 2
     assert "--tokens-per-step must be 0 or more" in capsys.readouterr().err
+
+
+def test_the_step_dcp_takes_to_create_an_optimizers_state_is_not_a_step(monkeypatch):
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    monkeypatch.setattr(dcp_state_dict, "_init_optim_state", dcp_state_dict._init_optim_state)  # restored after
+    steps = _steps()
+    auto._wrap_optimizer_state_init(dcp_state_dict, steps)
+    handle = register_optimizer_step_post_hook(steps.on_optimizer_step)
+    try:
+        model = torch.nn.Linear(2, 2)
+        adam = torch.optim.Adam(model.parameters(), lr=0.1)
+        dcp_state_dict.get_state_dict(model, adam)  # a restore's first move: adam.step() with zero grads, lr 0
+        assert adam.state and steps.boundaries == 0 and steps.session._client.records == []
+        model(torch.ones(1, 2)).sum().backward()
+        adam.step()
+        assert steps.boundaries == 1 and len(steps.session._client.records) == 1
+    finally:
+        handle.remove()
