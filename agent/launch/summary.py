@@ -54,14 +54,18 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
         lines.append("  steps        none reported (the script sends no telemetry: leave auto-instrumentation on, "
                      "or wrap each step in trainwarden.runtime's rt.step)")
     if progress.failures and not blocked:
+        # without a step (collectives only, no telemetry) the time lost has nothing to be measured by, and
+        # whether a round got past the failure cannot be told: "not recovered" would be a guess
+        unmeasured = "time lost unknown (no steps)" if progress.max_step is None else "not recovered"
         parts = []
         for f in progress.failures:
-            lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else "not recovered"
+            lost = f"{f.lost_seconds:.1f}s lost" if f.lost_seconds is not None else unmeasured
             where = f"failed after step {f.last_step}" if f.last_step is not None else "failed before any step"
             resumed = f", resumed at step {f.resumed_from}" if f.resumed_from is not None else ""
             parts.append(f"{where}{resumed}, {lost}")
         lines.append(f"  restarts     {progress.restarts} ({'; '.join(parts)})")
-        lines.append(f"  time lost    {progress.lost_seconds:.1f}s to failures")
+        if progress.max_step is not None:
+            lines.append(f"  time lost    {progress.lost_seconds:.1f}s to failures")
     else:
         lines.append("  restarts     0")
     lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir, record.job)})")

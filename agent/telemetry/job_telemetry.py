@@ -141,6 +141,9 @@ class RankSnapshot:
     until `STARTUP_STEPS` more are in): what the hang deadline follows. Start-up steps (allocation,
     compilation, a restore's first batch) run under the start-up deadline and would otherwise stretch the
     steady one for as long as they stay in the window."""
+    steady_steps: int = 0
+    """Steps in that steady window (its first `STARTUP_STEPS` steps left out): under `STARTUP_STEPS`,
+    `steady_step_p99_seconds` still holds the start-up steps."""
     verified: bool = False
     """The pid is the kernel's (see WorkerInfo.verified)."""
     started: float = 0.0
@@ -627,4 +630,5 @@ class JobTelemetry:
             # held to the floor deadline by an empty window
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS
                                      else _percentile(durations, 0.99)),
+            steady_steps=len(r.steady),
         )

@@ -75,6 +75,8 @@ class RankEvidence:
     positions: Mapping[str, GroupPosition] = field(default_factory=dict)
     stack: tuple[str, ...] = ()
     """Top frames of the training thread, most recent first."""
+    recorded: bool = False
+    """Its Flight Recorder dump was read (``positions`` empty then: the recorder held no collective)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,9 +125,13 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
     unresponsive = {r: e.status for r, e in sorted(evidence.items()) if e.status != ANSWERED}
     silent = f"; ranks that did not answer: {_describe(unresponsive)}" if unresponsive else ""
     if not any(e.positions for e in answered.values()):
-        return Verdict(culprits=(), unresponsive=unresponsive, summary=(
-            f"no collective positions: no Flight Recorder dump arrived from the {len(answered)} answering ranks "
-            f"(recorder off, i.e. no TORCH_FR_BUFFER_SIZE, or the dump took longer than the wait){silent}"))
+        if any(e.recorded for e in answered.values()):  # gloo's recorder has no entry for send/recv
+            why = (f"the Flight Recorder dumps of the {len(answered)} answering ranks hold no collective (none "
+                   f"entered yet, or only send/recv, which gloo does not record: a pipeline schedule's traffic)")
+        else:
+            why = (f"no Flight Recorder dump arrived from the {len(answered)} answering ranks (recorder off, i.e. "
+                   f"no TORCH_FR_BUFFER_SIZE, or the dump took longer than the wait)")
+        return Verdict(culprits=(), unresponsive=unresponsive, summary=f"no collective positions: {why}{silent}")
     in_flight = {r for r, e in answered.items() if any(p.in_flight for p in e.positions.values())}
     groups: dict[str, dict[int, GroupPosition]] = {}
     for rank, e in answered.items():
@@ -290,7 +296,7 @@ def read_diagnostics(directory: str | Path, ranks: Iterable[int], *,
             if not fr_ok:
                 continue
             stack = ()
-        found[rank] = RankEvidence(rank=rank, positions=positions, stack=stack)
+        found[rank] = RankEvidence(rank=rank, positions=positions, stack=stack, recorded=fr_ok)
     return found
 
 

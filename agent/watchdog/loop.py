@@ -46,7 +46,7 @@ from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, proc
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
-from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.telemetry.job_telemetry import STARTUP_STEPS, JobSnapshot, RankSnapshot
 from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.proto.contract import trace_file
@@ -235,7 +235,7 @@ class Watchdog:
         check = self._hang.observe(
             snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
             step_counts={r.rank: r.step_count for r in snap.ranks},
-            step_p99_s=max((r.steady_step_p99_seconds for r in connected), default=0.0),
+            step_p99_s=_steady_step_p99(connected),
             in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io,
             progress_age_s=self._report_age(newest),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
@@ -537,3 +537,12 @@ def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
         return {r.rank: 0 for r in snap.ranks}
     per_stage = snap.world_size // pp
     return {r.rank: r.rank // per_stage for r in snap.ranks}
+
+
+def _steady_step_p99(connected: Sequence[RankSnapshot]) -> float:
+    """The step time the hang deadline follows: the largest steady p99 of the ranks that reported steady steps,
+    or, while none has, of every rank (their start-up steps: a job whose every step is long). A stopped rank's
+    telemetry stops with it, the steps of its last flush interval never arrive: stopped early in a round, it
+    has reported only its start-up steps, which must not stretch the deadline the others' steps give."""
+    steady = [r.steady_step_p99_seconds for r in connected if r.steady_steps >= STARTUP_STEPS]
+    return max(steady or [r.steady_step_p99_seconds for r in connected], default=0.0)

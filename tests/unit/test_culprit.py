@@ -101,6 +101,18 @@ def test_a_stopped_rank_in_a_single_group_job_is_named_in_plain_words():
 def test_without_flight_recorder_data_nothing_is_named():
     verdict = name_culprit({0: _ev(0), 1: _ev(1)})
     assert verdict.culprits == () and "no collective positions" in verdict.summary
+    assert "no Flight Recorder dump arrived" in verdict.summary
+
+
+def test_dumps_without_a_collective_are_not_called_missing():
+    """Seen in tests/integration/test_unchanged_scripts.py: a GPipe schedule on gloo, rank 1 stopped; rank 0's
+    dump arrived but held nothing (gloo's recorder has no entry for send/recv), and the verdict said no dump
+    arrived and blamed the recorder's settings."""
+    verdict = name_culprit({0: RankEvidence(rank=0, recorded=True), 1: RankEvidence(rank=1, status="stopped")})
+    assert verdict.culprits == () and verdict.unresponsive == {1: "stopped"}
+    assert verdict.summary == ("no collective positions: the Flight Recorder dumps of the 1 answering ranks hold "
+                               "no collective (none entered yet, or only send/recv, which gloo does not record: a "
+                               "pipeline schedule's traffic); ranks that did not answer: 1 (stopped)")
 
 
 def test_all_ranks_outside_collectives_at_the_same_position():
@@ -195,6 +207,7 @@ def test_read_diagnostics_parses_dumps_and_refuses_code(tmp_path):
     assert sorted(found) == [0, 1]
     assert found[0].positions["0"].seq == 5 and found[0].positions["0"].in_flight
     assert found[0].stack and found[1].positions == {}
+    assert found[0].recorded and not found[1].recorded
 
 
 def test_process_state_of_a_stopped_and_a_dead_worker(procs, tmp_path):

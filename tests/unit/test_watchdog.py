@@ -395,6 +395,48 @@ def test_a_stopped_rank_whose_stream_was_dropped_is_still_named_stopped(tmp_path
     assert verdict["unresponsive"] == {"1": "stopped"} and verdict["summary"].startswith("rank 1 is stopped")
 
 
+def test_a_rank_whose_reports_stopped_in_its_start_up_does_not_stretch_the_steady_deadline(tmp_path):
+    """Seen in tests/integration/test_unchanged_scripts.py: a rank's telemetry stops with the rank, so the
+    steps of its last flush interval (1.5 s) never arrive; stopped a second into training, it had reported only
+    its 4.6 s first step, and the job's deadline became 5 x that (23 s) although rank 0 reported 0.1 s steady
+    steps. The ranks that report steady steps set the deadline; start-up steps only while none does."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0})
+    wd = _watchdog(sim, actions, tmp_path)
+
+    def step(ranks, index, duration):
+        start = sim.clock.now
+        sim.clock.now += duration
+        for r in ranks:
+            sim.js.record_step("j", r, index=index, start_unix=start, duration_seconds=duration)
+
+    wd.check_once()
+    step((0, 1), 0, 4.0)  # the first step: start-up
+    wd.check_once()
+    for index in range(1, 13):  # rank 1's reports of these never arrive
+        step((0,), index, 0.1)
+        wd.check_once()
+    sim.clock.now += 4.9
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now += 0.2
+    wd.check_once()
+    assert actions.records and actions.records[0].kind is IncidentKind.HANG
+    assert actions.records[0].evidence["timeout_seconds"] == 5
+    # while no rank has steady steps, the start-up steps still hold the deadline (a job of long steps)
+    sim2 = Sim(ranks=2)
+    actions2 = Actions(answer={0})
+    wd2 = _watchdog(sim2, actions2, tmp_path / "long")
+    wd2.check_once()
+    sim = sim2
+    for index in range(4):
+        step((0, 1), index, 4.0)
+        wd2.check_once()
+    sim2.clock.now += 19.9
+    wd2.check_once()
+    assert actions2.records == []
+
+
 def test_a_flapping_straggler_is_rate_limited_per_job_and_counted(tmp_path):
     sim = Sim(ranks=4)
     actions = Actions()
