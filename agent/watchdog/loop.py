@@ -255,7 +255,11 @@ class Watchdog:
         groups = _stage_groups(snap)
         warm = check.min_steps_since_start >= self.config.straggler.warmup_steps
         if self._trace is not None:
-            self._trace.write(snap.job, t=self._clock(), step_s=step_s, groups=groups, warm=warm, intervals=intervals)
+            self._trace.write(snap.job, t=self._clock(), step_s=step_s, groups=groups, warm=warm, intervals=intervals,
+                              totals={r.rank: [r.step_count, round(r.step_seconds_total, 6),
+                                               round(sum(c.wait_seconds for c in r.collectives), 6),
+                                               sum(c.count for c in r.collectives), r.checkpoint_stage, r.pid]
+                                      for r in snap.ranks if r.connected})
         if not warm:
             intervals = {}  # start-up of a worker round (first steps, restore) is not a straggler's doing
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=groups)

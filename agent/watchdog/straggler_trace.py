@@ -5,7 +5,9 @@ With ``TRAINWARDEN_STRAGGLER_TRACE_DIR`` set (or ``WatchdogConfig.straggler_trac
 one JSON line per job and check to ``<dir>/<job>.jsonl``: the agent's monotonic time, the step time it
 used, the peer groups, whether the worker round was past its warm-up, and the new intervals per rank in
 microseconds, each end as the difference from the rank's previous end (``[end_delta_us, total_us,
-compute_us]``; the first end of a rank in a file is absolute), which keeps recorded traces small. ``replay`` feeds such a file to a ``StragglerDetector`` exactly as the
+compute_us]``; the first end of a rank in a file is absolute), which keeps recorded traces small, and each
+rank's cumulative counters (``totals``: steps, step seconds, collective wait seconds, collectives, checkpoint
+stage, pid). ``replay`` feeds such a file to a ``StragglerDetector`` exactly as the
 watchdog would and returns the events, so a threshold change is judged against recorded jobs of other
 shapes and step times (tests/fixtures/straggler/).
 """
@@ -42,8 +44,11 @@ class TraceWriter:
         self._last_end: dict[tuple[str, int], int] = {}
 
     def write(self, job: str, *, t: float, step_s: float, groups: Mapping[int, int], warm: bool,
-              intervals: Mapping[int, Sequence[Interval]]) -> None:
-        if not intervals:
+              intervals: Mapping[int, Sequence[Interval]], totals: Mapping[int, Sequence] | None = None) -> None:
+        """``totals``: each rank's cumulative counters at this check, ``[steps, step seconds, collective wait
+        seconds, collectives, checkpoint stage, pid]`` (the input of job-wide detectors such as the
+        communication-regression one)."""
+        if not intervals and not totals:
             return
         try:
             f = self._files.get(job)
@@ -59,9 +64,11 @@ class TraceWriter:
                     last = end
                 self._last_end[(job, rank)] = last
                 encoded[str(rank)] = rows
-            f.write(json.dumps({"t": round(t, 4), "step_s": step_s, "warm": warm,
-                                "groups": {str(r): g for r, g in groups.items()}, "intervals": encoded},
-                               separators=(",", ":")) + "\n")
+            record = {"t": round(t, 4), "step_s": step_s, "warm": warm,
+                      "groups": {str(r): g for r, g in groups.items()}, "intervals": encoded}
+            if totals:
+                record["totals"] = {str(r): list(v) for r, v in totals.items()}
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
         except OSError as exc:
             log.warning("cannot record the straggler trace of job %s in %s: %s", job, self._dir, exc)
 
