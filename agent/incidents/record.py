@@ -34,6 +34,9 @@ class IncidentKind(str, enum.Enum):
     HANG = "hang"
     STRAGGLER_START = "straggler_start"
     STRAGGLER_END = "straggler_end"
+    COMM_REGRESSION = "comm_regression"
+    """The job's steps are slower because its collectives are, on every rank, while no rank computes more (a
+    degraded link or node): open while it lasts, resolved when the step time is back near its baseline."""
     CRASH = "crash"
     RESTART = "restart"
     CHECKPOINT_FAILED = "checkpoint_failed"

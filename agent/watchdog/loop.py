@@ -51,6 +51,8 @@ from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.proto.contract import trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
+from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
+from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
@@ -105,6 +107,8 @@ class WatchdogConfig:
     """The hang deadline policy."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """The straggler scoring policy."""
+    comm_regression: CommRegressionConfig = field(default_factory=CommRegressionConfig)
+    """When a job-wide slowdown is a communication regression (agent/watchdog/comm_regression.py)."""
     straggler_trace_dir: Path | None = None
     """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
     quiet_read_period_s: float = 3.0
@@ -145,6 +149,8 @@ class Watchdog:
         self._hang = HangDetector(self.config.hang, clock=clock)
         self._straggler = StragglerDetector(self.config.straggler, clock=clock)
         self._trace = TraceWriter(self.config.straggler_trace_dir) if self.config.straggler_trace_dir else None
+        self._comm = CommRegressionWatch(lambda incident: self._actions.record(incident), node=node, clock=clock,
+                                         wall=wall, config=self.config.comm_regression)
         self._acting: dict[str, tuple[Incident | None, float]] = {}  # job -> hang incident waiting for progress (None: another node's)
         self._stragglers: dict[tuple[str, int], Incident] = {}  # open straggler_start incidents
         self._straggler_starts: dict[str, deque[float]] = {}  # job -> wall times of recent starts (rate limit)
@@ -211,6 +217,7 @@ class Watchdog:
             self._close_stragglers(job, "the job ended while the rank was flagged")
             self._hang.forget(job)
             self._straggler.forget(job)
+            self._comm.forget(job)
             self._step_s.pop(job, None)
             self._acting.pop(job, None)
             self._attended.pop(job, None)
@@ -245,6 +252,7 @@ class Watchdog:
             self._resolve_hang(snap)
         if check.hung:
             self._on_hang(snap, check)
+        self._comm.check(snap)
         step_times = sorted(r.step_p50_seconds for r in connected if r.step_p50_seconds > 0)
         step_s = step_times[len(step_times) // 2] if step_times else 0.0
         if step_s > 0:
@@ -532,6 +540,7 @@ class _WatchdogCollector(Collector):
             stalled.add_metric([job, w._node], check.stalled_s)
         errors.add_metric([w._node], w.errors)
         yield from (score, flag, timeout, stalled, errors, suppressed, pace)
+        yield from w._comm.metrics(checks)
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:

@@ -1,0 +1,241 @@
+"""Communication regression: the whole job slower because its collectives are, not because any rank computes more.
+
+A link that drops to a fraction of its bandwidth slows every all-reduce that crosses it, and in synchronous
+training every rank waits for those: each step takes longer on every rank alike. No rank stands out, so the
+straggler detector (a rank that computes more while its peers wait) says nothing; step time alone cannot tell
+it from a job that simply has more to compute. What tells it apart is where the extra time goes:
+
+    step time        up against the job's own recent baseline             (the job is slower)
+    collective wait  up on every rank, by most of the step time's increase (the time went to collectives)
+    compute          flat on every rank: step time minus collective wait   (no rank has more work)
+
+A straggler fails the third test (its own compute is up); a general slowdown (a throttled CPU, a bigger
+batch) fails the second and the third. Input is each rank's cumulative counters at every watchdog check
+(`RankTotals`: steps, step seconds, collective wait seconds, the checkpoint stage, the pid): on gloo the
+collective wait is the runtime's estimate from Flight Recorder enqueue times (the time from a collective's
+enqueue to the thread's next enqueue, or to the step's end), on NCCL the measured durations.
+
+The job's time is cut into windows of at least `window_s` seconds in which every rank completed at least
+`min_window_steps` steps. A window is *tainted*, and neither judged nor learned from, when a rank was in a
+checkpoint stage during it, or when it began before `warmup_steps` steps of the current worker round (a new set of
+pids: a restart, a join). The baseline is the median of the last `baseline_windows` healthy windows, per rank;
+it is kept across restarts of the same world size and dropped when the world size changes. A window is
+*suspect* when the job's median step time is at least `start_ratio` times the baseline's and every rank's
+collective wait grew by at least `min_comm_share` of its step time's growth while its compute stayed within
+`max_compute_ratio` of its baseline's. `persist_windows` suspect windows in a row start a regression;
+`clear_windows` windows in a row at most `clear_ratio` times the baseline end it. Suspect and regressed
+windows never enter the baseline, so a regression that lasts does not become the new normal.
+
+Not thread-safe: the watchdog's thread feeds it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+__all__ = ["CommRegressionConfig", "CommRegressionDetector", "CommRegressionEvent", "RankTotals", "WindowStats"]
+
+_NOT_TRAINING = frozenset({"save_start", "restore_start", "held", "staged"})
+"""Checkpoint stages during which a window says nothing about the links (the last one: the save's background
+write shares the host's I/O and CPU with the steps)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommRegressionConfig:
+    """When a job's slowdown counts as a communication regression."""
+
+    window_s: float = 10.0
+    """Shortest window of the job's time (agent clock)."""
+    min_window_steps: int = 5
+    """Steps every rank completes in a window: slow jobs get longer windows."""
+    warmup_steps: int = 20
+    """Steps of a new worker round before its windows count (start-up, a restore's first steps)."""
+    baseline_windows: int = 6
+    """Healthy windows the baseline is the median of."""
+    start_ratio: float = 1.5
+    """Job step time / baseline at or above which a window can be suspect."""
+    clear_ratio: float = 1.2
+    """Job step time / baseline at or below which a window counts towards the end of a regression."""
+    min_comm_share: float = 0.6
+    """On every rank, collective wait growth / step time growth at least this."""
+    max_compute_ratio: float = 1.3
+    """On every rank, compute per step / baseline compute at most this."""
+    persist_windows: int = 2
+    """Suspect windows in a row that start a regression."""
+    clear_windows: int = 2
+    """Windows in a row at or below `clear_ratio` that end it."""
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.min_window_steps < 1 or self.baseline_windows < 1:
+            raise ValueError("window_s must be > 0, min_window_steps and baseline_windows at least 1")
+        if not 1.0 <= self.clear_ratio < self.start_ratio:
+            raise ValueError(f"need 1 <= clear_ratio < start_ratio, got {self.clear_ratio}, {self.start_ratio}")
+        if not 0.0 < self.min_comm_share <= 1.0:
+            raise ValueError(f"min_comm_share must be in (0, 1], got {self.min_comm_share}")
+        if self.max_compute_ratio < 1.0:
+            raise ValueError(f"max_compute_ratio must be at least 1, got {self.max_compute_ratio}")
+        if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0:
+            raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps 0 or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankTotals:
+    """A rank's cumulative counters at one check (agent counters: monotonic across its worker restarts)."""
+
+    steps: int
+    step_seconds: float
+    wait_seconds: float
+    """Collective wait (measured, or the runtime's estimate on gloo)."""
+    stage: str = ""
+    """The checkpoint stage it is in ("" when none)."""
+    pid: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowStats:
+    """Per-step averages of one rank over a window."""
+
+    step_s: float
+    wait_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.step_s - self.wait_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommRegressionEvent:
+    """A regression started (`started`) or ended, with the evidence."""
+
+    job: str
+    started: bool
+    ratio: float
+    """Job step time / baseline, in the window that decided."""
+    baseline_step_s: float
+    step_s: float
+    baseline: Mapping[int, WindowStats]
+    window: Mapping[int, WindowStats]
+    windows: int
+    """Windows in a row that decided it."""
+
+
+@dataclass
+class _Job:
+    round_id: frozenset = frozenset()
+    world: int = 0
+    round_start_steps: dict[int, int] = field(default_factory=dict)
+    start_t: float = 0.0
+    start: dict[int, RankTotals] = field(default_factory=dict)
+    tainted: bool = False
+    healthy: deque = field(default_factory=deque)  # of {rank: WindowStats}
+    suspect: int = 0
+    calm: int = 0
+    regressed: bool = False
+    last: dict | None = None  # the latest closed window's verdict, for status and metrics
+
+
+class CommRegressionDetector:
+    """Feeds on every check's `RankTotals` per job; returns start and end events."""
+
+    def __init__(self, config: CommRegressionConfig | None = None) -> None:
+        self.config = config or CommRegressionConfig()
+        self._jobs: dict[str, _Job] = {}
+
+    def regressed(self, job: str) -> bool:
+        state = self._jobs.get(job)
+        return bool(state and state.regressed)
+
+    def last_window(self, job: str) -> dict | None:
+        """The latest judged window of `job`: ratio, baseline and current step time, whether suspect."""
+        state = self._jobs.get(job)
+        return dict(state.last) if state and state.last else None
+
+    def forget(self, job: str) -> None:
+        self._jobs.pop(job, None)
+
+    def update(self, job: str, t: float, totals: Mapping[int, RankTotals]) -> list[CommRegressionEvent]:
+        if not totals:
+            return []
+        cfg = self.config
+        state = self._jobs.setdefault(job, _Job(healthy=deque(maxlen=cfg.baseline_windows)))
+        round_id = frozenset((rank, r.pid) for rank, r in totals.items())
+        if round_id != state.round_id:  # a new worker round: warm up again; a new world size: a new baseline
+            if len(totals) != state.world:
+                state.healthy.clear()
+            state.round_id, state.world = round_id, len(totals)
+            state.round_start_steps = {rank: r.steps for rank, r in totals.items()}
+            self._open(state, t, totals)
+            state.suspect = state.calm = 0
+            return []
+        if any(r.stage in _NOT_TRAINING for r in totals.values()):
+            state.tainted = True
+        done = {rank: r.steps - state.start[rank].steps for rank, r in totals.items() if rank in state.start}
+        if len(done) != len(totals) or t - state.start_t < cfg.window_s or min(done.values()) < cfg.min_window_steps:
+            return []
+        window = {rank: WindowStats(step_s=(r.step_seconds - state.start[rank].step_seconds) / done[rank],
+                                    wait_s=max(0.0, r.wait_seconds - state.start[rank].wait_seconds) / done[rank])
+                  for rank, r in totals.items()}
+        warm = all(state.start[rank].steps - state.round_start_steps.get(rank, 0) >= cfg.warmup_steps
+                   for rank in totals)
+        tainted = state.tainted or not warm
+        self._open(state, t, totals)
+        if tainted:
+            return []
+        return self._judge(job, state, window)
+
+    @staticmethod
+    def _open(state: _Job, t: float, totals: Mapping[int, RankTotals]) -> None:
+        state.start_t, state.start, state.tainted = t, dict(totals), False
+
+    def _judge(self, job: str, state: _Job, window: dict[int, WindowStats]) -> list[CommRegressionEvent]:
+        cfg = self.config
+        if len(state.healthy) < cfg.baseline_windows:
+            state.healthy.append(window)  # still learning what normal is
+            return []
+        baseline = {rank: WindowStats(step_s=statistics.median(w[rank].step_s for w in state.healthy if rank in w),
+                                      wait_s=statistics.median(w[rank].wait_s for w in state.healthy if rank in w))
+                    for rank in window if all(rank in w for w in state.healthy)}
+        if len(baseline) != len(window):  # ranks the baseline does not know: learn again
+            state.healthy.clear()
+            state.healthy.append(window)
+            return []
+        base_step = statistics.median(b.step_s for b in baseline.values())
+        step = statistics.median(w.step_s for w in window.values())
+        ratio = step / base_step if base_step > 0 else 1.0
+        suspect = ratio >= cfg.start_ratio and all(self._comm_bound(window[r], baseline[r]) for r in window)
+        state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect}
+        events = []
+        if suspect:
+            state.suspect += 1
+            state.calm = 0
+            if not state.regressed and state.suspect >= cfg.persist_windows:
+                state.regressed = True
+                events.append(CommRegressionEvent(job=job, started=True, ratio=ratio, baseline_step_s=base_step,
+                                                  step_s=step, baseline=baseline, window=window,
+                                                  windows=state.suspect))
+            return events
+        state.suspect = 0
+        if ratio <= cfg.clear_ratio:
+            state.calm += 1
+            if state.regressed:
+                if state.calm >= cfg.clear_windows:
+                    state.regressed = False
+                    events.append(CommRegressionEvent(job=job, started=False, ratio=ratio, baseline_step_s=base_step,
+                                                      step_s=step, baseline=baseline, window=window,
+                                                      windows=state.calm))
+            else:
+                state.healthy.append(window)  # a normal window: the baseline follows slow drift
+        else:
+            state.calm = 0
+        return events
+
+    def _comm_bound(self, now: WindowStats, base: WindowStats) -> bool:
+        """This rank's extra time went to collectives, not to its own work."""
+        grown = now.step_s - base.step_s
+        if grown <= 0:
+            return False
+        compute_ok = now.compute_s <= self.config.max_compute_ratio * max(base.compute_s, 1e-6)
+        return compute_ok and (now.wait_s - base.wait_s) >= self.config.min_comm_share * grown

@@ -1,0 +1,100 @@
+"""What the watchdog makes of a communication regression (agent/watchdog/comm_regression.py): one incident per
+regression, open while it lasts and resolved when the step time is back, and the
+``trainwarden_comm_regression{job,node}`` gauge (1 while regressed) with the ratio of the step time to its
+baseline (``trainwarden_comm_regression_ratio``).
+
+On a job of several nodes each node's agent judges its own ranks (their counters are local); every node of a
+job whose links slowed sees it, and each records it for its ranks (the incident names them). Naming the node
+or link is the link check's work (issue 25, localization), not this module's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.watchdog.comm_regression import (CommRegressionConfig, CommRegressionDetector,
+                                                        CommRegressionEvent, RankTotals)
+
+__all__ = ["CommRegressionWatch", "rank_totals"]
+
+log = logging.getLogger(__name__)
+
+
+def rank_totals(snap: JobSnapshot) -> dict[int, RankTotals]:
+    """The detector's input from a job's snapshot: its connected ranks' cumulative counters."""
+    return {r.rank: RankTotals(steps=r.step_count, step_seconds=r.step_seconds_total,
+                               wait_seconds=sum(c.wait_seconds for c in r.collectives), stage=r.checkpoint_stage,
+                               pid=r.pid)
+            for r in snap.ranks if r.connected}
+
+
+class CommRegressionWatch:
+    """Feeds the detector from the watchdog's snapshots; records incidents through ``record``."""
+
+    def __init__(self, record: Callable[[Incident], Incident], *, node: str, clock: Callable[[], float],
+                 wall: Callable[[], float], config: CommRegressionConfig | None = None) -> None:
+        self._record, self._node, self._clock, self._wall = record, node, clock, wall
+        self.detector = CommRegressionDetector(config)
+        self._open: dict[str, Incident] = {}
+
+    def check(self, snap: JobSnapshot) -> None:
+        for event in self.detector.update(snap.job, self._clock(), rank_totals(snap)):
+            self._on_event(snap, event)
+
+    def forget(self, job: str, outcome: str = "the job ended during the regression") -> None:
+        self.detector.forget(job)
+        incident = self._open.pop(job, None)
+        if incident is not None:
+            self._record(incident.transition(IncidentState.RESOLVED, outcome=outcome, now=self._wall()))
+
+    def _on_event(self, snap: JobSnapshot, event: CommRegressionEvent) -> None:
+        now, job = self._wall(), snap.job
+        if not event.started:
+            incident = self._open.pop(job, None)
+            log.warning("job %s: communication back to normal: steps %.3f s against a baseline of %.3f s", job,
+                        event.step_s, event.baseline_step_s, extra={"job": job})
+            if incident is not None:
+                self._record(incident.transition(
+                    IncidentState.RESOLVED, now=now,
+                    outcome=f"step time back to {event.ratio:.2f}x its baseline after "
+                            f"{now - incident.detected_at:.0f} s"))
+            return
+        grown_wait = [event.window[r].wait_s - event.baseline[r].wait_s for r in event.window]
+        summary = (f"the job's steps take {event.ratio:.1f}x their baseline ({event.baseline_step_s:.3f} s -> "
+                   f"{event.step_s:.3f} s): every rank here waits {min(grown_wait):.3f}-{max(grown_wait):.3f} s "
+                   f"longer per step in collectives while its own compute stayed flat, so the network between "
+                   f"the job's ranks is slower (a degraded link or node), not any rank's work")
+        log.error("job %s: communication regression: %s", job, summary, extra={"job": job})
+        evidence = {
+            "summary": summary, "ratio": round(event.ratio, 3), "baseline_step_s": round(event.baseline_step_s, 6),
+            "step_s": round(event.step_s, 6), "windows": event.windows,
+            "step": max((r.last_step for r in snap.ranks), default=-1),
+            "ranks": {str(r): {"baseline_step_s": round(event.baseline[r].step_s, 6),
+                               "baseline_wait_s": round(event.baseline[r].wait_s, 6),
+                               "step_s": round(event.window[r].step_s, 6), "wait_s": round(event.window[r].wait_s, 6)}
+                      for r in sorted(event.window)},
+        }
+        self._open[job] = self._record(Incident(
+            id=new_incident_id(now), kind=IncidentKind.COMM_REGRESSION, job=job, node=self._node,
+            ranks=tuple(sorted(event.window)), evidence=evidence, detected_at=now, updated_at=now, action="alert",
+            outcome="regressed"))
+
+    def metrics(self, jobs) -> Iterator[Metric]:
+        flag = GaugeMetricFamily("trainwarden_comm_regression", "1 while the job's steps are slower because its "
+                                 "collectives are (a communication regression), judged on this node's ranks.",
+                                 labels=["job", "node"])
+        ratio = GaugeMetricFamily("trainwarden_comm_regression_ratio", "The job's step time in the latest judged "
+                                  "window / its baseline (the communication-regression detector's view).",
+                                  labels=["job", "node"])
+        for job in sorted(jobs):
+            flag.add_metric([job, self._node], 1.0 if self.detector.regressed(job) else 0.0)
+            last = self.detector.last_window(job)
+            if last is not None:
+                ratio.add_metric([job, self._node], last["ratio"])
+        yield flag
+        yield ratio

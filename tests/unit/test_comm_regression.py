@@ -1,0 +1,153 @@
+"""The communication-regression detector on synthetic series of counters (agent/watchdog/comm_regression.py);
+recorded jobs on the multi-node bed: tests/fixtures/comm_regression/."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig, CommRegressionDetector, RankTotals
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Job:
+    """Cumulative counters of `ranks` ranks, advanced one check (1 s of the job's time) at a time."""
+
+    def __init__(self, ranks=4):
+        self.t = 0.0
+        self.totals = {r: [0, 0.0, 0.0, "", 100 + r] for r in range(ranks)}
+
+    def run(self, det, seconds, *, compute=0.08, wait=0.02, per_rank=None, stage="", name="j"):
+        """`seconds` checks of steps of `compute` + `wait` seconds (per rank overrides: {rank: (compute, wait)})."""
+        events = []
+        for _ in range(int(seconds)):
+            self.t += 1.0
+            for rank, c in self.totals.items():
+                comp, w = (per_rank or {}).get(rank, (compute, wait))
+                steps = max(1, round(1.0 / (comp + w)))
+                c[0] += steps
+                c[1] += steps * (comp + w)
+                c[2] += steps * w
+                c[3] = stage
+            events += det.update(name, self.t, {r: RankTotals(steps=c[0], step_seconds=c[1], wait_seconds=c[2],
+                                                             stage=c[3], pid=c[4])
+                                               for r, c in self.totals.items()})
+        return events
+
+    def restart(self):
+        for rank, c in self.totals.items():
+            c[4] += 1000
+
+
+def _warm(det, job):
+    assert job.run(det, 90) == []  # warm-up and six healthy windows: the baseline
+
+
+def test_a_slow_link_is_a_regression_that_starts_within_a_minute_and_ends_when_the_link_is_back():
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    events = job.run(det, 60, wait=0.4)  # every rank waits 20x longer in collectives; compute flat
+    assert [e.started for e in events] == [True]
+    start = events[0]
+    assert start.ratio == pytest.approx(0.48 / 0.10, rel=0.05) and start.windows == 2
+    assert start.baseline[0].wait_s == pytest.approx(0.02) and start.window[0].wait_s == pytest.approx(0.4)
+    assert det.regressed("j")
+    events = job.run(det, 40)  # restored
+    assert [e.started for e in events] == [False] and not det.regressed("j")
+
+
+def test_a_straggler_is_not_a_regression():
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    # rank 2 computes 5x more; the others wait for it: step time up everywhere, but rank 2's compute is up
+    events = job.run(det, 60, per_rank={2: (0.4, 0.02), 0: (0.08, 0.34), 1: (0.08, 0.34), 3: (0.08, 0.34)})
+    assert events == [] and not det.regressed("j")
+
+
+def test_a_general_slowdown_is_not_a_regression():
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    assert job.run(det, 60, compute=0.3, wait=0.03) == []  # compute up everywhere (a throttled CPU)
+
+
+def test_a_regression_that_lasts_does_not_become_the_baseline():
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    assert [e.started for e in job.run(det, 300, wait=0.4)] == [True]
+    assert det.regressed("j") and det.last_window("j")["baseline_step_s"] == pytest.approx(0.1, rel=0.05)
+
+
+def test_checkpoint_pauses_and_restarts_are_not_regressions():
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    assert job.run(det, 30, wait=0.5, stage="save_start") == []  # a blocking save: no window judged
+    assert job.run(det, 20) == []
+    job.restart()  # a new worker round: its first steps are slow, and not judged
+    assert job.run(det, 5, wait=0.6) == []
+    assert job.run(det, 60) == [] and not det.regressed("j")
+
+
+def test_a_new_world_size_learns_a_new_baseline():
+    det, job = CommRegressionDetector(), Job(ranks=4)
+    _warm(det, job)
+    smaller = Job(ranks=3)
+    smaller.t = job.t
+    # after a shrink the job's steps are legitimately longer (more per rank): not a regression
+    assert smaller.run(det, 120, compute=0.16, wait=0.1) == []
+
+
+def test_slow_jobs_get_windows_long_enough_for_their_steps():
+    det = CommRegressionDetector(CommRegressionConfig(min_window_steps=5))
+    job = Job(ranks=2)
+    assert job.run(det, 400, compute=2.0, wait=0.2) == []  # 2.2 s steps: windows of 5 steps, about 11 s
+    assert det.last_window("j") is not None
+    assert [e.started for e in job.run(det, 200, compute=2.0, wait=2.5)] == [True]
+
+
+def test_config_validation_names_the_problem():
+    with pytest.raises(ValueError, match="clear_ratio"):
+        CommRegressionConfig(start_ratio=1.2, clear_ratio=1.3)
+    with pytest.raises(ValueError, match="min_comm_share"):
+        CommRegressionConfig(min_comm_share=0)
+
+
+def test_the_watch_records_one_incident_per_regression_and_exports_the_gauge():
+    from trainwarden.agent.incidents.record import IncidentKind, IncidentState
+    from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobTelemetry, WorkerInfo
+    from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
+
+    clock = [0.0]
+    js = JobTelemetry(clock=lambda: clock[0])
+    recorded = []
+    watch = CommRegressionWatch(lambda i: recorded.append(i) or i, node="n1", clock=lambda: clock[0],
+                                wall=lambda: 1000.0 + clock[0])
+    for rank in range(2):
+        js.connect(WorkerInfo(job="j", rank=rank, world_size=2, pid=10 + rank))
+    wait = {0: 0.0, 1: 0.0}
+    index = 0
+
+    def run(seconds, step_s, wait_s):
+        nonlocal index
+        for _ in range(seconds):
+            clock[0] += 1.0
+            for _ in range(int(round(1.0 / step_s))):
+                for rank in range(2):
+                    js.record_step("j", rank, index=index, start_unix=clock[0], duration_seconds=step_s)
+                    wait[rank] += wait_s
+                    js.record_collectives("j", rank, [CollectiveTotals(process_group="0", op="all_reduce", count=index,
+                                                                       wait_seconds=wait[rank], last_seq_id=index)],
+                                          has_durations=False)
+                index += 1
+            watch.check(js.snapshot("j")[0])
+
+    run(90, 0.1, 0.02)
+    assert recorded == []
+    run(40, 0.5, 0.42)
+    [incident] = recorded
+    assert incident.kind == IncidentKind.COMM_REGRESSION and incident.ranks == (0, 1)
+    assert "5.0x their baseline" in incident.evidence["summary"]
+    families = {f.name: f for f in watch.metrics(["j"])}
+    assert families["trainwarden_comm_regression"].samples[0].value == 1.0
+    run(40, 0.1, 0.02)
+    assert len(recorded) == 2 and recorded[-1].state == IncidentState.RESOLVED
+    assert next(iter(watch.metrics(["j"]))).samples[0].value == 0.0
