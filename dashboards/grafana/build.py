@@ -99,6 +99,12 @@ def job_dashboard() -> dict:
             x=0, y=32, description="Worker group restarts, and incidents by kind, in the last 5 minutes. Every kind "
                                    "is exported from 0; only those that occurred are drawn."),
         _panel(10, "Ranks connected", [_target(f"sum(trainwarden_worker_up{{{JOB}}})", "ranks up")], x=12, y=32),
+        _panel(11, "Communication regression: step time / baseline", [
+            _target(f"trainwarden_comm_regression_ratio{{{JOB}}}", "ratio ({{node}})"),
+            _target(f"trainwarden_comm_regression{{{JOB}}}", "regressed ({{node}})", ref="B")],
+            x=0, y=40, description="The job's step time over its own baseline, as each node's agent judges its "
+                                   "ranks; 'regressed' is 1 while the extra time is collective wait on every rank "
+                                   "with compute flat (a slower network, not more work)."),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",
