@@ -4,9 +4,10 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
 
 - feeds the ranks' completed-step counts to `HangDetector` (agent/watchdog/hang.py). On a hang it asks every
   connected local rank for diagnostics (`actions.request_diagnostics`), waits up to `diagnostics_wait_s`
-  for their dumps, names the culprit (agent/watchdog/culprit.py; ranks that did not answer are probed: stopped,
-  dead, disconnected), records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the
-  incident in `acting` until the job progresses again (then `resolved`). An abort that fails marks it
+  for their dumps (less once every rank still silent is stopped or dead: it cannot answer), names the
+  culprit (agent/watchdog/culprit.py; ranks that did not answer are probed: stopped, dead, disconnected),
+  records a `hang` incident, aborts the local workers (`actions.abort`) and keeps the incident in `acting`
+  until the job progresses again (then `resolved`). An abort that fails marks it
   `failed`. The detector does not fire again for the job until it progresses or a new worker round starts.
 - feeds the job's straggler intervals (`JobTelemetry.take_intervals`: collective arrivals matched across the
   node's ranks, agent/telemetry/arrivals.py) to `StragglerDetector` (agent/watchdog/straggler.py), with the pipeline stage
@@ -324,7 +325,7 @@ class Watchdog:
         except Exception:
             log.exception("requesting diagnostics for job %s failed", job, extra={"job": job})
             reached = []
-        evidence = self._collect(directory, reached)
+        evidence = self._collect(directory, reached, {r.rank: r.pid for r in snap.ranks})
         for r in snap.ranks:
             if r.rank not in evidence:
                 # the process says more than the stream: a SIGSTOPped rank's stream may have been dropped
@@ -400,10 +401,14 @@ class Watchdog:
         except Exception:
             log.exception("aborting the workers of job %s failed", snap.job, extra={"job": snap.job})
 
-    def _collect(self, directory: Path, ranks: list[int]) -> dict[int, RankEvidence]:
+    def _collect(self, directory: Path, ranks: list[int], pids: Mapping[int, int]) -> dict[int, RankEvidence]:
+        """The dumps of `ranks`, waiting up to `diagnostics_wait_s` for them; a rank whose process is stopped
+        (SIGSTOP, a debugger) or dead can never answer, so the wait ends once only such ranks are silent (it
+        delayed the incident of a stopped rank by the whole wait: BENCHMARKS.md, auto-instrumentation)."""
         deadline = self._clock() + self.config.diagnostics_wait_s
         while ranks and self._clock() < deadline and not self._stop.is_set():
-            if all((directory / trace_file(r)).exists() for r in ranks):
+            silent = [r for r in ranks if not (directory / trace_file(r)).exists()]
+            if not silent or all(pids.get(r, 0) > 0 and self._probe(pids[r]) in ("stopped", "dead") for r in silent):
                 self._sleep(_POLL_S)  # let the last writes finish
                 break
             self._sleep(_POLL_S)

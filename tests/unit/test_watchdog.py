@@ -630,3 +630,37 @@ def test_the_quiet_read_period_comes_from_the_environment_and_a_bad_one_says_wha
         monkeypatch.setenv(QUIET_READ_PERIOD_ENV, bad)
         with pytest.raises(ValueError, match="TRAINWARDEN_QUIET_READ_PERIOD_S.*between 0"):
             watchdog_config()
+
+
+class _ReachedAll(Actions):
+    """The real agent reaches a SIGSTOPped rank too: its stream stays open, the command waits in its socket."""
+
+    def request_diagnostics(self, job, ranks, directory):
+        super().request_diagnostics(job, ranks, directory)
+        return list(ranks)
+
+
+@pytest.mark.parametrize("state, waited", [("stopped", False), ("dead", False), ("no_answer", True)])
+def test_the_diagnostics_wait_ends_once_only_stopped_or_dead_ranks_are_silent(tmp_path, state, waited):
+    """A stopped or dead rank can never answer: waiting diagnostics_wait_s for it only delayed the incident (by
+    3 s in bench_auto_instrument.py's SIGSTOP trials). A silent rank that runs may still answer: it gets the
+    whole wait."""
+    sim = Sim(ranks=4)
+    actions = _ReachedAll(answer={0, 2, 3})
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3))
+    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
+                  probe=lambda pid: state if pid == 101 else "no_answer", diagnostics_dir=lambda job: tmp_path / job)
+    wd.check_once()
+    sim.run(10)
+    wd.check_once()
+    sim.clock.now += 6
+    before = sim.clock.now
+    wd.check_once()
+    opened = actions.records[0]
+    assert opened.kind is IncidentKind.HANG and opened.ranks == (1,)
+    assert opened.evidence["verdict"]["unresponsive"] == {"1": state}
+    took = sim.clock.now - before
+    if waited:
+        assert took >= cfg.diagnostics_wait_s
+    else:
+        assert took < 0.5, took
