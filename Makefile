@@ -46,7 +46,8 @@ demo: $(VENV)/.installed
 	  $(BIN)/trainwarden run --nproc-per-node 8 --max-restarts 2 --warm-workers --job demo -- \
 	  -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps $(DEMO_STEPS) --ckpt-every 10
 
-# three simulated nodes (network namespaces; root) and a 3-member etcd cluster; node n2 is lost at step 12
+# three simulated nodes (network namespaces; root) and a 3-member etcd cluster; at step 12 node n2 is lost
+# (DEMO_CLUSTER_FAULT=kill), partitioned (partition) or its link slowed to 20 Mbit/s both ways (slow-link)
 DEMO_CLUSTER_FAULT ?= kill
 demo-cluster: $(VENV)/.installed
 	$(BIN)/python tests/demo_cluster.py --fault $(DEMO_CLUSTER_FAULT)

@@ -10,6 +10,8 @@ touches the machine's network, and deleting the namespaces removes every interfa
         bed.partition("n1")                        # its link down: processes alive, network gone
         bed.heal("n1")
         bed.degrade("n2", rate="4mbit")            # tc token-bucket on its link, both directions
+        bed.degrade("n1", "20mbit", direction="out", peer="n0")  # only what n1 sends to n0
+        bed.restore_link("n2")                     # every limit on n2's link, or between n2 and a peer
         bed.kill("n2")                             # SIGKILL every process in the node: a power loss
 
 Root is needed (``ip netns``); ``TestBed.unavailable()`` says why not, for a skip. Teardown (also on
@@ -65,6 +67,7 @@ class TestBed:
         self._etcd_binary = etcd_binary or str(Path(sys.executable).parent / "etcd")
         self.etcd_members = [h for h in self.hosts.values() if h.name.startswith("e")]
         self._up = False
+        self._limits: dict[str, dict[tuple[str, str | None], _Limit]] = {}  # host -> (side, peer) -> limit
 
     # ---- set-up and teardown ------------------------------------------------------------------------
 
@@ -185,17 +188,51 @@ class TestBed:
     def heal(self, name: str) -> None:
         _ip("-n", self.bed_ns, "link", "set", self.hosts[name].bridge_port, "up")
 
-    def degrade(self, name: str, rate: str = "8mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
-        """Rate-limit host ``name``'s link both ways with a token bucket (``tc ... tbf``)."""
+    def degrade(self, name: str, rate: str = "8mbit", *, direction: str = "both", peer: str | None = None,
+                burst: str | None = None, latency: str = "400ms") -> None:
+        """Rate-limit host ``name``'s traffic to ``rate`` (a ``tc`` rate: ``"4mbit"``, ``"50mbit"``).
+
+        ``direction``: ``"out"`` limits what the host sends (the egress of its ``eth0``), ``"in"`` what it
+        receives (the egress of its bridge port, towards it), ``"both"`` both. ``peer``: None limits the whole
+        link (a token bucket, ``tbf``; ``latency`` bounds its queue, beyond which packets drop, as on a congested
+        link); a host name limits only the traffic between ``name`` and that host, in the given direction(s) as
+        seen from ``name`` (``htb`` with ``u32`` filters on the peer's address, on ``name``'s two devices: its
+        other traffic is untouched, and so is the peer's). Several peers may be limited at once; a host's
+        whole-link limit and its per-peer limits do not mix (``restore_link`` first). A repeated call for the
+        same host, direction and peer replaces the limit. ``burst``: the bucket's depth (default: 10 ms at the
+        rate, at least 4 KB)."""
+        if direction not in ("both", "out", "in"):
+            raise ValueError(f"direction must be 'both', 'out' or 'in', not {direction!r}")
         host = self.hosts[name]
-        for ns, dev in ((host.namespace, "eth0"), (self.bed_ns, host.bridge_port)):
-            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-                  "latency", latency])
+        if peer is not None and (peer not in self.hosts or peer == name):
+            raise ValueError(f"peer must be another host of the bed, not {peer!r}")
+        limits = self._limits.setdefault(name, {})
+        sides = ("out", "in") if direction == "both" else (direction,)
+        for side in sides:
+            others = {p for (s, p) in limits if s == side}
+            if others and (peer is None) != (None in others):
+                raise ValueError(f"{name}: a whole-link limit and per-peer limits do not mix; restore_link first")
+        for side in sides:
+            limits[(side, peer)] = _Limit(rate=rate, burst=burst or _default_burst(rate), latency=latency)
+        for side in sides:
+            self._apply(host, side)
 
     def restore_link(self, name: str) -> None:
-        host = self.hosts[name]
-        for ns, dev in ((host.namespace, "eth0"), (self.bed_ns, host.bridge_port)):
-            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        """Undo every ``degrade`` of host ``name``: its own limits, and the per-peer limits other hosts hold
+        with it as the peer."""
+        self._limits.pop(name, None)
+        touched = [(name, "out"), (name, "in")]
+        for other, limits in self._limits.items():
+            for side, peer in list(limits):
+                if peer == name:
+                    del limits[(side, peer)]
+                    touched.append((other, side))
+        for host, side in dict.fromkeys(touched):
+            self._apply(self.hosts[host], side)
+
+    def link_limits(self, name: str) -> dict[tuple[str, str | None], str]:
+        """Host ``name``'s limits now: ``{(direction "out"|"in", peer or None): rate}``."""
+        return {key: limit.rate for key, limit in self._limits.get(name, {}).items()}
 
     # ---- the etcd cluster ---------------------------------------------------------------------------
 
@@ -243,9 +280,55 @@ class TestBed:
 
     # ---- internals ----------------------------------------------------------------------------------
 
+    def _devices(self, host: Host) -> dict[str, tuple[str, str]]:
+        """The (namespace, device) whose egress carries the host's traffic out and in."""
+        return {"out": (host.namespace, "eth0"), "in": (self.bed_ns, host.bridge_port)}
+
+    def _apply(self, host: Host, side: str) -> None:
+        """Make the root qdisc of the host's ``side`` device say what its limits say (rebuilt whole)."""
+        ns, dev = self._devices(host)[side]
+        rules = {peer: limit for (s, peer), limit in self._limits.get(host.name, {}).items() if s == side}
+        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
+        if not rules:
+            return
+        tc = ["tc", "-n", ns]
+        if None in rules:
+            whole = rules[None]
+            _run([*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", whole.rate, "burst", whole.burst,
+                  "latency", whole.latency])
+            return
+        # unclassified packets (other hosts, ARP) leave at once, unshaped: htb without a default class
+        _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"])
+        match = "dst" if side == "out" else "src"  # out: packets to the peer; in: packets from it
+        for i, (peer, limit) in enumerate(sorted(rules.items()), start=10):
+            _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{i}", "htb", "rate", limit.rate,
+                  "ceil", limit.rate, "burst", limit.burst, "cburst", limit.burst])
+            _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                  "match", "ip", match, f"{self.hosts[peer].address}/32", "flowid", f"1:{i}"])
+
     def _pids(self, host: Host) -> list[int]:
         result = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True)
         return [int(p) for p in result.stdout.split() if p.isdigit()]
+
+
+@dataclass(frozen=True)
+class _Limit:
+    rate: str
+    burst: str
+    latency: str
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def _default_burst(rate: str) -> str:
+    """10 ms at ``rate``, at least 4 KB: enough that the timer's granularity does not lower the rate."""
+    digits = rate.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = rate[len(digits):].lower() or "bit"
+    if not digits or unit not in _RATE_UNITS:
+        raise ValueError(f"a tc rate such as '8mbit' or '500kbit', not {rate!r}")
+    bits_per_s = float(digits) * _RATE_UNITS[unit]
+    return f"{max(4096, int(bits_per_s / 8 * 0.01))}b"
 
 
 def _ip(*args: str) -> None:

@@ -1,6 +1,7 @@
 """The multi-host test bed itself (tests/testbed.py): isolated nodes that reach each other, a 3-member etcd
-cluster that survives a member's loss, and kill, partition, heal and degrade doing what they say. Teardown
-leaves no namespace and no process behind."""
+cluster that survives a member's loss, and kill, partition, heal and degrade (the whole link, one direction,
+one pair of hosts) doing what they say, measured with TCP transfers. Teardown leaves no namespace and no
+process behind."""
 
 from __future__ import annotations
 
@@ -83,6 +84,64 @@ def test_nodes_reach_each_other_and_kill_partition_heal_degrade_work(tmp_path):
         assert _send(bed, "n0", "n1", 1024, timeout=2.0) is None
     assert bed.leftovers() == []
     assert bed.tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _mbit_s(bed, src, dst, size=2 * 1024 * 1024):
+    """Throughput of one TCP transfer of ``size`` bytes from host ``src`` to host ``dst`` (its echo server)."""
+    seconds = _send(bed, src, dst, size, timeout=30.0)
+    assert seconds is not None, f"{src} -> {dst} failed"
+    return size * 8 / seconds / 1e6
+
+
+def test_degrade_limits_one_direction_or_one_pair_and_nothing_else(tmp_path):
+    """Each limit shows in a transfer where it applies (about the rate) and not elsewhere (far above it); the
+    margins are ratios to the configured rate: the unlimited bridge moves gigabits a second even on a busy
+    machine."""
+    rate = 20  # Mbit/s: a 2 MB transfer takes about 0.8 s through the limit
+    bed = TestBed(nodes=3, workdir=tmp_path / "bed")
+    with bed:
+        for n in bed.hosts:
+            bed.spawn(n, [sys.executable, "-c", ECHO_SERVER, bed.address(n)], log=tmp_path / f"echo-{n}.log")
+        deadline = time.monotonic() + 20
+        while not all(_send(bed, "n0", n, 1024, timeout=2.0) for n in ("n1", "n2")):
+            assert time.monotonic() < deadline, "the echo servers did not come up"
+            time.sleep(0.2)
+
+        def expect(limited=(), free=()):
+            for src, dst in limited:
+                mbit = _mbit_s(bed, src, dst)
+                assert rate / 4 < mbit < rate * 1.5, f"{src} -> {dst}: {mbit:.1f} Mbit/s through a {rate} Mbit/s limit"
+            for src, dst in free:
+                mbit = _mbit_s(bed, src, dst)
+                assert mbit > rate * 10, f"{src} -> {dst}: {mbit:.1f} Mbit/s where no limit applies"
+
+        expect(free=[("n0", "n2")])
+        bed.degrade("n2", f"{rate}mbit")  # the whole link, both ways
+        expect(limited=[("n0", "n2"), ("n2", "n0")], free=[("n0", "n1")])
+        assert bed.link_limits("n2") == {("out", None): f"{rate}mbit", ("in", None): f"{rate}mbit"}
+        bed.restore_link("n2")
+        expect(free=[("n2", "n0")])
+
+        bed.degrade("n2", f"{rate}mbit", direction="out")  # what n2 sends, to anyone
+        expect(limited=[("n2", "n0"), ("n2", "n1")], free=[("n0", "n2")])
+        bed.restore_link("n2")
+        bed.degrade("n2", f"{rate}mbit", direction="in")  # what n2 receives, from anyone
+        expect(limited=[("n1", "n2")], free=[("n2", "n0")])
+        bed.restore_link("n2")
+
+        bed.degrade("n0", f"{rate}mbit", peer="n2")  # only between n0 and n2, both ways
+        expect(limited=[("n0", "n2"), ("n2", "n0")], free=[("n0", "n1"), ("n1", "n2"), ("n1", "n0")])
+        with pytest.raises(ValueError, match="do not mix"):
+            bed.degrade("n0", "1mbit")
+        bed.restore_link("n2")  # the peer's restore lifts the pair's limit held on n0's devices
+        assert bed.link_limits("n0") == {}
+        expect(free=[("n0", "n2"), ("n2", "n0")])
+
+        bed.degrade("n0", f"{rate}mbit", direction="out", peer="n2")  # n0 -> n2 only
+        expect(limited=[("n0", "n2")], free=[("n2", "n0"), ("n0", "n1")])
+        bed.restore_link("n0")
+        expect(free=[("n0", "n2")])
+    assert bed.leftovers() == []
 
 
 def test_the_etcd_cluster_serves_from_every_node_and_survives_one_member(tmp_path):
