@@ -80,7 +80,9 @@ def test_a_regression_that_lasts_does_not_become_the_baseline():
 def test_checkpoint_pauses_and_restarts_are_not_regressions():
     det, job = CommRegressionDetector(), Job()
     _warm(det, job)
-    assert job.run(det, 30, wait=0.5, stage="save_start") == []  # a blocking save: no window judged
+    # saves that block the step add to compute, not to collective wait: slower, but not a regression
+    assert job.run(det, 30, compute=0.5, stage="save_start") == []
+    assert job.run(det, 30, wait=0.5, stage="restore_start") == []  # a restore: no window judged
     assert job.run(det, 20) == []
     job.restart()  # a new worker round: its first steps are slow, and not judged
     assert job.run(det, 5, wait=0.6) == []
@@ -151,3 +153,43 @@ def test_the_watch_records_one_incident_per_regression_and_exports_the_gauge():
     run(40, 0.1, 0.02)
     assert len(recorded) == 2 and recorded[-1].state == IncidentState.RESOLVED
     assert next(iter(watch.metrics(["j"]))).samples[0].value == 0.0
+
+
+# ---- recorded jobs on the multi-node bed (tests/fixtures/comm_regression/README.md) ----------------------
+
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "comm_regression"
+FAULTS = {"ddp_link": (8529.6, 8589.7), "ddp_pair": (8352.0, 8412.1), "gpt_link": (10311.2, 10371.4)}
+
+
+def _replay(path):
+    import gzip
+    import json
+
+    det, events = CommRegressionDetector(), []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("totals"):
+                totals = {int(r): RankTotals(steps=v[0], step_seconds=v[1], wait_seconds=v[2], stage=v[4], pid=v[5])
+                          for r, v in record["totals"].items()}
+                events += [(record["t"], e) for e in det.update("j", record["t"], totals)]
+    return events
+
+
+@pytest.mark.parametrize("scenario", ["ddp_healthy", "ddp_straggler"])
+def test_recorded_healthy_and_straggler_jobs_raise_no_regression(scenario):
+    for node in ("n0", "n1", "n2"):
+        assert _replay(FIXTURES / f"{scenario}_{node}.jsonl.gz") == [], node
+
+
+@pytest.mark.parametrize("scenario", sorted(FAULTS))
+def test_a_recorded_slow_link_is_a_regression_on_every_node_within_a_minute_of_the_first(scenario):
+    start, end = FAULTS[scenario]
+    first = []
+    for node in ("n0", "n1", "n2"):
+        events = _replay(FIXTURES / f"{scenario}_{node}.jsonl.gz")
+        assert [e.started for _, e in events] == [True, False], (node, events)
+        (began, _), (ended, _) = events
+        assert start < began < end + 30 and ended > end  # a node whose own ranks lag sees it windows later
+        first.append(began - start)
+    assert min(first) <= 60.0, first  # the job's first incident, job-wide
