@@ -323,6 +323,15 @@ def process_io_bytes(pid: int) -> int | None:
     return io.read_chars + io.write_chars + io.read_bytes + io.write_bytes
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) the process has used; None when it cannot be read."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError, ValueError):
+        return None
+    return times.user + times.system
+
+
 def _ranks(ranks: Iterable[int]) -> str:
     return ",".join(str(r) for r in ranks) or "none"
 

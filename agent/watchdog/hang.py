@@ -33,8 +33,11 @@ optimizer. A stuck rank stops its peers at their next collective, so the count s
   started: ``multiplier`` x the longest gap between two consecutive collectives of a rank in its recent
   ones, clamped like the step deadline. Before that, the start-up deadline.
 
-Work between steps with no collective and no step (a long evaluation on one rank, say) still looks like a
-hang: raise ``floor_s`` for such jobs.
+Work between steps with no collective and no step (a long evaluation on one rank while the others wait in a
+barrier, say) is told from a hang by the CPU: while some rank's process keeps using at least ``busy_cores`` of
+CPU, the deadline is at least ``busy_s`` (300 s). A deadlocked or stopped rank uses none, and neither do ranks
+blocked in a collective, so hangs are caught as before; a rank spinning forever is caught after ``busy_s``.
+(An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s evaluation on one rank.)
 
 After firing, a job is not judged again until it progresses or a new worker round starts (the restart
 that the abort causes), so one hang gives one incident. A job none of whose ranks is connected is not
@@ -72,6 +75,10 @@ class HangConfig:
     checkpoint_s: float = 180.0
     """Deadline while a rank is inside a blocking checkpoint stage, counted from the stage's last I/O
     progress (a constant allowance turned every restore longer than it into an abort-restore loop)."""
+    busy_s: float = 300.0
+    """Deadline while some rank's process keeps computing (at least `busy_cores` of CPU since the last check)."""
+    busy_cores: float = 0.5
+    """CPU seconds per second a rank's process must use to count as computing (a blocked one uses ~0)."""
     checkpoint_io_bytes: int = 1 << 20
     """Bytes the ranks in a blocking checkpoint stage must read or write to count as progress (more than
     their own telemetry and log lines move while stuck)."""
@@ -106,7 +113,7 @@ class HangCheck:
     timeout_s: float
     """The deadline that applied."""
     reason: str
-    """Which deadline applied: "steady", "startup", "checkpoint" or "collectives"."""
+    """Which deadline applied: "steady", "startup", "checkpoint", "collectives" or "busy"."""
     steps_since_start: int
     """Steps completed since the current worker round started (max over ranks)."""
     min_steps_since_start: int = 0
@@ -130,6 +137,8 @@ class _JobProgress:
     in_checkpoint: bool = False
     io_seen: dict[int, int] = field(default_factory=dict)  # rank -> bytes moved, while in a blocking stage
     io_moved: int = 0  # bytes moved since the last progress
+    cpu_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, CPU seconds)
+    last_busy: float = 0.0  # the last observation in which some rank was computing
 
 
 class HangDetector:
@@ -143,7 +152,8 @@ class HangDetector:
     def observe(self, job: str, *, round_id: Hashable, step_counts: Mapping[int, int], step_p99_s: float,
                 in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None,
                 progress_age_s: float = 0.0, collective_counts: Mapping[int, int] | None = None,
-                collective_gap_s: float = 0.0, collective_age_s: float = 0.0) -> HangCheck:
+                collective_gap_s: float = 0.0, collective_age_s: float = 0.0,
+                cpu_seconds: Mapping[int, float] | None = None) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
@@ -154,7 +164,8 @@ class HangDetector:
         counts from when it happened, not from when its batch arrived (the caller bounds it).
         `collective_counts` maps rank to its cumulative count of collectives (module docstring),
         `collective_gap_s` is the longest recent gap between a rank's consecutive collectives and
-        `collective_age_s` how long before now the newest reported one was entered.
+        `collective_age_s` how long before now the newest reported one was entered; `cpu_seconds` maps rank
+        to the CPU seconds its process has used (ranks whose counters cannot be read are left out).
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -198,13 +209,34 @@ class HangDetector:
                 timeout, reason = self.config.startup_s, "startup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
+        if self._busy(state, now, cpu_seconds):
+            state.last_busy = now
         stalled = now - state.last_progress
-        hung = running and state.armed and stalled >= timeout
+        # a rank that computes is not stalled: the deadline runs from the later of the last progress and the
+        # last moment some rank computed (its first steps after the work arrive in the next batch), and a
+        # stall with computing in it gets `busy_s` in all
+        quiet = now - max(state.last_progress, state.last_busy)
+        if state.last_busy > state.last_progress and self.config.busy_s > timeout:
+            hung = running and state.armed and (stalled >= self.config.busy_s or quiet >= timeout)
+            reason = "busy" if stalled >= self.config.busy_s or quiet < timeout else reason
+            timeout = self.config.busy_s if reason == "busy" else timeout
+        else:
+            hung = running and state.armed and stalled >= timeout
         if hung:
             state.armed = False
         return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
                          steps_since_start=steps, min_steps_since_start=min(done, default=0),
                          progressed=progressed or collectives_moved, heartbeat=heartbeat)
+
+    def _busy(self, state: _JobProgress, now: float, cpu: Mapping[int, float] | None) -> bool:
+        """Some rank's process used at least `busy_cores` of CPU since the previous observation."""
+        busy = False
+        for rank, seconds in (cpu or {}).items():
+            before = state.cpu_seen.get(rank)
+            if before is not None and now > before[0] and seconds >= before[1]:
+                busy = busy or (seconds - before[1]) / (now - before[0]) >= self.config.busy_cores
+            state.cpu_seen[rank] = (now, seconds)
+        return busy
 
     def _checkpoint_io(self, state: _JobProgress, io: Mapping[int, int] | None) -> bool:
         """True when the ranks in a blocking checkpoint stage moved enough bytes since the last progress.

@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_io_bytes, process_state,
-                                                read_diagnostics)
+from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_cpu_seconds, process_io_bytes,
+                                               process_state, read_diagnostics)
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
@@ -136,6 +136,7 @@ class Watchdog:
                  sleep: Callable[[float], object] | None = None,
                  probe: Callable[[int], str] = process_state,
                  io_bytes: Callable[[int], int | None] = process_io_bytes,
+                 cpu_seconds: Callable[[int], float | None] = process_cpu_seconds,
                  diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics",
                  cluster=None) -> None:
         """``cluster``: a ``HangCoordinator`` (agent/etcd/cluster.py) for jobs of several nodes: one node records
@@ -145,6 +146,7 @@ class Watchdog:
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._io_bytes = io_bytes
+        self._cpu_seconds = cpu_seconds
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
@@ -248,7 +250,7 @@ class Watchdog:
             progress_age_s=self._report_age(newest),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
-            collective_age_s=self._report_age(newest_collective))
+            collective_age_s=self._report_age(newest_collective), cpu_seconds=self._cpu_of(connected))
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -278,6 +280,15 @@ class Watchdog:
             self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
         self._pace_reads(snap)
         return check
+
+    def _cpu_of(self, ranks: Sequence[RankSnapshot]) -> dict[int, float]:
+        """CPU seconds of the ranks' processes this agent can read (a rank busy computing is not hung)."""
+        found = {}
+        for r in ranks:
+            seconds = self._cpu_seconds(r.pid) if r.pid > 0 else None
+            if seconds is not None:
+                found[r.rank] = seconds
+        return found
 
     def _report_age(self, unix: float) -> float:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""

@@ -1,5 +1,6 @@
 """A straggler in a script that never imports trainwarden: auto-instrumentation's steps and the Flight Recorder's
-collective arrivals are enough for the straggler detector to flag the slow rank and record its incident."""
+collective arrivals are enough for the straggler detector to flag the slow rank and record its incident. And a
+rank computing alone for a while (an evaluation) while the others wait is not taken for a hang."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def test_a_slow_rank_of_an_unchanged_ddp_script_is_flagged_a_straggler(procs, tm
     stragglers = [i for i in incidents(tmp_path, "slow") if i["kind"].startswith("straggler")]
     assert stragglers and {r for i in stragglers for r in i["ranks"]} == {2}, stragglers
     assert [i for i in incidents(tmp_path, "slow") if i["kind"] == "hang"] == []
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_computing_alone_for_seconds_is_not_a_hang(procs, tmp_path):
+    log = tmp_path / "busy.log"
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "2",
+                        "--max-restarts", "0", "--metrics-port", "0", "--job", "busy", "--state-home",
+                        str(tmp_path / "state"), "--", str(SCRIPT), "--steps", "60", "--sleep", "0.05",
+                        "--busy-rank", "0", "--busy-at", "30", "--busy-s", "12"], log=log)
+    rc = proc.wait(240)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]  # the hang deadline is 5 s here; the evaluation took 12
+    assert "tutorial done" in text and incidents(tmp_path, "busy") == []

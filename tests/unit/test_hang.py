@@ -299,3 +299,41 @@ def test_a_collective_reported_late_counts_from_when_it_was_entered():
     clock.now += 3.0
     check = _observe_collectives(det, {0: 50}, age=2.5)  # read late: the newest was entered 2.5 s ago
     assert check.progressed and check.stalled_s == pytest.approx(2.5)
+
+
+def test_a_rank_busy_computing_between_steps_is_not_hung_and_one_spinning_forever_is_after_busy_s():
+    clock = Clock()
+    det = HangDetector(HangConfig(busy_s=60.0), clock=clock)
+    counts = _warm(det, clock)
+    cpu = {0: 10.0, 1: 10.0}
+    for _ in range(30):  # rank 0 evaluates alone for 30 s (a core's worth of CPU), rank 1 waits in a barrier
+        clock.now += 1.0
+        cpu[0] += 1.0
+        cpu[1] += 0.01
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, cpu_seconds=cpu)
+        assert not check.hung
+    assert check.reason == "busy" and check.timeout_s == 60.0
+    for _ in range(40):  # it never comes back: a rank spinning forever is a hang after busy_s
+        clock.now += 1.0
+        cpu[0] += 1.0
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, cpu_seconds=cpu)
+        if check.hung:
+            break
+    assert check.hung and check.stalled_s == pytest.approx(60.0, abs=1.0)
+
+
+def test_ranks_that_use_no_cpu_are_hung_at_the_usual_deadline():
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    cpu = {0: 10.0, 1: 10.0}
+    fired = []
+    for _ in range(6):  # a stopped rank and one blocked in a collective: a few ms of CPU for telemetry
+        clock.now += 1.0
+        cpu = {r: c + 0.01 for r, c in cpu.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, cpu_seconds=cpu)
+        fired += [check] if check.hung else []
+    assert [(c.reason, c.timeout_s) for c in fired] == [("steady", 5.0)]
