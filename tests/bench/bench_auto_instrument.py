@@ -21,9 +21,8 @@ overhead  An unchanged gloo DDP script of 2 ranks (it never imports trainwarden)
           thread reads /proc every 0.25 s and reports, per run, how many cores other work on the machine used
           during the measured steps (the machine's busy time less this benchmark's processes): the main noise
           on a shared machine; the summary repeats the comparison over the rounds whose both sides stayed
-          under ``--quiet-below``, and fits the runs' median step by least squares on that other work and on
-          the instrumentation (the latter's coefficient, with its standard error, is the overhead net of
-          the other work, as far as a linear model holds).
+          under ``--quiet-below``, and gives the per-round ratios' mean with its standard error, also net of
+          what the difference in other work between a round's two runs explains (least squares).
 hook      The cost of one call of the optimizer-step hook (``runtime.auto.OptimizerSteps.on_optimizer_step``)
           in a worker that ``trainwarden run`` instrumented (its session's real TelemetryClient streaming to
           the real agent), called directly in a loop (less an empty call of the same shape), with an SGD
@@ -457,33 +456,40 @@ def _overhead_lines(auto: list[dict], plain: list[dict]) -> list[str]:
         lines.append(f"{what} per step: auto {a * 1e6:.1f} us, no-auto {p * 1e6:.1f} us, difference "
                      f"{(a - p) * 1e6:+.1f} us ({(a - p) / step * 100:+.3f} % of the {step * 1e3:.1f} ms step); "
                      f"per round {min(diffs):+.1f} .. {max(diffs):+.1f} us")
-    fit = adjusted_effect(auto, plain)
-    if fit is not None:
-        effect, stderr, slope = fit
-        lines.append(f"step median, least squares over the {2 * len(auto)} runs with other work on the machine as a "
-                     f"covariate (median = a + b x other cores + c x instrumented): c = {effect * 1e6:+.0f} us "
-                     f"+- {stderr * 1e6:.0f} us (1 s.e.) = {effect / step * 100:+.2f} % +- {stderr / step * 100:.2f} % "
-                     f"of the step; b = {slope * 1e3:+.1f} ms per core of other work")
+    paired = paired_effect(auto, plain)
+    if paired is not None:
+        mean, stderr, adjusted = paired
+        lines.append(f"step median, paired by round (auto / no-auto - 1, the two runs of a round back to back): mean "
+                     f"{mean * 100:+.2f} % +- {stderr * 100:.2f} % (1 s.e., {len(auto)} rounds)"
+                     + ("" if adjusted is None else
+                        f"; less what the difference in other work between the two runs explains (least squares "
+                        f"on it): {adjusted[0] * 100:+.2f} % +- {adjusted[1] * 100:.2f} %"))
     return lines
 
 
-def adjusted_effect(auto: list[dict], plain: list[dict]) -> tuple[float, float, float] | None:
-    """Least squares of the runs' median step on (1, other cores, instrumented): the instrumented effect, its
-    standard error, and the other work's slope; None without enough runs or the other work's figures."""
+def paired_effect(auto: list[dict], plain: list[dict]) -> tuple[float, float, tuple[float, float] | None] | None:
+    """Round by round, the instrumented run's median step over the other's, less 1: their mean and its
+    standard error, and, when the other work on the machine differed between the two runs of some rounds, the
+    intercept of a least-squares line of those ratios on that difference (the ratio with no difference) and
+    its standard error. None with fewer than 2 rounds."""
     import numpy as np
 
-    runs = [(r["median_s"], r["foreign_cores"], flag) for rs, flag in ((auto, 1.0), (plain, 0.0)) for r in rs]
-    if len(runs) < 4 or any(f is None for _, f, _ in runs):
+    ratios = np.array([a["median_s"] / p["median_s"] - 1 for a, p in zip(auto, plain)])
+    n = len(ratios)
+    if n < 2:
         return None
-    y = np.array([m for m, _, _ in runs])
-    x = np.array([[1.0, f, flag] for _, f, flag in runs])
-    coef, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
-    if rank < 3:
-        return None
-    residual = y - x @ coef
-    sigma2 = float(residual @ residual) / (len(y) - 3)
-    stderr = float(np.sqrt(sigma2 * np.linalg.inv(x.T @ x)[2, 2]))
-    return float(coef[2]), stderr, float(coef[1])
+    mean, stderr = float(ratios.mean()), float(ratios.std(ddof=1) / np.sqrt(n))
+    adjusted = None
+    diffs = [None if a["foreign_cores"] is None or p["foreign_cores"] is None else a["foreign_cores"] - p["foreign_cores"]
+             for a, p in zip(auto, plain)]
+    if n >= 4 and None not in diffs and np.std(diffs) > 0.05:
+        x = np.column_stack([np.ones(n), np.array(diffs, dtype=float)])
+        coef, _, rank, _ = np.linalg.lstsq(x, ratios, rcond=None)
+        if rank == 2:
+            residual = ratios - x @ coef
+            sigma2 = float(residual @ residual) / (n - 2)
+            adjusted = (float(coef[0]), float(np.sqrt(sigma2 * np.linalg.inv(x.T @ x)[0, 0])))
+    return mean, stderr, adjusted
 
 
 # ---- part 2: one hook call -----------------------------------------------------------------------------------

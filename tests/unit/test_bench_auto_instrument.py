@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from bench_auto_instrument import (CpuSampler, Family, adjusted_effect, hang_report, overhead_report,  # noqa: E402
-                                   summarize_steps)
+from bench_auto_instrument import (CpuSampler, Family, hang_report, overhead_report,  # noqa: E402
+                                   paired_effect, summarize_steps)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,12 +83,15 @@ def test_the_family_finds_descendants_and_kills_only_what_it_saw(tmp_path):
             proc.wait()
 
 
-def test_the_adjusted_effect_separates_instrumentation_from_other_work():
-    # median = 50 ms + 20 ms per core of other work + 0.1 ms instrumented, and a little noise
-    noise = [0.00002, -0.00001, 0.0, 0.00001, -0.00002, 0.0]
-    foreign = [0.0, 0.5, 0.9, 0.1, 0.4, 0.8]
-    auto = [_side(0.050 + 0.020 * f + 0.0001 + n, f) for f, n in zip(foreign[:3], noise[:3])]
-    plain = [_side(0.050 + 0.020 * f + n, f) for f, n in zip(foreign[3:], noise[3:])]
-    effect, stderr, slope = adjusted_effect(auto, plain)
-    assert effect == pytest.approx(0.0001, abs=0.00005) and stderr < 0.0001 and slope == pytest.approx(0.020, rel=0.01)
-    assert adjusted_effect(auto[:1], plain[:1]) is None
+def test_the_paired_effect_is_the_mean_ratio_and_can_be_net_of_other_work():
+    # per round: auto / plain - 1 = 0.2 % + 10 % per core that the auto run had more of other work
+    foreign = [0.0, 0.5, 0.1, 0.0, 0.3, 0.0]
+    auto = [_side(0.050 * (1.002 + 0.10 * f), f) for f in foreign]
+    plain = [_side(0.050, 0.0) for _ in foreign]
+    mean, stderr, adjusted = paired_effect(auto, plain)
+    assert mean == pytest.approx(0.002 + 0.10 * sum(foreign) / 6) and stderr > 0
+    assert adjusted[0] == pytest.approx(0.002) and adjusted[1] == pytest.approx(0.0, abs=1e-9)
+    quiet = [_side(0.050 * r, 0.0) for r in (1.001, 0.999, 1.003, 0.997)]
+    mean, stderr, adjusted = paired_effect(quiet, [_side(0.050, 0.0)] * 4)
+    assert mean == pytest.approx(0.0) and adjusted is None  # no difference in other work to fit on
+    assert paired_effect(auto[:1], plain[:1]) is None
