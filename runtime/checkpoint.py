@@ -194,7 +194,11 @@ def _own_bytes(path: Path, rank: int) -> int:
     meanwhile (rank 0 sets a fenced checkpoint aside as soon as its commit is refused): what cannot be
     counted is not, and never fails the save."""
     total = 0
-    for p in [*path.glob(f"__{rank}_*"), path / store.rng_sidecar_name(rank)]:
+    try:
+        files = [*path.glob(f"__{rank}_*"), path / store.rng_sidecar_name(rank)]
+    except OSError:  # moved between pathlib's is-a-directory check and its scan
+        return 0
+    for p in files:
         try:
             total += p.stat().st_size
         except OSError:

@@ -14,7 +14,7 @@ from trainwarden.agent import __version__
 from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, run, status
 from trainwarden.agent.common import exit_codes
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "whole_lines"]
 
 COMMANDS = (run, status, incidents, checkpoints, agent, env)
 """Modules with an ``add_parser(subparsers)``, in the order ``--help`` lists them."""
@@ -35,7 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def whole_lines(stream) -> None:
+    """Make each printed line one write. Under ``PYTHONUNBUFFERED`` (or ``-u``) print() writes a line's text
+    and its newline separately, and torchrun's records, written to the same terminal or log by other
+    processes, can land between the two; line buffering joins them."""
+    try:
+        stream.reconfigure(write_through=False, line_buffering=True)
+    except (AttributeError, ValueError, OSError):  # not a TextIOWrapper (a test's capture): nothing to join
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):
+        whole_lines(stream)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

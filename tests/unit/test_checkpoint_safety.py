@@ -149,3 +149,25 @@ def test_a_failed_save_is_reported_with_its_cause_and_retention_spares_unreadabl
         ckpt.wait()
     assert unreadable.is_dir() and store.step_dir(tmp_path, 6).is_dir()
     assert not store.step_dir(tmp_path, 5).exists() and not store.step_dir(tmp_path, 1).exists()
+
+
+def test_counting_a_ranks_bytes_survives_rank_0_moving_the_checkpoint_mid_count(tmp_path, monkeypatch):
+    """Rank 0 sets a fenced save aside (renames its directory) as soon as its commit is refused, while the
+    other ranks' save threads count their own bytes in it. A rename between pathlib's is-a-directory check
+    and its directory scan raised FileNotFoundError on a non-zero rank's save thread and crashed the worker
+    (CI: a two-node job during an etcd quorum loss lost a round). Counting what is gone counts nothing."""
+    import pathlib
+
+    from trainwarden.runtime.checkpoint import _own_bytes
+
+    ckpt = tmp_path / "step-00000020"
+    ckpt.mkdir()
+    (ckpt / "__2_0.distcp").write_bytes(b"x" * 10)
+    scandir = pathlib.Path._scandir
+
+    def moved_meanwhile(self):
+        ckpt.rename(tmp_path / "step-00000020.fenced")
+        return scandir(self)
+
+    monkeypatch.setattr(pathlib.Path, "_scandir", moved_meanwhile)
+    assert _own_bytes(ckpt, 2) == 0

@@ -7,6 +7,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,23 @@ def test_prometheus_example_passes_promtool():
     result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")],
                             capture_output=True, text=True, timeout=20)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_printed_line_reaches_an_unbuffered_stdout_in_one_write(tmp_path):
+    """Under PYTHONUNBUFFERED (which torchrun users set), print() wrote a line's text and its newline as two
+    writes: torchrun's stderr, which shares the terminal or log file, landed between them and split a
+    `trainwarden:` line from its end (seen in CI as a run log with a torchrun record glued to one of ours)."""
+    script = ("import io, sys\n"
+              "class Raw(io.RawIOBase):\n"
+              "    writes = []\n"
+              "    def writable(self): return True\n"
+              "    def write(self, b): Raw.writes.append(bytes(b)); return len(b)\n"
+              "sys.stdout = io.TextIOWrapper(Raw(), write_through=True)\n"
+              "from trainwarden.agent.cli.main import whole_lines\n"
+              "whole_lines(sys.stdout)\n"
+              "print('trainwarden: the worker round failed: rank 1 (SIGKILL)')\n"
+              "print('a', 'b', sep='-', end='!\\n')\n"
+              "sys.stderr.write(repr(Raw.writes))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == repr([b"trainwarden: the worker round failed: rank 1 (SIGKILL)\n", b"a-b!\n"])
