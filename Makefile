@@ -43,7 +43,7 @@ system-packages:
 demo: $(VENV)/.installed
 	rm -rf runs/jobs/demo
 	TRAINWARDEN_STATE_HOME=$(CURDIR)/runs TRAINWARDEN_FAULTS='$(DEMO_FAULTS)' \
-	  $(BIN)/trainwarden run --nproc-per-node 8 --max-restarts 2 --warm-workers --job demo -- \
+	  $(BIN)/trainwarden run --nproc-per-node 8 --max-restarts 2 --job demo -- \
 	  -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps $(DEMO_STEPS) --ckpt-every 10
 
 # three simulated nodes (network namespaces; root) and a 3-member etcd cluster; at step 12 node n2 is lost

@@ -64,9 +64,13 @@ def add_parser(sub) -> None:
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
-    p.add_argument("--warm-workers", action="store_true",
-                   help="restarted workers fork from a process that has torch and the script's imports loaded "
-                        "(a restart skips the interpreters' start-up; the first round starts cold)")
+    warm = p.add_mutually_exclusive_group()
+    warm.add_argument("--cold-workers", dest="warm_workers", action="store_false",
+                      help="start every restarted worker as a new interpreter, as plain torchrun does (by default "
+                           "restarted workers fork from a process that has torch and the script's imports loaded: "
+                           "a restart skips the interpreters' start-up; the first round starts cold)")
+    warm.add_argument("--warm-workers", dest="warm_workers", action="store_true", default=True,
+                      help="warm restarts (the default; kept for scripts written for earlier releases)")
     p.add_argument("--no-auto-instrument", action="store_true",
                    help="do not instrument the script by itself: without it, a script that never imports "
                         "trainwarden gets step times (one step per optimizer.step()), collective timing, hang and "

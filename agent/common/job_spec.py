@@ -81,10 +81,11 @@ class JobSpec:
     straggler_policy: str = "alert"
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
-    warm_workers: bool = False
+    warm_workers: bool = True
+    """Restarted workers fork from a process with torch imported (agent/launch/warm.py); false:
+    ``trainwarden run --cold-workers``."""
     auto_instrument: bool = True
     tokens_per_step: int = 0
-    """``trainwarden run --warm-workers``: restarted workers fork with torch imported (agent/launch/warm.py)."""
     auto_resume: bool = True
     """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
     operator's `trainwarden resume` does."""
@@ -108,8 +109,8 @@ class JobSpec:
         """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
         args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
-        if self.warm_workers:
-            args.append("--warm-workers")
+        if not self.warm_workers:
+            args.append("--cold-workers")
         if not self.auto_instrument:
             args.append("--no-auto-instrument")
         if self.tokens_per_step:
@@ -217,7 +218,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
-                   warm_workers=data.get("warm_workers", False),
+                   warm_workers=data.get("warm_workers", True),
                    auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens)
 
 

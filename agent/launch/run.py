@@ -114,8 +114,8 @@ class RunOptions:
     """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
-    warm_workers: bool = False
-    """Restarted workers fork from a process with torch imported (agent/launch/warm.py)."""
+    warm_workers: bool = True
+    """Restarted workers fork from a process with torch imported (agent/launch/warm.py); False: cold starts."""
     auto_instrument: bool = True
     """Instrument the unchanged script's workers (runtime/auto.py); only with the agent."""
     tokens_per_step: int = 0
@@ -727,9 +727,14 @@ class _JobRun(Regrouping):
     def _warm_dir(self, cleanup: ExitStack) -> str | None:
         """A short private directory for the warm workers' zygote socket (unix socket paths are short)."""
         if not self.opts.warm_workers:
+            print("trainwarden: cold workers: every restarted worker starts a new interpreter (--cold-workers)",
+                  file=self.out, flush=True)
             return None
         import shutil
         import tempfile
+
+        print("trainwarden: warm workers: restarted workers fork from a process with torch and the script's imports "
+              "loaded (--cold-workers turns this off)", file=self.out, flush=True)
 
         self._warm = tempfile.mkdtemp(prefix="tw-warm-")
         cleanup.callback(shutil.rmtree, self._warm, True)

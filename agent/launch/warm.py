@@ -237,6 +237,7 @@ class _Zygote:
         os.set_blocking(self.w_wake, False)
         self.children: dict[int, socket.socket] = {}  # worker pid -> its client's connection
         self.by_conn: dict[int, int] = {}  # connection fd -> worker pid
+        self.off: str | None = None  # why this zygote forks no more workers (its own serve the rest of their run)
         signal.signal(signal.SIGCHLD, self._wake)
 
     def _wake(self, *_) -> None:
@@ -310,6 +311,16 @@ class _Zygote:
             client_pid, request, fds = _receive(conn)
         except (OSError, ConnectionError, ValueError):
             conn.close()
+            return None
+        problem = self.off or _unsafe_to_fork()  # checked before every fork, not only after the imports
+        if problem:
+            if not self.off:
+                print(f"trainwarden: warm workers are off for this job from now: {problem}; restarted workers "
+                      f"start cold", file=sys.stderr, flush=True)
+                self.off = problem
+            for fd in fds:
+                os.close(fd)
+            conn.close()  # the client starts its worker cold
             return None
         return self._fork(conn, client_pid, request, fds)
 

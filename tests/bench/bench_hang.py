@@ -73,7 +73,7 @@ def trainwarden(root: Path, nproc: int, bound: float, warm: bool = False) -> dic
     state = home / "jobs" / "benchhang"
     cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job",
            "benchhang", "--metrics-port", "0",
-           *(["--warm-workers"] if warm else []), "--", *GPT]
+           *(["--warm-workers"] if warm else ["--cold-workers"]), "--", *GPT]
     log_path = home.with_suffix(".log")
     rc = _run(cmd, env, log_path, 600, state, bound)
     fired = _fault_time(state)
@@ -109,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bound", type=float, default=120.0, help="seconds after the fault to give plain torchrun")
     ap.add_argument("--nproc", type=int, default=8)
-    ap.add_argument("--warm", action="store_true", help="also run `trainwarden run --warm-workers`")
+    ap.add_argument("--warm", action="store_true", help="also run with warm workers (the default; the first run is --cold-workers)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tw-bench-hang-"))
     try:

@@ -51,7 +51,8 @@ TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\]
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
 SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition", "tw-grow",
              "torchrun-grow", "tw-kill-warm", "tw-partition-warm")
-"""``-warm``: ``trainwarden run --warm-workers`` (the survivors' restarted workers fork with torch imported)."""
+"""``-warm``: warm workers, the default (the survivors' restarted workers fork with torch imported); the
+others run ``trainwarden run --cold-workers``."""
 RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint step "
                               r"(\d+)", re.M)
 
@@ -72,7 +73,7 @@ def _command(scenario: str, bed: TestBed, node: str, ckpt: Path, state: Path) ->
     if scenario.startswith("tw-"):
         return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:3",
                 "--nproc-per-node", "2", "--node", node, "--max-restarts", "3", "--job", "bench",
-                "--etcd", bed.etcd_endpoints, *(["--warm-workers"] if scenario.endswith("-warm") else []),
+                "--etcd", bed.etcd_endpoints, *(["--warm-workers"] if scenario.endswith("-warm") else ["--cold-workers"]),
                 "--", *job], env
     store = "n2" if scenario == "torchrun-kill-store" else "n0"
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="eth0")

@@ -71,8 +71,9 @@ FAULT_STEP = 16
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "30",
        "--ckpt-every", "10"]
 LAUNCHERS = ("trainwarden", "torchrun", "trainwarden-warm")
-"""``trainwarden-warm``: ``trainwarden run --warm-workers`` (restarted workers fork from a zygote with torch
-imported, agent/launch/warm.py); its "started" is the client process torch's agent starts per rank."""
+"""``trainwarden``: ``trainwarden run --cold-workers`` (new interpreters, as torchrun starts them);
+``trainwarden-warm``: the default, warm workers (restarted workers fork from a zygote with torch imported,
+agent/launch/warm.py); its "started" is the client process torch's agent starts per rank."""
 JOB = "benchrestart"
 
 PHASES = ("old_gone", "detected", "rdzv", "started", "imported", "pg_up", "mesh_up", "model_built", "restored",
@@ -157,7 +158,7 @@ def _command(launcher: str, nproc: int, work: Path) -> tuple[list[str], dict, Pa
     env.update({"TRAINWARDEN_FAULTS": FAULT, TIMINGS_ENV: str(work / "marks"), "LOGLEVEL": "INFO"})
     if launcher.startswith("trainwarden"):
         env["TRAINWARDEN_STATE_HOME"] = str(work / "state")
-        warm = ["--warm-workers"] if launcher == "trainwarden-warm" else []
+        warm = ["--warm-workers"] if launcher == "trainwarden-warm" else ["--cold-workers"]
         return ([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job", JOB,
                  "--metrics-port", "0", "--max-restarts", "1", *warm, "--", *GPT], env, work / "state" / "jobs" / JOB)
     state = work / "plain"

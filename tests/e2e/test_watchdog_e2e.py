@@ -45,10 +45,10 @@ MESH_4 = ["--dp", "2", "--tp", "2", "--pp", "1"]
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("kind, rank, start", [("hang", 2, "warm"), ("stop", 1, "cold")])
 def test_hung_rank_is_named_aborted_and_the_job_resumes(procs, tmp_path, kind, rank, start):
-    """``warm``: the restart after the abort forks its workers from the zygote (--warm-workers), the path a
-    hang takes back to training in issue 14; ``cold`` starts them as torchrun does."""
+    """``warm``: the restart after the abort forks its workers from the zygote (the default), the path a hang
+    takes back to training in issue 14; ``cold`` (--cold-workers) starts them as torchrun does."""
     rc, text = run_job(procs, tmp_path, kind, faults=f"{kind}:rank={rank},step=14", nproc=8, mesh=MESH_8,
-                       steps=22, ckpt_every=5, run_args=["--warm-workers"] if start == "warm" else [])
+                       steps=22, ckpt_every=5, run_args=["--cold-workers"] if start == "cold" else [])
     assert rc == 0, text[-3000:]
     if start == "warm":
         forked = [int(r) for r in re.findall(r"warm worker pid \d+ forked for rank (\d+)", text)]

@@ -98,7 +98,8 @@ def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
 def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path, start):
     """`crash` at step 10 under `trainwarden run`: torchrun restarts the group through the etcd3
     rendezvous, every rank restores step 8, and every printed loss equals the uninterrupted run's. ``warm``:
-    with --warm-workers the restarted ranks are forked from the zygote (agent/launch/warm.py); the same."""
+    by default the restarted ranks are forked from the zygote (agent/launch/warm.py); the same. ``cold``:
+    --cold-workers, new interpreters as torchrun starts them."""
     import os
     import sys
 
@@ -109,7 +110,7 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     log = tmp_path / "run.log"
     proc = module_procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8", "--max-restarts", "1",
-         "--monitor-interval", "0.5", "--job", "crash", *(["--warm-workers"] if start == "warm" else []), "--",
+         "--monitor-interval", "0.5", "--job", "crash", *(["--cold-workers"] if start == "cold" else []), "--",
          "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
         log=log, env=env,
     )

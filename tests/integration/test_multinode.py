@@ -34,9 +34,9 @@ def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: 
     proc = bed.spawn(node, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
                             "--nnodes", nnodes, "--nproc-per-node", "2", "--node", node, "--max-restarts", "3",
                             "--job", job, "--etcd", bed.etcd_endpoints,
-                            # every restart forks its workers from the node's zygote: the exact continuation
-                            # checks below hold for warm workers in a world that shrinks and grows (issue 14)
-                            "--warm-workers", "--",
+                            # warm workers by default: every restart forks its workers from the node's zygote,
+                            # and the exact continuation checks below hold in a world that shrinks and grows
+                            "--",
                             "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12",
                             # two sequences per micro-batch: dp 3 takes 2 micro-batches a rank, dp 2 accumulates 3
                             "--micro-batch-size", "2",

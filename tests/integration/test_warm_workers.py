@@ -130,3 +130,23 @@ def test_imports_that_start_a_thread_turn_warm_workers_off_and_clients_start_col
     client = _client(script, {**env, "TRAINWARDEN_WARM_SOCKET": sock}, str(tmp_path / "cold"), "exit", "5")
     assert client.wait(60) == 5
     assert int(_report(tmp_path / "cold")[0]) == client.pid  # started cold, in place
+
+
+def test_imports_that_initialise_cuda_turn_warm_workers_off_and_clients_start_cold(procs, tmp_path):
+    """A forked child cannot use CUDA its parent initialised: a script whose imports touch CUDA gets cold
+    restarts and one line that says why (a fake module flips torch.cuda.is_initialized, as a real import
+    that creates a CUDA context would)."""
+    (tmp_path / "cudaish.py").write_text("import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    script = tmp_path / "job.py"
+    script.write_text("import cudaish\n" + SCRIPT)
+    sock = str(tmp_path / "z.sock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock,
+                          str(tmp_path / "map"), str(script)], log=tmp_path / "zygote.log", env=env)
+    assert zygote.wait(60) == 0
+    log = (tmp_path / "zygote.log").read_text()
+    assert "warm workers are off for this job: the job's imports initialised CUDA" in log, log
+    assert not os.path.exists(sock)
+    client = _client(script, {**env, "TRAINWARDEN_WARM_SOCKET": sock}, str(tmp_path / "cold"), "exit", "6")
+    assert client.wait(60) == 6
+    assert int(_report(tmp_path / "cold")[0]) == client.pid  # started cold, in place

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt", "--steps", "10"],
         "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
         "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"},
-        "warm_workers": True, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096}
+        "warm_workers": False, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096}
 
 
 def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
@@ -33,11 +33,12 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert args[:4] == ["--job", "gpt-small", "--nnodes", "2:4"]
     assert "OMP_NUM_THREADS=4" in args and "TRAINWARDEN_CHECKPOINT_DIR=/shared/ckpt" in args
     assert args[args.index("--") + 1:] == GOOD["command"]
-    assert "--warm-workers" in args and not spec.auto_resume
+    assert "--cold-workers" in args and not spec.auto_resume
     assert "--no-auto-instrument" in args and args[args.index("--tokens-per-step") + 1] == "4096"
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
-    assert minimal.auto_resume and not minimal.warm_workers and "--warm-workers" not in minimal.launcher_args()
+    assert minimal.auto_resume and minimal.warm_workers  # warm restarts by default (issue 26)
+    assert "--cold-workers" not in minimal.launcher_args()
     assert minimal.auto_instrument and minimal.tokens_per_step == 0
     assert "--no-auto-instrument" not in minimal.launcher_args() and "--tokens-per-step" not in minimal.launcher_args()
     assert minimal.targets("anything")

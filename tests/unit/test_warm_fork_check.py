@@ -1,0 +1,51 @@
+"""The warm zygote checks that forking is safe before every fork, not only after its imports: a client that
+arrives once it is not gets no worker, and starts its own cold (agent/launch/warm.py)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+
+import pytest
+
+from trainwarden.agent.launch import warm
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    before = signal.getsignal(signal.SIGCHLD)
+    listener = warm._listen(str(tmp_path / "z.sock"))
+    z = warm._Zygote(listener, str(tmp_path / "map"))
+    yield z, str(tmp_path / "z.sock")
+    listener.close()
+    signal.signal(signal.SIGCHLD, before)
+
+
+def _ask(path: str, replies: list) -> None:
+    """A client: its request and three streams, then whatever the zygote answers (None: it hung up)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        warm._send(conn, {"argv": ["job.py"], "env": {"RANK": "3"}, "cwd": "/"}, [0, 1, 2])
+        try:
+            replies.append(warm._recv(conn))
+        except (ConnectionError, OSError):
+            replies.append(None)
+
+
+def test_a_client_arriving_after_cuda_was_initialised_gets_no_worker(zygote, monkeypatch, capsys):
+    z, path = zygote
+    calls = []
+    monkeypatch.setattr(warm, "_unsafe_to_fork", lambda: calls.append(1) or "CUDA was initialised")
+    monkeypatch.setattr(warm.os, "fork", lambda: pytest.fail("forked although forking was unsafe"))
+    for _ in range(2):
+        replies: list = []
+        client = threading.Thread(target=_ask, args=(path, replies))
+        client.start()
+        assert z._accept() is None
+        client.join(10)
+        assert replies == [None]  # hung up: the client execs a cold worker
+    assert z.off == "CUDA was initialised" and calls == [1]  # checked once, then off for good
+    err = capsys.readouterr().err
+    assert err.count("warm workers are off for this job from now: CUDA was initialised") == 1, err
+    assert z.children == {}
