@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -52,6 +51,7 @@ from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
+from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
@@ -311,7 +311,8 @@ class _JobRun(Regrouping):
         opts = self.opts
         if not opts.agent:
             return
-        sock_dir = Path(tempfile.mkdtemp(prefix="trainwarden-"))
+        sweep("trainwarden-")  # what runs that were SIGKILLed left (agent/common/scratch.py)
+        sock_dir = scratch_dir("trainwarden-")
         cleanup.callback(shutil.rmtree, sock_dir, True)
         try:
             agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
@@ -730,13 +731,11 @@ class _JobRun(Regrouping):
             print("trainwarden: cold workers: every restarted worker starts a new interpreter (--cold-workers)",
                   file=self.out, flush=True)
             return None
-        import shutil
-        import tempfile
-
         print("trainwarden: warm workers: restarted workers fork from a process with torch and the script's imports "
               "loaded (--cold-workers turns this off)", file=self.out, flush=True)
 
-        self._warm = tempfile.mkdtemp(prefix="tw-warm-")
+        sweep("tw-warm-")
+        self._warm = str(scratch_dir("tw-warm-"))
         cleanup.callback(shutil.rmtree, self._warm, True)
         return self._warm
 

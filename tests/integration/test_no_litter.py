@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import wait_for
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 WORKER = Path(__file__).parent / "fail_once_worker.py"
@@ -32,3 +34,28 @@ def test_a_full_run_with_a_restart_leaves_nothing_outside_the_jobs_state_directo
     state = home / "jobs" / "tidy"
     assert not (state / "embedded-etcd").exists()
     assert list((state / "logs" / "torchelastic").rglob("error.json")), "torchrun's error files are the job's"
+
+
+def test_what_a_sigkilled_run_left_in_tmp_is_removed_by_the_next_run(procs, tmp_path):
+    """A SIGKILLed launcher cannot remove its agent's socket directory or its zygote's: they stayed in /tmp
+    for good. The next run removes them (their owner mark names a process that is gone)."""
+    tmp, home = tmp_path / "tmp", tmp_path / "state"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(120)\n")
+    killed = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                          "--nproc-per-node", "1", "--job", "killed", "--", str(sleeper)],
+                         log=tmp_path / "killed.log", env=env)
+    wait_for(lambda: {p.name.split("-")[0] + "-" for p in tmp.iterdir()} >= {"trainwarden-", "tw-"}
+             or killed.poll() is not None, 120, what="the run's scratch directories")
+    assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+    procs.kill(killed)  # the launcher and everything it started, at once: nothing runs its cleanup
+    killed.wait(30)
+    left = _everything(tmp)
+    assert any(p.startswith("trainwarden-") for p in left) and any(p.startswith("tw-warm-") for p in left), left
+    run = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                       "--nproc-per-node", "2", "--max-restarts", "1", "--job", "tidy", "--", str(WORKER)],
+                      log=tmp_path / "run.log", env=env)
+    assert run.wait(180) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert _everything(tmp) == []
