@@ -50,6 +50,8 @@ from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
+from trainwarden.agent.linkcheck import RECORD_FIELD as LINK_PROBE_FIELD, ProbeError, ProbeServer
+from trainwarden.agent.linkcheck.coordinate import JobLinkCheck
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.progress import JobProgress
@@ -327,6 +329,9 @@ class _JobRun(Regrouping):
         self.agent = agent
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
+        if self._multi_node:  # a communication regression asks for a link check (agent/linkcheck)
+            links = JobLinkCheck(self.client, opts.job, self.node)
+            agent.watchdog.link_check = lambda job, done: links.start(done)
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
@@ -414,9 +419,13 @@ class _JobRun(Regrouping):
                 self.record.generation = int((previous or {}).get("generation", 0))
                 print(f"trainwarden: node {self.node} joins job {opts.job} (generation {self.record.generation}) "
                       f"beside {', '.join(sorted(admission.peers))}", file=self.out, flush=True)
-            self.membership = NodeMembership(self.client, opts.job, self.node, {
-                "owner": self.record.owner, "address": self.local_addr or "", "nproc_per_node": opts.nproc_per_node,
-                "generation": self.record.generation, "phase": JobPhase.STARTING.value})
+            record = {"owner": self.record.owner, "address": self.local_addr or "",
+                      "nproc_per_node": opts.nproc_per_node, "generation": self.record.generation,
+                      "phase": JobPhase.STARTING.value}
+            probe = self._link_probe(cleanup)
+            if probe is not None:
+                record[LINK_PROBE_FIELD] = probe.record()
+            self.membership = NodeMembership(self.client, opts.job, self.node, record)
             self.membership.start()
             cleanup.callback(self.membership.stop)
         except Exception as exc:
@@ -508,6 +517,19 @@ class _JobRun(Regrouping):
         if self.failures is not None:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
+
+    def _link_probe(self, cleanup: ExitStack) -> ProbeServer | None:
+        """A multi-node job's link probe server on this node's job address (agent/linkcheck): what
+        `trainwarden linkcheck` and a communication regression use to find a slow node or pair."""
+        if not self._multi_node or not self.local_addr:
+            return None
+        try:
+            server = ProbeServer(self.node, self.local_addr).start()
+        except ProbeError as exc:
+            logger.warning("no link probe on this node (link checks will skip it): %s", exc)
+            return None
+        cleanup.callback(server.stop)
+        return server
 
     @property
     def _multi_node(self) -> bool:

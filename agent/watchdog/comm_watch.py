@@ -5,12 +5,16 @@ baseline (``trainwarden_comm_regression_ratio``).
 
 On a job of several nodes each node's agent judges its own ranks (their counters are local); every node of a
 job whose links slowed sees it, and each records it for its ranks (the incident names them). Naming the node
-or link is the link check's work (issue 25, localization), not this module's.
+or link is the link check's work (agent/linkcheck): when the launcher gives this watch a ``localize`` hook
+(multi-node `trainwarden run`), a regression's start asks for one, on the hook's thread, and its report joins
+the open incident's evidence (``link_check``) when it arrives, with one log line naming the node or pair.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from typing import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -41,10 +45,45 @@ class CommRegressionWatch:
         self._record, self._node, self._clock, self._wall = record, node, clock, wall
         self.detector = CommRegressionDetector(config)
         self._open: dict[str, Incident] = {}
+        self.localize: Callable[[str, Callable[[dict], None]], object] | None = None
+        """``localize(job, on_done)``: start a link check of ``job`` off this thread (agent/linkcheck)."""
+        self._located: list[tuple[str, str, dict]] = []  # (job, incident id, report), from the hook's thread
+        self._located_lock = threading.Lock()
 
     def check(self, snap: JobSnapshot) -> None:
+        self._attach_link_checks()
         for event in self.detector.update(snap.job, self._clock(), rank_totals(snap)):
             self._on_event(snap, event)
+
+    def _ask_for_link_check(self, job: str, incident_id: str) -> None:
+        localize = self.localize
+        if localize is None:
+            return
+
+        def done(report: dict) -> None:
+            with self._located_lock:
+                self._located.append((job, incident_id, report))
+
+        try:
+            localize(job, done)
+        except Exception:
+            log.exception("job %s: could not start a link check", job)
+
+    def _attach_link_checks(self) -> None:
+        """The link checks' reports that arrived since the last check, into their incidents (if still open)."""
+        with self._located_lock:
+            located, self._located = self._located, []
+        for job, incident_id, report in located:
+            words = report.get("error") or report.get("summary", "")
+            log.error("job %s: link check (run by node %s): %s", job, report.get("by", "?"), words,
+                      extra={"job": job})
+            incident = self._open.get(job)
+            if incident is None or incident.id != incident_id:
+                continue
+            now = self._wall()
+            updated = incident.transition(incident.state, now=now, outcome=f"regressed; link check: {words}")
+            self._open[job] = self._record(dataclasses.replace(
+                updated, evidence={**incident.evidence, "link_check": report}))
 
     def forget(self, job: str, outcome: str = "the job ended during the regression") -> None:
         self.detector.forget(job)
@@ -79,10 +118,11 @@ class CommRegressionWatch:
                                "step_s": round(event.window[r].step_s, 6), "wait_s": round(event.window[r].wait_s, 6)}
                       for r in sorted(event.window)},
         }
-        self._open[job] = self._record(Incident(
+        incident = self._open[job] = self._record(Incident(
             id=new_incident_id(now), kind=IncidentKind.COMM_REGRESSION, job=job, node=self._node,
             ranks=tuple(sorted(event.window)), evidence=evidence, detected_at=now, updated_at=now, action="alert",
             outcome="regressed"))
+        self._ask_for_link_check(job, incident.id)
 
     def metrics(self, jobs) -> Iterator[Metric]:
         flag = GaugeMetricFamily("trainwarden_comm_regression", "1 while the job's steps are slower because its "

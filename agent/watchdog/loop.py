@@ -171,6 +171,16 @@ class Watchdog:
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
+    @property
+    def link_check(self):
+        """``localize(job, on_done)``: how a communication regression asks for a link check (None: it
+        does not; agent/watchdog/comm_watch.py)."""
+        return self._comm.localize
+
+    @link_check.setter
+    def link_check(self, localize) -> None:
+        self._comm.localize = localize
+
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("watchdog already started")

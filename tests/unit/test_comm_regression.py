@@ -114,6 +114,9 @@ def test_config_validation_names_the_problem():
 
 
 def test_the_watch_records_one_incident_per_regression_and_exports_the_gauge():
+    """... and asks for one link check per regression, whose report (from another thread) joins the incident."""
+    import threading
+
     from trainwarden.agent.incidents.record import IncidentKind, IncidentState
     from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobTelemetry, WorkerInfo
     from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
@@ -142,12 +145,25 @@ def test_the_watch_records_one_incident_per_regression_and_exports_the_gauge():
                 index += 1
             watch.check(js.snapshot("j")[0])
 
+    asked = []
+    report = {"summary": "node n2's link is slow both ways: 19 Mbit/s against 7906 Mbit/s", "by": "n0"}
+
+    def localize(job, done):
+        asked.append(job)
+        threading.Thread(target=done, args=(report,)).start()
+
+    watch.localize = localize
     run(90, 0.1, 0.02)
-    assert recorded == []
+    assert recorded == [] and asked == []
     run(40, 0.5, 0.42)
-    [incident] = recorded
+    incident, located = recorded
     assert incident.kind == IncidentKind.COMM_REGRESSION and incident.ranks == (0, 1)
     assert "5.0x their baseline" in incident.evidence["summary"]
+    assert asked == ["j"]  # one link check per regression, not one per check
+    assert located.id == incident.id and located.state == incident.state
+    assert located.evidence["link_check"] == report and "node n2's link is slow both ways" in located.outcome
+    assert located.evidence["summary"] == incident.evidence["summary"]
+    recorded.remove(located)
     families = {f.name: f for f in watch.metrics(["j"])}
     assert families["trainwarden_comm_regression"].samples[0].value == 1.0
     run(40, 0.1, 0.02)

@@ -25,6 +25,7 @@ LAYERS = {
     "common": 1,
     "etcd": 2,
     "health": 3, "telemetry": 3, "incidents": 3, "rendezvous": 3,
+    "linkcheck": 3,
     "watchdog": 4, "metrics": 4,
     "node": 5,
     "launch": 6,
