@@ -10,8 +10,9 @@ name: a collective is as slow as its slowest link, on every rank.
 What one TCP stream achieves is a relative measure, not a NIC's line rate: the verdict (``verdict.py``)
 compares the job's links with each other.
 
-The wire format: a client sends one JSON line ``{"op": ..., "token": ...}``; bulk bytes travel as frames (a
-4-byte big-endian length, then that many bytes; a zero length ends the stream); answers are JSON lines. The
+The wire format: a client sends one JSON line ``{"op": ..., "token": ...}`` and gets one back; then bulk bytes
+flow one way for the request's ``seconds``, counted by the receiver from its first byte, so a badly degraded
+link costs the same seconds to measure as a healthy one (not the drain of a socket buffer). The
 server answers only requests that carry its token (a random secret it publishes in its node record in etcd,
 readable by whoever may read the job), probes only peers the caller names with their own token, and caps
 every transfer: a stray connection can neither drive traffic nor hold the server.
@@ -23,8 +24,8 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
-import struct
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -34,14 +35,14 @@ __all__ = ["LinkSample", "ProbeError", "ProbeServer", "measure_link", "request_p
 
 log = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("!I")
 _CHUNK = 256 * 1024
 _PAYLOAD = os.urandom(_CHUNK)  # incompressible, made once
 MAX_SECONDS = 5.0
 """The longest transfer one request may ask for, each way."""
-MAX_BYTES = 1 << 30
 _MAX_LINE = 4096
 _PINGS = 20
+_WINDOWS = 2
+"""Windows per direction; ``seconds`` is shared between them."""
 
 
 class ProbeError(Exception):
@@ -99,38 +100,80 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(memoryview(view)[got:], n - got)
         if not k:
-            raise ConnectionError("closed mid-frame")
+            raise ConnectionError("closed mid-message")
         got += k
     return bytes(view)
 
 
-def _drain(sock: socket.socket) -> int:
-    """Read frames until the empty one; the bytes received."""
-    total, buf = 0, bytearray(_CHUNK)
+def _receive_window(sock: socket.socket, seconds: float) -> tuple[int, float]:
+    """Count what arrives for ``seconds`` from its first byte (or until the sender ends or hangs up): the
+    bytes and the seconds they took. Bounded by time, not by what is in flight: a link at a thousandth of its
+    speed costs the same seconds to measure, not the drain of a socket buffer."""
+    buf = bytearray(_CHUNK)
+    total, first = 0, None
+    sock.settimeout(MAX_SECONDS + 30)  # the first byte: a working link brings it long before
     while True:
-        (n,) = _FRAME.unpack(_recv_exact(sock, 4))
-        if n == 0:
-            return total
-        if n > _CHUNK:
-            raise ValueError(f"frame of {n} bytes is larger than {_CHUNK}")
-        got = 0
-        while got < n:
-            k = sock.recv_into(memoryview(buf)[:n - got], n - got)
-            if not k:
-                raise ConnectionError("closed mid-frame")
-            got += k
-        total += n
+        try:
+            k = sock.recv_into(buf)
+        except socket.timeout:
+            break
+        now = time.monotonic()
+        if not k:
+            break
+        if first is None:
+            first = now
+        total += k
+        if now - first >= seconds:
+            break
+        sock.settimeout(max(0.005, seconds - (now - first)))
+    # from the first byte to the window's end (a timeout) or the sender's: a trickle that stopped early
+    # still counts over the time it was given
+    return total, (time.monotonic() - first) if first is not None else 0.0
 
 
-def _stream(sock: socket.socket, seconds: float, max_bytes: int) -> int:
-    """Send frames for ``seconds`` or ``max_bytes``, then the empty one; the bytes sent."""
-    frame = _FRAME.pack(_CHUNK) + _PAYLOAD
-    deadline, sent = time.monotonic() + seconds, 0
-    while sent < max_bytes and time.monotonic() < deadline:
-        sock.sendall(frame)
-        sent += _CHUNK
-    sock.sendall(_FRAME.pack(0))
-    return sent
+def _send_window(sock: socket.socket, seconds: float) -> None:
+    """Send for ``seconds`` (never blocked past them by a full buffer; ended early if the receiver answers
+    or hangs up), then end the stream."""
+    deadline = time.monotonic() + seconds
+    sock.setblocking(False)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            readable, writable, _ = select.select([sock], [sock], [], min(0.05, left))
+            if readable:  # the receiver answered (its window is over) or hung up
+                break
+            if writable:
+                try:
+                    sock.send(_PAYLOAD)
+                except BlockingIOError:
+                    pass
+    except OSError:  # the receiver hung up: its count is what matters
+        return
+    finally:
+        sock.setblocking(True)
+        sock.settimeout(MAX_SECONDS + 30)
+    try:
+        sock.shutdown(socket.SHUT_WR)  # the receiver sees the end at once, past whatever is still in flight
+    except OSError:
+        pass
+
+
+def _discard_until_closed(sock: socket.socket, limit_s: float = MAX_SECONDS + 5) -> None:
+    """Read and drop what the peer still sends, until it ends (closing with unread bytes would reset the
+    connection, and could lose the answer just sent)."""
+    deadline = time.monotonic() + limit_s
+    buf = bytearray(_CHUNK)
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if not sock.recv_into(buf):
+                return
+    except OSError:
+        return
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    """Mbit/s of ``nbytes`` over ``seconds`` (a single arrival: counted over a millisecond)."""
+    return nbytes * 8 / 1e6 / max(seconds, 1e-3)
 
 
 def _bounded(value: Any, limit: float, default: float) -> float:
@@ -165,28 +208,29 @@ def measure_link(src: str, dst: str, addr: str, port: int, token: str, *, second
     """Measure the link from this process to the probe server of node ``dst`` at ``addr:port``."""
     t0 = time.monotonic()
     try:
-        with _connect(addr, port, timeout) as sock:  # this side → dst: into its sink
-            _send_line(sock, {"op": "sink", "token": token})
-            _answer(sock)
-            start = time.monotonic()
-            _stream(sock, seconds, MAX_BYTES)
-            received = int(_answer(sock)["bytes"])
-            out_mbps = received * 8 / 1e6 / max(time.monotonic() - start, 1e-6)
-        with _connect(addr, port, timeout) as sock:  # dst → this side: from its source
-            _send_line(sock, {"op": "source", "token": token, "seconds": seconds})
-            _answer(sock)
-            start = time.monotonic()
-            received = _drain(sock)
-            in_mbps = received * 8 / 1e6 / max(time.monotonic() - start, 1e-6)
-        with _connect(addr, port, timeout) as sock:  # round trips of one small message
+        out_mbps = in_mbps = 0.0
+        for _ in range(_WINDOWS):  # the best of a few windows: a busy CPU only ever makes a link look slower
+            with _connect(addr, port, timeout) as sock:  # this side → dst: into its sink, which counts
+                _send_line(sock, {"op": "sink", "token": token, "seconds": seconds / _WINDOWS})
+                _answer(sock)
+                _send_window(sock, seconds / _WINDOWS)
+                counted = _answer(sock)
+                out_mbps = max(out_mbps, _rate(int(counted["bytes"]), float(counted["seconds"])))
+            with _connect(addr, port, timeout) as sock:  # dst → this side: from its source, counted here
+                _send_line(sock, {"op": "source", "token": token, "seconds": seconds / _WINDOWS})
+                _answer(sock)
+                in_mbps = max(in_mbps, _rate(*_receive_window(sock, seconds / _WINDOWS)))
+        with _connect(addr, port, timeout) as sock:  # round trips of one small message, for up to a second
             _send_line(sock, {"op": "echo", "token": token, "count": _PINGS})
             _answer(sock)
-            rtts = []
-            for _ in range(_PINGS):
+            rtts: list[float] = []
+            stop = time.monotonic() + 1.0
+            while len(rtts) < _PINGS and (not rtts or time.monotonic() < stop):
                 start = time.monotonic()
                 sock.sendall(b"p" * 64)
                 _recv_exact(sock, 64)
                 rtts.append((time.monotonic() - start) * 1e3)
+            sock.shutdown(socket.SHUT_WR)
     except (OSError, ConnectionError, ValueError, KeyError) as exc:
         raise ProbeError(f"the probe of {dst} ({addr}:{port}) broke off: {type(exc).__name__}: {exc}") from None
     rtts.sort()
@@ -283,17 +327,25 @@ class ProbeServer:
 
     def _dispatch(self, conn: socket.socket, request: dict) -> None:
         op = request.get("op")
+        seconds = _bounded(request.get("seconds"), MAX_SECONDS, 0.5)
         if op == "sink":
             _send_line(conn, {"ok": True})
-            _send_line(conn, {"bytes": _drain(conn)})
+            nbytes, took = _receive_window(conn, seconds)
+            conn.settimeout(MAX_SECONDS + 30)
+            _send_line(conn, {"bytes": nbytes, "seconds": took})
+            _discard_until_closed(conn)
         elif op == "source":
             _send_line(conn, {"ok": True})
-            _stream(conn, _bounded(request.get("seconds"), MAX_SECONDS, 0.5), MAX_BYTES)
+            _send_window(conn, seconds)
         elif op == "echo":
             count = int(_bounded(request.get("count"), 1000, _PINGS))
             _send_line(conn, {"ok": True})
             for _ in range(count):
-                conn.sendall(_recv_exact(conn, 64))
+                try:
+                    message = _recv_exact(conn, 64)
+                except ConnectionError:  # the prober stopped early (its second was up)
+                    return
+                conn.sendall(message)
         elif op == "probe":
             try:
                 sample = measure_link(self.node, str(request["peer"]), str(request["peer_addr"]),

@@ -1,7 +1,8 @@
 """`trainwarden linkcheck` on the multi-host test bed (issue 25): three nodes run a real multi-node job under
 `trainwarden run` (a gloo all-reduce loop, light enough to leave the links to the probes); the link check run
 from a node names nothing on healthy links, names n2 and "both ways" when n2's link is rate-limited both
-ways, and names the pair when only the traffic from n0 to n1 is.
+ways, and names the pair when only the traffic from n0 to n1 is. (Measured the same way at 256 kbit/s: the
+degraded links read 0.38 Mbit/s against 2.2 Gbit/s, each probe 5.6-7.5 s.)
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def test_linkcheck_names_a_slow_node_and_its_direction_and_a_slow_pair(tmp_path)
         bed.degrade("n0", "20mbit", direction="out", peer="n1")
         rc, report, text = linkcheck(bed)
         assert rc == 1, text
-        assert [(f["kind"], f["nodes"], f["direction"]) for f in report["findings"]] == \
-            [("pair", ["n0", "n1"], "a->b")], text
+        # the pair, and at least the limited way: a stream from n1 to n0 may be slowed too, by its
+        # acknowledgements, which take the limited way (a multi-Gbit/s stream's ACKs exceed 20 Mbit/s)
+        assert [(f["kind"], f["nodes"]) for f in report["findings"]] == [("pair", ["n0", "n1"])], text
+        assert report["findings"][0]["direction"] in ("a->b", "both"), text
 
         bed.restore_link("n0")
         out = bed.run("n0", [sys.executable, "-m", "trainwarden.agent.cli", "linkcheck", "--job", "lc", "--etcd",
