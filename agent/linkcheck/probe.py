@@ -26,6 +26,7 @@ import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -171,6 +172,16 @@ def _discard_until_closed(sock: socket.socket, limit_s: float = MAX_SECONDS + 5)
         return
 
 
+def _abort(sock: socket.socket) -> None:
+    """Close at once, dropping what is still queued to send: on a slow link a graceful close would go on
+    sending a socket buffer's worth for seconds, in the way of the job's own traffic."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
 def _rate(nbytes: int, seconds: float) -> float:
     """Mbit/s of ``nbytes`` over ``seconds`` (a single arrival: counted over a millisecond)."""
     return nbytes * 8 / 1e6 / max(seconds, 1e-3)
@@ -215,11 +226,13 @@ def measure_link(src: str, dst: str, addr: str, port: int, token: str, *, second
                 _answer(sock)
                 _send_window(sock, seconds / _WINDOWS)
                 counted = _answer(sock)
+                _abort(sock)
                 out_mbps = max(out_mbps, _rate(int(counted["bytes"]), float(counted["seconds"])))
             with _connect(addr, port, timeout) as sock:  # dst → this side: from its source, counted here
                 _send_line(sock, {"op": "source", "token": token, "seconds": seconds / _WINDOWS})
                 _answer(sock)
                 in_mbps = max(in_mbps, _rate(*_receive_window(sock, seconds / _WINDOWS)))
+                _abort(sock)
         with _connect(addr, port, timeout) as sock:  # round trips of one small message, for up to a second
             _send_line(sock, {"op": "echo", "token": token, "count": _PINGS})
             _answer(sock)
@@ -337,6 +350,8 @@ class ProbeServer:
         elif op == "source":
             _send_line(conn, {"ok": True})
             _send_window(conn, seconds)
+            _discard_until_closed(conn)  # the prober's count is done when it hangs up
+            _abort(conn)
         elif op == "echo":
             count = int(_bounded(request.get("count"), 1000, _PINGS))
             _send_line(conn, {"ok": True})
