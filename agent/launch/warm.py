@@ -43,7 +43,10 @@ _CLIENT_PID_ENV = "TRAINWARDEN_WARM_CLIENT_PID"
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
               signal.SIGCONT)
 _BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
-                 "torch.distributed.pipelining", "torch.distributed.fsdp", "numpy", "trainwarden.runtime")
+                 "torch.distributed.fsdp", "numpy", "trainwarden.runtime")
+"""What every zygote imports besides the script's own top-level imports. Not ``torch.distributed.pipelining``:
+importing it creates ``$TMPDIR/torchinductor_<user>``, litter a script that never imports it would not leave
+(it is preloaded when the script imports it)."""
 
 
 def warm_parent(pid: int, map_dir: str | None) -> int | None:
