@@ -414,6 +414,10 @@ def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.
     refusal. Off the hot path: the checkpoint's commit thread calls it, once per save."""
     if not os.path.exists(socket_path):
         return None
+    asked = pb.CommitRequest()
+    asked.CopyFrom(request)
+    asked.peer_token = fetch_peer_token(socket_path)  # the agent answers only the process whose stream holds the rank
+    request = asked
     channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
     try:
         call = channel.unary_unary(contract.COMMIT_METHOD, request_serializer=pb.CommitRequest.SerializeToString,

@@ -200,3 +200,16 @@ def test_a_relative_checkpoint_dir_and_too_few_nodes_are_refused(change, message
 def test_enough_nodes_or_none_named_is_fine():
     assert parse_job_spec({**GOOD, "nnodes": "2:4", "nodes": ["a", "b"]}, "x").nodes == ("a", "b")
     assert parse_job_spec({**GOOD, "nnodes": "4", "nodes": []}, "x").nodes == ()  # any node
+
+
+def test_unverified_telemetry_streams_are_refused_unless_the_agent_is_told_to_allow_them(tmp_path):
+    assert resolve_settings(_agent_args(), environ={})["allow_unverified_streams"] is False
+    assert resolve_settings(_agent_args("--allow-unverified-streams"), environ={})["allow_unverified_streams"] is True
+    config = tmp_path / "agent.toml"
+    config.write_text("allow_unverified_streams = true\n")
+    assert resolve_settings(_agent_args("--config", str(config)), environ={})["allow_unverified_streams"] is True
+    assert resolve_settings(_agent_args(), environ={"TRAINWARDEN_ALLOW_UNVERIFIED_STREAMS": "yes"})[
+        "allow_unverified_streams"] is True
+    config.write_text("allow_unverified_stream = true\n")
+    with pytest.raises(ValueError, match="unknown key 'allow_unverified_stream' .did you mean 'allow_unverified_streams'"):
+        resolve_settings(_agent_args("--config", str(config)), environ={})
