@@ -39,15 +39,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, validate_job_name, validate_node_name
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, JOB_ENV, validate_job_name, validate_node_name
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS", "load_job_spec",
-           "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem", "unknown_key_message"]
+__all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
+           "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem",
+           "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
@@ -69,7 +70,7 @@ def reserved_env_problem(key: str) -> str | None:
         return None
     if key == CHECKPOINT_DIR_ENV:
         return "is set by trainwarden for every job; use the field 'checkpoint_dir'"
-    if key == "TRAINWARDEN_JOB":
+    if key == JOB_ENV:
         return "is set by trainwarden for every job; the job's name is the field 'name'"
     if key.startswith("TRAINWARDEN_"):
         return ("is trainwarden's: it sets its TRAINWARDEN_* variables for every job (the agent socket, the job, "
@@ -244,9 +245,9 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
             validate_node_name(node if isinstance(node, str) else repr(node))
         except ValueError as exc:
             raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
-    least = parse_nnodes(nnodes)[0]
-    if nodes and len(nodes) < least:
-        raise fail("nodes", f"names {len(nodes)} node{'s' if len(nodes) != 1 else ''} but nnodes {nnodes!r} needs at "
+    least, named = parse_nnodes(nnodes)[0], len(set(nodes))
+    if nodes and named < least:
+        raise fail("nodes", f"names {named} node{'s' if named != 1 else ''} but nnodes {nnodes!r} needs at "
                             f"least {least}: the job could never gather; name more nodes, lower nnodes, or leave "
                             "'nodes' out (any node)")
     tokens = data.get("tokens_per_step", 0)

@@ -142,7 +142,8 @@ def test_the_example_config_in_deploy_is_valid():
 
 
 @pytest.mark.parametrize("key", ["TRAINWARDEN_AGENT_SOCKET", "TRAINWARDEN_JOB", "TRAINWARDEN_STATE_DIR",
-                                 "TRAINWARDEN_CHECKPOINT_DIR", "TRAINWARDEN_AUTO_INSTRUMENT", "TRAINWARDEN_ANYTHING_NEW",
+                                 "TRAINWARDEN_CHECKPOINT_DIR", "TRAINWARDEN_AUTO_INSTRUMENT",
+                                 "TRAINWARDEN_ANYTHING_NEW",
                                  "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                                  "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "NOTIFY_SOCKET"])
@@ -190,6 +191,7 @@ def test_the_allowed_worker_knobs_are_the_names_the_runtime_reads():
                                                        "least 3"),
     ({"nnodes": "2", "nodes": ["gpu-a1"]}, "field 'nodes' names 1 node but nnodes '2' needs at least 2"),
     ({"nnodes": 2, "nodes": ["gpu-a1"]}, "needs at least 2"),
+    ({"nnodes": "2", "nodes": ["gpu-a1", "gpu-a1"]}, "names 1 node but"),  # one node named twice
 ])
 def test_a_relative_checkpoint_dir_and_too_few_nodes_are_refused(change, message):
     with pytest.raises(JobSpecError) as info:
@@ -211,5 +213,5 @@ def test_unverified_telemetry_streams_are_refused_unless_the_agent_is_told_to_al
     assert resolve_settings(_agent_args(), environ={"TRAINWARDEN_ALLOW_UNVERIFIED_STREAMS": "yes"})[
         "allow_unverified_streams"] is True
     config.write_text("allow_unverified_stream = true\n")
-    with pytest.raises(ValueError, match="unknown key 'allow_unverified_stream' .did you mean 'allow_unverified_streams'"):
+    with pytest.raises(ValueError, match="unknown key 'allow_unverified_stream' .did you mean 'allow_unverified_"):
         resolve_settings(_agent_args("--config", str(config)), environ={})
