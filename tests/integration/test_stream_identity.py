@@ -150,6 +150,18 @@ def test_another_uid_cannot_take_a_rank_report_a_step_or_commit_for_it(shared_se
         assert status.jobs[0].last_step == 3 and [r.pid for r in status.jobs[0].ranks] == [os.getpid()]
         assert _rank(js, "victim", 0).connected
         assert rt.commit_refusal(3, "/ckpt/step-3", 10) is None  # the rank's own process still commits
+
+        # the other way round, through the real runtime: root's worker may not speak for nobody's job either,
+        # and says so once, training on
+        other = init("mine", socket_path=str(srv.socket_path), env={"RANK": "0", "WORLD_SIZE": "1"})
+        try:
+            with other.step(8):
+                pass
+            wait_for(lambda: "the node agent refuses this worker's telemetry (PERMISSION_DENIED" in caplog.text, 20,
+                     what="the refused worker's warning")
+            assert _rank(js, "mine", 0).last_step == 7
+        finally:
+            other.close()
     finally:
         rt.close()
 
