@@ -171,6 +171,7 @@ class TelemetryClient:
         self._goodbye = "closed"
         self._wake = threading.Event()
         self._call = None
+        self._refused_said = False  # the agent's refusal of this worker (peer credentials) is logged once
         self._thread = threading.Thread(target=self._run, name="trainwarden-telemetry", daemon=True)
 
     # ---- training thread -----------------------------------------------------------------------------
@@ -251,13 +252,20 @@ class TelemetryClient:
                     continue
                 started = time.monotonic()
                 stream_done = threading.Event()
+                denied = False
                 try:
                     self._call = stream(self._requests(stream_done), wait_for_ready=False)
                     for command in self._call:
                         self._handle(command)
                 except grpc.RpcError as exc:
-                    if not self._closing.is_set():
-                        log.debug("telemetry stream ended: %s", exc.code() if hasattr(exc, "code") else exc)
+                    code = exc.code() if hasattr(exc, "code") else None
+                    denied = code == grpc.StatusCode.PERMISSION_DENIED  # durable: the job is another uid's
+                    if code in _REFUSED and not self._refused_said and not self._closing.is_set():
+                        self._refused_said = True  # the agent says who this process is not: say it, once
+                        log.warning("trainwarden: the node agent refuses this worker's telemetry (%s: %s); training "
+                                    "goes on without it, and the worker asks again", code.name, exc.details())
+                    elif not self._closing.is_set():
+                        log.debug("telemetry stream ended: %s", code if code is not None else exc)
                 except Exception:  # survive one bad iteration; never kill the worker
                     log.exception("telemetry stream failed")
                 finally:
@@ -268,7 +276,7 @@ class TelemetryClient:
                 if time.monotonic() - started > _ESTABLISHED_AFTER_S:
                     backoff = cfg.backoff_initial_s
                 self.reconnects += 1
-                self._closing.wait(backoff)
+                self._closing.wait(_DENIED_RETRY_S if denied else backoff)
                 backoff = min(cfg.backoff_max_s, backoff * 2)
         finally:
             channel.close()
@@ -396,6 +404,13 @@ class TelemetryClient:
             arrivals=arrivals))
 
 
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+"""How the agent refuses a stream for who the kernel says its process is (agent/telemetry/server.py)."""
+_DENIED_RETRY_S = 30.0
+"""Seconds before asking again after PERMISSION_DENIED (the job belongs to another uid until the agent forgets it),
+not the reconnect backoff: neither side spends a log line and a token every 2 s on it."""
+
+
 def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
     """A single-use token from the agent's ``<socket>.cred``, bound by the kernel to this process's pid
     (agent/telemetry/peer_credentials.py); "" when there is none to be had. Runs on the sender thread."""
@@ -414,6 +429,10 @@ def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.
     refusal. Off the hot path: the checkpoint's commit thread calls it, once per save."""
     if not os.path.exists(socket_path):
         return None
+    asked = pb.CommitRequest()
+    asked.CopyFrom(request)
+    asked.peer_token = fetch_peer_token(socket_path)  # the agent answers only the process whose stream holds the rank
+    request = asked
     channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
     try:
         call = channel.unary_unary(contract.COMMIT_METHOD, request_serializer=pb.CommitRequest.SerializeToString,

@@ -41,6 +41,7 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "webhook_tls_key": (str, None),
     "webhook_max_body": (int, 256 * 1024),
     "resumes_per_hour": (int, 3),
+    "allow_unverified_streams": (bool, False),
 }
 """Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
 
@@ -77,6 +78,10 @@ def add_parser(sub) -> None:
                    "(default: the interface that routes to etcd)")
     p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
                    help="with --etcd: do not start submitted jobs on this node (telemetry and incidents only)")
+    p.add_argument("--allow-unverified-streams", action="store_true", default=None,
+                   help="accept telemetry streams without peer credentials (workers that cannot fetch a token from "
+                        "SOCKET.cred, e.g. an older runtime): they stream, are never signalled, and may not take a "
+                        "rank of a job whose workers are verified (default: refused; docs/SECURITY.md)")
     p.add_argument("--straggler-policy", choices=["alert", "exclude"],
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
@@ -171,7 +176,7 @@ def _cmd_agent(args) -> int:
     try:
         config = AgentConfig(socket_path=socket_path.absolute(), metrics_host=s["metrics_host"],
                              metrics_port=s["metrics_port"], health_host=s["health_host"],
-                             health_port=s["health_port"],
+                             health_port=s["health_port"], allow_unverified_streams=s["allow_unverified_streams"],
                              state_home=Path(s["state_home"]) if s["state_home"] else None,
                              watchdog=watchdog_config(s["straggler_policy"]),
                              **({"node": s["node"]} if s["node"] else {}))

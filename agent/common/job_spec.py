@@ -15,6 +15,12 @@ shares with it.
     [env]                     # optional: more environment for the workers
     OMP_NUM_THREADS = "4"
 
+``env`` may not set what trainwarden or torchrun sets for the job (``reserved_env_problem``): a spec reached the
+workers after trainwarden's own variables, so it could point them at another agent socket, speak as another job
+or rank, or notify systemd as the daemon. A relative ``checkpoint_dir`` (each node would resolve it against its
+launcher's working directory) and a ``nodes`` list shorter than the minimum of ``nnodes`` (the job could never
+gather) are refused too.
+
 Every problem is a ``JobSpecError`` that names the file and the field: a missing or unknown field (with the
 closest known name), a wrong type, a value out of range. Nothing is submitted unless the whole spec is valid.
 
@@ -33,19 +39,47 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, validate_job_name, validate_node_name
+from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, JOB_ENV, validate_job_name, validate_node_name
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS", "load_job_spec",
-           "parse_job_spec", "parse_nnodes", "read_toml", "unknown_key_message"]
+__all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
+           "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem",
+           "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
+
+_TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                           "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+"""What torchrun's agent sets for each worker (torch.distributed.elastic's LocalElasticAgent), with TORCHELASTIC_*."""
+JOB_ENV_ALLOWED = frozenset({"TRAINWARDEN_FAULTS", "TRAINWARDEN_TIMINGS", "TRAINWARDEN_FR_MAX_DUTY",
+                             "TRAINWARDEN_CKPT_READ_BACKOFF_S"})
+"""The TRAINWARDEN_* variables a spec may set: the workers read them and trainwarden never sets them (fault
+injection, start-up timings, the Flight Recorder's duty, checkpoint read backoff; runtime/); every other
+TRAINWARDEN_* name is trainwarden's, today's and tomorrow's."""
+
+
+def reserved_env_problem(key: str) -> str | None:
+    """Why a job's ``env`` may not set ``key`` (trainwarden or torchrun sets it for the job), or None."""
+    if key in JOB_ENV_ALLOWED:
+        return None
+    if key == CHECKPOINT_DIR_ENV:
+        return "is set by trainwarden for every job; use the field 'checkpoint_dir'"
+    if key == JOB_ENV:
+        return "is set by trainwarden for every job; the job's name is the field 'name'"
+    if key.startswith("TRAINWARDEN_"):
+        return ("is trainwarden's: it sets its TRAINWARDEN_* variables for every job (the agent socket, the job, "
+                f"its directories); only {', '.join(sorted(JOB_ENV_ALLOWED))} are the job's to set")
+    if key in _TORCHRUN_ENV or key.startswith("TORCHELASTIC_"):
+        return "is the rendezvous's: torchrun sets it for each worker"
+    if key == "NOTIFY_SOCKET":
+        return "is the daemon's systemd notification socket: a job must not speak for the daemon"
+    return None
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -203,18 +237,29 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     for key, value in env.items():
         if not key or "=" in key or not isinstance(value, str):
             raise fail("env", f"entry {key!r} must map a variable name (no '=') to a string, got {value!r}")
+        why = reserved_env_problem(key)
+        if why is not None:
+            raise fail("env", f"entry {key!r} {why}; remove it from [env]")
     nodes = data.get("nodes", [])
     for node in nodes:
         try:
             validate_node_name(node if isinstance(node, str) else repr(node))
         except ValueError as exc:
             raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
+    least, named = parse_nnodes(nnodes)[0], len(set(nodes))
+    if nodes and named < least:
+        raise fail("nodes", f"names {named} node{'s' if named != 1 else ''} but nnodes {nnodes!r} needs at "
+                            f"least {least}: the job could never gather; name more nodes, lower nnodes, or leave "
+                            "'nodes' out (any node)")
     tokens = data.get("tokens_per_step", 0)
     if tokens < 0:
         raise fail("tokens_per_step", f"must be 0 or more, got {tokens}")
     checkpoint_dir = data.get("checkpoint_dir")
     if checkpoint_dir is not None and not checkpoint_dir:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
+    if checkpoint_dir is not None and not checkpoint_dir.startswith("/"):
+        raise fail("checkpoint_dir", f"{checkpoint_dir!r} is relative: each node would resolve it against its "
+                                     "launcher's working directory; give an absolute path (e.g. /shared/ckpt/<job>)")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),

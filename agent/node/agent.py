@@ -85,6 +85,9 @@ class AgentConfig:
     """Sample NVML (reports 'unavailable' cleanly where there is no GPU)."""
     host_disk_paths: tuple[str, ...] = ("/",)
     """Filesystems whose usage is exported."""
+    allow_unverified_streams: bool = False
+    """Accept telemetry streams without peer credentials (never signalled; agent/telemetry/server.py); by default
+    a Hello without a token from ``<socket>.cred`` is refused."""
 
     def __post_init__(self) -> None:
         if len(str(self.socket_path)) > 102:  # the peer-credential socket beside it adds ".cred"
@@ -133,7 +136,8 @@ class NodeAgent:
         self.etcd = etcd
         self.publisher = CheckpointPublisher(JobRecords(None, writer=etcd)) if etcd is not None else None
         self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
-        self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node)
+        self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node,
+                                      allow_unverified=config.allow_unverified_streams)
         if etcd is not None:  # a restore asks what etcd says the job committed before it may start over
             self.server.checkpoint_record = JobRecords(etcd.client).get_checkpoint
         self.incident_counts = IncidentCollector(

@@ -308,18 +308,20 @@ class StatusReply(_message.Message):
     def __init__(self, node: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "path", "bytes")
+    __slots__ = ("job", "rank", "step", "path", "bytes", "peer_token")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     path: str
     bytes: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+    peer_token: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., peer_token: _Optional[str] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("allowed", "reason")

@@ -23,6 +23,10 @@ Design:
   collectives record, from the step and wait counters. Only the watchdog takes them.
 - A rank's identity is (job, rank). Jobs whose ranks have all been disconnected for a while are dropped by
   `prune()`, which keeps the label sets of the exported metrics bounded.
+- A job belongs to a uid: the kernel's uid (``WorkerInfo.uid``, peer credentials) of its first verified stream.
+  ``connect`` refuses a stream of another uid for any rank of the job, and an unverified stream once the job has
+  a verified owner, until ``prune()`` forgets the job: a rank between two streams (a restart, a reconnect) is not
+  up for grabs.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ __all__ = [
 # Step-duration histogram buckets (seconds): from fast CPU test steps to multi-minute pipeline steps.
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Bounded `reason` label values for trainwarden_telemetry_rejected_total.
-REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid")
+REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid", "unverified", "identity")
+"""``unverified``: a Hello or Commit without peer credentials where they are required; ``identity``: a stream or
+Commit refused for who the kernel says it is (another uid than the job's, not the rank's stream)."""
 MAX_COLLECTIVE_KEYS = 64
 """(process group, op) pairs kept per rank; a worker naming more is counted, not stored (bounded labels)."""
 MAX_OPS = 32
@@ -89,6 +95,8 @@ class WorkerInfo:
     """The process's start time when it was verified (a reused pid has another)."""
     step_source: str = ""
     """Where its steps come from: "rt.step" or "optimizer hooks" (contract.STEP_SOURCES); "" from older runtimes."""
+    uid: int | None = None
+    """The process's uid from the kernel when `verified`; None for an unverified stream."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +266,7 @@ class _JobRanks:
         self.checkpoint_failures = 0
         self.checkpoint_committed_unix = 0.0
         self.checkpoint_set_aside = 0
+        self.owner_uid: int | None = None  # the uid of the job's first verified stream (module docstring)
         self.matcher = ArrivalMatcher()
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
@@ -302,13 +311,22 @@ class JobTelemetry:
 
     # ---- writers -------------------------------------------------------------------------------------
 
-    def connect(self, info: WorkerInfo) -> None:
-        """A worker said Hello (first start, restart, or reconnect after an agent restart)."""
+    def connect(self, info: WorkerInfo) -> str | None:
+        """A worker said Hello (first start, restart, or reconnect after an agent restart); or why its stream may
+        not speak for its (job, rank), and nothing changes (the job belongs to another uid: module docstring)."""
         now = self._clock()
         with self._lock:
             job = self._jobs.get(info.job)
+            if job is not None and job.owner_uid is not None and info.uid != job.owner_uid:
+                if info.uid is None:
+                    return (f"job {info.job} streams with verified peer credentials as uid {job.owner_uid}; an "
+                            f"unverified stream may not speak for its rank {info.rank}")
+                return (f"job {info.job} streams as uid {job.owner_uid}; a stream of uid {info.uid} may not speak "
+                        f"for its rank {info.rank}")
             if job is None:
                 job = self._jobs[info.job] = _JobRanks(info)
+            if info.uid is not None and job.owner_uid is None:
+                job.owner_uid = info.uid
             job.world_size, job.mesh = info.world_size, dict(info.mesh)
             rank = job.ranks.get(info.rank)
             if rank is None:

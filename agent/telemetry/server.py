@@ -22,9 +22,16 @@ Design:
   0660 from the moment it exists. A stale socket file left by a killed agent (nobody accepts on it) is
   removed; a live socket or any other file at the path is an error.
 - Who is streaming is the kernel's answer, not the Hello's: beside the socket, ``<socket>.cred``
-  (agent/telemetry/peer_credentials.py) gives each worker a single-use token bound to its SO_PEERCRED pid;
-  a Hello with a token gets the verified pid and start time (``WorkerInfo.verified``), one with a bad token
-  is refused, one without a token streams unverified and is never signalled.
+  (agent/telemetry/peer_credentials.py) gives each worker a single-use token bound to its SO_PEERCRED pid and
+  uid; a Hello with a token gets the verified pid, uid and start time (``WorkerInfo.verified``), one with a bad
+  token is refused (INVALID_ARGUMENT), one without a token is refused too (UNAUTHENTICATED) unless the server
+  allows unverified streams (``allow_unverified``, the agent's ``--allow-unverified-streams``): those stream,
+  marked unverified, and are never signalled.
+- One uid cannot take another's rank: a job belongs to the uid of its first verified stream
+  (``JobTelemetry.connect``), and a stream of another uid, or an unverified one, is refused (PERMISSION_DENIED)
+  for any rank of it, logged with both uids; it replaces nothing. Records are applied only while their stream
+  holds its rank (a replaced stream's late records are dropped), and a Commit is answered only for the process
+  whose stream holds the rank (the request carries a token of its own).
 """
 
 from __future__ import annotations
@@ -82,10 +89,10 @@ class _End:
 
 
 class _StreamHandle:
-    __slots__ = ("pid", "commands")
+    __slots__ = ("info", "pid", "commands")
 
-    def __init__(self, pid: int, size: int) -> None:
-        self.pid = pid
+    def __init__(self, info: WorkerInfo, size: int) -> None:
+        self.info, self.pid = info, info.pid
         self.commands: queue.Queue = queue.Queue(maxsize=size)
 
 
@@ -94,8 +101,10 @@ class TelemetryServer:
 
     def __init__(self, socket_path: str | os.PathLike, job_telemetry: JobTelemetry, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_streams: int = 256,
-                 node: str | None = None, command_queue_size: int = 16,
+                 node: str | None = None, command_queue_size: int = 16, allow_unverified: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """``allow_unverified``: accept streams (and Commit requests) without peer credentials, marked unverified
+        and never signalled (module docstring); off by default: such a Hello is refused."""
         path = Path(socket_path).absolute()
         if len(os.fsencode(str(path))) > _MAX_UNIX_PATH:
             raise TelemetryServerError(
@@ -111,6 +120,7 @@ class TelemetryServer:
         self._max_streams = max_streams
         self._node = node or socket.gethostname()
         self._command_queue_size = command_queue_size
+        self._allow_unverified = allow_unverified
         self._clock = clock
         self._streams: dict[tuple[str, int], _StreamHandle] = {}
         self._lock = threading.Lock()
@@ -225,12 +235,16 @@ class TelemetryServer:
                 return _Rejected("malformed", f"cannot decode {message_type.__name__}: {exc}")
         return deserialize
 
-    def _reject(self, context, rejected: _Rejected):
+    def _reject(self, context, rejected: _Rejected, code: grpc.StatusCode | None = None):
         self._job_telemetry.count_rejected(rejected.reason)
         log.warning("telemetry message rejected: %s", rejected.detail, extra={"reason": rejected.reason})
-        code = (grpc.StatusCode.RESOURCE_EXHAUSTED if rejected.reason == "oversized"
-                else grpc.StatusCode.INVALID_ARGUMENT)
+        if code is None:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if rejected.reason == "oversized"
+                    else grpc.StatusCode.INVALID_ARGUMENT)
         context.abort(code, rejected.detail)
+
+    def _cred_path(self) -> str:
+        return str(self._credentials.path) if self._credentials is not None else f"{self.socket_path}.cred"
 
     def _stream(self, request_iterator, context):
         try:
@@ -255,15 +269,30 @@ class TelemetryServer:
                 self._reject(context, _Rejected("invalid", "unknown, used or expired peer token: fetch a new one "
                                                 "from the agent's .cred socket for every stream"))
             # the kernel's pid (the agent's pid namespace), not the claim: a container states its own
-            info = dataclasses.replace(info, pid=cred.pid, verified=True, started=cred.started)
+            info = dataclasses.replace(info, pid=cred.pid, verified=True, started=cred.started, uid=cred.uid)
+        elif not self._allow_unverified:
+            self._reject(context, _Rejected("unverified", _UNVERIFIED.format(what="a Hello", path=self._cred_path())),
+                         grpc.StatusCode.UNAUTHENTICATED)
         key = (info.job, info.rank)
-        handle = _StreamHandle(info.pid, self._command_queue_size)
-        with self._lock:
-            previous = self._streams.get(key)
-            self._streams[key] = handle
-        if previous is not None:  # a reconnect or a restarted worker replaces the old stream
+        handle = _StreamHandle(info, self._command_queue_size)
+        with self._lock:  # one decision per (job, rank): the owner check and the replacement together
+            refusal = self._job_telemetry.connect(info)
+            previous = None
+            if refusal is None:
+                previous = self._streams.get(key)
+                self._streams[key] = handle
+        if refusal is not None:
+            with self._lock:
+                holder = self._streams.get(key)
+            held = (f"; the rank's stream: pid {holder.pid} uid {holder.info.uid}" if holder is not None
+                    else "; the rank has no stream now")
+            log.warning("telemetry stream refused: %s (this stream: pid %d uid %s%s)", refusal, info.pid,
+                        info.uid if info.verified else "unverified", held,
+                        extra={"job": info.job, "rank": info.rank, "uid": info.uid})
+            self._job_telemetry.count_rejected("identity")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        if previous is not None:  # a reconnect or a restarted worker of the job's uid replaces the old stream
             _offer(previous.commands, _End())
-        self._job_telemetry.connect(info)
         log.debug("worker connected: job %s rank %d pid %d", info.job, info.rank, info.pid,
                   extra={"job": info.job, "rank": info.rank, "pid": info.pid})
         reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
@@ -292,8 +321,11 @@ class TelemetryServer:
 
     def _read(self, request_iterator, info: WorkerInfo, handle: _StreamHandle) -> None:
         end = _End()
+        key, streams = (info.job, info.rank), self._streams
         try:
             for message in request_iterator:
+                if streams.get(key) is not handle:  # replaced by a newer stream of the rank: it speaks now
+                    break
                 if isinstance(message, _Rejected):
                     self._job_telemetry.count_rejected(message.reason)
                     log.warning("telemetry message rejected: %s", message.detail,
@@ -395,15 +427,22 @@ class TelemetryServer:
 
 
     def _commit(self, request, context) -> pb.CommitReply:
-        """May this rank publish the checkpoint as the job's latest? The guard gets the pid the kernel vouched
-        for on the rank's stream (0 when the rank has no stream), never a pid the request claims."""
+        """May this rank publish the checkpoint as the job's latest? Only the process whose stream holds the rank
+        may ask (``_commit_identity``: the request's own peer token); the guard then gets the pid the kernel
+        vouched for on the rank's stream (0 when the rank has no stream), never a pid the request claims."""
         if isinstance(request, _Rejected):
             self._reject(context, request)
+        with self._lock:
+            handle = self._streams.get((request.job, request.rank))
+        refusal = self._commit_identity(request, handle)
+        if refusal is not None:
+            self._job_telemetry.count_rejected("unverified" if refusal.startswith("no peer token") else "identity")
+            log.warning("commit of job %s rank %d step %d refused: %s", request.job, request.rank, request.step,
+                        refusal, extra={"job": request.job, "rank": request.rank})
+            return pb.CommitReply(allowed=False, reason=refusal)
         guard = self.commit_guard
         if guard is None:
             return pb.CommitReply(allowed=True)
-        with self._lock:
-            handle = self._streams.get((request.job, request.rank))
         pid = handle.pid if handle is not None else 0
         try:
             refusal = guard(request.job, request.rank, pid, request.step, request.path, request.bytes)
@@ -412,6 +451,26 @@ class TelemetryServer:
             refusal = f"the agent could not check the job's round: {exc}"
         return pb.CommitReply(allowed=refusal is None, reason=refusal or "")
 
+
+    def _commit_identity(self, request, handle: _StreamHandle | None) -> str | None:
+        """Why the process asking may not commit for the rank (it is not the one whose stream holds it), or
+        None. A rank with no stream leaves the decision to the guard (which refuses pid 0); a rank held by an
+        unverified stream has no identity to compare."""
+        cred = None
+        if request.peer_token:
+            cred = self._credentials.take(request.peer_token) if self._credentials else None
+            if cred is None:
+                return ("unknown, used or expired peer token: fetch a new one from the agent's .cred socket for every "
+                        "Commit")
+        elif not self._allow_unverified:
+            return "no peer token: " + _UNVERIFIED.format(what="a Commit", path=self._cred_path())
+        if handle is None or not handle.info.verified:
+            return None
+        if cred is None or (cred.pid, cred.started) != (handle.pid, handle.info.started):
+            asker = f"pid {cred.pid} uid {cred.uid}" if cred is not None else "an unverified process"
+            return (f"rank {request.rank} of job {request.job} streams from pid {handle.pid} (uid {handle.info.uid}); "
+                    f"{asker} may not commit for it: only the process whose stream holds the rank may")
+        return None
 
     def _checkpoint_record(self, request, context) -> pb.CheckpointRecordReply:
         """What etcd's record says the job committed (a restore's evidence before any fresh start)."""
@@ -434,6 +493,10 @@ class TelemetryServer:
         return pb.CheckpointRecordReply(known=True, found=True, step=step, path=str(record.get("path", ""))[:4096],
                                         source="found")
 
+
+_UNVERIFIED = ("{what} without a peer token: this agent requires peer credentials; fetch a single-use token from "
+               "{path} first and send it (trainwarden.runtime does), or start the agent with "
+               "--allow-unverified-streams to accept unverified workers (never signalled)")
 
 CheckpointRecordSource = Callable[[str], "dict | None"]
 """``job -> etcd's checkpoint record`` (a dict with ``step``), None when none is recorded; raises when etcd

@@ -108,17 +108,26 @@ def test_a_job_this_node_cannot_run_is_refused_once_with_one_incident_then_runs_
 
 
 def test_an_unreadable_spec_in_etcd_is_refused_once_not_logged_every_poll(daemons, etcd_server, etcd_client):
-    record = {"name": "handmade", "command": ["train.py"], "nproc_per_node": "2", "managed": True}
-    state = {"job": "handmade", "phase": "pending", "generation": 1, "restarts": 0, "last_change": 0.0,
-             "reason": "written by hand", "owner": {}}
-    etcd_client.put(f"{PREFIX}/jobs/handmade/spec", json.dumps(record))
-    etcd_client.put(f"{PREFIX}/jobs/handmade/state", json.dumps(state))
+    """Also issue 30: a record written past `submit` whose env sets what trainwarden sets for the job (here the
+    agent socket its workers would stream to) is refused the same way, never launched."""
+    handmade = {"name": "handmade", "command": ["train.py"], "nproc_per_node": "2", "managed": True}
+    hijack = {"name": "hijack", "command": ["train.py"], "env": {"TRAINWARDEN_AGENT_SOCKET": "/tmp/elsewhere.sock"},
+              "managed": True}
+    for record in (handmade, hijack):
+        state = {"job": record["name"], "phase": "pending", "generation": 1, "restarts": 0, "last_change": 0.0,
+                 "reason": "written by hand", "owner": {}}
+        etcd_client.put(f"{PREFIX}/jobs/{record['name']}/spec", json.dumps(record))
+        etcd_client.put(f"{PREFIX}/jobs/{record['name']}/state", json.dumps(state))
     daemons.start("n0")
-    wait_for(lambda: _jobs(etcd_server.endpoint)["handmade"]["phase"] != "pending", 60,
-             what="the daemon to decide on the job")
+    wait_for(lambda: all(_jobs(etcd_server.endpoint)[j]["phase"] != "pending" for j in ("handmade", "hijack")), 60,
+             what="the daemon to decide on the jobs")
     job = _jobs(etcd_server.endpoint)["handmade"]
     assert job["phase"] == "refused" and "field 'nproc_per_node' must be a whole number" in job["reason"], job
+    job = _jobs(etcd_server.endpoint)["hijack"]
+    assert job["phase"] == "refused" and "entry 'TRAINWARDEN_AGENT_SOCKET' is trainwarden's" in job["reason"], job
     _rounds(etcd_client, "n0", 4)
-    local, remote = _incidents(etcd_client, daemons.home("n0"), "handmade")
-    assert [i["kind"] for i in remote] == ["job_refused"] and remote == local
-    assert daemons.log("n0").count("nproc_per_node") == 1
+    for name, word in (("handmade", "nproc_per_node"), ("hijack", "TRAINWARDEN_AGENT_SOCKET")):
+        local, remote = _incidents(etcd_client, daemons.home("n0"), name)
+        assert [i["kind"] for i in remote] == ["job_refused"] and remote == local
+        assert daemons.log("n0").count(word) == 1, word
+    assert "hijack" not in daemons.launchers("n0")

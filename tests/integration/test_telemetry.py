@@ -43,6 +43,15 @@ def server(tmp_path):
         srv.stop(0.5)
 
 
+def hello_bytes(srv, job="j"):
+    """A Hello as a worker sends it: with a fresh peer token (this process's), since the agent requires one."""
+    from trainwarden.runtime.agent_client import fetch_peer_token
+
+    token = fetch_peer_token(str(srv.socket_path))
+    assert token, "the agent's .cred socket gave no token"
+    return pb.WorkerMessage(hello=pb.Hello(job=job, rank=0, world_size=1, pid=1, peer_token=token)).SerializeToString()
+
+
 def raw_stream(address, messages):
     """Send raw bytes on the Stream method, as a broken or hostile client would."""
     with grpc.insecure_channel(address) as channel:
@@ -55,12 +64,11 @@ def raw_stream(address, messages):
 @pytest.mark.timeout(60)
 def test_malformed_oversized_and_helloless_streams_are_rejected_and_counted(server):
     srv, js = server
-    hello = pb.WorkerMessage(hello=pb.Hello(job="j", rank=0, world_size=1, pid=1)).SerializeToString()
     assert oct(os.stat(srv.socket_path).st_mode & 0o777) == "0o660"
 
-    assert raw_stream(srv.address, [hello, b"\xff\xff\xff\xff garbage"]) == grpc.StatusCode.INVALID_ARGUMENT
+    assert raw_stream(srv.address, [hello_bytes(srv), b"\xff\xff\xff\xff garbage"]) == grpc.StatusCode.INVALID_ARGUMENT
     big = pb.WorkerMessage(goodbye=pb.Goodbye(reason="x" * 10_000)).SerializeToString()
-    assert raw_stream(srv.address, [hello, big]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert raw_stream(srv.address, [hello_bytes(srv), big]) == grpc.StatusCode.RESOURCE_EXHAUSTED
     step = pb.WorkerMessage(step=pb.Step(index=1, duration_seconds=0.1)).SerializeToString()
     assert raw_stream(srv.address, [step]) == grpc.StatusCode.INVALID_ARGUMENT
     assert raw_stream(srv.address, [b"\x0a\x03\xff\xfe\xfd"]) == grpc.StatusCode.INVALID_ARGUMENT
@@ -255,7 +263,7 @@ def test_the_runtime_says_what_is_wrong_with_its_job_name_and_trains_on(server, 
 
 
 @pytest.mark.timeout(60)
-def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(server):
+def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(server, tmp_path):
     srv, js = server
     assert oct(os.stat(str(srv.socket_path) + ".cred").st_mode & 0o777) == "0o660"
     # a real runtime client fetches a token first: its pid is verified
@@ -267,15 +275,19 @@ def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(serve
         assert real.verified and real.pid == os.getpid() and real.started > 0
     finally:
         rt.close()
-    # a Hello that only claims a pid (here init's) streams, unverified: the agent will never signal it
+    # a Hello that only claims a pid is refused by default (tests/integration/test_stream_identity.py); where
+    # the agent allows unverified streams it streams, unverified: the agent will never signal it
     claim = pb.WorkerMessage(hello=pb.Hello(job="claim", rank=0, world_size=1, pid=1))
+    assert raw_stream(srv.address, [claim.SerializeToString()]) == grpc.StatusCode.UNAUTHENTICATED
     done = threading.Event()
 
     def messages():
         yield claim
         done.wait(10)
 
-    with grpc.insecure_channel(srv.address) as channel:
+    lenient = TelemetryServer(tmp_path / "lenient.sock", js, allow_unverified=True)
+    lenient.start()
+    with grpc.insecure_channel(lenient.address) as channel:
         call = channel.stream_stream("/trainwarden.v1.Telemetry/Stream",
                                      request_serializer=pb.WorkerMessage.SerializeToString)(messages(), timeout=20)
         try:
@@ -285,6 +297,7 @@ def test_the_agent_learns_a_workers_pid_from_the_kernel_not_from_its_hello(serve
         finally:
             done.set()
             call.cancel()
+            lenient.stop(0.5)
     # a token nobody was given is refused outright
     forged = pb.WorkerMessage(hello=pb.Hello(job="forged", rank=0, world_size=1, pid=1, peer_token="0" * 32))
     assert raw_stream(srv.address, [forged.SerializeToString()]) == grpc.StatusCode.INVALID_ARGUMENT

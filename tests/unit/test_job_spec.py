@@ -140,3 +140,79 @@ def test_the_example_config_in_deploy_is_valid():
     example = Path(__file__).parents[2] / "deploy" / "systemd" / "agent.toml"
     s = resolve_settings(_agent_args("--config", str(example)), environ={})
     assert (s["metrics_port"], s["run_jobs"], s["straggler_policy"]) == (9478, True, "alert")
+
+
+@pytest.mark.parametrize("key", ["TRAINWARDEN_AGENT_SOCKET", "TRAINWARDEN_JOB", "TRAINWARDEN_STATE_DIR",
+                                 "TRAINWARDEN_CHECKPOINT_DIR", "TRAINWARDEN_AUTO_INSTRUMENT",
+                                 "TRAINWARDEN_ANYTHING_NEW",
+                                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                                 "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "NOTIFY_SOCKET"])
+def test_a_spec_may_not_set_what_trainwarden_or_torchrun_sets_for_the_job(key):
+    """Issue 30: ``[env]`` reached the workers after trainwarden's own variables, so a spec could point its workers
+    at another agent socket, speak as another job or rank, or notify systemd as the daemon."""
+    with pytest.raises(JobSpecError) as info:
+        parse_job_spec({**GOOD, "env": {"OMP_NUM_THREADS": "4", key: "x"}}, "jobs/gpt.toml")
+    message = str(info.value)
+    assert message.startswith("jobs/gpt.toml: field 'env' entry ") and repr(key) in message
+    assert "remove it from [env]" in message
+
+
+def test_the_refusal_says_where_the_setting_belongs():
+    with pytest.raises(JobSpecError, match="use the field 'checkpoint_dir'"):
+        parse_job_spec({**GOOD, "env": {"TRAINWARDEN_CHECKPOINT_DIR": "/x"}}, "x")
+    with pytest.raises(JobSpecError, match="torchrun sets it for each worker"):
+        parse_job_spec({**GOOD, "env": {"MASTER_PORT": "29500"}}, "x")
+
+
+def test_the_workers_own_knobs_and_a_pythonpath_stay_allowed():
+    """What the workers read but trainwarden never sets (fault injection, start-up timings, Flight Recorder
+    duty, checkpoint read backoff) is the job's own business; PYTHONPATH is merged after the worker bootstrap
+    (agent/launch/torchrun.py), never in its place."""
+    allowed = {"TRAINWARDEN_FAULTS": "crash:rank=1,step=5", "TRAINWARDEN_TIMINGS": "/tmp/marks",
+               "TRAINWARDEN_FR_MAX_DUTY": "0.01", "TRAINWARDEN_CKPT_READ_BACKOFF_S": "1,2",
+               "PYTHONPATH": "/home/me/lib", "LD_LIBRARY_PATH": "/opt/cuda/lib64", "NCCL_DEBUG": "INFO"}
+    assert dict(parse_job_spec({**GOOD, "env": allowed}, "x").env) == allowed
+
+
+def test_the_allowed_worker_knobs_are_the_names_the_runtime_reads():
+    from trainwarden.agent.common.job_spec import JOB_ENV_ALLOWED
+    from trainwarden.agent.proto.fault_spec import ENV_VAR as FAULTS_ENV
+    from trainwarden.runtime.checkpoint import READ_BACKOFF_ENV
+    from trainwarden.runtime.session import FR_DUTY_ENV
+    from trainwarden.runtime.timings import TIMINGS_ENV
+
+    assert JOB_ENV_ALLOWED == {FAULTS_ENV, TIMINGS_ENV, FR_DUTY_ENV, READ_BACKOFF_ENV}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"checkpoint_dir": "ckpt/gpt"}, "field 'checkpoint_dir' 'ckpt/gpt' is relative"),
+    ({"checkpoint_dir": "./ckpt"}, "give an absolute path"),
+    ({"nnodes": "3:4", "nodes": ["gpu-a1", "gpu-a2"]}, "field 'nodes' names 2 nodes but nnodes '3:4' needs at "
+                                                       "least 3"),
+    ({"nnodes": "2", "nodes": ["gpu-a1"]}, "field 'nodes' names 1 node but nnodes '2' needs at least 2"),
+    ({"nnodes": 2, "nodes": ["gpu-a1"]}, "needs at least 2"),
+    ({"nnodes": "2", "nodes": ["gpu-a1", "gpu-a1"]}, "names 1 node but"),  # one node named twice
+])
+def test_a_relative_checkpoint_dir_and_too_few_nodes_are_refused(change, message):
+    with pytest.raises(JobSpecError) as info:
+        parse_job_spec({**GOOD, **change}, "jobs/gpt.toml")
+    assert str(info.value).startswith("jobs/gpt.toml: ") and message in str(info.value)
+
+
+def test_enough_nodes_or_none_named_is_fine():
+    assert parse_job_spec({**GOOD, "nnodes": "2:4", "nodes": ["a", "b"]}, "x").nodes == ("a", "b")
+    assert parse_job_spec({**GOOD, "nnodes": "4", "nodes": []}, "x").nodes == ()  # any node
+
+
+def test_unverified_telemetry_streams_are_refused_unless_the_agent_is_told_to_allow_them(tmp_path):
+    assert resolve_settings(_agent_args(), environ={})["allow_unverified_streams"] is False
+    assert resolve_settings(_agent_args("--allow-unverified-streams"), environ={})["allow_unverified_streams"] is True
+    config = tmp_path / "agent.toml"
+    config.write_text("allow_unverified_streams = true\n")
+    assert resolve_settings(_agent_args("--config", str(config)), environ={})["allow_unverified_streams"] is True
+    assert resolve_settings(_agent_args(), environ={"TRAINWARDEN_ALLOW_UNVERIFIED_STREAMS": "yes"})[
+        "allow_unverified_streams"] is True
+    config.write_text("allow_unverified_stream = true\n")
+    with pytest.raises(ValueError, match="unknown key 'allow_unverified_stream' .did you mean 'allow_unverified_"):
+        resolve_settings(_agent_args("--config", str(config)), environ={})

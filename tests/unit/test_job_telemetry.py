@@ -215,3 +215,39 @@ def test_a_worker_cannot_grow_the_label_sets_without_bound():
     (r,) = js.snapshot("j")[0].ranks
     assert len(r.collectives) == 64 and len(r.wait_seconds_by_op) == 33  # 32 ops, the rest in "other"
     assert js.overflow() == {"collective_keys": 436, "ops": 32}
+
+
+@pytest.mark.timeout(10)
+def test_a_job_belongs_to_the_uid_of_its_first_verified_stream_until_it_is_pruned():
+    """Issue 30: one uid cannot take another's rank, nor a rank of its job that has no stream yet or is between
+    two streams; an unverified stream never replaces a verified one. A refusal changes nothing."""
+    from dataclasses import replace
+
+    clock = FakeClock()
+    js = JobTelemetry(clock=clock)
+    mine = lambda rank=0, pid=10, uid=1000: replace(hello(rank=rank, pid=pid), verified=True, uid=uid)  # noqa: E731
+    assert js.connect(mine()) is None
+    js.record_step("j", 0, index=5, start_unix=1.0, duration_seconds=0.1, tokens=0)
+    refusal = js.connect(mine(pid=66, uid=1001))
+    assert refusal == "job j streams as uid 1000; a stream of uid 1001 may not speak for its rank 0"
+    assert "uid 1001" in js.connect(mine(rank=1, pid=66, uid=1001))  # a rank with no stream yet
+    assert "an unverified stream may not speak" in js.connect(hello(pid=66))
+    (job,) = js.snapshot()
+    assert [(r.rank, r.pid, r.last_step, r.verified) for r in job.ranks] == [(0, 10, 5, True)]
+
+    js.disconnect("j", 0, 10)  # between two streams: still the job's uid's
+    assert js.connect(mine(pid=66, uid=1001)) is not None
+    assert js.connect(mine(pid=11)) is None  # the job's uid: a restarted worker takes its rank
+    assert js.connect(mine(rank=1, pid=12)) is None
+    js.disconnect("j", 0, 11)
+    js.disconnect("j", 1, 12)
+    clock.now += 601
+    assert js.prune(600) == ["j"]
+    assert js.connect(mine(pid=66, uid=1001)) is None  # forgotten: a new job of that name may be anyone's
+
+
+@pytest.mark.timeout(10)
+def test_unverified_streams_alone_have_no_owner_to_refuse():
+    js = JobTelemetry(clock=FakeClock())
+    assert js.connect(hello(pid=10)) is None and js.connect(hello(pid=11)) is None
+    assert js.connect(hello(rank=1, pid=12)) is None
