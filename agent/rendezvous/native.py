@@ -64,6 +64,10 @@ class NativeRendezvousUnavailable(NativeRendezvousError, ConnectionError):
     """etcd did not answer. Retryable once etcd is back."""
 
 
+class _TooLate(Exception):
+    """This node joined a round that closed without it: on to the next."""
+
+
 class NativeRendezvousTimeout(NativeRendezvousError, TimeoutError):
     """No round closed with this node in time: fewer than ``min_nodes`` came, or the others stayed in their
     round. Not retryable as is: start more nodes, or lower ``min_nodes``."""
@@ -247,23 +251,35 @@ class NativeRendezvous:
         # three are: the previous, the current, the next) and walks up past the closed ones
         number = self.last.number + 1 if self.last is not None else self.oldest_round()
         while True:
-            joined = self._join(number)
-            if isinstance(joined, Round):  # closed before this join
-                if self.node in joined.members:
-                    return self._became_member(joined)
+            try:
+                return self._join_and_wait(number, deadline)
+            except _TooLate:
+                logger.debug("job %s: %s joined round %d after it closed; on to round %d", self.job, self.node,
+                             number, number + 1)
                 number += 1
-                continue
-            revision, closer = joined
-            if closer == self.node:
-                result = self._close(number, deadline)
-            else:
-                result = self._await_close(number, revision, deadline)
-            if self.node in result.members:
-                return self._became_member(result)
-            logger.debug("job %s: %s joined round %d after it closed; on to round %d", self.job, self.node,
-                         number, number + 1)
-            self._leave(number)
-            number += 1
+            except NativeRendezvousTimeout:
+                try:  # a node that gives up is not waited for: members would regroup to let it in
+                    self._leave(number)
+                except NativeRendezvousError:
+                    pass
+                raise
+
+    def _join_and_wait(self, number: int, deadline: float) -> Round:
+        """Join round ``number`` and wait for it to close with this node; ``_TooLate`` when it closed without."""
+        joined = self._join(number)
+        if isinstance(joined, Round):  # closed before this join
+            if self.node in joined.members:
+                return self._became_member(joined)
+            raise _TooLate()
+        revision, closer = joined
+        if closer == self.node:
+            result = self._close(number, deadline)
+        else:
+            result = self._await_close(number, revision, deadline)
+        if self.node in result.members:
+            return self._became_member(result)
+        self._leave(number)  # joined after the closer read the membership
+        raise _TooLate()
 
     def watch(self, round_: Round | None = None) -> RoundWatch:
         """A ``RoundWatch`` of ``round_`` (default: the last round this node was in); ``next_round`` cancels it."""
