@@ -85,6 +85,8 @@ class NativeRendezvousConfig:
     """How long a round waits for more nodes once ``min_nodes`` have joined."""
     join_timeout_s: float = 600.0
     """How long ``next_round`` waits for a round with this node in it before ``NativeRendezvousTimeout``."""
+    resync_s: float = 5.0
+    """After this long without a watch event, a waiting node reads the round instead (a lost watch costs this)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_nodes, int) or not isinstance(self.max_nodes, int) or self.min_nodes < 1:
@@ -93,6 +95,8 @@ class NativeRendezvousConfig:
             raise ValueError(f"max_nodes={self.max_nodes} is below min_nodes={self.min_nodes}; give MIN <= MAX")
         if not self.last_call_s >= 0:
             raise ValueError(f"last_call_s={self.last_call_s!r} must be >= 0 seconds")
+        if not self.resync_s > 0:
+            raise ValueError(f"resync_s={self.resync_s!r} must be > 0 seconds")
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s={self.join_timeout_s!r} must be > 0 seconds")
 
@@ -281,6 +285,13 @@ class NativeRendezvous:
         self._leave(number)  # joined after the closer read the membership
         raise _TooLate()
 
+    def leave(self) -> None:
+        """Leave the last round for good (delete this node's key: for the others, the round is over)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.last is not None:
+            self._leave(self.last.number)
+
     def watch(self, round_: Round | None = None) -> RoundWatch:
         """A ``RoundWatch`` of ``round_`` (default: the last round this node was in); ``next_round`` cancels it."""
         round_ = round_ or self.last
@@ -335,14 +346,28 @@ class NativeRendezvous:
         return responses[0].response_put.header.revision, closer
 
     def _await_close(self, number: int, revision: int, deadline: float) -> Round:
-        """Wait on ``close/`` for the membership; take the closer's part over if its lease ends first."""
+        """Wait on ``close/`` for the membership; take the closer's part over if its lease ends first.
+
+        Every ``resync_s`` without an event, read ``close/`` instead: a watch that lost its events (a stream
+        that broke, or a client bug) costs a few seconds, never the round."""
         events: queue.Queue = queue.Queue()
         close_prefix = self._key(number, "close") + "/"
         watch_id = self._call("watch the round's close", lambda: self._client.add_watch_prefix_callback(
             close_prefix, events.put, start_revision=revision + 1))
         try:
             while True:
-                for event in self._next_events(events, deadline, number):
+                batch = self._next_events(events, deadline, number, self._clock() + self.config.resync_s)
+                if not batch:  # silence: read what the watch would have said
+                    members, _ = self._call("read the round's members", lambda: self._client.get(
+                        close_prefix + "members"))
+                    if members is not None:
+                        return self._parse_members(number, members)
+                    by, _ = self._call("read the round's closer", lambda: self._client.get(close_prefix + "by"))
+                    if by is None and self._take_over(number):
+                        self._cancel(watch_id)
+                        watch_id = None
+                        return self._close(number, deadline)
+                for event in batch:
                     name = event.key.decode()[len(close_prefix):]
                     if name == "members" and isinstance(event, PutEvent):
                         return self._parse_members(number, event.value)
@@ -364,11 +389,28 @@ class NativeRendezvous:
             logger.info("job %s: round %d's closer is gone; %s closes it", self.job, number, self.node)
         return ok
 
+    def _read_round(self, number: int, rule: CloseRule) -> tuple[int, Round | None]:
+        """Read the round's keys into ``rule`` (joins replaced): (the read's revision, the round if closed)."""
+        round_prefix, nodes = self._key(number), self._key(number, "nodes") + "/"
+        current = self._call("read the round's nodes", lambda: self._client.get_prefix_response(
+            round_prefix, keys_only=True))
+        rule.joined.clear()
+        for kv in current.kvs:
+            key = kv.key.decode()
+            if key.startswith(nodes):
+                rule.join(key[len(nodes):], kv.create_revision)
+            elif key == round_prefix + "close/members":  # closed by a closer that took over
+                value, _ = self._call("read the round's members", lambda: self._client.get(key))
+                return current.header.revision, self._parse_members(number, value)
+        return current.header.revision, None
+
     def _close(self, number: int, deadline: float) -> Round:
-        """The closer: watch the round's keys (and the previous round's nodes) until ``CloseRule`` closes it."""
+        """The closer: watch the round's keys (and the previous round's nodes) until ``CloseRule`` closes it;
+        every ``resync_s`` without an event, read the round again (see ``_await_close``)."""
         events: queue.Queue = queue.Queue()
         watches, rule = [], CloseRule(self.config)
         round_prefix, prev_nodes = self._key(number), self._key(number - 1, "nodes") + "/" if number else None
+        nodes = self._key(number, "nodes") + "/"
         try:
             if prev_nodes is not None:
                 value, _ = self._call("read the previous round", lambda: self._client.get(
@@ -382,17 +424,9 @@ class NativeRendezvous:
                         rule.previous_gone(node)
                     watches.append(self._call("watch the previous round", lambda: self._client.add_watch_prefix_callback(
                         prev_nodes, events.put, start_revision=alive.header.revision + 1)))
-            nodes = self._key(number, "nodes") + "/"
-            current = self._call("read the round's nodes", lambda: self._client.get_prefix_response(
-                round_prefix, keys_only=True))
-            as_of = current.header.revision
-            for kv in current.kvs:
-                key = kv.key.decode()
-                if key.startswith(nodes):
-                    rule.join(key[len(nodes):], kv.create_revision)
-                elif key == round_prefix + "close/members":  # closed while this node took over
-                    value, _ = self._call("read the round's members", lambda: self._client.get(key))
-                    return self._parse_members(number, value)
+            as_of, closed = self._read_round(number, rule)
+            if closed is not None:
+                return closed
             watches.append(self._call("watch the round's nodes", lambda: self._client.add_watch_prefix_callback(
                 round_prefix, events.put, start_revision=as_of + 1)))
             while True:
@@ -402,10 +436,16 @@ class NativeRendezvous:
                         self._cancel(watch_id)
                     watches = []
                     return self._write_close(number, rule.members(), decision.reason, as_of)
-                for event in self._next_events(events, deadline, number, decision.wake_at):
+                resync_at = self._clock() + self.config.resync_s
+                batch = self._next_events(events, deadline, number, min(decision.wake_at or resync_at, resync_at))
+                if not batch and self._clock() >= resync_at:
+                    as_of, closed = self._read_round(number, rule)
+                    if closed is not None:
+                        return closed
+                for event in batch:
                     key = event.key.decode()
-                    if key.startswith(nodes):
-                        as_of = max(as_of, event.mod_revision)
+                    if key.startswith(nodes) and event.mod_revision > as_of:  # older: in the last read already
+                        as_of = event.mod_revision
                         node = key[len(nodes):]
                         if isinstance(event, PutEvent):
                             rule.join(node, event.create_revision)

@@ -158,3 +158,75 @@ def test_an_etcd_that_went_away_is_a_clear_retryable_error(tmp_path):
     finally:
         client.close()
         server.stop()
+
+
+# -- behind torchrun: --rdzv-backend etcd3 --rdzv-conf round=native (native_handler.py) ---------------------
+
+
+def _handlers(etcd, run_id, n, **conf):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    params = dict(backend="etcd3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=2, max_nodes=n,
+                  local_addr="127.0.0.1", round="native", join_timeout="40", last_call_timeout="30", **conf)
+    return [get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(n)]
+
+
+@pytest.mark.timeout(90)
+def test_the_handler_forms_a_world_and_a_lost_node_makes_the_survivors_regroup(etcd, job):
+    from trainwarden.agent.rendezvous.native_handler import NativeRendezvousHandler
+
+    handlers = _handlers(etcd, job, 3)
+    try:
+        assert all(isinstance(h, NativeRendezvousHandler) for h in handlers)
+        infos = _in_threads([h.next_rendezvous for h in handlers])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 3), (1, 3), (2, 3)], infos
+        master = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+        assert len(master) == 1 and all(h.num_nodes_waiting() == 0 for h in handlers)
+        dead = handlers.pop()
+        dead._stop.set()
+        dead._client.revoke_lease(dead._lease.id)  # the node is gone: its lease with it
+        for _ in range(500):
+            if all(h.num_nodes_waiting() >= 1 for h in handlers):
+                break
+            threading.Event().wait(0.02)
+        assert all(h.num_nodes_waiting() >= 1 for h in handlers)  # torchrun's agent restarts on this
+        infos = _in_threads([h.next_rendezvous for h in handlers])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)], infos
+    finally:
+        for h in handlers:
+            h.shutdown()
+    assert handlers[0].is_closed()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
+    import os
+    import re
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("rdzv_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [procs.spawn([sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "etcd3",
+                          "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", job, "--rdzv-conf", "round=native",
+                          "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", "--nnodes", "2",
+                          "--nproc-per-node", "2", str(worker)], log=tmp_path / f"node{i}.log", env=env)
+             for i in range(2)]
+    results = {}
+    for proc in nodes:
+        rc = proc.wait(150)
+        log = proc.log_path.read_text(errors="replace")
+        assert rc == 0, log[-4000:]
+        for r, w, n, s, ok in re.findall(r"RESULT rank=(\d+) world=(\d+) restart=(\d+) sum=([-\d.e+]+) ok=(\w+)", log):
+            results[int(r)] = (int(w), int(n), float(s), ok == "True")
+    assert results == {rank: (4, 0, 10.0, True) for rank in range(4)}
+    # the native round ran, not torch's: round 0 closed with both agents, and no dynamic-rendezvous blob
+    client = open_client("127.0.0.1", etcd.client_port, timeout=10.0)
+    try:
+        members, _ = client.get(rendezvous_key(job, 0, "close", "members"))
+        assert len(json.loads(members)["members"]) == 2
+        assert client.get(f"/trainwarden/v1/jobs/{job}/rdzv")[0] is None
+        assert client.get(f"/trainwarden/v1/jobs/{job}/rendezvous-closed")[0] is not None  # shut down at the end
+    finally:
+        client.close()

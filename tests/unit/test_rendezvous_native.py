@@ -251,9 +251,9 @@ def _end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
-def _nodes(etcd, n, *, min_nodes=None, max_nodes=None, last_call_s=0.0, join_timeout_s=20.0, first=0):
+def _nodes(etcd, n, *, min_nodes=None, max_nodes=None, last_call_s=0.0, join_timeout_s=20.0, first=0, resync_s=5.0):
     config = NativeRendezvousConfig(min_nodes=min_nodes or n, max_nodes=max_nodes or n, last_call_s=last_call_s,
-                                    join_timeout_s=join_timeout_s)
+                                    join_timeout_s=join_timeout_s, resync_s=resync_s)
     return [NativeRendezvous(etcd, job="j", node=f"n{i:02d}", lease=100 + i, config=config)
             for i in range(first, first + n)]
 
@@ -350,6 +350,16 @@ def test_a_member_that_leaves_on_purpose_ends_the_round_for_the_others():
     rounds = _together(nodes[1:])
     thread.join(10)
     assert {r.members for r in rounds} == {("n00", "n01", "n02")} and nodes[0].last.number == 1
+
+
+def test_watches_that_deliver_nothing_cost_a_resync_not_the_round():
+    class DeafWatches(FakeEtcd):
+        def add_watch_prefix_callback(self, prefix, callback, start_revision=None):
+            return 1  # created, and never a word (a broken stream, a client that mixed its watches up)
+
+    etcd = DeafWatches()
+    rounds = _together(_nodes(etcd, 4, resync_s=0.05))
+    assert {(r.number, r.world_size) for r in rounds} == {(0, 4)}, rounds
 
 
 def test_a_node_whose_lease_has_ended_is_told_to_get_a_new_one():
