@@ -21,8 +21,9 @@ event). The closer applies ``CloseRule``: at once when ``max_nodes`` have joined
 every living member of the previous round is back (a restart after a loss); else when ``min_nodes`` have and
 the last call (``last_call_s``) since that moment has passed. Never while the previous round is intact (a node
 that comes after a round closed waits for the next, as with torch's wait list). The close is one transaction:
-if ``close/members`` is absent, put the membership and delete the round before the previous one's keys — so
-however many nodes try, exactly one close wins, and the others read its membership.
+if ``close/members`` is absent, put the membership and delete the previous round's keys (so a job keeps two
+rounds at most: the closed one and the next) — however many nodes try, exactly one close wins, and the others
+read its membership.
 **Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision), sorted by node id; a
 node's rank is its index there, the same on every node without another exchange.
 **After a loss**: ``RoundWatch`` watches the closed round's ``nodes/`` from ``as_of``; a member's key going
@@ -252,7 +253,7 @@ class NativeRendezvous:
             self._leave(self.last.number)
         self._watch = None
         # a member goes on to the next round; a new node starts at the oldest round still kept (at most
-        # three are: the previous, the current, the next) and walks up past the closed ones
+        # two are: the last closed one and the next) and walks up past the closed ones
         number = self.last.number + 1 if self.last is not None else self.oldest_round()
         while True:
             try:
@@ -460,7 +461,7 @@ class NativeRendezvous:
                 self._cancel(watch_id)
 
     def _write_close(self, number: int, members: list[str], reason: str, as_of: int) -> Round:
-        """The closing transaction: the membership if none is there yet (and the round before last's keys go)."""
+        """The closing transaction: the membership if none is there yet (and the previous round's keys go)."""
         tx = self._client.transactions
         key = self._key(number, "close", "members")
         value = json.dumps({"round": number, "members": members, "closed_by": self.node, "reason": reason,
