@@ -2,7 +2,7 @@
 
 The fake keeps what the protocol relies on: one revision per transaction, create/mod revisions, leases whose
 revocation deletes their keys, nested transactions, prefix reads (keys only, count only, limit) and watches
-that replay history from a start revision. The real etcd runs in tests/integration/test_rendezvous_native.py.
+that replay history from a start revision. The real etcd runs in tests/integration/test_rendezvous_native_etcd.py.
 """
 
 from __future__ import annotations
