@@ -304,6 +304,17 @@ class NativeRendezvous:
             self._watch = watch
         return watch
 
+    def present(self, round_: Round | None = None) -> int:
+        """How many keys ``round_``'s ``nodes/`` holds (default: this node's last round): fewer than its members
+        means one went. The check for a caller that cannot trust a watch alone: python3-etcd3 does not tell a
+        watch's callback that its stream broke (its ``Watcher._run`` fails on a name it no longer imports)."""
+        round_ = round_ or self.last
+        if round_ is None:
+            raise NativeRendezvousError(f"node {self.node} has no round: call next_round() first")
+        response = self._call("count the round's nodes", lambda: self._client.get_prefix_response(
+            self._key(round_.number, "nodes") + "/", count_only=True))
+        return int(response.count)
+
     def waiting(self, round_: Round | None = None) -> int:
         """How many nodes have joined the round after ``round_`` (default: this node's last round)."""
         round_ = round_ or self.last

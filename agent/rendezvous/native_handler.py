@@ -13,7 +13,9 @@ torchrun agent is one node of ``native.NativeRendezvous``:
   dynamic handler does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the agent's store is never shared;
 * ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
-  instead of when a collective fails;
+  instead of when a collective fails. Each call also counts the round's keys (``present``: one count-only read),
+  since python3-etcd3 never tells a watch that its stream broke. A watch broken by an etcd outage is not a
+  loss: it is made again once etcd answers, from the round's close, so a loss during the outage is seen;
 * ``set_closed``/``is_closed``: ``jobs/<run_id>/rendezvous-closed``; ``shutdown`` leaves, closes (as the dynamic
   handler does when the job is over) and revokes the lease.
 
@@ -120,10 +122,18 @@ class NativeRendezvousHandler(RendezvousHandler):
         if self._rdzv.last is None:
             return 0
         try:
+            if self._watch is not None and self._watch.error is not None and self._watch.lost is None:
+                # the watch broke (etcd away): watch again from the round's close, which replays a loss since
+                self._watch.cancel()
+                self._watch = self._rdzv.watch()
             waiting = self._rdzv.waiting()
+            # a lost member counts, a broken watch does not (an etcd outage must not restart training); the
+            # count of the round's keys catches a loss that a silently dead watch would miss
+            lost = (self._watch is not None and self._watch.lost is not None) \
+                or self._rdzv.present() < self._rdzv.last.world_size
         except NativeRendezvousError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
-        return waiting + (1 if self._watch is not None and self._watch.over else 0)
+        return waiting + (1 if lost else 0)
 
     def shutdown(self) -> bool:
         self._stop.set()

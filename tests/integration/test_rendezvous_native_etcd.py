@@ -230,3 +230,34 @@ def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
         assert client.get(f"/trainwarden/v1/jobs/{job}/rendezvous-closed")[0] is not None  # shut down at the end
     finally:
         client.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_handler_sees_a_loss_without_its_watch_and_an_etcd_outage_is_no_loss(tmp_path, job):
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    server.start()
+    handlers = []
+    try:
+        handlers = _handlers(server, job, 3)
+        assert sorted(i.rank for i in _in_threads([h.next_rendezvous for h in handlers])) == [0, 1, 2]
+        server.kill()  # etcd away: no loss, no restart of the workers (the backend's wrapper answers 0)
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
+        server.restart()
+        for _ in range(200):
+            try:
+                if [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]:
+                    break
+            except Exception:  # noqa: BLE001 - the clients reconnect
+                pass
+            threading.Event().wait(0.05)
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
+        survivor, dead = handlers[0], handlers[2]
+        survivor._watch.cancel()  # as if its watch had died without a word (python3-etcd3's broken-stream path)
+        survivor._watch = None
+        dead._stop.set()
+        dead._client.revoke_lease(dead._lease.id)
+        assert survivor.num_nodes_waiting() == 1  # the count of the round's keys says it
+    finally:
+        for h in handlers[:2]:
+            h.shutdown()
+        server.stop()
