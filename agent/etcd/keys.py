@@ -1,17 +1,33 @@
 """The etcd key layout (DESIGN.md's contract), built in one place.
 
 Every trainwarden key lives under one prefix, ``/trainwarden/v1`` by default; a job's keys under
-``<prefix>/jobs/<job>/``: ``spec``, ``state``, ``rdzv``, ``store/...``, ``checkpoint``, ``incidents/<id>``
-and ``exclude/<node>`` (see docs/ARCHITECTURE.md, "etcd keys").
+``<prefix>/jobs/<job>/``: ``spec``, ``state``, ``rdzv``, ``store/...``, ``checkpoint``, ``incidents/<id>``,
+``exclude/<node>`` and ``rendezvous/<round>/...`` (the etcd-native round: ``nodes/<node>``, ``close/by``,
+``close/members``; see ``rendezvous_key``) (see docs/ARCHITECTURE.md, "etcd keys").
 """
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_PREFIX", "job_key"]
+__all__ = ["DEFAULT_PREFIX", "ROUND_DIGITS", "job_key", "rendezvous_key"]
 
 DEFAULT_PREFIX = "/trainwarden/v1"
+
+ROUND_DIGITS = 8
+"""A native rendezvous round's number is zero-padded to this many digits, so the keys' text order is the rounds'."""
 
 
 def job_key(job: str, *parts: str, prefix: str = DEFAULT_PREFIX) -> str:
     """``<prefix>/jobs/<job>/<parts...>``; with no parts, the job's own prefix (no trailing slash)."""
     return "/".join([prefix.rstrip("/"), "jobs", job, *parts])
+
+
+def rendezvous_key(job: str, round_: int | None = None, *parts: str, prefix: str = DEFAULT_PREFIX) -> str:
+    """``<prefix>/jobs/<job>/rendezvous/<round>/<parts...>`` of the etcd-native rendezvous
+    (agent/rendezvous/native.py); with no round, the prefix of every round (trailing slash), with a round and
+    no parts, that round's prefix (trailing slash)."""
+    if round_ is None:
+        return job_key(job, "rendezvous", prefix=prefix) + "/"
+    if round_ < 0:
+        raise ValueError(f"rendezvous round {round_} is negative")
+    base = job_key(job, "rendezvous", f"{round_:0{ROUND_DIGITS}d}", prefix=prefix)
+    return "/".join([base, *parts]) if parts else base + "/"

@@ -1,4 +1,6 @@
-"""The ``etcd3`` torchrun rendezvous backend (``backend``) and the c10d store it uses (``store``).
+"""The ``etcd3`` torchrun rendezvous backend (``backend``), the c10d store it uses (``store``), and the etcd-native
+round (``native``: a key per node, one closing transaction; torch-free) with its torchrun handler
+(``native_handler``, opted into with ``--rdzv-conf round=native``; not yet used by `trainwarden run`).
 
 torchrun finds the backend through the ``torchrun.handlers`` entry point ``etcd3 =
 trainwarden.agent.rendezvous:handler_factory``. This is the one agent package that imports torch (it runs
@@ -6,7 +8,8 @@ inside torchrun), so nothing here is imported eagerly: ``handler_factory`` defer
 calls the creator it returns, and the other public names load on first use. It imports ``etcd``.
 """
 
-__all__ = ["Etcd3RendezvousBackend", "Etcd3RendezvousConfig", "Etcd3Store", "create_rdzv_handler", "handler_factory"]
+__all__ = ["Etcd3RendezvousBackend", "Etcd3RendezvousConfig", "Etcd3Store", "NativeRendezvous", "NativeRendezvousConfig",
+           "create_rdzv_handler", "handler_factory"]
 
 
 def handler_factory():
@@ -25,6 +28,10 @@ def _create_rdzv_handler(params):
 
 
 def __getattr__(name):
+    if name in ("NativeRendezvous", "NativeRendezvousConfig"):
+        from trainwarden.agent.rendezvous import native
+
+        return getattr(native, name)
     if name == "Etcd3Store":
         from trainwarden.agent.rendezvous import store
 

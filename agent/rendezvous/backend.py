@@ -43,6 +43,8 @@ rdzv-conf options: ``key_prefix``, ``read_timeout`` (s, default 60), ``protocol`
 a certificate is given), ``ca_cert``, ``cert_key`` (alias ``ssl_cert_key``), ``cert_cert`` (alias
 ``ssl_cert``), ``user``, ``password_file`` (or ``$TRAINWARDEN_ETCD_PASSWORD_FILE``: the password is read
 from the file; an inline ``password`` is refused, since torchrun logs its options and ``ps`` shows them),
+``round`` (``dynamic``, torch's rendezvous, the default; ``native``, the etcd-native round of
+``native_handler.py``, a key per node and one closing transaction, for jobs of hundreds of nodes),
 and the dynamic rendezvous' own ``join_timeout``,
 ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout``, ``keep_alive_interval``,
 ``keep_alive_max_attempt``. torchrun adds ``timeout`` itself (unused by the dynamic handler, as with c10d).
@@ -110,8 +112,9 @@ _HANDLER_INT_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
     "keep_alive_interval", "keep_alive_max_attempt",
 })
+_ROUND_KEY = "round"  # "dynamic" (torch's, the default) or "native" (native_handler.py)
 _TORCHRUN_KEYS = frozenset({"timeout"})  # added by torchrun itself; the dynamic handler ignores it
-_KNOWN_KEYS = _ETCD_KEYS | _HANDLER_INT_KEYS | _TORCHRUN_KEYS | frozenset(_ALIASES)
+_KNOWN_KEYS = _ETCD_KEYS | _HANDLER_INT_KEYS | _TORCHRUN_KEYS | frozenset(_ALIASES) | {_ROUND_KEY}
 
 # gRPC's default reconnect back-off grows to 120 s: after an etcd restart the channel could stay down
 # for minutes. Cap it at 1 s so the client is back within a second of etcd.
@@ -417,12 +420,23 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's creator for ``--rdzv-backend etcd3``: validate, connect, and build the dynamic handler."""
     config = Etcd3RendezvousConfig.from_params(params)
     _check_run_id(params.run_id)
+    kind = str(params.config.get(_ROUND_KEY, "dynamic")).strip().lower()
+    if kind not in ("dynamic", "native"):
+        raise ValueError(f"rdzv-conf round={kind!r}: expected dynamic (torch's rendezvous, the default) or native "
+                         f"(a key per node, one closing transaction: for jobs of hundreds of nodes)")
     client = connect(config)
     job_prefix = job_key(params.run_id, prefix=config.key_prefix)
-    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, endpoint=config.netloc)
     store = Etcd3Store(client, f"{job_prefix}/store", endpoint=config.netloc)
     _disable_shared_tcp_store()
-    logger.info("etcd3 rendezvous for %r at %s under %s", params.run_id, config.etcd.describe(), job_prefix)
+    logger.info("etcd3 rendezvous (%s round) for %r at %s under %s", kind, params.run_id, config.etcd.describe(),
+                job_prefix)
+    if kind == "native":
+        from trainwarden.agent.rendezvous.native_handler import NativeRendezvousHandler
+
+        handler = NativeRendezvousHandler(client, store, params, key_prefix=config.key_prefix)
+        keep_training_through_etcd_outages(handler)
+        return handler
+    backend = Etcd3RendezvousBackend(client, params.run_id, key_prefix=config.key_prefix, endpoint=config.netloc)
     handler = create_handler(store, backend, params)
     keep_training_through_etcd_outages(handler)
     close_when_members_rejoin(handler)

@@ -129,6 +129,12 @@ def test_bad_run_id_is_rejected_before_connecting(run_id):
 
 
 @pytest.mark.timeout(30)
+def test_an_unknown_round_kind_is_rejected_before_connecting():
+    with pytest.raises(ValueError, match="round='fast': expected dynamic .* or native"):
+        create_rdzv_handler(params(round="fast"))  # 10.0.0.1 is never dialled: the option fails first
+
+
+@pytest.mark.timeout(30)
 def test_password_from_a_file_named_in_the_environment_never_the_environment_itself(tmp_path):
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")

@@ -1,0 +1,542 @@
+"""An etcd-native rendezvous round: every node joins with a key of its own, one transaction closes the round.
+
+Why: torch's dynamic rendezvous (which the ``etcd3`` torchrun backend and torch's ``c10d`` both run on) keeps a
+round in one pickled blob, and every join, heartbeat and close is a compare-and-set of that blob; N nodes
+joining at once retry against each other, so a round's cost grows faster than N (measured on the dev VM:
+8 nodes 1.3 s, 64 nodes 8.3 s, 128 not within 9 minutes). Here no key is written by more than one node.
+
+Keys (``agent/etcd/keys.py``: ``rendezvous_key``), under ``<prefix>/jobs/<job>/rendezvous/<round>/``, the round
+zero-padded so text order is round order:
+
+* ``nodes/<node>``: the node's join, under the node's lease (the caller's: a dead node's join goes by itself).
+* ``close/by``: the node that will close the round, under its lease: the first to join, or, when its lease
+  ends before the round closed, the first waiting node to take it over (create-if-absent).
+* ``close/members``: the closed round, written once and never changed: the sorted member ids, who closed it,
+  why, and ``as_of``, the etcd revision the membership was read at.
+
+**Join** is one transaction: if ``close/members`` is absent, put ``nodes/<node>`` and, nested, create
+``close/by`` if absent (else read it); if the round is closed, read its members and go on to the next round.
+**Close**: only the closer watches the round's nodes (N events); every other node watches ``close/`` alone (one
+event). The closer applies ``CloseRule``: at once when ``max_nodes`` have joined; when ``min_nodes`` have and
+every living member of the previous round is back (a restart after a loss); else when ``min_nodes`` have and
+the last call (``last_call_s``) since that moment has passed. Never while the previous round is intact (a node
+that comes after a round closed waits for the next, as with torch's wait list). The close is one transaction:
+if ``close/members`` is absent, put the membership and delete the previous round's keys (so a job keeps two
+rounds at most: the closed one and the next) — however many nodes try, exactly one close wins, and the others
+read its membership.
+**Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision), sorted by node id; a
+node's rank is its index there, the same on every node without another exchange.
+**After a loss**: ``RoundWatch`` watches the closed round's ``nodes/`` from ``as_of``; a member's key going
+(its lease expired or was revoked, or it left on purpose through ``next_round``) ends the round for everyone
+who watches; each survivor calls ``next_round()``, which joins round + 1. Nodes that joined a round too late
+to be in it wait in round + 1; ``waiting()`` counts them, for a caller that regroups to let them in.
+
+Writes per round: one join per node, one close, one leave per node that left on purpose or joined too late,
+an election per closer that died: O(N), and no write is retried against another node's. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from etcd3.events import DeleteEvent, PutEvent
+from etcd3.utils import prefix_range_end
+
+from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, with_failover
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rendezvous_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CloseRule", "NativeRendezvous", "NativeRendezvousConfig", "NativeRendezvousError",
+           "NativeRendezvousTimeout", "NativeRendezvousUnavailable", "Round", "RoundWatch"]
+
+
+class NativeRendezvousError(Exception):
+    """Base of the native rendezvous' errors; as such (a node's lease has ended, a bad name): not retryable."""
+
+
+class NativeRendezvousUnavailable(NativeRendezvousError, ConnectionError):
+    """etcd did not answer. Retryable once etcd is back."""
+
+
+class _TooLate(Exception):
+    """This node joined a round that closed without it: on to the next."""
+
+
+class NativeRendezvousTimeout(NativeRendezvousError, TimeoutError):
+    """No round closed with this node in time: fewer than ``min_nodes`` came, or the others stayed in their
+    round. Not retryable as is: start more nodes, or lower ``min_nodes``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativeRendezvousConfig:
+    """How many nodes a round takes and how long it waits for them."""
+
+    min_nodes: int
+    """The fewest nodes a round closes with."""
+    max_nodes: int
+    """The most nodes a round takes; it closes at once when this many have joined."""
+    last_call_s: float = 3.0
+    """How long a round waits for more nodes once ``min_nodes`` have joined."""
+    join_timeout_s: float = 600.0
+    """How long ``next_round`` waits for a round with this node in it before ``NativeRendezvousTimeout``."""
+    resync_s: float = 5.0
+    """After this long without a watch event, a waiting node reads the round instead (a lost watch costs this)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_nodes, int) or not isinstance(self.max_nodes, int) or self.min_nodes < 1:
+            raise ValueError(f"min_nodes={self.min_nodes!r} and max_nodes={self.max_nodes!r} must be whole numbers >= 1")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"max_nodes={self.max_nodes} is below min_nodes={self.min_nodes}; give MIN <= MAX")
+        if not self.last_call_s >= 0:
+            raise ValueError(f"last_call_s={self.last_call_s!r} must be >= 0 seconds")
+        if not self.resync_s > 0:
+            raise ValueError(f"resync_s={self.resync_s!r} must be > 0 seconds")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"join_timeout_s={self.join_timeout_s!r} must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class Round:
+    """A closed round as one node sees it."""
+
+    number: int
+    node: str
+    members: tuple[str, ...]
+    """Every member's node id, sorted: the rank order."""
+    closed_by: str
+    reason: str
+    as_of: int
+    """The etcd revision the membership was read at: a member's key deleted after it ends the round."""
+
+    @property
+    def rank(self) -> int:
+        """This node's rank among the members (ValueError when it is not one)."""
+        return self.members.index(self.node)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Decision:
+    close: bool
+    reason: str
+    wake_at: float | None = None
+    """When to decide again without a new event (the last call's end); None: only on the next event."""
+
+
+class CloseRule:
+    """When the closer closes its round, from what it has seen (pure: no etcd; the caller gives the time).
+
+    ``previous`` is the membership of the round before (None for a job's first round), ``gone`` the members
+    of it whose key has gone since. That round is *intact* while none has gone and none has joined this one:
+    then this round waits (its nodes came after the other closed)."""
+
+    def __init__(self, config: NativeRendezvousConfig, *, previous: frozenset[str] | None = None) -> None:
+        self.config = config
+        self.previous = previous
+        self.gone: set[str] = set()
+        self.joined: dict[str, int] = {}
+        """Each joined node's create revision: join order."""
+        self.last_call_ends: float | None = None
+
+    def join(self, node: str, revision: int) -> None:
+        self.joined.setdefault(node, revision)
+
+    def leave(self, node: str) -> None:
+        self.joined.pop(node, None)
+
+    def previous_gone(self, node: str) -> None:
+        if self.previous is not None and node in self.previous:
+            self.gone.add(node)
+
+    def decide(self, now: float) -> Decision:
+        count = len(self.joined)
+        if self.previous is not None and not self.gone and not self.previous & self.joined.keys():
+            self.last_call_ends = None
+            return Decision(False, "the previous round is intact")
+        if count >= self.config.max_nodes:
+            return Decision(True, f"max_nodes={self.config.max_nodes} joined")
+        if count < self.config.min_nodes:
+            self.last_call_ends = None
+            return Decision(False, f"{count} of min_nodes={self.config.min_nodes} joined")
+        if self.previous is not None and (self.previous - self.gone) <= self.joined.keys():
+            return Decision(True, "every living member of the previous round is back")
+        if self.last_call_ends is None:
+            self.last_call_ends = now + self.config.last_call_s
+        if now >= self.last_call_ends:
+            return Decision(True, f"last call ({self.config.last_call_s:g} s) over with {count} nodes")
+        return Decision(False, "last call", self.last_call_ends)
+
+    def members(self) -> list[str]:
+        """The first ``max_nodes`` joins, sorted by node id."""
+        first = sorted(self.joined, key=lambda n: (self.joined[n], n))[: self.config.max_nodes]
+        return sorted(first)
+
+
+class RoundWatch:
+    """Watches a closed round's ``nodes/``: ``over`` once a member's key goes (lost, or left to re-join)."""
+
+    def __init__(self, client, round_: Round, nodes_prefix: str) -> None:
+        self.round = round_
+        self.lost: str | None = None
+        """The first member whose key went."""
+        self.error: BaseException | None = None
+        self._members = frozenset(round_.members)
+        self._over = threading.Event()
+        self._client = client
+        self._id = client.add_watch_prefix_callback(nodes_prefix, self._on_response, start_revision=round_.as_of + 1)
+
+    def _on_response(self, response) -> None:  # the client's watch thread: no etcd calls here
+        if isinstance(response, BaseException):
+            self.error = response
+            self._over.set()
+            return
+        for event in response.events:
+            node = event.key.decode().rpartition("/")[2]
+            if isinstance(event, DeleteEvent) and node in self._members and self.lost is None:
+                self.lost = node
+                self._over.set()
+
+    @property
+    def over(self) -> bool:
+        return self._over.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the round is over (or the watch failed: ``error``), False after ``timeout``."""
+        return self._over.wait(timeout)
+
+    def cancel(self) -> None:
+        try:
+            self._client.cancel_watch(self._id)
+        except ETCD_CLIENT_ERRORS:
+            pass
+
+
+class NativeRendezvous:
+    """One node's side of the etcd-native rendezvous of one job (see the module docstring).
+
+    ``lease`` is the node's etcd lease (an ``etcd3`` lease or its id), kept alive by the caller: the node's
+    joins go with it. ``client`` may be shared by many ``NativeRendezvous`` (the benchmark's simulated nodes).
+    """
+
+    def __init__(self, client, *, job: str, node: str, lease: Any, config: NativeRendezvousConfig,
+                 prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        if not node or "/" in node:
+            raise ValueError(f"node id {node!r} must be non-empty and hold no '/'")
+        self._client, self.job, self.node, self._lease = client, job, node, lease
+        self.config, self.prefix, self._clock, self._wall = config, prefix, clock, wall
+        self.last: Round | None = None
+        """The last round this node was a member of."""
+        self._watch: RoundWatch | None = None
+
+    # -- the public surface ------------------------------------------------------------------------------
+
+    def next_round(self) -> Round:
+        """Join the next open round and return it once closed with this node in it.
+
+        A member of a round that is not over leaves it first (deletes its key): for the others that ends
+        the round, as a loss does. ``NativeRendezvousTimeout`` after ``join_timeout_s``."""
+        deadline = self._clock() + self.config.join_timeout_s
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.last is not None and (self._watch is None or not self._watch.over):
+            self._leave(self.last.number)
+        self._watch = None
+        # a member goes on to the next round; a new node starts at the oldest round still kept (at most
+        # two are: the last closed one and the next) and walks up past the closed ones
+        number = self.last.number + 1 if self.last is not None else self.oldest_round()
+        while True:
+            try:
+                return self._join_and_wait(number, deadline)
+            except _TooLate:
+                logger.debug("job %s: %s joined round %d after it closed; on to round %d", self.job, self.node,
+                             number, number + 1)
+                number += 1
+            except NativeRendezvousTimeout:
+                try:  # a node that gives up is not waited for: members would regroup to let it in
+                    self._leave(number)
+                except NativeRendezvousError:
+                    pass
+                raise
+
+    def _join_and_wait(self, number: int, deadline: float) -> Round:
+        """Join round ``number`` and wait for it to close with this node; ``_TooLate`` when it closed without."""
+        joined = self._join(number)
+        if isinstance(joined, Round):  # closed before this join
+            if self.node in joined.members:
+                return self._became_member(joined)
+            raise _TooLate()
+        revision, closer = joined
+        if closer == self.node:
+            result = self._close(number, deadline)
+        else:
+            result = self._await_close(number, revision, deadline)
+        if self.node in result.members:
+            return self._became_member(result)
+        self._leave(number)  # joined after the closer read the membership
+        raise _TooLate()
+
+    def leave(self) -> None:
+        """Leave the last round for good (delete this node's key: for the others, the round is over)."""
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.last is not None:
+            self._leave(self.last.number)
+
+    def watch(self, round_: Round | None = None) -> RoundWatch:
+        """A ``RoundWatch`` of ``round_`` (default: the last round this node was in); ``next_round`` cancels it."""
+        round_ = round_ or self.last
+        if round_ is None:
+            raise NativeRendezvousError(f"node {self.node} has no round to watch: call next_round() first")
+        watch = self._call("watch the round's nodes",
+                           lambda: RoundWatch(self._client, round_, self._key(round_.number, "nodes") + "/"))
+        if round_ is self.last:
+            self._watch = watch
+        return watch
+
+    def present(self, round_: Round | None = None) -> int:
+        """How many keys ``round_``'s ``nodes/`` holds (default: this node's last round): fewer than its members
+        means one went. The check for a caller that cannot trust a watch alone: python3-etcd3 does not tell a
+        watch's callback that its stream broke (its ``Watcher._run`` fails on a name it no longer imports)."""
+        round_ = round_ or self.last
+        if round_ is None:
+            raise NativeRendezvousError(f"node {self.node} has no round: call next_round() first")
+        response = self._call("count the round's nodes", lambda: self._client.get_prefix_response(
+            self._key(round_.number, "nodes") + "/", count_only=True))
+        return int(response.count)
+
+    def waiting(self, round_: Round | None = None) -> int:
+        """How many nodes have joined the round after ``round_`` (default: this node's last round)."""
+        round_ = round_ or self.last
+        number = round_.number + 1 if round_ is not None else self.oldest_round()
+        response = self._call("count the waiting nodes", lambda: self._client.get_prefix_response(
+            self._key(number, "nodes") + "/", count_only=True))
+        return int(response.count)
+
+    def oldest_round(self) -> int:
+        """The lowest round number that has any key (0 for a job with none).
+
+        The first key in key order, which etcd finds without reading the rest (a descending sort for the
+        latest would read every key of every kept round: with 1,000 nodes joining at once, O(N²))."""
+        base = rendezvous_key(self.job, prefix=self.prefix)
+        response = self._call("find the oldest round", lambda: self._client.get_prefix_response(
+            base, keys_only=True, limit=1))
+        if not response.kvs:
+            return 0
+        return int(response.kvs[0].key.decode()[len(base):].partition("/")[0])
+
+    # -- joining and closing ----------------------------------------------------------------------------
+
+    def _key(self, number: int, *parts: str) -> str:
+        return rendezvous_key(self.job, number, *parts, prefix=self.prefix)
+
+    def _join(self, number: int) -> Round | tuple[int, str]:
+        """One transaction: join ``number`` unless it is closed; (join revision, closer) or the closed round."""
+        tx = self._client.transactions
+        members, by = self._key(number, "close", "members"), self._key(number, "close", "by")
+        value = json.dumps({"node": self.node, "joined_at": self._wall()})
+        ok, responses = self._call("join the round", lambda: self._client.transaction(
+            compare=[tx.version(members) == 0],
+            success=[tx.put(self._key(number, "nodes", self.node), value, self._lease),
+                     tx.txn([tx.version(by) == 0], [tx.put(by, self.node, self._lease)], [tx.get(by)])],
+            failure=[tx.get(members)]))
+        if not ok:
+            value, _ = responses[0][0]
+            return self._parse_members(number, value)
+        inner = responses[1].response_txn
+        closer = self.node if inner.succeeded else inner.responses[0].response_range.kvs[0].value.decode()
+        return responses[0].response_put.header.revision, closer
+
+    def _await_close(self, number: int, revision: int, deadline: float) -> Round:
+        """Wait on ``close/`` for the membership; take the closer's part over if its lease ends first.
+
+        Every ``resync_s`` without an event, read ``close/`` instead: a watch that lost its events (a stream
+        that broke, or a client bug) costs a few seconds, never the round."""
+        events: queue.Queue = queue.Queue()
+        close_prefix = self._key(number, "close") + "/"
+        watch_id = self._call("watch the round's close", lambda: self._client.add_watch_prefix_callback(
+            close_prefix, events.put, start_revision=revision + 1))
+        try:
+            while True:
+                batch = self._next_events(events, deadline, number, self._clock() + self.config.resync_s)
+                if not batch:  # silence: read what the watch would have said
+                    members, _ = self._call("read the round's members", lambda: self._client.get(
+                        close_prefix + "members"))
+                    if members is not None:
+                        return self._parse_members(number, members)
+                    by, _ = self._call("read the round's closer", lambda: self._client.get(close_prefix + "by"))
+                    if by is None and self._take_over(number):
+                        self._cancel(watch_id)
+                        watch_id = None
+                        return self._close(number, deadline)
+                for event in batch:
+                    name = event.key.decode()[len(close_prefix):]
+                    if name == "members" and isinstance(event, PutEvent):
+                        return self._parse_members(number, event.value)
+                    if name == "by" and isinstance(event, DeleteEvent) and self._take_over(number):
+                        self._cancel(watch_id)
+                        watch_id = None
+                        return self._close(number, deadline)
+        finally:
+            if watch_id is not None:
+                self._cancel(watch_id)
+
+    def _take_over(self, number: int) -> bool:
+        tx = self._client.transactions
+        members, by = self._key(number, "close", "members"), self._key(number, "close", "by")
+        ok, _ = self._call("take over closing the round", lambda: self._client.transaction(
+            compare=[tx.version(members) == 0, tx.version(by) == 0],
+            success=[tx.put(by, self.node, self._lease)], failure=[]))
+        if ok:
+            logger.info("job %s: round %d's closer is gone; %s closes it", self.job, number, self.node)
+        return ok
+
+    def _read_round(self, number: int, rule: CloseRule) -> tuple[int, Round | None]:
+        """Read the round's keys into ``rule`` (joins replaced): (the read's revision, the round if closed)."""
+        round_prefix, nodes = self._key(number), self._key(number, "nodes") + "/"
+        current = self._call("read the round's nodes", lambda: self._client.get_prefix_response(
+            round_prefix, keys_only=True))
+        rule.joined.clear()
+        for kv in current.kvs:
+            key = kv.key.decode()
+            if key.startswith(nodes):
+                rule.join(key[len(nodes):], kv.create_revision)
+            elif key == round_prefix + "close/members":  # closed by a closer that took over
+                value, _ = self._call("read the round's members", lambda: self._client.get(key))
+                return current.header.revision, self._parse_members(number, value)
+        return current.header.revision, None
+
+    def _close(self, number: int, deadline: float) -> Round:
+        """The closer: watch the round's keys (and the previous round's nodes) until ``CloseRule`` closes it;
+        every ``resync_s`` without an event, read the round again (see ``_await_close``)."""
+        events: queue.Queue = queue.Queue()
+        watches, rule = [], CloseRule(self.config)
+        round_prefix, prev_nodes = self._key(number), self._key(number - 1, "nodes") + "/" if number else None
+        nodes = self._key(number, "nodes") + "/"
+        try:
+            if prev_nodes is not None:
+                value, _ = self._call("read the previous round", lambda: self._client.get(
+                    self._key(number - 1, "close", "members")))
+                if value is not None:
+                    rule.previous = frozenset(json.loads(value)["members"])
+                    alive = self._call("read the previous round's nodes", lambda: self._client.get_prefix_response(
+                        prev_nodes, keys_only=True))
+                    present = {kv.key.decode()[len(prev_nodes):] for kv in alive.kvs}
+                    for node in rule.previous - present:
+                        rule.previous_gone(node)
+                    watches.append(self._call("watch the previous round", lambda: self._client.add_watch_prefix_callback(
+                        prev_nodes, events.put, start_revision=alive.header.revision + 1)))
+            as_of, closed = self._read_round(number, rule)
+            if closed is not None:
+                return closed
+            watches.append(self._call("watch the round's nodes", lambda: self._client.add_watch_prefix_callback(
+                round_prefix, events.put, start_revision=as_of + 1)))
+            while True:
+                decision = rule.decide(self._clock())
+                if decision.close:
+                    for watch_id in watches:
+                        self._cancel(watch_id)
+                    watches = []
+                    return self._write_close(number, rule.members(), decision.reason, as_of)
+                resync_at = self._clock() + self.config.resync_s
+                batch = self._next_events(events, deadline, number, min(decision.wake_at or resync_at, resync_at))
+                if not batch and self._clock() >= resync_at:
+                    as_of, closed = self._read_round(number, rule)
+                    if closed is not None:
+                        return closed
+                for event in batch:
+                    key = event.key.decode()
+                    if key.startswith(nodes) and event.mod_revision > as_of:  # older: in the last read already
+                        as_of = event.mod_revision
+                        node = key[len(nodes):]
+                        if isinstance(event, PutEvent):
+                            rule.join(node, event.create_revision)
+                        else:
+                            rule.leave(node)
+                    elif prev_nodes is not None and key.startswith(prev_nodes) and isinstance(event, DeleteEvent):
+                        rule.previous_gone(key[len(prev_nodes):])
+                    elif key == round_prefix + "close/members" and isinstance(event, PutEvent):
+                        return self._parse_members(number, event.value)  # closed by a closer that took over
+        finally:
+            for watch_id in watches:
+                self._cancel(watch_id)
+
+    def _write_close(self, number: int, members: list[str], reason: str, as_of: int) -> Round:
+        """The closing transaction: the membership if none is there yet (and the previous round's keys go)."""
+        tx = self._client.transactions
+        key = self._key(number, "close", "members")
+        value = json.dumps({"round": number, "members": members, "closed_by": self.node, "reason": reason,
+                            "as_of": as_of, "closed_at": self._wall()})
+        success = [tx.put(key, value)]
+        if number >= 1:
+            old = self._key(number - 1)
+            success.append(tx.delete(old, range_end=prefix_range_end(old.encode())))
+        ok, responses = self._call("close the round", lambda: self._client.transaction(
+            compare=[tx.version(key) == 0], success=success, failure=[tx.get(key)]))
+        if not ok:
+            return self._parse_members(number, responses[0][0][0])
+        logger.info("job %s: round %d closed by %s with %d nodes (%s)", self.job, number, self.node, len(members),
+                    reason)
+        return Round(number, self.node, tuple(members), self.node, reason, as_of)
+
+    def _leave(self, number: int) -> None:
+        self._call("leave the round", lambda: self._client.delete(self._key(number, "nodes", self.node)))
+
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    def _became_member(self, round_: Round) -> Round:
+        self.last = round_
+        return round_
+
+    def _parse_members(self, number: int, value: bytes) -> Round:
+        record = json.loads(value)
+        return Round(number, self.node, tuple(record["members"]), record["closed_by"], record.get("reason", ""),
+                     int(record["as_of"]))
+
+    def _next_events(self, events: queue.Queue, deadline: float, number: int, wake_at: float | None = None):
+        """The events of the next watch response; none once ``wake_at`` passes; a timeout at ``deadline``."""
+        now = self._clock()
+        if now >= deadline:
+            raise NativeRendezvousTimeout(
+                f"job {self.job}: round {number} did not close with node {self.node} within "
+                f"{self.config.join_timeout_s:g} s (min_nodes={self.config.min_nodes}): start more nodes, lower "
+                f"min_nodes, or check that the previous round's members re-join")
+        try:
+            response = events.get(timeout=max(0.0, min(deadline, wake_at or deadline) - now))
+        except queue.Empty:
+            return []
+        if isinstance(response, BaseException):
+            raise NativeRendezvousUnavailable(
+                f"job {self.job}: the etcd watch of rendezvous round {number} failed "
+                f"({describe_etcd_error(response)}); check that etcd is up, then call next_round() again"
+            ) from response
+        return response.events
+
+    def _cancel(self, watch_id) -> None:
+        try:
+            self._client.cancel_watch(watch_id)
+        except ETCD_CLIENT_ERRORS:
+            pass
+
+    def _call(self, what: str, op: Callable[[], Any]) -> Any:
+        try:
+            return with_failover(self._client, op)
+        except ETCD_CLIENT_ERRORS as exc:
+            text = describe_etcd_error(exc)
+            if "lease not found" in text.lower():
+                raise NativeRendezvousError(
+                    f"job {self.job}: node {self.node} could not {what}: its etcd lease has ended ({text}); "
+                    f"grant the node a new lease and rejoin with a new NativeRendezvous") from exc
+            raise NativeRendezvousUnavailable(
+                f"job {self.job}: node {self.node} could not {what} in etcd ({text}); check that etcd is running "
+                f"and that the endpoints given are its client URLs, then call next_round() again") from exc

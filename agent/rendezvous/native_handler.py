@@ -1,0 +1,185 @@
+"""torchrun's ``RendezvousHandler`` on the etcd-native round: ``--rdzv-backend etcd3 --rdzv-conf round=native``.
+
+Opt-in: without ``round=native`` the ``etcd3`` backend runs torch's dynamic rendezvous as before. With it, each
+torchrun agent is one node of ``native.NativeRendezvous``:
+
+* its node id is ``<local address or FQDN>_<pid>_<n>`` (torch's own node descriptor: ``n`` counts the handlers
+  of the process), and ranks follow the sorted ids;
+* its lease is granted here with a TTL of ``keep_alive_interval × keep_alive_max_attempt`` (torch's rule for
+  a dead node: 5 s × 3 by default) and refreshed on a thread of its own every third of it; a lease that etcd
+  let expire (etcd away longer than the TTL) is replaced by a new one before the next round;
+* ``next_rendezvous`` is ``next_round`` plus torch's bootstrap: the round's c10d store is ``Etcd3Store`` under
+  ``jobs/<run_id>/store/native/<round>/`` and rank 0 publishes a free port there (``RendezvousStoreInfo``), as the
+  dynamic handler does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the agent's store is never shared;
+* ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
+  gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
+  instead of when a collective fails. Each call also counts the round's keys (``present``: one count-only read),
+  since python3-etcd3 never tells a watch that its stream broke. A watch broken by an etcd outage is not a
+  loss: it is made again once etcd answers, from the round's close, so a loss during the outage is seen;
+* ``set_closed``/``is_closed``: ``jobs/<run_id>/rendezvous-closed``; ``shutdown`` leaves, closes (as the dynamic
+  handler does when the job is over) and revokes the lease.
+
+``join_timeout`` (default 600 s) and ``last_call_timeout`` (default 30 s, torch's) come from rdzv-conf as for
+the dynamic handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import itertools
+import threading
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, refresh_lease, with_failover
+from trainwarden.agent.etcd.keys import job_key
+from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousConfig, NativeRendezvousError,
+                                                 NativeRendezvousTimeout, RoundWatch)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NativeRendezvousHandler"]
+
+_handlers_in_process = itertools.count()
+
+
+class NativeRendezvousHandler(RendezvousHandler):
+    """One torchrun agent's side of the native rendezvous (see the module docstring)."""
+
+    def __init__(self, client, store, params: RendezvousParameters, *, key_prefix: str) -> None:
+        self._client, self._store, self._run_id = client, store, params.run_id
+        self._local_addr = params.local_addr
+        addr = (params.local_addr or socket.getfqdn()).replace("/", "_")
+        self.node = f"{addr}_{os.getpid()}_{next(_handlers_in_process)}"
+        self._closed_key = job_key(params.run_id, "rendezvous-closed", prefix=key_prefix)
+        self._ttl = params.get_as_int("keep_alive_interval", 5) * params.get_as_int("keep_alive_max_attempt", 3)
+        self._config = NativeRendezvousConfig(
+            min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+            last_call_s=float(params.get_as_int("last_call_timeout", 30)),
+            join_timeout_s=float(params.get_as_int("join_timeout", 600)))
+        self._key_prefix = key_prefix
+        self._lease = self._grant()
+        self._rdzv = self._native(self._lease)
+        self._watch: RoundWatch | None = None
+        self._stop = threading.Event()
+        self._keeper = threading.Thread(target=self._keep_alive, name="trainwarden-rdzv-lease", daemon=True)
+        self._keeper.start()
+
+    # -- torch's RendezvousHandler ----------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "etcd3"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.is_closed():
+            raise RendezvousClosedError(f"the rendezvous of {self._run_id!r} is closed (the job ended); use a new "
+                                        f"--rdzv-id, or delete its keys to run it again")
+        if not self._lease_alive():
+            if self._watch is not None:
+                self._watch.cancel()
+            last, self._lease = self._rdzv.last, self._grant()
+            self._rdzv = self._native(self._lease)
+            self._rdzv.last = last
+        try:
+            round_ = self._rdzv.next_round()
+            self._watch = self._rdzv.watch()
+        except NativeRendezvousTimeout as exc:
+            raise RendezvousTimeoutError(str(exc)) from exc
+        except NativeRendezvousError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+        logger.info("node %s joined round %d of %r as rank %d of %d", self.node, round_.number, self._run_id,
+                    round_.rank, round_.world_size)
+        store = PrefixStore(f"native/{round_.number}", self._store)
+        info = RendezvousStoreInfo.build(round_.rank, store, local_addr=self._local_addr)
+        return RendezvousInfo(store, round_.rank, round_.world_size, info)
+
+    def is_closed(self) -> bool:
+        value, _ = self._etcd("read whether the rendezvous is closed", lambda: self._client.get(self._closed_key))
+        return value is not None
+
+    def set_closed(self) -> None:
+        self._etcd("close the rendezvous", lambda: self._client.put(self._closed_key, self.node))
+
+    def num_nodes_waiting(self) -> int:
+        if self._rdzv.last is None:
+            return 0
+        try:
+            if self._watch is not None and self._watch.error is not None and self._watch.lost is None:
+                # the watch broke (etcd away): watch again from the round's close, which replays a loss since
+                self._watch.cancel()
+                self._watch = self._rdzv.watch()
+            waiting = self._rdzv.waiting()
+            # a lost member counts, a broken watch does not (an etcd outage must not restart training); the
+            # count of the round's keys catches a loss that a silently dead watch would miss
+            lost = (self._watch is not None and self._watch.lost is not None) \
+                or self._rdzv.present() < self._rdzv.last.world_size
+        except NativeRendezvousError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+        return waiting + (1 if lost else 0)
+
+    def shutdown(self) -> bool:
+        self._stop.set()
+        try:
+            if self._watch is not None:
+                self._watch.cancel()
+            self.set_closed()
+            try:
+                self._rdzv.leave()
+            except NativeRendezvousError as exc:
+                raise RendezvousConnectionError(str(exc)) from exc
+            self._etcd("revoke the node's lease", lambda: self._client.revoke_lease(self._lease.id))
+            return True
+        except RendezvousConnectionError as exc:
+            logger.warning("the native rendezvous of %r did not shut down cleanly: %s", self._run_id, exc)
+            return False
+
+    # -- the lease --------------------------------------------------------------------------------------
+
+    def _native(self, lease) -> NativeRendezvous:
+        return NativeRendezvous(self._client, job=self._run_id, node=self.node, lease=lease, config=self._config,
+                                prefix=self._key_prefix)
+
+    def _grant(self):
+        return self._etcd("grant the node's lease", lambda: self._client.lease(self._ttl))
+
+    def _lease_alive(self) -> bool:
+        try:
+            return refresh_lease(self._client, self._lease)
+        except ETCD_CLIENT_ERRORS:
+            return False
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(max(0.5, self._ttl / 3)):
+            try:
+                if not refresh_lease(self._client, self._lease):
+                    logger.warning("node %s: its rendezvous lease expired; a new one is granted at the next round",
+                                   self.node)
+            except Exception as exc:  # noqa: BLE001 - the loop outlives one bad refresh (etcd away)
+                logger.warning("node %s: could not refresh its rendezvous lease: %s", self.node,
+                               describe_etcd_error(exc))
+
+    def _etcd(self, what: str, op):
+        try:
+            return with_failover(self._client, op)
+        except ETCD_CLIENT_ERRORS as exc:
+            raise RendezvousConnectionError(f"could not {what} of {self._run_id!r} in etcd "
+                                            f"({describe_etcd_error(exc)}); check that etcd is running") from exc
+

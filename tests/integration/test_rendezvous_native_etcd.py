@@ -1,0 +1,263 @@
+"""The native rendezvous (agent/rendezvous/native.py) against a real etcd on loopback, 16 simulated nodes.
+
+Each node is a thread with a lease of its own, sharing a few clients, as in tests/bench/bench_rendezvous_scale.py.
+No wall-clock thresholds: each test waits for an outcome within a generous bound and checks what it was.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from trainwarden.agent.etcd.client import open_client
+from trainwarden.agent.etcd.embedded import EmbeddedEtcd
+from trainwarden.agent.etcd.keys import rendezvous_key
+from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousConfig,
+                                                 NativeRendezvousUnavailable)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+N = 16
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def clients(etcd):
+    opened = [open_client("127.0.0.1", etcd.client_port, timeout=10.0) for _ in range(4)]
+    try:
+        yield opened
+    finally:
+        for c in opened:
+            c.close()
+
+
+@pytest.fixture
+def job(request) -> str:
+    return request.node.name.replace("_", "-")[:60]
+
+
+def _nodes(clients, job, n, *, first=0, min_nodes=None, max_nodes=None, last_call_s=30.0):
+    config = NativeRendezvousConfig(min_nodes=min_nodes or n, max_nodes=max_nodes or n, last_call_s=last_call_s,
+                                    join_timeout_s=40.0)
+    leases = {}
+    nodes = []
+    for i in range(first, first + n):
+        client = clients[i % len(clients)]
+        leases[f"node-{i:02d}"] = client.lease(60)
+        nodes.append(NativeRendezvous(client, job=job, node=f"node-{i:02d}", lease=leases[f"node-{i:02d}"],
+                                      config=config))
+    return nodes, leases
+
+
+def _in_threads(fns) -> list:
+    out: list = [None] * len(fns)
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    return out
+
+
+def _together(nodes) -> list:
+    return _in_threads([node.next_round for node in nodes])
+
+
+def test_a_round_closes_with_every_node_and_ranks_by_sorted_id(clients, job):
+    nodes, _ = _nodes(clients, job, N, min_nodes=2)
+    rounds = _together(nodes)
+    assert all(r.number == 0 for r in rounds), rounds
+    ids = tuple(f"node-{i:02d}" for i in range(N))
+    assert {r.members for r in rounds} == {ids}
+    assert {(r.node, r.rank, r.world_size) for r in rounds} == {(n, i, N) for i, n in enumerate(ids)}
+    assert len({r.closed_by for r in rounds}) == 1 and rounds[0].reason == f"max_nodes={N} joined"
+    value, meta = clients[0].get(rendezvous_key(job, 0, "close", "members"))
+    assert json.loads(value)["members"] == list(ids) and meta.version == 1
+
+
+def test_exactly_one_of_many_concurrent_closing_transactions_wins(clients, job):
+    nodes, _ = _nodes(clients, job, N)
+    joins = _in_threads([lambda node=node: node._join(0) for node in nodes])
+    as_of = max(revision for revision, _ in joins)
+    # every node closes at once, each with a membership of its own making: one transaction may win
+    rounds = _in_threads([lambda node=node: node._write_close(0, [node.node], "test", as_of) for node in nodes])
+    assert len({(r.members, r.closed_by) for r in rounds}) == 1, rounds
+    winner = rounds[0].closed_by
+    assert rounds[0].members == (winner,)
+    value, meta = clients[0].get(rendezvous_key(job, 0, "close", "members"))
+    assert json.loads(value)["closed_by"] == winner and meta.version == 1  # written once, never overwritten
+
+
+def test_a_lost_lease_opens_the_next_round_and_the_survivors_agree_on_it(clients, job):
+    nodes, leases = _nodes(clients, job, N, min_nodes=N // 2)
+    _together(nodes)
+    watches = [node.watch() for node in nodes]
+    clients[1].revoke_lease(leases["node-05"].id)  # as when its lease runs out
+    assert all(w.wait(30) for w in watches)
+    assert {w.lost for w in watches} == {"node-05"} and not any(w.error for w in watches)
+    survivors = [node for node in nodes if node.node != "node-05"]
+    rounds = _together(survivors)
+    expected = tuple(f"node-{i:02d}" for i in range(N) if i != 5)
+    assert {(r.number, r.members) for r in rounds} == {(1, expected)}, rounds
+    assert sorted(r.rank for r in rounds) == list(range(N - 1))
+    assert rounds[0].reason == "every living member of the previous round is back"
+    # round 1's close deleted round 0: the job keeps the previous and the current round only
+    assert list(clients[0].get_prefix(rendezvous_key(job, 0))) == []
+
+
+def test_a_node_that_comes_after_the_close_waits_for_the_next_round(clients, job):
+    members, _ = _nodes(clients, job, N - 1)
+    rounds = _together(members)
+    assert {r.world_size for r in rounds} == {N - 1}
+    late, _ = _nodes(clients, job, 1, first=N - 1, min_nodes=N, max_nodes=N)  # round 1's closer: it takes N
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(late[0].next_round()))
+    thread.start()
+    for _ in range(500):
+        if members[0].waiting() == 1:
+            break
+        threading.Event().wait(0.02)
+    assert members[0].waiting() == 1
+    assert thread.is_alive() and not result  # round 0 is intact: the late node is not let in alone
+    value, _ = clients[0].get(rendezvous_key(job, 0, "close", "members"))
+    assert f"node-{N - 1:02d}" not in json.loads(value)["members"]
+    rounds = _together(members)  # the members regroup, as torchrun's agent does on waiting nodes
+    thread.join(30)
+    everyone = tuple(f"node-{i:02d}" for i in range(N))
+    assert {(r.number, r.members) for r in rounds + result} == {(1, everyone)}
+
+
+def test_an_etcd_that_went_away_is_a_clear_retryable_error(tmp_path):
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    server.start()
+    client = open_client("127.0.0.1", server.client_port, timeout=2.0)
+    try:
+        node = NativeRendezvous(client, job="gone", node="node-00", lease=client.lease(30),
+                                config=NativeRendezvousConfig(min_nodes=1, max_nodes=1))
+        server.stop()
+        with pytest.raises(NativeRendezvousUnavailable, match="check that etcd is running"):
+            node.next_round()
+    finally:
+        client.close()
+        server.stop()
+
+
+# -- behind torchrun: --rdzv-backend etcd3 --rdzv-conf round=native (native_handler.py) ---------------------
+
+
+def _handlers(etcd, run_id, n, **conf):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    params = dict(backend="etcd3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=2, max_nodes=n,
+                  local_addr="127.0.0.1", round="native", join_timeout="40", last_call_timeout="30", **conf)
+    return [get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(n)]
+
+
+@pytest.mark.timeout(90)
+def test_the_handler_forms_a_world_and_a_lost_node_makes_the_survivors_regroup(etcd, job):
+    from trainwarden.agent.rendezvous.native_handler import NativeRendezvousHandler
+
+    handlers = _handlers(etcd, job, 3)
+    try:
+        assert all(isinstance(h, NativeRendezvousHandler) for h in handlers)
+        infos = _in_threads([h.next_rendezvous for h in handlers])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 3), (1, 3), (2, 3)], infos
+        master = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+        assert len(master) == 1 and all(h.num_nodes_waiting() == 0 for h in handlers)
+        dead = handlers.pop()
+        dead._stop.set()
+        dead._client.revoke_lease(dead._lease.id)  # the node is gone: its lease with it
+        for _ in range(500):
+            if all(h.num_nodes_waiting() >= 1 for h in handlers):
+                break
+            threading.Event().wait(0.02)
+        assert all(h.num_nodes_waiting() >= 1 for h in handlers)  # torchrun's agent restarts on this
+        infos = _in_threads([h.next_rendezvous for h in handlers])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)], infos
+    finally:
+        for h in handlers:
+            h.shutdown()
+    assert handlers[0].is_closed()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
+    import os
+    import re
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("rdzv_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [procs.spawn([sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "etcd3",
+                          "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", job, "--rdzv-conf", "round=native",
+                          "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", "--nnodes", "2",
+                          "--nproc-per-node", "2", str(worker)], log=tmp_path / f"node{i}.log", env=env)
+             for i in range(2)]
+    results = {}
+    for proc in nodes:
+        rc = proc.wait(150)
+        log = proc.log_path.read_text(errors="replace")
+        assert rc == 0, log[-4000:]
+        for r, w, n, s, ok in re.findall(r"RESULT rank=(\d+) world=(\d+) restart=(\d+) sum=([-\d.e+]+) ok=(\w+)", log):
+            results[int(r)] = (int(w), int(n), float(s), ok == "True")
+    assert results == {rank: (4, 0, 10.0, True) for rank in range(4)}
+    # the native round ran, not torch's: round 0 closed with both agents, and no dynamic-rendezvous blob
+    client = open_client("127.0.0.1", etcd.client_port, timeout=10.0)
+    try:
+        members, _ = client.get(rendezvous_key(job, 0, "close", "members"))
+        assert len(json.loads(members)["members"]) == 2
+        assert client.get(f"/trainwarden/v1/jobs/{job}/rdzv")[0] is None
+        assert client.get(f"/trainwarden/v1/jobs/{job}/rendezvous-closed")[0] is not None  # shut down at the end
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_handler_sees_a_loss_without_its_watch_and_an_etcd_outage_is_no_loss(tmp_path, job):
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    server.start()
+    handlers = []
+    try:
+        handlers = _handlers(server, job, 3)
+        assert sorted(i.rank for i in _in_threads([h.next_rendezvous for h in handlers])) == [0, 1, 2]
+        server.kill()  # etcd away: no loss, no restart of the workers (the backend's wrapper answers 0)
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
+        server.restart()
+        for _ in range(200):
+            try:
+                if [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]:
+                    break
+            except Exception:  # noqa: BLE001 - the clients reconnect
+                pass
+            threading.Event().wait(0.05)
+        assert [h.num_nodes_waiting() for h in handlers] == [0, 0, 0]
+        survivor, dead = handlers[0], handlers[2]
+        survivor._watch.cancel()  # as if its watch had died without a word (python3-etcd3's broken-stream path)
+        survivor._watch = None
+        dead._stop.set()
+        dead._client.revoke_lease(dead._lease.id)
+        assert survivor.num_nodes_waiting() == 1  # the count of the round's keys says it
+    finally:
+        for h in handlers[:2]:
+            h.shutdown()
+        server.stop()
