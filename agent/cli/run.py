@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
                    help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
                         "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
+    p.add_argument("--link-policy", choices=["alert", "exclude"], default="alert",
+                   help="on a communication regression whose link check names this node's link slow: alert "
+                        "(incident with the link check's report; default) or exclude (also leave the job at a step "
+                        "boundary after a checkpoint, the others go on, and cordon the node)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
     warm = p.add_mutually_exclusive_group()
@@ -119,7 +123,7 @@ def _cmd_run(args) -> int:
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          straggler_policy=args.straggler_policy, extra_env=extra_env, managed=args.managed,
+                          straggler_policy=args.straggler_policy, link_policy=args.link_policy, extra_env=extra_env, managed=args.managed,
                           warm_workers=args.warm_workers, auto_instrument=not args.no_auto_instrument,
                           tokens_per_step=args.tokens_per_step)
     except ValueError as exc:

@@ -8,6 +8,7 @@ shares with it.
     checkpoint_dir = "/shared/ckpt/gpt-small"   # optional: the launcher's default otherwise
     max_restarts = 3          # optional: worker-group restarts before the job fails
     straggler_policy = "alert"                  # optional: alert or exclude
+    link_policy = "alert"     # optional: alert, or exclude (a node a link check names slow leaves the job)
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
     auto_instrument = true    # optional: instrument the unchanged script (default true)
     tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)
@@ -51,6 +52,7 @@ __all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STR
            "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
+LINK_POLICIES = ("alert", "exclude")
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
@@ -113,6 +115,8 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     max_restarts: int = 3
     straggler_policy: str = "alert"
+    link_policy: str = "alert"
+    """``exclude``: a node whose link a link check names slow leaves the job and is cordoned (``--link-policy``)."""
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
     warm_workers: bool = True
@@ -143,6 +147,8 @@ class JobSpec:
         """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
         args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
+        if self.link_policy != "alert":
+            args += ["--link-policy", self.link_policy]
         if not self.warm_workers:
             args.append("--cold-workers")
         if not self.auto_instrument:
@@ -158,7 +164,7 @@ class JobSpec:
 
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
-           "env": dict, "max_restarts": int, "straggler_policy": str, "nodes": list, "auto_resume": bool,
+           "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
            "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
@@ -233,6 +239,9 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     policy = data.get("straggler_policy", "alert")
     if policy not in STRAGGLER_POLICIES:
         raise fail("straggler_policy", f"must be one of {', '.join(STRAGGLER_POLICIES)}, got {policy!r}")
+    link_policy = data.get("link_policy", "alert")
+    if link_policy not in LINK_POLICIES:
+        raise fail("link_policy", f"must be one of {', '.join(LINK_POLICIES)}, got {link_policy!r}")
     env = data.get("env", {})
     for key, value in env.items():
         if not key or "=" in key or not isinstance(value, str):
@@ -261,7 +270,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("checkpoint_dir", f"{checkpoint_dir!r} is relative: each node would resolve it against its "
                                      "launcher's working directory; give an absolute path (e.g. /shared/ckpt/<job>)")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
-                   checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy,
+                   checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True),
                    auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens)

@@ -42,6 +42,7 @@ from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, Etc
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, commit_in_round, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
+from trainwarden.agent.etcd.jobs import JobControl
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.node_loss import NodeLossWatcher
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
@@ -113,6 +114,8 @@ class RunOptions:
     metrics_port: int = 9478
     """Port of the agent's Prometheus endpoint (0: a free one)."""
     straggler_policy: str = "alert"
+    link_policy: str = "alert"
+    """``alert`` or ``exclude`` (a node a link check names slow leaves the job and is cordoned)."""
     """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
@@ -331,7 +334,8 @@ class _JobRun(Regrouping):
             agent.server.commit_guard = self._commit_refusal
         if self._multi_node:  # a communication regression asks for a link check (agent/linkcheck)
             links = JobLinkCheck(self.client, opts.job, self.node)
-            agent.watchdog.link_check = lambda job, done: links.start(done)
+            agent.watchdog.link_check = lambda job, done: links.start(lambda report: (done(report),
+                                                                                      self._on_link_report(report)))
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
@@ -517,6 +521,21 @@ class _JobRun(Regrouping):
         if self.failures is not None:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
+
+    def _on_link_report(self, report: dict) -> None:
+        """``--link-policy exclude``: a link check named this node's link slow, so this node leaves the job at
+        a step boundary after a checkpoint (the leave protocol, agent/launch/regroup.py) and is cordoned."""
+        mine = [f for f in report.get("findings") or () if f.get("kind") == "node" and f.get("nodes") == [self.node]]
+        if not mine or self.opts.link_policy != "exclude" or self._leave_asked.is_set():
+            return
+        reason = f"link check: {report.get('summary', 'this node is slow')}"[:500]
+        print(f"trainwarden: node {self.node} leaves job {self.opts.job} (--link-policy exclude): {reason}",
+              file=self.out, flush=True)
+        try:
+            JobControl(self.client).cordon(self.node, reason, by=f"trainwarden run on {self.node} (--link-policy exclude)")
+        except Exception as exc:
+            logger.warning("cannot cordon node %s: %s", self.node, describe_etcd_error(exc))
+        self._leave_asked.set()
 
     def _link_probe(self, cleanup: ExitStack) -> ProbeServer | None:
         """A multi-node job's link probe server on this node's job address (agent/linkcheck): what

@@ -85,6 +85,11 @@ class CommRegressionWatch:
             self._open[job] = self._record(dataclasses.replace(
                 updated, evidence={**incident.evidence, "link_check": report}))
 
+    def close_all(self, outcome: str) -> None:
+        """Resolve every open regression incident: no end event will come (the agent stops)."""
+        for job in list(self._open):
+            self.forget(job, outcome)
+
     def forget(self, job: str, outcome: str = "the job ended during the regression") -> None:
         self.detector.forget(job)
         incident = self._open.pop(job, None)

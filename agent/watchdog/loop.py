@@ -203,6 +203,7 @@ class Watchdog:
         thread.join(timeout)
         if not thread.is_alive():
             self._close_stragglers(None, "the agent stopped while the rank was flagged")
+            self._comm.close_all("the agent stopped during the regression (this node left the job, or the run ended)")
         return not thread.is_alive()
 
     def _run(self) -> None:

@@ -169,6 +169,11 @@ def test_the_watch_records_one_incident_per_regression_and_exports_the_gauge():
     run(40, 0.1, 0.02)
     assert len(recorded) == 2 and recorded[-1].state == IncidentState.RESOLVED
     assert next(iter(watch.metrics(["j"]))).samples[0].value == 0.0
+    # a regression still open when the agent stops (its node left the job: --link-policy exclude) is closed
+    run(40, 0.5, 0.42)
+    assert recorded[-1].state == IncidentState.OPEN
+    watch.close_all("the agent stopped during the regression")
+    assert recorded[-1].state == IncidentState.RESOLVED and "agent stopped" in recorded[-1].outcome
 
 
 # ---- recorded jobs on the multi-node bed (tests/fixtures/comm_regression/README.md) ----------------------

@@ -4,7 +4,9 @@ because every rank waits longer in collectives, compute flat), asks for one link
 incident it recorded names the node: no rank's own numbers could have (a collective is as slow as its slowest
 link for everyone in it). Nothing is flagged before the fault.
 
-Prints the detection and localization times after the fault (BENCHMARKS.md, "Slow link")."""
+Prints the detection and localization times after the fault (BENCHMARKS.md, "Slow link"). Not in the default
+suite (about 2 minutes; its end-to-end twin there is tests/e2e/test_slow_link_exclude.py, the reference job
+with --link-policy exclude): run it with `python -m pytest -s tests/bench/slow_link_story.py` (root)."""
 
 from __future__ import annotations
 
