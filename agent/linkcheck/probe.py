@@ -40,6 +40,8 @@ _CHUNK = 256 * 1024
 _PAYLOAD = os.urandom(_CHUNK)  # incompressible, made once
 MAX_SECONDS = 5.0
 """The longest transfer one request may ask for, each way."""
+WINDOW_BYTES = 64 << 20
+"""The most one window sends: a probe moves at most 4 windows (two each way), 256 MiB, on the fastest link."""
 _MAX_LINE = 4096
 _PINGS = 20
 _WINDOWS = 2
@@ -133,18 +135,18 @@ def _receive_window(sock: socket.socket, seconds: float) -> tuple[int, float]:
 
 
 def _send_window(sock: socket.socket, seconds: float) -> None:
-    """Send for ``seconds`` (never blocked past them by a full buffer; ended early if the receiver answers
-    or hangs up), then end the stream."""
-    deadline = time.monotonic() + seconds
+    """Send for ``seconds`` or ``WINDOW_BYTES`` (never blocked past them by a full buffer; ended early if the
+    receiver answers or hangs up), then end the stream."""
+    deadline, sent = time.monotonic() + seconds, 0
     sock.setblocking(False)
     try:
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and sent < WINDOW_BYTES:
             readable, writable, _ = select.select([sock], [sock], [], min(0.05, left))
             if readable:  # the receiver answered (its window is over) or hung up
                 break
             if writable:
                 try:
-                    sock.send(_PAYLOAD)
+                    sent += sock.send(_PAYLOAD)
                 except BlockingIOError:
                     pass
     except OSError:  # the receiver hung up: its count is what matters
