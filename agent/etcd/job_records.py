@@ -20,9 +20,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["EtcdAccessDenied", "EtcdUnavailable", "JobRecords", "connect"]
 
 
-def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0):
+def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0,
+            hint: str = "check that etcd runs there and that --etcd (or $TRAINWARDEN_ETCD) names it"):
     """An etcd client for ``etcd`` (``[http[s]://]host:port``, or settings with TLS and auth), checked to
-    answer; ``EtcdUnavailable`` if it does not, ``EtcdAccessDenied`` if it refuses the credentials."""
+    answer; ``EtcdUnavailable`` (ending with ``hint``: what to do) if it does not, ``EtcdAccessDenied`` if it
+    refuses the credentials."""
     config = etcd if isinstance(etcd, EtcdConfig) else \
         EtcdConfig(endpoints=(etcd,), timeout=timeout, connect_timeout=min(timeout, 2.0))
     try:
@@ -31,9 +33,7 @@ def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0):
         raise
     except Exception as exc:
         raise EtcdUnavailable(
-            f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); start etcd there, "
-            "or leave out --etcd to use an embedded one"
-        ) from exc
+            f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); {hint}") from exc
     try:
         client.get(DEFAULT_PREFIX + "/_probe")
     except Exception as exc:
@@ -41,8 +41,7 @@ def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0):
         if is_auth_error(exc):
             raise EtcdAccessDenied(f"etcd at {config.describe()} refused to serve user {config.user!r}: "
                                    f"{describe_etcd_error(exc)}; grant it read/write on {DEFAULT_PREFIX}/") from exc
-        raise EtcdUnavailable(f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); start etcd "
-                              "there, or leave out --etcd to use an embedded one") from exc
+        raise EtcdUnavailable(f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); {hint}") from exc
     return client
 
 

@@ -295,7 +295,7 @@ class _JobRun(Regrouping):
         except ValueError as exc:
             raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
         try:
-            self.client = connect(config)  # etcd answers, and serves these credentials
+            self.client = connect(config, hint="start etcd there, or leave out --etcd to use an embedded one")
             self.endpoint = ",".join(config.netlocs)  # the rendezvous gets every member too
         except (EtcdUnavailable, EtcdAccessDenied, ValueError) as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None

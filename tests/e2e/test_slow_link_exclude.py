@@ -70,7 +70,7 @@ def test_a_node_named_slow_by_the_link_check_leaves_and_the_job_is_back_to_speed
         assert runs["n2"].wait(180) == 0, log("n2")[-3000:]
         left = time.monotonic() - fault
         gone_at = len(step_times())
-        wait_for(lambda: len(step_times()) >= gone_at + 60, 240, what="60 steps without n2")
+        wait_for(lambda: len(step_times()) >= gone_at + 30, 240, what="30 steps without n2")
         after = [t for _, _, t in step_times()][-30:]
         wait_for(lambda: all(i.state.value == "resolved" for i in incidents("comm_regression")), 120,
                  what="the regression to resolve")
