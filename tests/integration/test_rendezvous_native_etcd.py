@@ -211,7 +211,8 @@ def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
     nodes = [procs.spawn([sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "etcd3",
                           "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", job, "--rdzv-conf", "round=native",
                           "--local-addr", "127.0.0.1", "--monitor-interval", "0.5", "--nnodes", "2",
-                          "--nproc-per-node", "2", str(worker)], log=tmp_path / f"node{i}.log", env=env)
+                          "--nproc-per-node", "2", "--log-dir", str(tmp_path / f"torchelastic{i}"),  # not /tmp's
+                          str(worker)], log=tmp_path / f"node{i}.log", env=env)
              for i in range(2)]
     results = {}
     for proc in nodes:
