@@ -42,7 +42,6 @@ from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, Etc
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
 from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, commit_in_round, round_id)
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
-from trainwarden.agent.etcd.jobs import JobControl
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.node_loss import NodeLossWatcher
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
@@ -51,11 +50,10 @@ from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
-from trainwarden.agent.linkcheck import RECORD_FIELD as LINK_PROBE_FIELD, ProbeError, ProbeServer
-from trainwarden.agent.linkcheck.coordinate import JobLinkCheck
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
@@ -193,7 +191,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping):
+class _JobRun(Regrouping, LinkChecks):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -332,10 +330,7 @@ class _JobRun(Regrouping):
         self.agent = agent
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
-        if self._multi_node:  # a communication regression asks for a link check (agent/linkcheck)
-            links = JobLinkCheck(self.client, opts.job, self.node)
-            agent.watchdog.link_check = lambda job, done: links.start(lambda report: (done(report),
-                                                                                      self._on_link_report(report)))
+            self._ask_for_link_checks(agent)  # a communication regression asks for a link check
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
@@ -426,9 +421,7 @@ class _JobRun(Regrouping):
             record = {"owner": self.record.owner, "address": self.local_addr or "",
                       "nproc_per_node": opts.nproc_per_node, "generation": self.record.generation,
                       "phase": JobPhase.STARTING.value}
-            probe = self._link_probe(cleanup)
-            if probe is not None:
-                record[LINK_PROBE_FIELD] = probe.record()
+            self._start_link_probe(record, cleanup)
             self.membership = NodeMembership(self.client, opts.job, self.node, record)
             self.membership.start()
             cleanup.callback(self.membership.stop)
@@ -521,34 +514,6 @@ class _JobRun(Regrouping):
         if self.failures is not None:
             self.failures.job_failed(f"torchrun exited with {torchrun_rc}")
         return exit_codes.EXIT_JOB_FAILED
-
-    def _on_link_report(self, report: dict) -> None:
-        """``--link-policy exclude``: a link check named this node's link slow, so this node leaves the job at
-        a step boundary after a checkpoint (the leave protocol, agent/launch/regroup.py) and is cordoned."""
-        mine = [f for f in report.get("findings") or () if f.get("kind") == "node" and f.get("nodes") == [self.node]]
-        if not mine or self.opts.link_policy != "exclude" or self._leave_asked.is_set():
-            return
-        reason = f"link check: {report.get('summary', 'this node is slow')}"[:500]
-        print(f"trainwarden: node {self.node} leaves job {self.opts.job} (--link-policy exclude): {reason}",
-              file=self.out, flush=True)
-        try:
-            JobControl(self.client).cordon(self.node, reason, by=f"trainwarden run on {self.node} (--link-policy exclude)")
-        except Exception as exc:
-            logger.warning("cannot cordon node %s: %s", self.node, describe_etcd_error(exc))
-        self._leave_asked.set()
-
-    def _link_probe(self, cleanup: ExitStack) -> ProbeServer | None:
-        """A multi-node job's link probe server on this node's job address (agent/linkcheck): what
-        `trainwarden linkcheck` and a communication regression use to find a slow node or pair."""
-        if not self._multi_node or not self.local_addr:
-            return None
-        try:
-            server = ProbeServer(self.node, self.local_addr).start()
-        except ProbeError as exc:
-            logger.warning("no link probe on this node (link checks will skip it): %s", exc)
-            return None
-        cleanup.callback(server.stop)
-        return server
 
     @property
     def _multi_node(self) -> bool:
