@@ -117,7 +117,7 @@ class AlertingBed:
              "--webhook-listen", f"127.0.0.1:{self.webhook_port}", "--webhook-token-file", str(self.token_file),
              "--resumes-per-hour", str(self.resumes_per_hour)],
             log=home / "daemon.log", env=dict(os.environ))
-        wait_for(lambda: "serving" in self.daemon_log() or self.daemon.poll() is not None, 60,
+        wait_for(lambda: f"agent {self.node} serving:" in self.daemon_log() or self.daemon.poll() is not None, 60,
                  what="the daemon to serve")
         assert self.daemon.poll() is None, self.daemon_log()[-3000:]
 

@@ -111,6 +111,8 @@ class EmbeddedEtcd:
             "--initial-cluster", f"trainwarden={peer_url}",
             "--log-level", "warn",
         ]
+        self.data_dir.mkdir(parents=True, exist_ok=True)  # a data dir that does not exist yet is etcd's to fill
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             exec_dying_with_parent(cmd),  # a supervisor killed hard takes its etcd with it

@@ -71,7 +71,7 @@ class Cluster:
                                  "--node", node, "--state-home", str(home), "--socket", str(home / "agent.sock"),
                                  "--metrics-port", "0", "--local-addr", "127.0.0.1"], log=home / "daemon.log")
         self.daemons[node] = proc
-        wait_for(lambda: "serving" in (home / "daemon.log").read_text(errors="replace"), 60, what=f"daemon {node}")
+        wait_for(lambda: f"agent {node} serving:" in (home / "daemon.log").read_text(errors="replace"), 60, what=f"daemon {node}")
 
     def job_log(self, job: str) -> str:
         return "".join(p.read_text(errors="replace") for p in self.dir.glob(f"*/daemon/logs/{job}.log"))

@@ -42,7 +42,9 @@ def test_agent_serves_status_and_top_then_stops_on_sigterm(procs, tmp_path):
     wait_for(lambda: cli("agent", "--check", "--socket", str(sock)).returncode == 0 or agent.poll() is not None,
              timeout=30, what="agent serving")
     assert agent.poll() is None, agent.log_path.read_text()
-    started = re.search(r"serving: socket unix:(\S+), metrics (http://\S+/metrics)", agent.log_path.read_text())
+    # The socket answers a moment before the daemon logs its one "serving:" line: wait for the line, too.
+    started = wait_for(lambda: re.search(r"serving: socket unix:(\S+), metrics (http://\S+/metrics)",
+                                         agent.log_path.read_text()), timeout=30, what="the agent's serving line")
     assert started and started.group(1) == str(sock)
     metrics_url = started.group(2)
 

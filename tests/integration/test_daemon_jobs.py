@@ -61,7 +61,8 @@ class Daemons:
                                  "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--local-addr", "127.0.0.1"],
                                 log=home / "daemon.log", env=dict(os.environ))
         self.running[node] = proc
-        wait_for(lambda: "serving" in self.log(node) or proc.poll() is not None, 60, what=f"daemon {node} to serve")
+        # Not just "serving": the exporter's own "serving Prometheus metrics" line comes first (a CI failure).
+        wait_for(lambda: f"agent {node} serving:" in self.log(node) or proc.poll() is not None, 60, what=f"daemon {node} to serve")
         assert proc.poll() is None, self.log(node)[-3000:]
         return proc
 

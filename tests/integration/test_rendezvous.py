@@ -36,7 +36,7 @@ RESULT = re.compile(r"RESULT rank=(\d+) world=(\d+) restart=(\d+) sum=([-\d.e+]+
 @pytest.fixture(scope="module")
 def shared_etcd(tmp_path_factory):
     """One etcd for the contract tests, each under its own run id; tests that kill etcd use ``etcd_server``."""
-    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
+    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd") / "not-yet")  # start() makes what is missing
     server.start()
     try:
         yield server
