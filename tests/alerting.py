@@ -115,7 +115,8 @@ class AlertingBed:
              "--state-home", str(home), "--socket", str(home / "agent.sock"), "--metrics-host", "127.0.0.1",
              "--metrics-port", str(self.metrics_port), "--local-addr", "127.0.0.1",
              "--webhook-listen", f"127.0.0.1:{self.webhook_port}", "--webhook-token-file", str(self.token_file),
-             "--resumes-per-hour", str(self.resumes_per_hour)],
+             "--resumes-per-hour", str(self.resumes_per_hour),
+             "--job-user", str(os.getuid()), "--allow-root-jobs"],  # the jobs run as the test does
             log=home / "daemon.log", env=dict(os.environ))
         wait_for(lambda: f"agent {self.node} serving:" in self.daemon_log() or self.daemon.poll() is not None, 60,
                  what="the daemon to serve")

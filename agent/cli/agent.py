@@ -42,6 +42,8 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "webhook_max_body": (int, 256 * 1024),
     "resumes_per_hour": (int, 3),
     "allow_unverified_streams": (bool, False),
+    "job_user": (str, None),
+    "allow_root_jobs": (bool, False),
 }
 """Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
 
@@ -78,6 +80,13 @@ def add_parser(sub) -> None:
                    "(default: the interface that routes to etcd)")
     p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
                    help="with --etcd: do not start submitted jobs on this node (telemetry and incidents only)")
+    p.add_argument("--job-user", metavar="USER",
+                   help="run submitted jobs whose spec names no `user` as this user (name or uid; a non-root system "
+                        "user such as trainwarden-job). A root agent without it refuses such jobs; an agent that is "
+                        "not root runs them as itself")
+    p.add_argument("--allow-root-jobs", action="store_true", default=None,
+                   help="let a submitted job run as root (its `user`, or --job-user); default: refused, since anyone "
+                        "who can write the jobs/ keys in etcd would run code as root on this node")
     p.add_argument("--allow-unverified-streams", action="store_true", default=None,
                    help="accept telemetry streams without peer credentials (workers that cannot fetch a token from "
                         "SOCKET.cred, e.g. an older runtime): they stream, are never signalled, and may not take a "
@@ -191,8 +200,15 @@ def _cmd_agent(args) -> int:
                                     tls_cert=Path(s["webhook_tls_cert"]) if s["webhook_tls_cert"] else None,
                                     tls_key=Path(s["webhook_tls_key"]) if s["webhook_tls_key"] else None,
                                     max_body=s["webhook_max_body"], resumes_per_hour=s["resumes_per_hour"])
+        if s["job_user"] is not None:  # a job_user that cannot be used stops the agent, not each job
+            from trainwarden.agent.node.job_user import JobUserRefused, resolve_job_user
+            try:
+                resolve_job_user(None, default=s["job_user"], allow_root=s["allow_root_jobs"])
+            except JobUserRefused as exc:
+                raise ValueError(f"job_user {s['job_user']!r} cannot run jobs: {exc}") from None
         options = DaemonOptions(agent=config, etcd=s["etcd"], etcd_security=security, run_jobs=s["run_jobs"],
-                                local_addr=s["local_addr"], webhook=webhook)
+                                local_addr=s["local_addr"], webhook=webhook, job_user=s["job_user"],
+                                allow_root_jobs=s["allow_root_jobs"])
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

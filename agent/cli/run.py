@@ -102,6 +102,10 @@ def _tokens(text: str) -> int:
 def _cmd_run(args) -> int:
     from trainwarden.agent.launch.run import RunOptions, run
 
+    if args.managed:  # started by the node daemon, perhaps as the job's user: nothing it runs may gain privileges
+        from trainwarden.agent.node.job_user import no_new_privileges
+        no_new_privileges()
+
     script = list(args.script)
     if script and script[0] == "--":
         script = script[1:]

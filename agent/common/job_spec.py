@@ -127,6 +127,9 @@ class JobSpec:
     auto_resume: bool = True
     """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
     operator's `trainwarden resume` does."""
+    user: str | int | None = None
+    """Who the daemon runs the job as: a user name or uid on the nodes (agent/node/job_user.py); None: the node's
+    ``job_user``."""
 
     def targets(self, node: str) -> bool:
         return not self.nodes or node in self.nodes
@@ -165,7 +168,7 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int}
+           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int)}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
 """Fields that may be left out, or given as null: their default applies."""
@@ -269,11 +272,16 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     if checkpoint_dir is not None and not checkpoint_dir.startswith("/"):
         raise fail("checkpoint_dir", f"{checkpoint_dir!r} is relative: each node would resolve it against its "
                                      "launcher's working directory; give an absolute path (e.g. /shared/ckpt/<job>)")
+    user = data.get("user")
+    if isinstance(user, int) and user < 0:
+        raise fail("user", f"must be a user name or a uid of 0 or more, got {user}")
+    if isinstance(user, str) and (not user or any(c.isspace() or c in ":/" for c in user)):
+        raise fail("user", f"{user!r} is not a user name (e.g. \"alice\" or a uid such as 1000)")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True),
-                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens)
+                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user)
 
 
 def dumps(spec: JobSpec) -> str:

@@ -67,6 +67,10 @@ class DaemonOptions:
     """The address this node's jobs advertise (None: their launcher picks the one that routes to etcd)."""
     webhook: WebhookConfig | None = None
     """Serve Alertmanager's webhook: alerts resume failed jobs (agent/node/webhook.py); needs ``etcd``."""
+    job_user: str | None = None
+    """Who a submitted job whose spec names no ``user`` runs as (agent/node/job_user.py)."""
+    allow_root_jobs: bool = False
+    """Whether a submitted job may run as root (its ``user``, or ``job_user``)."""
 
     def __post_init__(self) -> None:
         if self.webhook is not None and self.etcd is None:
@@ -106,7 +110,10 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      state_home=config.state_home or default_state_home(), local_addr=options.local_addr,
                      endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
                      gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
-                     health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record)
+                     health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record,
+                     default_user=options.job_user, allow_root_jobs=options.allow_root_jobs,
+                     etcd_files=tuple(path for path in (sec.ca_cert, sec.cert_cert, sec.cert_key, sec.password_file)
+                                      if path))
 
 
 def _relay(runner, config: AgentConfig):

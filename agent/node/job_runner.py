@@ -63,7 +63,9 @@ from trainwarden.agent.common.job_spec import JobSpecError
 from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
 from trainwarden.agent.etcd.jobs import JobControl, JobView
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.job_refusal import JobRefusals, node_problems
+from trainwarden.agent.node import job_user
 from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -98,10 +100,12 @@ class JobRunner:
                  python: str = sys.executable, gpus: Callable[[], int] | None = None,
                  health: Callable[[], tuple[str, ...]] | None = None,
                  record: Callable[[Incident], Incident] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, default_user: str | None = None,
+                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = ()) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
         ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
-        heartbeat's."""
+        heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py);
+        ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read."""
         self._client, self._control = client, JobControl(client)
         self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
         self._home = Path(state_home)
@@ -109,6 +113,7 @@ class JobRunner:
         self._local_addr, self._endpoints = local_addr, dict(endpoints or {})
         self._interval, self._python, self._gpus = interval_s, python, gpus
         self._health, self._record = health, record
+        self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
@@ -225,7 +230,27 @@ class JobRunner:
         if problems:
             self._refusals.refuse(view, "; ".join(problems))
             return
-        self._launch(view, spec)
+        user = self._user_for(view, spec)
+        if user is not None:
+            self._launch(view, spec, user)
+
+    def _user_for(self, view: JobView, spec) -> job_user.JobUser | None:
+        """Who runs ``spec`` on this node; None, after refusing the job, when no one may."""
+        try:
+            user = job_user.resolve_job_user(spec.user, default=self._default_user, allow_root=self._allow_root)
+        except job_user.JobUserRefused as exc:
+            self._refusals.refuse(view, str(exc))
+            return None
+        problems = [f"checkpoint_dir {spec.checkpoint_dir!r} is not writable by {user}: make it the user's (chown) or "
+                    "writable by one of its groups"] if spec.checkpoint_dir and not job_user.writable_by(
+                        spec.checkpoint_dir, user) else []
+        problems += [f"the etcd credential file {path} is not readable by {user}, whom the job's launcher runs as: "
+                     "make it readable by a group of that user" for path in self._etcd_files
+                     if not job_user.readable_by(path, user)]
+        if problems:
+            self._refusals.refuse(view, "; ".join(problems))
+            return None
+        return user
 
     # ---- metrics ---------------------------------------------------------------------------------------
 
@@ -293,17 +318,23 @@ class JobRunner:
 
     # ---- launchers ------------------------------------------------------------------------------------
 
-    def _launch(self, view: JobView, spec, relaunches: int = 0) -> None:
+    def _launch(self, view: JobView, spec, user: job_user.JobUser, relaunches: int = 0) -> None:
         cmd = [self._python, "-m", "trainwarden.agent.cli", "run", "--managed", "--node", self.node,
                "--etcd", self._etcd, *self._etcd_args, "--state-home", str(self._home), "--metrics-port", "0",
                *(["--local-addr", self._local_addr] if self._local_addr else []), *spec.launcher_args()]
         log_path = self._dir / "logs" / f"{view.name}.log"
-        with open(log_path, "ab") as log:
+        identity = job_user.launch_identity(user, dict(os.environ))
+        state = job_state_dir(view.name, self._home)
+        state.mkdir(parents=True, exist_ok=True)
+        with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640), "ab") as log:
+            if "user" in identity:  # the job's state directory and its log are its user's
+                job_user.hand_over(state, user)
+                job_user.hand_over(log_path, user)
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
-                      f"generation {view.generation}\n".encode())
+                      f"generation {view.generation} as {user}\n".encode())
             log.flush()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, close_fds=True)
+                                    start_new_session=True, close_fds=True, **identity)
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:
@@ -313,8 +344,8 @@ class JobRunner:
         self._children[proc.pid] = proc
         self._launchers[view.name] = rec
         self._save(rec)
-        logger.info("job %s generation %d: started its launcher on node %s (pid %d, log %s)", view.name,
-                    view.generation, self.node, proc.pid, log_path)
+        logger.info("job %s generation %d: started its launcher on node %s as %s (pid %d, log %s)", view.name,
+                    view.generation, self.node, user, proc.pid, log_path)
 
     def _terminate(self, rec: LauncherRecord, why: str) -> None:
         self._terminated.add(rec.pid)
@@ -367,7 +398,12 @@ class JobRunner:
             return
         logger.warning("job %s: its launcher on node %s was killed; starting it again (%d of %d)", rec.job,
                        self.node, rec.relaunches + 1, self._max_restarts(rec.job))
-        self._launch(view, view.job_spec(), relaunches=rec.relaunches + 1)
+        spec = view.job_spec()
+        user = self._user_for(view, spec)
+        if user is None:
+            self._finished[rec.job] = rec.generation
+            return
+        self._launch(view, spec, user, relaunches=rec.relaunches + 1)
 
     def _max_restarts(self, job: str) -> int:
         try:

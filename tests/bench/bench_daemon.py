@@ -69,7 +69,8 @@ class Cluster:
         home = self.dir / node
         proc = self.procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.etcd.endpoint,
                                  "--node", node, "--state-home", str(home), "--socket", str(home / "agent.sock"),
-                                 "--metrics-port", "0", "--local-addr", "127.0.0.1"], log=home / "daemon.log")
+                                 "--metrics-port", "0", "--local-addr", "127.0.0.1", "--job-user", str(os.getuid()),
+                                 "--allow-root-jobs"], log=home / "daemon.log")
         self.daemons[node] = proc
         wait_for(lambda: f"agent {node} serving:" in (home / "daemon.log").read_text(errors="replace"), 60, what=f"daemon {node}")
 

@@ -48,18 +48,21 @@ class Daemons:
     launcher they started, adopted or not."""
 
     def __init__(self, procs, tmp_path: Path, etcd: str) -> None:
-        self.procs, self.tmp, self.etcd = procs, tmp_path, etcd
+        self.procs, self.tmp, self.etcd = procs, Path(tmp_path), etcd
         self.running: dict[str, subprocess.Popen] = {}
 
     def home(self, node: str) -> Path:
         return self.tmp / node
 
-    def start(self, node: str) -> subprocess.Popen:
+    def start(self, node: str, *, users: tuple[str, ...] = ("--job-user", str(os.getuid()), "--allow-root-jobs"),
+              wrap: tuple[str, ...] = ()) -> subprocess.Popen:
+        """``users``: who the jobs run as (default: as the test does); ``wrap``: a command the daemon runs under."""
         home = self.home(node)
-        proc = self.procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.etcd,
+        home.mkdir(parents=True, exist_ok=True)
+        proc = self.procs.spawn([*wrap, sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.etcd,
                                  "--node", node, "--state-home", str(home), "--socket", str(home / "agent.sock"),
-                                 "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--local-addr", "127.0.0.1"],
-                                log=home / "daemon.log", env=dict(os.environ))
+                                 "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--local-addr", "127.0.0.1",
+                                 *users], log=home / "daemon.log", env=dict(os.environ))
         self.running[node] = proc
         # Not just "serving": the exporter's own "serving Prometheus metrics" line comes first (a CI failure).
         wait_for(lambda: f"agent {node} serving:" in self.log(node) or proc.poll() is not None, 60, what=f"daemon {node} to serve")

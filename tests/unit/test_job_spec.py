@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt", "--steps", "10"],
         "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
         "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"},
-        "warm_workers": False, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096}
+        "warm_workers": False, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096,
+        "user": "alice"}
 
 
 def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
@@ -34,6 +35,8 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert "OMP_NUM_THREADS=4" in args and "TRAINWARDEN_CHECKPOINT_DIR=/shared/ckpt" in args
     assert args[args.index("--") + 1:] == GOOD["command"]
     assert "--cold-workers" in args and not spec.auto_resume
+    assert spec.user == "alice" and "alice" not in args  # the daemon's to apply (agent/node/job_user.py)
+    assert parse_job_spec({**GOOD, "user": 1000}, "x").user == 1000
     assert "--no-auto-instrument" in args and args[args.index("--tokens-per-step") + 1] == "4096"
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
@@ -63,6 +66,10 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     ({"checkpoint_dir": ""}, "field 'checkpoint_dir' is empty"),
     ({"auto_resume": "yes"}, "field 'auto_resume' must be true or false, got str 'yes'"),
     ({"warm_workers": 1}, "field 'warm_workers' must be true or false, got int 1"),
+    ({"user": -1}, "field 'user' must be a user name or a uid of 0 or more"),
+    ({"user": "al ice"}, "field 'user' 'al ice' is not a user name"),
+    ({"user": ""}, "field 'user' '' is not a user name"),
+    ({"user": 1.5}, "field 'user' must be a string"),
 ])
 def test_each_bad_field_is_named_with_the_file(change, message):
     with pytest.raises(JobSpecError) as info:

@@ -18,7 +18,7 @@ REQUIRED = {"name": "j", "command": ["train.py", "--lr", "3e-4"]}
 VALUES = {"nnodes": "1:2", "nproc_per_node": 2, "checkpoint_dir": "/shared/ckpt/j", "env": {"A": "1"},
           "max_restarts": 0, "straggler_policy": "exclude", "link_policy": "exclude", "nodes": ["n0"], "warm_workers": True,
           "auto_instrument": False, "tokens_per_step": 4096,
-          "auto_resume": False}
+          "auto_resume": False, "user": "alice"}
 
 
 def _stored(spec: JobSpec) -> JobView:
@@ -64,6 +64,6 @@ def test_a_required_field_may_not_be_null(field):
 
 
 def test_the_daemon_refuses_an_unknown_field_in_a_stored_spec_rather_than_ignoring_it():
-    view = JobView("j", spec={**submission_record(parse_job_spec(REQUIRED, "x"), by="op"), "user": "root"})
-    with pytest.raises(JobSpecError, match="etcd jobs/j/spec: unknown field 'user'"):
+    view = JobView("j", spec={**submission_record(parse_job_spec(REQUIRED, "x"), by="op"), "privileged": True})
+    with pytest.raises(JobSpecError, match="etcd jobs/j/spec: unknown field 'privileged'"):
         view.job_spec()

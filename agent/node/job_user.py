@@ -1,0 +1,165 @@
+"""Who a daemon-run job runs as (issue 30): the node daemon is root, and a job spec in etcd must not make it run code
+as root on every node.
+
+A spec names ``user`` (a name or a uid on the nodes); a spec without one runs as the node's ``job_user`` (the shipped
+configs name a non-root system user). Root only where the agent's config says ``allow_root_jobs = true``. A root
+daemon with neither a spec ``user`` nor a ``job_user`` refuses the job, as it refuses root; a daemon that is not root
+can only start processes as itself, so that is its default and anything else is refused. A refusal is the daemon's
+usual one (agent/node/job_refusal.py): a phase and one incident that say why.
+
+The launcher is started with the user's uid, gid and groups (``subprocess.Popen``'s ``user``/``group``/
+``extra_groups``: leaving uid 0 clears every capability) and sets no-new-privileges itself before anything else runs
+(``no_new_privileges``, `trainwarden run --managed`). Its state directory and log become the user's
+(``hand_over``); ``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["JobUser", "JobUserRefused", "hand_over", "launch_identity", "no_new_privileges", "readable_by",
+           "resolve_job_user", "writable_by"]
+
+
+class JobUserRefused(ValueError):
+    """This node will not run the job as the user it asks for (or as anyone): the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class JobUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    def __str__(self) -> str:
+        return f"{self.name} (uid {self.uid})"
+
+    def env(self) -> dict[str, str]:
+        """What a login would set: the launcher's HOME, USER and LOGNAME."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+
+def resolve_job_user(wanted: str | int | None, *, default: str | None, allow_root: bool,
+                     agent_uid: int | None = None) -> JobUser:
+    """The user to start a job as (module docstring); ``JobUserRefused`` otherwise."""
+    agent_uid = os.geteuid() if agent_uid is None else agent_uid
+    if wanted is None:
+        wanted = default
+    if isinstance(wanted, str) and wanted.isdigit():  # a uid given as text (a flag, an environment variable)
+        wanted = int(wanted)
+    if wanted is None:
+        if agent_uid != 0:
+            return _lookup(agent_uid)
+        raise JobUserRefused("its spec names no user and this node's agent has no job_user to run it as: set "
+                             "`user = \"...\"` in the spec, or job_user in the agent config (a non-root system user, "
+                             "e.g. trainwarden-job)")
+    user = _lookup(wanted)
+    if user.uid == 0 and not allow_root:
+        raise JobUserRefused("it would run as root, which this node's agent does not allow: set `user` in the spec to "
+                             "the user the job is for (or allow_root_jobs = true in the agent config, if every writer "
+                             "of the jobs/ keys in etcd may be root on this node)")
+    if agent_uid != 0 and user.uid != agent_uid:
+        raise JobUserRefused(f"it asks to run as {user}, but this node's agent runs as uid {agent_uid} and can start "
+                             "processes only as itself: run the agent as root, or submit the job with its user")
+    return user
+
+
+def _lookup(who: str | int) -> JobUser:
+    try:
+        entry = pwd.getpwuid(who) if isinstance(who, int) else pwd.getpwnam(who)
+    except KeyError:
+        raise JobUserRefused(f"there is no user {who!r} on this node: create it (the same uid on every node) or "
+                             "change `user` in the spec") from None
+    try:
+        groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    except OSError:
+        groups = (entry.pw_gid,)
+    return JobUser(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, groups=groups, home=entry.pw_dir)
+
+
+def writable_by(path: str | os.PathLike, user: JobUser) -> bool:
+    """Whether ``user`` may create files in directory ``path`` (its mode bits, as the kernel would judge them;
+    ACLs aside). A path that does not exist yet counts as its nearest existing parent."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if user.uid == 0:
+        return True
+    if st.st_uid == user.uid:
+        bits = stat.S_IWUSR | stat.S_IXUSR
+    elif st.st_gid in user.groups:
+        bits = stat.S_IWGRP | stat.S_IXGRP
+    else:
+        bits = stat.S_IWOTH | stat.S_IXOTH
+    return stat.S_ISDIR(st.st_mode) and st.st_mode & bits == bits
+
+
+def readable_by(path: str | os.PathLike, user: JobUser) -> bool:
+    """Whether ``user`` may read file ``path`` (mode bits; the directories above it are not looked at)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if user.uid == 0:
+        return True
+    bit = stat.S_IRUSR if st.st_uid == user.uid else stat.S_IRGRP if st.st_gid in user.groups else stat.S_IROTH
+    return bool(st.st_mode & bit)
+
+
+def hand_over(path: str | os.PathLike, user: JobUser) -> None:
+    """Make ``path`` (a file, or a directory and everything under it) ``user``'s. Links are changed, never followed,
+    and the walk goes by directory descriptors (``os.fwalk``): a job that swaps a directory of its own for a link
+    while this runs cannot make root give it some other file."""
+    path = Path(path)
+    os.chown(path, user.uid, user.gid, follow_symlinks=False)
+    if path.is_symlink() or not path.is_dir():
+        return
+    for _root, dirs, files, dir_fd in os.fwalk(path, follow_symlinks=False):
+        for name in dirs + files:
+            try:
+                os.chown(name, user.uid, user.gid, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+
+def launch_identity(user: JobUser, environ: dict[str, str]) -> dict:
+    """``subprocess.Popen`` keyword arguments that start a process as ``user`` with ``environ`` (nothing to change
+    when that is who this process is already): its uid, gid and groups, HOME/USER/LOGNAME, and none of the
+    service manager's variables (a job has no business notifying systemd as the agent)."""
+    env = {k: v for k, v in environ.items() if k not in _SERVICE_ENV}
+    if user.uid == os.geteuid():
+        return {"env": env}
+    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "env": {**env, **user.env()}}
+
+
+_SERVICE_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                          "LISTEN_FDNAMES", "INVOCATION_ID"})
+
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def no_new_privileges() -> bool:
+    """Set this process's no-new-privileges bit (Linux): nothing it or its children exec (a setuid binary, a file
+    with capabilities) can gain privileges. False where it cannot be set."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        return libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+

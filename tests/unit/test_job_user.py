@@ -1,0 +1,91 @@
+"""Who a daemon-run job runs as (agent/node/job_user.py, issue 30 item 1): the rules, against this machine's real
+user database (root and nobody exist on every Linux system), and the file checks on real files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainwarden.agent.node.job_user import (JobUser, JobUserRefused, hand_over, launch_identity, readable_by,
+                                              resolve_job_user, writable_by)
+
+NOBODY = JobUser(name="nobody", uid=65534, gid=65534, groups=(65534,), home="/nonexistent")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="changes file owners: needs root")
+
+
+def test_the_spec_user_wins_then_the_node_default_and_uids_work_as_names():
+    assert resolve_job_user("nobody", default="root", allow_root=True, agent_uid=0).uid == 65534
+    assert resolve_job_user(None, default="nobody", allow_root=False, agent_uid=0).name == "nobody"
+    assert resolve_job_user(65534, default=None, allow_root=False, agent_uid=0).name == "nobody"
+    assert resolve_job_user(None, default="65534", allow_root=False, agent_uid=0).name == "nobody"  # a flag's text
+
+
+def test_root_is_refused_unless_allowed_and_so_is_a_job_with_no_user_on_a_root_agent():
+    with pytest.raises(JobUserRefused, match="would run as root.*allow_root_jobs"):
+        resolve_job_user("root", default=None, allow_root=False, agent_uid=0)
+    with pytest.raises(JobUserRefused, match="would run as root"):
+        resolve_job_user(None, default="root", allow_root=False, agent_uid=0)
+    assert resolve_job_user(0, default=None, allow_root=True, agent_uid=0).uid == 0
+    with pytest.raises(JobUserRefused, match="names no user.*job_user"):
+        resolve_job_user(None, default=None, allow_root=True, agent_uid=0)
+
+
+def test_an_agent_that_is_not_root_runs_jobs_as_itself_and_refuses_anyone_else():
+    assert resolve_job_user(None, default=None, allow_root=False, agent_uid=65534).uid == 65534
+    with pytest.raises(JobUserRefused, match="runs as uid 65534 and can start processes only as itself"):
+        resolve_job_user("root", default=None, allow_root=True, agent_uid=65534)
+
+
+def test_an_unknown_user_is_named():
+    with pytest.raises(JobUserRefused, match="no user 'no-such-user-x' on this node"):
+        resolve_job_user("no-such-user-x", default=None, allow_root=False, agent_uid=0)
+
+
+def test_mode_bits_decide_what_the_user_may_write_and_read(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    assert not writable_by(d, NOBODY) and not writable_by(d / "not" / "yet", NOBODY)
+    os.chmod(d, 0o777)
+    assert writable_by(d, NOBODY) and writable_by(d / "not" / "yet", NOBODY)  # the nearest parent decides
+    secret = tmp_path / "password"
+    secret.write_text("x")
+    os.chmod(secret, 0o600)
+    assert not readable_by(secret, NOBODY) and readable_by(secret, JobUser("root", 0, 0, (0,), "/root"))
+    os.chmod(secret, 0o604)
+    assert readable_by(secret, NOBODY)
+
+
+@needs_root
+def test_hand_over_changes_the_tree_and_never_follows_a_link(tmp_path):
+    job = tmp_path / "jobs" / "j"
+    (job / "incidents").mkdir(parents=True)
+    (job / "incidents" / "a.json").write_text("{}")
+    outside = tmp_path / "outside"
+    outside.write_text("root's")
+    (job / "link").symlink_to(outside)
+    (job / "dirlink").symlink_to(tmp_path)
+    hand_over(job, NOBODY)
+    for path in (job, job / "incidents", job / "incidents" / "a.json"):
+        assert path.stat().st_uid == 65534, path
+    assert os.lstat(job / "link").st_uid == 65534  # the link itself
+    assert outside.stat().st_uid == 0 and tmp_path.stat().st_uid == 0  # never what it points at
+
+
+def test_launching_as_another_user_sets_its_identity_and_drops_the_service_variables():
+    env = {"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "1", "HOME": "/root"}
+    same = launch_identity(JobUser("me", os.geteuid(), os.getegid(), (), os.environ.get("HOME", "/")), env)
+    assert same == {"env": {"PATH": "/usr/bin", "HOME": "/root"}}
+    other = launch_identity(NOBODY if os.geteuid() != 65534 else JobUser("root", 0, 0, (0,), "/root"), env)
+    assert other["user"] != os.geteuid() and "NOTIFY_SOCKET" not in other["env"]
+    assert set(other) == {"user", "group", "extra_groups", "env"} and other["env"]["USER"] in ("nobody", "root")
+
+
+def test_no_new_privileges_is_set_in_the_process_that_asks():
+    code = ("from trainwarden.agent.node.job_user import no_new_privileges; assert no_new_privileges(); "
+            "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
