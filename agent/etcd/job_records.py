@@ -13,7 +13,7 @@ from typing import Any
 
 from trainwarden.agent.etcd.client import (EtcdAccessDenied, EtcdConfig, EtcdUnavailable, describe_etcd_error,
                                           is_auth_error, open_etcd)
-from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key, rdzv_key
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,7 @@ class JobRecords:
     def reset_rendezvous(self, job: str) -> None:
         """Delete a finished generation's rendezvous and store keys: a closed rendezvous cannot be rejoined."""
         try:
-            for part in ("rdzv", "store/"):
-                key = self.key(job, part)
-                if part.endswith("/"):
-                    self._client.delete_prefix(key)
-                else:
-                    self._client.delete(key)
+            self._client.delete_prefix(rdzv_key(job, prefix=self._prefix) + "/")
         except Exception as exc:
             raise EtcdUnavailable(f"cannot reset the rendezvous of {job} in etcd at {self._endpoint}: {exc}") from exc
 

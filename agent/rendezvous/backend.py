@@ -8,8 +8,8 @@ dies with its host. This backend keeps it in etcd, which survives any node.
 What it is made of:
 
 * ``Etcd3RendezvousBackend`` implements torch's ``RendezvousBackend``: the pickled rendezvous state at
-  ``<key_prefix>/jobs/<run_id>/rdzv`` (DESIGN.md's key contract; ``key_prefix`` defaults to
-  ``/trainwarden/v1``), with the key's ``mod_revision`` as the fencing token. ``set_state`` is one etcd
+  ``<key_prefix>/rdzv/<run_id>/state`` (DESIGN.md's ``jobs/<job>/rdzv``, moved out of ``jobs/`` so that only
+  agents' etcd role may write it: agent/etcd/keys.py; ``key_prefix`` defaults to ``/trainwarden/v1``), with the key's ``mod_revision`` as the fencing token. ``set_state`` is one etcd
   transaction: compare the revision (or "key absent" for token ``None``), put and read back on success,
   read the current value on failure, so every answer is a consistent snapshot. The state is wrapped in
   a small envelope (magic, version, CRC-32) so a value that was not written by this backend, or was
@@ -52,7 +52,7 @@ Anything else is rejected with ``ValueError``.
 
 A run id is single-use: after the job ends its rendezvous is closed, and a new torchrun with the same id
 gets ``RendezvousClosedError``. Use a new id, or (what ``trainwarden run`` does when a finished job runs again)
-delete ``<key_prefix>/jobs/<run_id>/``.
+delete ``<key_prefix>/rdzv/<run_id>/``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, SECURITY_ENV, Etc
 from trainwarden.agent.proto.contract import validate_job_name
 from trainwarden.agent.rendezvous.members import close_when_members_rejoin
 from trainwarden.agent.rendezvous.store import Etcd3Store
-from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rdzv_key
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class Etcd3RendezvousConfig:
     other_members: tuple[str, ...] = ()
     """``host:port`` of the cluster's other members (``--rdzv-endpoint a:2379,b:2379,c:2379``)."""
     key_prefix: str = DEFAULT_KEY_PREFIX
-    """Root of trainwarden's keys; the job's keys go under ``<key_prefix>/jobs/<run_id>/``."""
+    """Root of trainwarden's keys; the job's rendezvous keys go under ``<key_prefix>/rdzv/<run_id>/``."""
     read_timeout: float = 60.0
     """Deadline of each etcd request, in seconds."""
     connect_timeout: float = 2.0
@@ -296,7 +296,7 @@ def connect(config: Etcd3RendezvousConfig) -> etcd3.MultiEndpointEtcd3Client:
 
 
 class Etcd3RendezvousBackend(RendezvousBackend):
-    """torch's ``RendezvousBackend`` on etcd v3: the state at ``<key_prefix>/jobs/<run_id>/rdzv``.
+    """torch's ``RendezvousBackend`` on etcd v3: the state at ``<key_prefix>/rdzv/<run_id>/state``.
 
     The fencing token is the key's ``mod_revision`` (an ``int``). See the module docstring.
     """
@@ -312,7 +312,7 @@ class Etcd3RendezvousBackend(RendezvousBackend):
         _check_run_id(run_id)
         self._client = client
         self._endpoint = endpoint
-        self.key = job_key(run_id, "rdzv", prefix=key_prefix)
+        self.key = rdzv_key(run_id, "state", prefix=key_prefix)
 
     @property
     def name(self) -> str:
@@ -425,7 +425,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise ValueError(f"rdzv-conf round={kind!r}: expected dynamic (torch's rendezvous, the default) or native "
                          f"(a key per node, one closing transaction: for jobs of hundreds of nodes)")
     client = connect(config)
-    job_prefix = job_key(params.run_id, prefix=config.key_prefix)
+    job_prefix = rdzv_key(params.run_id, prefix=config.key_prefix)
     store = Etcd3Store(client, f"{job_prefix}/store", endpoint=config.netloc)
     _disable_shared_tcp_store()
     logger.info("etcd3 rendezvous (%s round) for %r at %s under %s", kind, params.run_id, config.etcd.describe(),

@@ -5,7 +5,7 @@ round in one pickled blob, and every join, heartbeat and close is a compare-and-
 joining at once retry against each other, so a round's cost grows faster than N (measured on the dev VM:
 8 nodes 1.3 s, 64 nodes 8.3 s, 128 not within 9 minutes). Here no key is written by more than one node.
 
-Keys (``agent/etcd/keys.py``: ``rendezvous_key``), under ``<prefix>/jobs/<job>/rendezvous/<round>/``, the round
+Keys (``agent/etcd/keys.py``: ``rendezvous_key``), under ``<prefix>/rdzv/<job>/rounds/<round>/``, the round
 zero-padded so text order is round order:
 
 * ``nodes/<node>``: the node's join, under the node's lease (the caller's: a dead node's join goes by itself).

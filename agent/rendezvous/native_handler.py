@@ -9,14 +9,14 @@ torchrun agent is one node of ``native.NativeRendezvous``:
   a dead node: 5 s × 3 by default) and refreshed on a thread of its own every third of it; a lease that etcd
   let expire (etcd away longer than the TTL) is replaced by a new one before the next round;
 * ``next_rendezvous`` is ``next_round`` plus torch's bootstrap: the round's c10d store is ``Etcd3Store`` under
-  ``jobs/<run_id>/store/native/<round>/`` and rank 0 publishes a free port there (``RendezvousStoreInfo``), as the
+  ``rdzv/<run_id>/store/native/<round>/`` and rank 0 publishes a free port there (``RendezvousStoreInfo``), as the
   dynamic handler does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the agent's store is never shared;
 * ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
   instead of when a collective fails. Each call also counts the round's keys (``present``: one count-only read),
   since python3-etcd3 never tells a watch that its stream broke. A watch broken by an etcd outage is not a
   loss: it is made again once etcd answers, from the round's close, so a loss during the outage is seen;
-* ``set_closed``/``is_closed``: ``jobs/<run_id>/rendezvous-closed``; ``shutdown`` leaves, closes (as the dynamic
+* ``set_closed``/``is_closed``: ``rdzv/<run_id>/closed``; ``shutdown`` leaves, closes (as the dynamic
   handler does when the job is over) and revokes the lease.
 
 ``join_timeout`` (default 600 s) and ``last_call_timeout`` (default 30 s, torch's) come from rdzv-conf as for
@@ -43,7 +43,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, refresh_lease, with_failover
-from trainwarden.agent.etcd.keys import job_key
+from trainwarden.agent.etcd.keys import rdzv_key
 from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousConfig, NativeRendezvousError,
                                                  NativeRendezvousTimeout, RoundWatch)
 
@@ -62,7 +62,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._local_addr = params.local_addr
         addr = (params.local_addr or socket.getfqdn()).replace("/", "_")
         self.node = f"{addr}_{os.getpid()}_{next(_handlers_in_process)}"
-        self._closed_key = job_key(params.run_id, "rendezvous-closed", prefix=key_prefix)
+        self._closed_key = rdzv_key(params.run_id, "closed", prefix=key_prefix)
         self._ttl = params.get_as_int("keep_alive_interval", 5) * params.get_as_int("keep_alive_max_attempt", 3)
         self._config = NativeRendezvousConfig(
             min_nodes=params.min_nodes, max_nodes=params.max_nodes,

@@ -8,7 +8,7 @@ torch's own ``EtcdStore`` does this on the v2 API, which etcd 3.6 removed; this 
 
 Design:
 
-* Keys live under one prefix, ``<key_prefix>/jobs/<run_id>/store/``, and are stored verbatim (v3 keys
+* Keys live under one prefix, ``<key_prefix>/rdzv/<run_id>/store/``, and are stored verbatim (v3 keys
   and values are arbitrary bytes, so no base64 as in the v2 store). The handler wraps the store in a
   ``PrefixStore`` per round (``torch.rendezvous.<run_id>.<round>/``), so rounds never see each
   other's values.
@@ -61,7 +61,7 @@ class Etcd3Store(Store):
 
     Args:
         client: a connected ``etcd3`` client (see ``rendezvous.connect``).
-        prefix: the key prefix, e.g. ``/trainwarden/v1/jobs/JOB/store``; a trailing ``/`` is added.
+        prefix: the key prefix, e.g. ``/trainwarden/v1/rdzv/JOB/store``; a trailing ``/`` is added.
         endpoint: ``host:port`` of etcd, only used in error messages.
         timeout: how long ``get`` and ``wait`` block; the c10d default (300 s) when ``None``.
         clock, sleep: injectable for tests.
@@ -79,7 +79,7 @@ class Etcd3Store(Store):
     ) -> None:
         super().__init__()  # required by the pybind trampoline
         if not prefix:
-            raise ValueError("the etcd store needs a non-empty key prefix, e.g. /trainwarden/v1/jobs/JOB/store")
+            raise ValueError("the etcd store needs a non-empty key prefix, e.g. /trainwarden/v1/rdzv/JOB/store")
         self._client = client
         self._prefix = _to_bytes(prefix.rstrip("/") + "/")
         self._endpoint = endpoint

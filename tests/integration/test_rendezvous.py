@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, free_port
+from trainwarden.agent.etcd.keys import rdzv_key
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.rendezvous.backend import (
     DEFAULT_KEY_PREFIX,
@@ -74,7 +75,7 @@ def backend(client, shared_etcd, run_id):
 @pytest.mark.timeout(30)
 def test_absent_state_is_none(backend, run_id):
     assert backend.name == "etcd3"
-    assert backend.key == f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/rdzv"
+    assert backend.key == f"{DEFAULT_KEY_PREFIX}/rdzv/{run_id}/state"
     assert backend.get_state() is None
 
 
@@ -140,7 +141,7 @@ def test_key_prefix_and_run_ids_are_separate(client, backend):
     a = Etcd3RendezvousBackend(client, "job-a", key_prefix="/other")
     b = Etcd3RendezvousBackend(client, "job-b", key_prefix="/other")
     a.set_state(b"a", None)
-    assert a.key == "/other/jobs/job-a/rdzv"
+    assert a.key == "/other/rdzv/job-a/state"
     assert b.get_state() is None
     assert backend.get_state() is None
 
@@ -170,7 +171,7 @@ def test_etcd_gone_after_connect_raises_connection_error(etcd_server):
 
 
 def _store(client, server, run_id: str) -> Etcd3Store:
-    return Etcd3Store(client, f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/store", endpoint=server.endpoint,
+    return Etcd3Store(client, rdzv_key(run_id, "store"), endpoint=server.endpoint,
                       timeout=timedelta(seconds=10))
 
 
@@ -185,7 +186,7 @@ def test_store_set_get_and_key_layout(store, client, run_id):
     store.set(b"bin", b"\x00\xff")
     assert store.get("k") == b"v"
     assert store.get("bin") == b"\x00\xff"
-    assert client.get(f"{DEFAULT_KEY_PREFIX}/jobs/{run_id}/store/k")[0] == b"v"
+    assert client.get(f"{DEFAULT_KEY_PREFIX}/rdzv/{run_id}/store/k")[0] == b"v"
     assert store.num_keys() == 2
     assert store.delete_key("k") is True
     assert store.check(["k"]) is False

@@ -227,8 +227,8 @@ def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
     try:
         members, _ = client.get(rendezvous_key(job, 0, "close", "members"))
         assert len(json.loads(members)["members"]) == 2
-        assert client.get(f"/trainwarden/v1/jobs/{job}/rdzv")[0] is None
-        assert client.get(f"/trainwarden/v1/jobs/{job}/rendezvous-closed")[0] is not None  # shut down at the end
+        assert client.get(f"/trainwarden/v1/rdzv/{job}/state")[0] is None
+        assert client.get(f"/trainwarden/v1/rdzv/{job}/closed")[0] is not None  # shut down at the end
     finally:
         client.close()
 
