@@ -144,7 +144,8 @@ class TestBed:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             proc = subprocess.Popen(["ip", "netns", "exec", host.namespace, *cmd], stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+                                    stdout=out, stderr=subprocess.STDOUT, env=_bed_env(env), cwd=cwd,
+                                    start_new_session=True)
         host.procs.append(proc)
         return proc
 
@@ -152,7 +153,7 @@ class TestBed:
             check: bool = False) -> subprocess.CompletedProcess:
         """Run ``cmd`` inside host ``name`` to completion; its output is captured."""
         return subprocess.run(["ip", "netns", "exec", self.hosts[name].namespace, *cmd], capture_output=True,
-                              text=True, timeout=timeout, env=env, check=check)
+                              text=True, timeout=timeout, env=_bed_env(env), check=check)
 
     def kill(self, name: str) -> list[int]:
         """SIGKILL every process inside host ``name`` (a power loss); the pids killed."""
@@ -339,3 +340,9 @@ def _run(cmd: list[str]) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {result.stderr.strip() or result.stdout.strip()}")
+
+
+def _bed_env(env: dict | None) -> dict:
+    """A host's environment: the bed's etcd serves plain http on the bed's own bridge, which nothing outside the
+    bed can reach, so its processes are told that is meant (``--insecure-etcd``; refused otherwise)."""
+    return {**(os.environ if env is None else env), "TRAINWARDEN_INSECURE_ETCD": "1"}

@@ -42,6 +42,7 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "webhook_max_body": (int, 256 * 1024),
     "resumes_per_hour": (int, 3),
     "allow_unverified_streams": (bool, False),
+    "insecure_etcd": (bool, False),
     "job_user": (str, None),
     "allow_root_jobs": (bool, False),
 }
@@ -190,7 +191,8 @@ def _cmd_agent(args) -> int:
                              watchdog=watchdog_config(s["straggler_policy"]),
                              **({"node": s["node"]} if s["node"] else {}))
         security = EtcdSecurity.from_env(ca_cert=s["etcd_ca"], cert_cert=s["etcd_cert"], cert_key=s["etcd_key"],
-                                         user=s["etcd_user"], password_file=s["etcd_password_file"])
+                                         user=s["etcd_user"], password_file=s["etcd_password_file"],
+                                         insecure=s["insecure_etcd"])
         webhook = None
         if s["webhook_listen"] or s["webhook_token_file"]:
             if not (s["webhook_listen"] and s["webhook_token_file"]):

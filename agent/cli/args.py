@@ -64,6 +64,9 @@ def add_etcd_security(p: argparse.ArgumentParser, *, suppress: bool = False) -> 
     group.add_argument("--etcd-password-file", metavar="FILE", dest="etcd_password_file", default=default,
                        help="file holding the user's password; never the password itself, which ps would show "
                             "($TRAINWARDEN_ETCD_PASSWORD_FILE)")
+    group.add_argument("--insecure-etcd", action="store_true", dest="insecure_etcd", default=default,
+                       help="allow plain http to an etcd that is not on loopback (refused otherwise: whoever can "
+                            "reach it could write jobs; $TRAINWARDEN_INSECURE_ETCD=1)")
 
 
 def etcd_security(args: argparse.Namespace):
@@ -71,7 +74,8 @@ def etcd_security(args: argparse.Namespace):
     from trainwarden.agent.etcd.client import EtcdSecurity
 
     return EtcdSecurity.from_env(ca_cert=args.etcd_ca, cert_cert=args.etcd_cert, cert_key=args.etcd_key,
-                                 user=args.etcd_user, password_file=args.etcd_password_file)
+                                 user=args.etcd_user, password_file=args.etcd_password_file,
+                                 insecure=getattr(args, "insecure_etcd", None))
 
 
 class EtcdCommandError(Exception):

@@ -19,6 +19,7 @@ No torch here: the agent and the CLI import it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -32,8 +33,9 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 __all__ = [
-    "ETCD_CLIENT_ERRORS", "RETIRED_PASSWORD_ENV", "SECURITY_ENV", "EtcdAccessDenied", "EtcdConfig", "EtcdError",
-    "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "is_auth_error", "open_client", "open_etcd",
+    "ETCD_CLIENT_ERRORS", "INSECURE_ENV", "RETIRED_PASSWORD_ENV", "SECURITY_ENV", "EtcdAccessDenied", "EtcdConfig", "EtcdError",
+    "EtcdSecurity", "EtcdUnavailable", "GRPC_OPTIONS", "describe_etcd_error", "is_auth_error", "is_loopback_host",
+    "open_client", "open_etcd",
     "read_password_file", "split_endpoint", "with_failover",
 ]
 
@@ -162,6 +164,8 @@ SECURITY_ENV = {
     "password_file": "TRAINWARDEN_ETCD_PASSWORD_FILE",
 }
 """The environment variable behind each ``EtcdSecurity`` setting (a flag given wins)."""
+INSECURE_ENV = "TRAINWARDEN_INSECURE_ETCD"
+"""Set to 1: ``--insecure-etcd``."""
 RETIRED_PASSWORD_ENV = "TRAINWARDEN_ETCD_PASSWORD"
 """A password in the environment is copied into every worker's: refused; use the password file."""
 
@@ -177,16 +181,20 @@ class EtcdSecurity:
     cert_key: str | None = None
     user: str | None = None
     password_file: str | None = None
+    insecure: bool = False
+    """Allow plain http to an etcd that is not on loopback (``--insecure-etcd``): refused otherwise."""
 
     @classmethod
-    def from_env(cls, environ=os.environ, **given: str | None) -> "EtcdSecurity":
+    def from_env(cls, environ=os.environ, insecure: bool | None = None, **given: str | None) -> "EtcdSecurity":
         """The settings ``given`` (flags), each missing one from its environment variable."""
         if environ.get(RETIRED_PASSWORD_ENV):
             raise ValueError(f"{RETIRED_PASSWORD_ENV} is not read: a password in the environment reaches every "
                              f"worker's; write it to a file only you can read and set "
                              f"{SECURITY_ENV['password_file']} (or --etcd-password-file) to its path")
         values = {name: given.get(name) or environ.get(var) or None for name, var in SECURITY_ENV.items()}
-        return cls(**values)
+        if insecure is None:
+            insecure = environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        return cls(**values, insecure=bool(insecure))
 
     @property
     def given(self) -> bool:
@@ -198,16 +206,35 @@ class EtcdSecurity:
             raise ValueError("--etcd-user and --etcd-password-file go together (or TRAINWARDEN_ETCD_USER and "
                              "TRAINWARDEN_ETCD_PASSWORD_FILE); give both or neither")
         try:
-            return EtcdConfig(endpoints=endpoints, ca_cert=self.ca_cert, cert_cert=self.cert_cert,
-                              cert_key=self.cert_key, user=self.user, password_file=self.password_file, **options)
+            config = EtcdConfig(endpoints=endpoints, ca_cert=self.ca_cert, cert_cert=self.cert_cert,
+                                cert_key=self.cert_key, user=self.user, password_file=self.password_file, **options)
         except ValueError as exc:
             raise ValueError(_flag_names(str(exc))) from None
+        exposed = [netloc for netloc, endpoint in zip(config.netlocs, config.endpoints)
+                   if not is_loopback_host(split_endpoint(endpoint)[0])]
+        if exposed and not config.secure and not self.insecure:
+            raise ValueError(f"etcd at {', '.join(exposed)} over plain http: anyone who can reach it reads every "
+                             "job's keys and may write jobs/ (which starts code on every node) or a rendezvous. Give "
+                             "an https:// endpoint with --etcd-ca, --etcd-cert and --etcd-key (deploy/etcd/README.md "
+                             "makes them), or --insecure-etcd (TRAINWARDEN_INSECURE_ETCD=1) on a network you trust")
+        return config
 
     def rdzv_conf(self) -> dict[str, str]:
         """The etcd3 rendezvous options that carry these settings (the password's file, not the password)."""
         conf = {"ca_cert": self.ca_cert, "cert_cert": self.cert_cert, "cert_key": self.cert_key, "user": self.user,
                 "password_file": self.password_file}
         return {k: v for k, v in conf.items() if v}
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (a name other than localhost is not resolved: it counts as
+    remote)."""
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _flag_names(message: str) -> str:

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainwarden.agent.etcd.client import is_loopback_host
 from trainwarden.agent.proto.parent_death import exec_dying_with_parent
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class EmbeddedEtcd:
         binary: str | None = None,
         start_timeout: float = 30.0,
     ) -> None:
+        if not is_loopback_host(host):  # plain http, no auth: only this machine may reach it
+            raise ValueError(f"the embedded etcd serves this machine only (plain http, no auth); host {host!r} is not "
+                             "a loopback address. Run an etcd cluster with TLS for several machines (deploy/etcd)")
         self.host = host
         self.client_port = client_port or free_port(host)
         self.peer_port = free_port(host)

@@ -104,6 +104,8 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
     flags = {"--etcd-ca": sec.ca_cert, "--etcd-cert": sec.cert_cert, "--etcd-key": sec.cert_key,
              "--etcd-user": sec.user, "--etcd-password-file": sec.password_file}
     etcd_args = [part for flag, value in flags.items() if value for part in (flag, value)]
+    if sec.insecure:  # the operator's choice for this node holds for the launchers it starts
+        etcd_args.append("--insecure-etcd")
     config = options.agent
     gpus = agent.gpus
     return JobRunner(client, node=config.node, etcd=options.etcd, etcd_args=etcd_args,

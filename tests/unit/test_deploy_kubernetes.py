@@ -254,7 +254,15 @@ def test_the_daemonset_runs_the_agent_with_the_configmaps_settings(tmp_path, mon
     assert argv[:2] == ["trainwarden", "agent"] and argv[2:] == [f"--config={mount}/agent.toml"]
     assert "agent.toml" in one("ConfigMap")["data"]
 
-    (tmp_path / "agent.toml").write_text(agent_toml())
+    (secret,) = [v for v in spec["volumes"] if "secret" in v]  # the etcd client certificate
+    (secret_dir,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == secret["name"]]
+    files = [agent_settings[k] for k in ("etcd_ca", "etcd_cert", "etcd_key")]
+    assert all(f.startswith(secret_dir + "/") for f in files) and agent_settings["etcd"].startswith("https://")
+    mounted = tmp_path / "secret"  # what kubelet mounts there, for the agent's check that the files exist
+    mounted.mkdir()
+    for f in files:
+        (mounted / Path(f).name).write_text("PEM")
+    (tmp_path / "agent.toml").write_text(agent_toml().replace(secret_dir + "/", f"{mounted}/"))
     for key, value in container_env(c).items():
         monkeypatch.setenv(key, value)
     started = []
