@@ -272,7 +272,8 @@ def test_a_gpu_fault_drains_its_node_and_a_straggler_exclusion_takes_another_out
     gpus.start()
     incidents = []
     runner = JobRunner(etcd_client, node="n2", etcd=etcd, state_home=daemons.home("n2"), local_addr="127.0.0.1",
-                       health=gpus.unhealthy_reasons, record=lambda i: incidents.append(i) or i, interval_s=1.0)
+                       health=gpus.unhealthy_reasons, record=lambda i: incidents.append(i) or i, interval_s=1.0,
+                       default_user=str(os.getuid()), allow_root_jobs=True)  # the jobs run as the test does
     runner.start()
     try:
         spec = _spec(tmp_path / "gf.toml", "gf", 100000, tmp_path / "ckpt", nnodes="1:3", nproc_per_node=1,
