@@ -67,6 +67,32 @@ class AgentActions:
         with self._lock:
             self._launchers[job] = (pid, started)
 
+    def forget_launcher(self, job: str, pid: int) -> None:
+        """The launcher ``pid`` of ``job`` ended: the job's name is free for whoever streams next."""
+        with self._lock:
+            if self._launchers.get(job, (None,))[0] == pid:
+                del self._launchers[job]
+
+    def stream_refusal(self, info) -> str | None:
+        """Why a telemetry stream may not speak for ``info.job`` (None: it may): a job whose launcher this agent
+        knows (``register_launcher``: `trainwarden run`'s torchrun, or a launcher of this node's daemon) takes
+        streams only from verified processes that descend from it. The TelemetryServer's ``stream_guard``."""
+        with self._lock:
+            launcher = self._launchers.get(info.job)
+        if launcher is None:
+            return None
+        if not info.verified:
+            return (f"job {info.job} is run by launcher pid {launcher[0]} on this node: a stream without peer "
+                    "credentials cannot show it descends from it")
+        try:
+            proc = psutil.Process(info.pid)
+        except psutil.Error:
+            return f"job {info.job}: the stream's process (pid {info.pid}) is gone"
+        if not _descends_from(proc, *launcher):
+            return (f"job {info.job} is run by launcher pid {launcher[0]} on this node; the stream's process "
+                    f"(pid {info.pid}) does not descend from it")
+        return None
+
     def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
         command = pb.AgentCommand(dump_diagnostics=pb.DumpDiagnostics(dir=str(directory)))
         return [r for r in ranks if self._server.send_command(job, r, command)]

@@ -145,6 +145,7 @@ class NodeAgent:
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
         self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
+        self.server.stream_guard = self.actions.stream_refusal  # a launcher's job: only its processes stream for it
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,
                                  diagnostics_dir=lambda job: state_dir(job) / "diagnostics", cluster=cluster)
         self.gpus = GpuHealthSampler(GpuHealthConfig(node=config.node)) if config.gpu_health else None

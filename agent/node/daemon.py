@@ -113,7 +113,7 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
                      gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
                      health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record,
-                     default_user=options.job_user, allow_root_jobs=options.allow_root_jobs,
+                     default_user=options.job_user, allow_root_jobs=options.allow_root_jobs, lineage=agent.actions,
                      etcd_files=tuple(path for path in (sec.ca_cert, sec.cert_cert, sec.cert_key, sec.password_file)
                                       if path))
 

@@ -101,11 +101,13 @@ class JobRunner:
                  health: Callable[[], tuple[str, ...]] | None = None,
                  record: Callable[[Incident], Incident] | None = None,
                  clock: Callable[[], float] = time.monotonic, default_user: str | None = None,
-                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = ()) -> None:
+                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
         ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
         heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py);
-        ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read."""
+        ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read.
+        ``lineage``: the daemon's ``AgentActions``; each launcher is registered there, so that only its own
+        processes may stream to the daemon's socket as its job (``register_launcher``/``forget_launcher``)."""
         self._client, self._control = client, JobControl(client)
         self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
         self._home = Path(state_home)
@@ -114,6 +116,7 @@ class JobRunner:
         self._interval, self._python, self._gpus = interval_s, python, gpus
         self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
+        self._lineage = lineage
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
@@ -344,6 +347,8 @@ class JobRunner:
         self._children[proc.pid] = proc
         self._launchers[view.name] = rec
         self._save(rec)
+        if self._lineage is not None:
+            self._lineage.register_launcher(view.name, proc.pid)
         logger.info("job %s generation %d: started its launcher on node %s as %s (pid %d, log %s)", view.name,
                     view.generation, self.node, user, proc.pid, log_path)
 
@@ -376,6 +381,8 @@ class JobRunner:
             self._children.pop(rec.pid, None)
             del self._launchers[job]
             self._forget(job)
+            if self._lineage is not None:
+                self._lineage.forget_launcher(job, rec.pid)
             how = f"exited with {rc}" if rc is not None else "ended (adopted: exit code unknown)"
             logger.info("job %s generation %d: the launcher on node %s %s", job, rec.generation, self.node, how)
             killed = rc is not None and rc < 0 and rec.pid not in self._terminated
@@ -433,6 +440,8 @@ class JobRunner:
             if _alive(rec):
                 self._launchers[rec.job] = rec
                 self.adopted.append(rec.job)
+                if self._lineage is not None:
+                    self._lineage.register_launcher(rec.job, rec.pid)
                 logger.info("job %s generation %d: adopted its running launcher (pid %d)", rec.job, rec.generation,
                             rec.pid)
             else:

@@ -130,6 +130,9 @@ class TelemetryServer:
         self._health: health.HealthServicer | None = None
         self.commit_guard: CommitGuard | None = None
         """Decides the Commit RPC (the launcher of a multi-node job sets it); None allows every commit."""
+        self.stream_guard: Callable[[WorkerInfo], str | None] | None = None
+        """Why a stream may not speak for its (job, rank) beyond the uid rule, or None (the node agent sets it: a job
+        whose launcher it knows takes only that launcher's descendants); None allows every stream."""
         self.checkpoint_record: CheckpointRecordSource | None = None
         """Answers the CheckpointRecord RPC from etcd's ``jobs/<job>/checkpoint`` (the launcher sets it);
         None: unknown."""
@@ -273,6 +276,12 @@ class TelemetryServer:
         elif not self._allow_unverified:
             self._reject(context, _Rejected("unverified", _UNVERIFIED.format(what="a Hello", path=self._cred_path())),
                          grpc.StatusCode.UNAUTHENTICATED)
+        guard = self.stream_guard
+        refusal = guard(info) if guard is not None else None
+        if refusal is not None:
+            log.warning("telemetry stream refused: %s", refusal, extra={"job": info.job, "rank": info.rank})
+            self._job_telemetry.count_rejected("identity")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         key = (info.job, info.rank)
         handle = _StreamHandle(info, self._command_queue_size)
         with self._lock:  # one decision per (job, rank): the owner check and the replacement together

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -222,3 +223,72 @@ def test_a_replaced_streams_late_records_are_dropped(tmp_path):
     assert _rank(js, "late", 0).last_step == -1
     srv._read(iter([pb.WorkerMessage(step=pb.Step(index=51, duration_seconds=0.1))]), info, current)
     assert _rank(js, "late", 0).last_step == 51
+
+
+STREAMER = textwrap.dedent("""
+    import json, os, sys
+    import grpc
+    from trainwarden.agent.proto import telemetry_pb2 as pb
+    from trainwarden.agent.proto.contract import STREAM_METHOD
+    from trainwarden.runtime.agent_client import fetch_peer_token
+
+    sock, job = sys.argv[1], sys.argv[2]
+    hello = pb.Hello(job=job, rank=0, world_size=1, pid=os.getpid(), peer_token=fetch_peer_token(sock))
+    with grpc.insecure_channel("unix:" + sock) as channel:
+        call = channel.stream_stream(STREAM_METHOD, request_serializer=pb.WorkerMessage.SerializeToString,
+                                     response_deserializer=pb.AgentCommand.FromString)(
+            iter([pb.WorkerMessage(hello=hello), pb.WorkerMessage(step=pb.Step(index=5, duration_seconds=0.1))]),
+            timeout=30)
+        try:
+            for _ in call:
+                pass
+            print(json.dumps(["OK", ""]), flush=True)
+        except grpc.RpcError as exc:
+            print(json.dumps([exc.code().name, exc.details() or ""]), flush=True)
+""")
+
+
+def test_a_launchers_job_takes_streams_only_from_its_descendants(tmp_path, procs):
+    """issue 30, item 3: the agent knows a job's launcher (`trainwarden run`'s torchrun, a daemon's launcher) and
+    accepts, for that job, only processes that descend from it, even of the same uid."""
+    from trainwarden.agent.incidents.store import IncidentStore
+    from trainwarden.agent.node.actions import AgentActions
+
+    js = JobTelemetry()
+    srv = TelemetryServer(tmp_path / "agent.sock", js)
+    actions = AgentActions(srv, js, IncidentStore(state_dir=lambda job: tmp_path / job), node="n0")
+    srv.stream_guard = actions.stream_refusal
+    srv.start()
+    try:
+        streamer = tmp_path / "streamer.py"
+        streamer.write_text(STREAMER)
+        # the launcher: a process that starts the streamer as its child once told to (a line on stdin)
+        launcher_code = ("import subprocess, sys; sys.stdin.readline(); "
+                         f"sys.exit(subprocess.run([sys.executable, {str(streamer)!r}, {str(srv.socket_path)!r}, "
+                         "'lj']).returncode)")
+        launcher = subprocess.Popen([sys.executable, "-c", launcher_code], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            actions.register_launcher("lj", launcher.pid)
+            outsider = subprocess.run([sys.executable, str(streamer), str(srv.socket_path), "lj"],
+                                      capture_output=True, text=True, timeout=60)
+            code, detail = json.loads(outsider.stdout.strip().splitlines()[-1])
+            assert code == "PERMISSION_DENIED" and f"launcher pid {launcher.pid}" in detail, (code, detail)
+            assert "does not descend from it" in detail and _rank(js, "lj", 0) is None
+            out, _ = launcher.communicate("go\n", timeout=60)
+            assert json.loads(out.strip().splitlines()[-1]) == ["OK", ""]  # its own child streams
+            wait_for(lambda: (_rank(js, "lj", 0) or None) and _rank(js, "lj", 0).last_step == 5, 10,
+                     what="the launcher's child's step")
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait(10)
+        actions.forget_launcher("lj", launcher.pid)  # the launcher ended: the name is free again
+        again = subprocess.run([sys.executable, str(streamer), str(srv.socket_path), "lj"], capture_output=True,
+                               text=True, timeout=60)
+        assert json.loads(again.stdout.strip().splitlines()[-1]) == ["OK", ""]
+        other = subprocess.run([sys.executable, str(streamer), str(srv.socket_path), "unrelated"],
+                               capture_output=True, text=True, timeout=60)
+        assert json.loads(other.stdout.strip().splitlines()[-1]) == ["OK", ""]  # a job without a launcher here
+    finally:
+        srv.stop(0.5)
