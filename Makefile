@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2
 DEMO_STEPS ?= 70
 
-.PHONY: demo demo-cluster dashboard-pictures test venv install install-test system-packages bench clean
+.PHONY: demo demo-cluster dashboard-pictures test test-all venv install install-test system-packages bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ dashboard-pictures: $(VENV)/.installed-test system-packages
 
 test: $(VENV)/.installed-test system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# the default suite and the tests marked extended (the longest scenarios, second variants): about 11 minutes more
+test-all: $(VENV)/.installed-test system-packages
+	$(BIN)/python -m pytest --extended $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python tests/bench/bench_checkpoint.py

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from procs import ProcessGroup  # noqa: E402
+
+EXTENDED_ENV = "TRAINWARDEN_TEST_EXTENDED"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true", default=bool(os.environ.get(EXTENDED_ENV)),
+                     help="also run the tests marked extended (`make test-all`; or TRAINWARDEN_TEST_EXTENDED=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default suite leaves out the tests marked ``extended``: the longest scenarios and the second variant of
+    a capability the default suite already runs once (the README's test command stays within its time budget);
+    ``--extended`` runs them too."""
+    if config.getoption("--extended"):
+        return
+    kept, left = [], []
+    for item in items:
+        (left if item.get_closest_marker("extended") else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
 
 
 @pytest.fixture

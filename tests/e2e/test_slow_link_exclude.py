@@ -18,7 +18,7 @@ from procs import wait_for
 from testbed import TestBed
 from trainwarden.agent.incidents import list_incidents
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 
 if TestBed.unavailable():
     pytest.skip(TestBed.unavailable(), allow_module_level=True)

@@ -43,7 +43,8 @@ MESH_4 = ["--dp", "2", "--tp", "2", "--pp", "1"]
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("kind, rank, start", [("hang", 2, "warm"), ("stop", 1, "cold")])
+@pytest.mark.parametrize("kind, rank, start", [("hang", 2, "warm"),
+                                               pytest.param("stop", 1, "cold", marks=pytest.mark.extended)])
 def test_hung_rank_is_named_aborted_and_the_job_resumes(procs, tmp_path, kind, rank, start):
     """``warm``: the restart after the abort forks its workers from the zygote (the default), the path a hang
     takes back to training in issue 14; ``cold`` (--cold-workers) starts them as torchrun does."""

@@ -214,6 +214,7 @@ def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daem
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_etcd_away_for_a_minute_stops_nothing_and_the_daemon_catches_up(daemons, tmp_path, etcd_server):
     etcd = etcd_server.endpoint
     daemons.start("n0")

@@ -94,7 +94,7 @@ def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("start", ["cold", "warm"])
+@pytest.mark.parametrize("start", [pytest.param("cold", marks=pytest.mark.extended), "warm"])
 def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path, start):
     """`crash` at step 10 under `trainwarden run`: torchrun restarts the group through the etcd3
     rendezvous, every rank restores step 8, and every printed loss equals the uninterrupted run's. ``warm``:

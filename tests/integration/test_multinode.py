@@ -84,6 +84,7 @@ def _check_continuation(story: list[tuple[str, int, float]], steps: int, *, requ
     return resumed
 
 
+@pytest.mark.extended  # the node-loss path runs by default in the killed-node test
 def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_back_when_healed(tmp_path):
     """The partitioned node's peers get no connection reset: they sit in a collective until the watchdog
     turns the silent wait into a restart. The node itself loses etcd, stops its workers (fencing) and, once
@@ -119,6 +120,7 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
     assert bed.leftovers() == []
 
 
+@pytest.mark.extended
 def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
     """Two of the three etcd members down for longer than a node's membership lease: every node loses etcd
     at once, but their workers go on stepping together, so nobody is fenced and nothing restarts. No commit
