@@ -3,7 +3,8 @@ and the reference GPT under `trainwarden run` and torchrun as the unprivileged u
 
 Before this, the daemon ran whatever a spec in etcd said as root. Now the spec's ``user`` (or the node's
 ``job_user``) is who the launcher and every worker run as, with no capabilities and no-new-privileges; its state
-directory, log and checkpoints are the user's; telemetry, the watchdog, checkpoints and warm restarts keep working.
+directory, log and checkpoints are the user's; telemetry, the watchdog (a hang named, its stacks dumped, the group
+aborted), checkpoints and warm restarts keep working.
 Root, or a job with no user on an agent with no ``job_user``, is refused with a phase and one incident that say why.
 """
 
@@ -66,7 +67,8 @@ def _status(pid: int) -> dict[str, str]:
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
-def test_a_job_runs_as_its_user_with_telemetry_checkpoints_and_a_warm_restart(daemons, shared, etcd_server):
+def test_a_job_runs_as_its_user_with_telemetry_diagnostics_checkpoints_and_a_warm_restart(daemons, shared,
+                                                                                          etcd_server):
     etcd = etcd_server.endpoint
     ckpt = shared / "ckpt"
     ckpt.mkdir()
@@ -74,7 +76,7 @@ def test_a_job_runs_as_its_user_with_telemetry_checkpoints_and_a_warm_restart(da
     daemons.start("n0", users=(), wrap=tuple(interpreter_for_others()))  # no job_user: the spec names its user
     metrics = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", daemons.log("n0")).group(1)
     spec = _write_spec(shared / "ju.toml", name="ju", user=NOBODY, nnodes="1", nproc_per_node=2, max_restarts=2,
-                       checkpoint_dir=str(ckpt), env={"TRAINWARDEN_FAULTS": "crash:rank=1,step=16"},
+                       checkpoint_dir=str(ckpt), env={"TRAINWARDEN_FAULTS": "hang:rank=1,step=16"},
                        command=["-m", "trainwarden.runtime.examples.gpt", "--batch", "4", "--steps", "30",
                                 "--ckpt-every", "5"])
     out = _cli("submit", str(spec), etcd=etcd)
@@ -100,15 +102,20 @@ def test_a_job_runs_as_its_user_with_telemetry_checkpoints_and_a_warm_restart(da
     text = daemons.job_log("n0", "ju")
     assert _jobs(etcd)["ju"]["phase"] == "succeeded", text[-3000:]
     assert "starts job ju generation 1 as nobody (uid 65534)" in text
-    story = [line for line in text.splitlines() if re.search(r"aside|resum|warm|crash|restart", line)]
-    resumed = re.findall(r"resumed from checkpoint step (\d+)", text)  # the crash, then a warm restart from it
+    story = [line for line in text.splitlines() if re.search(r"aside|resum|warm|hang|restart", line)]
+    resumed = re.findall(r"resumed from checkpoint step (\d+)", text)  # the hang, then a warm restart from it
     assert resumed and int(resumed[-1]) >= 5 and "warm worker pid" in text, "\n".join(story)
+    state = shared / "n0" / "jobs" / "ju"
+    found = [json.loads(p.read_text()) for p in (state / "incidents").glob("*.json")]
+    (hang,) = [i for i in found if i["kind"] == "hang"]
+    assert hang["ranks"] == [1] and hang["state"] == "resolved", hang
+    dumps = [p for p in Path(hang["evidence"]["diagnostics_dir"]).rglob("*") if p.is_file()]
+    assert dumps and all(p.stat().st_uid == NOBODY_UID for p in dumps), dumps  # the watchdog's, as nobody
     steps = _steps(text)
     assert steps[-1] == 30 and sorted(set(steps)) == list(range(1, 31)), steps
     owned = [p for p in ckpt.rglob("*")]
     assert owned and all(p.lstat().st_uid == NOBODY_UID for p in owned), [
         (p, p.lstat().st_uid) for p in owned if p.lstat().st_uid != NOBODY_UID][:5]
-    state = shared / "n0" / "jobs" / "ju"
     assert state.stat().st_uid == NOBODY_UID
     assert (shared / "n0" / "daemon" / "logs" / "ju.log").stat().st_uid == NOBODY_UID
 
