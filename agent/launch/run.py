@@ -52,6 +52,7 @@ from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
+from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
@@ -221,6 +222,7 @@ class _JobRun(Regrouping, LinkChecks):
         self._asked_leave_round = None
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
+        self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
@@ -328,6 +330,7 @@ class _JobRun(Regrouping, LinkChecks):
             raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
         cleanup.callback(agent.stop)
         self.agent = agent
+        agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
             self._ask_for_link_checks(agent)  # a communication regression asks for a link check
@@ -568,7 +571,8 @@ class _JobRun(Regrouping, LinkChecks):
     def print_summary(self) -> None:
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
-                      log_path=self.logs / "run.log", steps_from=self._steps_from())
+                      log_path=self.logs / "run.log", steps_from=self._steps_from(),
+                      goodput=self.goodput.snapshot())
 
     def _steps_from(self) -> str | None:
         if self.agent is None:
@@ -630,6 +634,7 @@ class _JobRun(Regrouping, LinkChecks):
                 threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
                                  daemon=True).start()
             self.progress.round_started(at)
+            self.goodput.round_started(at)
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
@@ -637,6 +642,7 @@ class _JobRun(Regrouping, LinkChecks):
                                        round=self._round)
         elif kind == "failed":
             self.progress.round_failed(at)
+            self.goodput.failed(at)
             failures = event.get("failures") or []
             if self._check_resume_blocked(failures):
                 return
@@ -707,6 +713,7 @@ class _JobRun(Regrouping, LinkChecks):
         self._last_step_at = time.monotonic()
         if index >= self._round_step:
             self._round_step, self._round_step_end = index, start_unix + duration_s
+        self.goodput.step(index, start_unix + duration_s, duration_s)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
+from trainwarden.agent.launch.goodput import Goodput
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.proto import checkpoint_layout as store
 
@@ -35,7 +36,8 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
 
 
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
-                  ckpt_dir: Path, log_path: Path, steps_from: str | None = None) -> None:
+                  ckpt_dir: Path, log_path: Path, steps_from: str | None = None,
+                  goodput: Goodput | None = None) -> None:
     """The end-of-run summary of the job ``record`` names; ``steps_from`` is `step_source`'s answer."""
     lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
     blocked = record.reason.startswith("resume blocked")
@@ -68,6 +70,8 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
             lines.append(f"  time lost    {progress.lost_seconds:.1f}s to failures")
     else:
         lines.append("  restarts     0")
+    if goodput is not None and goodput.ratio is not None and not blocked:
+        lines.append(f"  goodput      {goodput.describe()}")
     lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir, record.job)})")
     incidents = _incident_summary(state_dir)
     if incidents:

@@ -35,9 +35,10 @@ def _panel(pid: int, title: str, targets: list[dict], *, unit: str = "short", ki
     if thresholds:
         defaults["thresholds"] = {"mode": "absolute",
                                   "steps": [{"color": color, "value": value} for color, value in thresholds]}
-    return {"id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
-            "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
-            "fieldConfig": {"defaults": defaults, "overrides": []}, "options": {}, **extra}
+    panel = {"id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
+             "gridPos": {"x": x, "y": y, "w": w, "h": h}, "targets": targets,
+             "fieldConfig": {"defaults": defaults, "overrides": []}, "options": {}}
+    return {**panel, **extra}
 
 
 def _variable(name: str, query: str, *, label: str, multi: bool = False, include_all: bool = False) -> dict:
@@ -105,6 +106,16 @@ def job_dashboard() -> dict:
             x=0, y=40, description="The job's step time over its own baseline, as each node's agent judges its "
                                    "ranks; 'regressed' is 1 while the extra time is collective wait on every rank "
                                    "with compute flat (a slower network, not more work)."),
+        _panel(12, "Goodput: where the wall time went", [
+            _target(f"max by (cause) (trainwarden_badput_seconds_total{{{JOB}}})", "{{cause}}"),
+            _target(f"max(trainwarden_productive_seconds{{{JOB}}})", "productive (steps kept)", ref="B")],
+            unit="s", x=12, y=40,
+            fieldConfig={"defaults": {"unit": "s", "custom": {"stacking": {"mode": "normal"}, "fillOpacity": 40}},
+                         "overrides": []},
+            description="Since the launch, as the job's launchers count it (agent/launch/goodput.py): the steps "
+                        "the job kept, and the rest by cause (startup, fault detection, restart, steps redone after "
+                        "a restore, rendezvous of a regroup, gaps between steps), stacked: the top is the wall "
+                        "time. trainwarden_goodput_ratio is the productive share."),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",

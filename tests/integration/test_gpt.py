@@ -131,6 +131,17 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     assert re.search(r"restarts     1 \(failed after step [89], resumed at step [59], [0-9.]+s lost\)", text), text[-800:]
     ckpts = tmp_path / "state" / "jobs" / "crash" / "checkpoints"
     assert os.path.exists(ckpts / "latest")
+    # goodput (issue 27): the launch to the first step and the restart are badput, and the steps it kept match the
+    # workers' own measure (the printing rank's step times, the last run of each step) within the ranks' skew
+    goodput = re.search(r"goodput      ([\d.]+)% of ([\d.]+)s \(([^)]*)\)", text)
+    assert goodput, text[-1500:]
+    causes = {name: float(seconds.rstrip("s")) for name, seconds in
+              (part.rsplit(" ", 1) for part in goodput.group(3).split(", "))}
+    assert causes.get("startup", 0) > 0 and causes.get("restart", 0) > 0, causes
+    kept = {int(m.group(1)): float(m.group(2)) for m in
+            re.finditer(r"\[rank \d+\] [\w.]+: step (\d+) loss \S+ time ([\d.]+)s", text)}
+    productive = float(goodput.group(1)) / 100 * float(goodput.group(2))
+    assert abs(sum(kept.values()) - productive) <= 0.15 * productive + 0.5, (sum(kept.values()), productive)
     # torchrun reports the failed workers it noticed (peers rank 5 took down exit 1); the incident names the
     # one killed by a signal, whose stream broke without a goodbye, and calls the others collateral
     import json

@@ -55,3 +55,23 @@ def test_a_restart_of_a_job_without_steps_is_not_called_unrecovered(tmp_path):
     text = _summary(tmp_path, progress, steps_from="optimizer hooks", phase="failed")
     assert "  restarts     1 (failed after step 5, not recovered)\n" in text, text
     assert "  time lost    0.0s to failures\n" in text, text
+
+
+def test_the_summary_says_the_goodput_and_where_the_rest_went(tmp_path):
+    import io
+
+    from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord
+    from trainwarden.agent.launch.goodput import GoodputLedger
+    from trainwarden.agent.launch.progress import JobProgress
+    from trainwarden.agent.launch.summary import print_summary
+
+    ledger = GoodputLedger("x", launched_at=0.0)
+    ledger.round_started(0.0)
+    for i in range(1, 11):
+        ledger.step(i, 4.0 + i, 1.0)  # startup 4 s, ten 1 s steps
+    progress = JobProgress(wall=lambda: 100.0)
+    progress.step(10, end_wall=14.0, duration_s=1.0)
+    out = io.StringIO()
+    print_summary(out, record=JobRecord(job="x", phase=JobPhase("succeeded")), state_dir=tmp_path, progress=progress,
+                  elapsed=15.0, ckpt_dir=tmp_path / "ckpt", log_path=tmp_path / "run.log", goodput=ledger.snapshot())
+    assert "  goodput      71.4% of 14.0s (startup 4.0s)\n" in out.getvalue(), out.getvalue()
