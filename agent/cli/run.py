@@ -121,6 +121,13 @@ def _cmd_run(args) -> int:
             print(f"trainwarden run: --env {item!r}: expected KEY=VALUE", file=sys.stderr)
             return exit_codes.EXIT_USAGE
         extra_env[key] = value
+    from trainwarden.agent.common.job_spec import CHECKPOINT_DIR_ENV, reserved_env_problem
+    for key in extra_env:  # what trainwarden or torchrun sets per worker would be overridden, breaking the job
+        why = None if key == CHECKPOINT_DIR_ENV else reserved_env_problem(key)
+        if why is not None:
+            why = why.replace("the job's name is the field 'name'", "name the job with --job")
+            print(f"trainwarden run: --env {key}: it {why}; remove it", file=sys.stderr)
+            return exit_codes.EXIT_USAGE
     try:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                           etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,

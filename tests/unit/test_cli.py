@@ -57,6 +57,20 @@ def test_bad_agent_configuration_is_one_line_and_exit_usage(capsys, argv, messag
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("key, message", [
+    ("RANK", "torchrun sets it for each worker"),
+    ("TRAINWARDEN_AGENT_SOCKET", "it sets its TRAINWARDEN_* variables"),
+    ("TRAINWARDEN_JOB", "name the job with --job"),
+    ("NOTIFY_SOCKET", "systemd notification socket"),
+])
+def test_run_refuses_env_that_trainwarden_or_torchrun_sets(capsys, key, message):
+    """What a job spec's [env] may not set, `trainwarden run --env` may not either: it would override the
+    variable for every worker (the agent socket, the rank) and break the job quietly."""
+    assert main(["run", "--env", f"{key}=x", "--", "train.py"]) == exit_codes.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--env {key}: it" in err and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_unreachable_etcd_is_one_line_and_exit_etcd_unavailable(capsys, tmp_path):
     argv = ["agent", "--socket", str(tmp_path / "a.sock"), "--metrics-port", "0", "--etcd", "127.0.0.1:1"]
     assert main(argv) == exit_codes.EXIT_ETCD_UNAVAILABLE
