@@ -244,9 +244,10 @@ class JobRunner:
         except job_user.JobUserRefused as exc:
             self._refusals.refuse(view, str(exc))
             return None
-        problems = [f"checkpoint_dir {spec.checkpoint_dir!r} is not writable by {user}: make it the user's (chown) or "
-                    "writable by one of its groups"] if spec.checkpoint_dir and not job_user.writable_by(
-                        spec.checkpoint_dir, user) else []
+        problems = []
+        if spec.checkpoint_dir and not job_user.writable_by(spec.checkpoint_dir, user):
+            problems.append(f"checkpoint_dir {spec.checkpoint_dir!r} is not writable by {user}: make it the user's "
+                            "(chown) or writable by one of its groups")
         problems += [f"the etcd credential file {path} is not readable by {user}, whom the job's launcher runs as: "
                      "make it readable by a group of that user" for path in self._etcd_files
                      if not job_user.readable_by(path, user)]

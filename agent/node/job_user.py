@@ -88,9 +88,19 @@ def _lookup(who: str | int) -> JobUser:
     return JobUser(name=entry.pw_name, uid=entry.pw_uid, gid=entry.pw_gid, groups=groups, home=entry.pw_dir)
 
 
+def _allows(st: os.stat_result, user: JobUser, owner_bits: int) -> bool:
+    """Whether mode bits ``owner_bits`` (given in the owner's class, e.g. ``S_IRUSR``) are set in the class the
+    kernel applies to ``user`` for a file with status ``st`` (owner, group, others; root passes; ACLs aside)."""
+    if user.uid == 0:
+        return True
+    shift = 0 if st.st_uid == user.uid else 3 if st.st_gid in user.groups else 6
+    bits = owner_bits >> shift
+    return st.st_mode & bits == bits
+
+
 def writable_by(path: str | os.PathLike, user: JobUser) -> bool:
-    """Whether ``user`` may create files in directory ``path`` (its mode bits, as the kernel would judge them;
-    ACLs aside). A path that does not exist yet counts as its nearest existing parent."""
+    """Whether ``user`` may create files in directory ``path``. A path that does not exist yet counts as its
+    nearest existing parent."""
     path = Path(path)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -98,27 +108,15 @@ def writable_by(path: str | os.PathLike, user: JobUser) -> bool:
         st = path.stat()
     except OSError:
         return False
-    if user.uid == 0:
-        return True
-    if st.st_uid == user.uid:
-        bits = stat.S_IWUSR | stat.S_IXUSR
-    elif st.st_gid in user.groups:
-        bits = stat.S_IWGRP | stat.S_IXGRP
-    else:
-        bits = stat.S_IWOTH | stat.S_IXOTH
-    return stat.S_ISDIR(st.st_mode) and st.st_mode & bits == bits
+    return stat.S_ISDIR(st.st_mode) and _allows(st, user, stat.S_IWUSR | stat.S_IXUSR)
 
 
 def readable_by(path: str | os.PathLike, user: JobUser) -> bool:
-    """Whether ``user`` may read file ``path`` (mode bits; the directories above it are not looked at)."""
+    """Whether ``user`` may read file ``path`` (the directories above it are not looked at)."""
     try:
-        st = os.stat(path)
+        return _allows(os.stat(path), user, stat.S_IRUSR)
     except OSError:
         return False
-    if user.uid == 0:
-        return True
-    bit = stat.S_IRUSR if st.st_uid == user.uid else stat.S_IRGRP if st.st_gid in user.groups else stat.S_IROTH
-    return bool(st.st_mode & bit)
 
 
 def hand_over(path: str | os.PathLike, user: JobUser) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from procs import wait_for
-from trainwarden.agent.etcd.embedded import free_port
+from tls_etcd import spawn_tls_etcd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,15 +33,8 @@ def roles_etcd(tmp_path, procs):
                            "localhost"], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert oct((certs / "trainwarden-agent-key.pem").stat().st_mode & 0o777) == "0o600"
-    port, peer = free_port(), free_port()
-    url = f"https://127.0.0.1:{port}"
-    procs.spawn([str(BIN / "etcd"), "--name", "roles", "--data-dir", str(tmp_path / "etcd-data"),
-                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"roles=http://127.0.0.1:{peer}",
-                 "--cert-file", str(certs / "server.pem"), "--key-file", str(certs / "server-key.pem"),
-                 "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth"], log=tmp_path / "etcd.log")
+    url = spawn_tls_etcd(procs, tmp_path, name="roles", cert=certs / "server.pem", key=certs / "server-key.pem",
+                         ca=certs / "ca.pem")
     wait_for(lambda: _etcdctl(url, certs, "root", "endpoint", "health").returncode == 0, 30, what="the TLS etcd")
     roles = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "roles.sh"), url, str(certs)], capture_output=True,
                            text=True, timeout=120, env={**os.environ, "ETCDCTL": str(BIN / "etcdctl")})

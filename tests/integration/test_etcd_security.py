@@ -19,7 +19,7 @@ import pytest
 
 from procs import wait_for
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, EtcdUnavailable
-from trainwarden.agent.etcd.embedded import free_port
+from tls_etcd import spawn_tls_etcd
 from trainwarden.agent.etcd.job_records import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -52,16 +52,8 @@ def secure_etcd(tmp_path, procs):
     tls = tmp_path / "tls"
     tls.mkdir()
     _certificates(tls)
-    port, peer = free_port(), free_port()
-    url = f"https://127.0.0.1:{port}"
-    procs.spawn([str(BIN / "etcd"), "--name", "secure", "--data-dir", str(tmp_path / "etcd-data"),
-                 "--listen-client-urls", url, "--advertise-client-urls", url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"secure=http://127.0.0.1:{peer}",
-                 "--cert-file", str(tls / "server.pem"), "--key-file", str(tls / "server.key"),
-                 "--trusted-ca-file", str(tls / "ca.pem"), "--client-cert-auth"],
-                log=tmp_path / "etcd.log")
+    url = spawn_tls_etcd(procs, tmp_path, name="secure", cert=tls / "server.pem", key=tls / "server.key",
+                         ca=tls / "ca.pem")
     ctl = [str(BIN / "etcdctl"), "--endpoints", url, "--cacert", str(tls / "ca.pem"), "--cert",
            str(tls / "client.pem"), "--key", str(tls / "client.key"), "--dial-timeout", "2s"]
 
