@@ -18,6 +18,8 @@ from typing import Callable
 from trainwarden.agent.cli.args import EtcdCommandError, add_etcd_security, connect_etcd, job_name, node_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_lifecycle import JobPhase
+from trainwarden.agent.launch.goodput import Goodput
+from trainwarden.agent.launch.goodput_store import job_goodput
 
 __all__ = ["add_parsers"]
 
@@ -106,25 +108,38 @@ def _submit(args, control) -> int:
     return exit_codes.EXIT_OK
 
 
+def _goodput(control, job: str) -> Goodput | None:
+    try:
+        state = job_goodput(control.client, job)
+        return Goodput.from_json(state) if state is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _jobs(args, control) -> int:
     views = control.jobs()
+    goodput = {v.name: _goodput(control, v.name) for v in views}
     if args.json:
         print(json.dumps([{"job": v.name, "phase": v.phase, "generation": v.generation, "managed": v.managed,
                            "nodes": v.nodes, "checkpoint": v.checkpoint, "reason": v.state.get("reason", ""),
-                           "stop_requested": v.stop_requested} for v in views], indent=1, sort_keys=True))
+                           "stop_requested": v.stop_requested,
+                           "goodput": goodput[v.name].to_json() if goodput[v.name] else None} for v in views],
+                         indent=1, sort_keys=True))
         return exit_codes.EXIT_OK
     if not views:
         print("no jobs in etcd")
         return exit_codes.EXIT_OK
-    print(f"{'JOB':24} {'PHASE':11} {'GEN':>3} {'NODES (ranks)':28} {'CHECKPOINT':>10}  SINCE / REASON")
+    print(f"{'JOB':24} {'PHASE':11} {'GEN':>3} {'NODES (ranks)':28} {'CHECKPOINT':>10} {'GOODPUT':>7}  SINCE / REASON")
     now = time.time()
     for v in views:
         nodes = ", ".join(f"{n} ({rec.get('nproc_per_node', '?')})" for n, rec in sorted(v.nodes.items())) or "-"
         ckpt = str((v.checkpoint or {}).get("step", "-"))
         since = _ago(now - float(v.state.get("last_change") or now))
         phase = v.phase + ("*" if v.stop_requested and v.phase not in _TERMINAL else "")
-        print(f"{v.name:24} {phase:11} {v.generation:>3} {nodes[:28]:28} {ckpt:>10}  {since} "
-              f"{v.state.get('reason', '')}"[:160])
+        g = goodput[v.name]
+        share = f"{100 * g.ratio:.1f}%" if g is not None and g.ratio is not None else "-"
+        print(f"{v.name:24} {phase:11} {v.generation:>3} {nodes[:28]:28} {ckpt:>10} {share:>7}  {since} "
+              f"{v.state.get('reason', '')}"[:170])
     if any(v.stop_requested and v.phase not in _TERMINAL for v in views):
         print("* stop requested")
     return exit_codes.EXIT_OK
@@ -207,9 +222,10 @@ def _cluster_status(args, control) -> int:
                           "last_step": max((int(r.get("last_step", -1)) for r in ranks.values()), default=-1),
                           "connected": sum(bool(r.get("connected")) for r in ranks.values()),
                           "member": bool(member)})
+        g = _goodput(control, v.name)
         report.append({"job": v.name, "phase": v.phase, "generation": v.generation,
                        "checkpoint": (v.checkpoint or {}).get("step"), "reason": v.state.get("reason", ""),
-                       "nodes": nodes})
+                       "nodes": nodes, "goodput": g.to_json() if g is not None else None})
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
         return exit_codes.EXIT_OK
@@ -218,6 +234,8 @@ def _cluster_status(args, control) -> int:
     for job in report:
         print(f"job {job['job']}  {job['phase']}  generation {job['generation']}  checkpoint "
               f"{job['checkpoint'] if job['checkpoint'] is not None else 'none'}  {job['reason']}"[:200])
+        if job["goodput"] is not None:
+            print(f"  goodput {Goodput.from_json(job['goodput']).describe()}")
         print(f"  {'NODE':20} {'ADDRESS':16} {'PHASE':11} {'RANKS':12} {'STEP':>7} {'CONNECTED':>9}")
         for n in job["nodes"]:
             ranks = ",".join(map(str, n["ranks"])) or (f"{n['nproc_per_node']} local" if n["nproc_per_node"] else "-")

@@ -26,6 +26,7 @@ from typing import Callable, TextIO
 
 from trainwarden.agent.cli.args import add_etcd_security, job_name, positive_float, positive_int
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.endpoints import (DEFAULT_METRICS_URL, AgentUnavailable, fetch_status, resolve_metrics_url,
                                              resolve_socket)
 from trainwarden.agent.proto import telemetry_pb2 as pb
@@ -263,7 +264,24 @@ def _cmd_status(args) -> int:
         from trainwarden.agent.cli.jobs import cluster_status
 
         return cluster_status(args)
-    return status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
+    rc = status_command(sys.stdout, sys.stderr, _socket(args), job=args.job, as_json=args.json)
+    if args.job and not args.json:
+        line = goodput_line(job_state_dir(args.job, args.state_home) / "history" / "goodput.json")
+        if line:
+            print(line)
+    return rc
+
+
+def goodput_line(path: Path) -> str | None:
+    """``goodput 91.2% of 65.3s (...)`` from the ledger a run of the job keeps in its state directory."""
+    from trainwarden.agent.launch.goodput import Goodput
+
+    try:
+        return "goodput " + Goodput.from_json(json.loads(path.read_text())).describe()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"goodput unknown: {path} cannot be read ({exc})"
 
 
 def _cmd_top(args) -> int:

@@ -38,8 +38,14 @@ class IncidentStore:
         self._collector = collector
         self._lock = threading.Lock()
         self._seen: set[str] = set()
+        self._listeners: list[Callable[[Incident], None]] = []
         self.write_errors = 0
         """Incident versions that could not be written to the state directory (logged instead)."""
+
+    def add_listener(self, listener: Callable[[Incident], None]) -> None:
+        """Also hand every version recorded from now on to ``listener`` (after it is stored; its errors are
+        logged, never raised to the recorder)."""
+        self._listeners.append(listener)
 
     def record(self, incident: Incident) -> Incident:
         """Store this version of `incident`; the first version of an id is counted and logged."""
@@ -69,6 +75,11 @@ class IncidentStore:
                 self._etcd.put(key, data)
             except Exception as exc:  # the file is the record; etcd is a mirror
                 log.warning("cannot mirror incident %s to etcd (%s); it is kept in %s", incident.id, exc, directory)
+        for listener in self._listeners:
+            try:
+                listener(incident)
+            except Exception:
+                log.exception("incident listener %s failed on %s", listener, incident.id)
         return incident
 
 

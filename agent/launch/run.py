@@ -33,6 +33,7 @@ from typing import TextIO
 import psutil
 
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.job_history import JobHistory
 from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.signals import StopOnSignals
@@ -53,6 +54,7 @@ from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.goodput import GoodputLedger
+from trainwarden.agent.launch.goodput_store import GoodputPublisher, load_goodput
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
@@ -153,9 +155,11 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         try:
             job.preflight()
             job.check_leftovers(cleanup)
+            job.start_history(cleanup)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
             job.claim(signals, cleanup)
+            job.continue_goodput(cleanup)
             job.launch(cleanup)
             rc = job.supervise(signals)
             while rc is _FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
@@ -223,6 +227,7 @@ class _JobRun(Regrouping, LinkChecks):
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
+        self.history = JobHistory(self.state_dir / "history", goodput=self.goodput.state)
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
@@ -264,6 +269,13 @@ class _JobRun(Regrouping, LinkChecks):
         cleanup.callback(self.run_record.remove)
         for scratch in (torchelastic_log_dir(self.state_dir), self.embedded_etcd_dir):  # a killed run's, if any
             shutil.rmtree(scratch, ignore_errors=True)
+
+    def start_history(self, cleanup: ExitStack) -> None:
+        """What `trainwarden report` reads afterwards (agent/common/job_history.py)."""
+        if self.history.start():
+            cleanup.callback(self.history.close)
+        self.history.event("launched", node=self.node, pid=os.getpid(), nnodes=self.opts.nnodes,
+                           nproc_per_node=self.opts.nproc_per_node)
 
     @property
     def embedded_etcd_dir(self) -> Path:
@@ -350,6 +362,7 @@ class _JobRun(Regrouping, LinkChecks):
             ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
+        agent.incidents.add_listener(self._on_incident)
 
     def _hang_coordinator(self) -> HangCoordinator | None:
         """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
@@ -437,6 +450,20 @@ class _JobRun(Regrouping, LinkChecks):
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             raise _Abandon(_exit_code(signals.received))
         self.transition(JobPhase.STARTING)
+
+    def continue_goodput(self, cleanup: ExitStack) -> None:
+        """Carry on the job's ledger from its last launcher, here or on another node (agent/launch/goodput_store.py),
+        and publish this one's from now on."""
+        state = load_goodput(self.client, self.opts.job, self.history.directory / "goodput.json")
+        if state is not None:
+            try:
+                self.goodput.resume(state, now=time.time())
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.warning("job %s: not continuing its goodput ledger from %s (%s); counting from this launch",
+                               self.opts.job, state.get("node") or "the state directory", exc)
+        publisher = GoodputPublisher(self.writer, self.opts.job, self.node, self.goodput.state)
+        publisher.start()
+        cleanup.callback(publisher.stop)
 
     def launch(self, cleanup: ExitStack) -> None:
         """torchrun in a session of its own, its output pumped to the terminal and the run log."""
@@ -619,6 +646,8 @@ class _JobRun(Regrouping, LinkChecks):
             if self.record.phase.terminal or self.record.phase == to:
                 return
             self.record.transition(to, reason, failure=failure)
+            if to.terminal:
+                self.history.event("ended", phase=to.value, reason=reason[:300])
             self.records.put_state(self.opts.job, self.record.to_json())  # queued, in order: never waits
             if self.membership is not None:
                 self.membership.update(phase=to.value, restarts=self.record.restarts)
@@ -635,6 +664,7 @@ class _JobRun(Regrouping, LinkChecks):
                                  daemon=True).start()
             self.progress.round_started(at)
             self.goodput.round_started(at)
+            self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
@@ -644,6 +674,9 @@ class _JobRun(Regrouping, LinkChecks):
             self.progress.round_failed(at)
             self.goodput.failed(at)
             failures = event.get("failures") or []
+            self.history.event("round_failed", at, failures=[
+                {"rank": f.get("global_rank"), "exitcode": f.get("exitcode"), "message": str(f.get("message") or "")[:300]}
+                for f in failures])
             if self._check_resume_blocked(failures):
                 return
             self._check_deterministic(failures)
@@ -664,6 +697,7 @@ class _JobRun(Regrouping, LinkChecks):
             print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
                   "left)", file=self.out, flush=True)
             self.transition(JobPhase.RESTARTING, why, failure=after_failure)
+            self.history.event("restarting", at, reason=event.get("reason") or "")
 
     def _check_resume_blocked(self, failures: list[dict]) -> bool:
         """Workers that exit with EXIT_RESUME_BLOCKED found checkpoints they may not start without: not a crash
@@ -714,11 +748,20 @@ class _JobRun(Regrouping, LinkChecks):
         if index >= self._round_step:
             self._round_step, self._round_step_end = index, start_unix + duration_s
         self.goodput.step(index, start_unix + duration_s, duration_s)
+        self.history.step(rank, index, start_unix + duration_s, duration_s)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
 
+    def _on_incident(self, incident: Incident) -> None:
+        if incident.job == self.opts.job:  # a hang, a straggler or a communication regression: badput's causes
+            self.goodput.incident(incident.kind.value, incident.state.value, incident.id)
+
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
-                      detail: str = "") -> None:
+                      detail: str = "", seconds: float = 0.0) -> None:
+        if job == self.opts.job and stage == "staged":
+            self.goodput.checkpoint_stall(step, seconds)
+        elif job == self.opts.job and stage == "restored":
+            self.goodput.restored(seconds)
         if job == self.opts.job and stage == "committed":
             self._committed_step = max(self._committed_step, step)
         elif job == self.opts.job and stage == "failed":

@@ -44,7 +44,7 @@ class CheckpointIncidents:
         pass
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
-                      detail: str = "") -> None:
+                      detail: str = "", seconds: float = 0.0) -> None:
         if stage == "restored":
             self._close(job, IncidentState.RESOLVED, f"the job resumed from step {step}" if step > 0 else
                         "the job started from step 1, on purpose (a fresh start was allowed)")

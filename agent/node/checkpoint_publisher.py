@@ -26,7 +26,7 @@ class CheckpointPublisher:
         pass
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
-                      detail: str = "") -> None:
+                      detail: str = "", seconds: float = 0.0) -> None:
         if stage != "committed" or not path:
             return
         self._records.put_checkpoint(job, {"step": step, "path": path, "time": self._wall(), "bytes": nbytes})

@@ -280,7 +280,7 @@ class TelemetryListener(Protocol):
         ...
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
-                      detail: str) -> None:
+                      detail: str, seconds: float = 0.0) -> None:
         ...
 
 
@@ -537,7 +537,7 @@ class JobTelemetry:
             elif stage == "failed":
                 owner.checkpoint_failures += 1
         for listener in self._listeners:
-            _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_), detail)
+            _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_), detail, float(seconds))
 
     def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
         """The worker's cumulative count of dropped records (per process)."""

@@ -175,6 +175,7 @@ def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daem
     assert daemons.launchers("n0") == {}
     assert "fan replacement" in _cli("nodes", etcd=etcd).stdout
     assert _cli("uncordon", "n0", etcd=etcd).returncode == 0
+    uncordoned = time.time()
     wait_for(lambda: max(_steps(daemons.job_log("n0", "long")) or [0]) >= 12, 180, what="the job to train")
 
     again = _cli("submit", str(spec), etcd=etcd)
@@ -208,6 +209,11 @@ def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daem
     job = _jobs(etcd)["long"]
     assert job["reason"].startswith("drained after the checkpoint of step"), job
     assert str(job["checkpoint"]["step"]) in job["reason"]
+    # one goodput ledger across the job's three launchers (a stop, a resume, a killed launcher): its wall time
+    # reaches back to the first launch, and the time no launcher ran the job is badput "stopped"
+    goodput = job["goodput"]
+    assert goodput is not None and goodput["productive_s"] > 0 and goodput["badput_s"]["stopped"] > 0, goodput
+    assert time.time() - uncordoned - 30 < goodput["wall_s"] < time.time() - uncordoned, goodput
     incidents = list((daemons.home("n0") / "jobs" / "long" / "incidents").glob("*.json"))
     cordoned = [json.loads(p.read_text()) for p in incidents if json.loads(p.read_text())["kind"] == "cordoned"]
     assert cordoned and cordoned[0]["evidence"]["reason"] == "kernel upgrade" and cordoned[0]["evidence"]["drain"]

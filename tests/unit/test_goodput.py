@@ -3,6 +3,8 @@ time lands in one place, a recomputed step counts once, and the counters only gr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -99,3 +101,116 @@ def test_the_metrics_name_every_cause_and_the_counters_never_go_down():
     for cause in CAUSES:
         assert f'trainwarden_badput_seconds_total{{cause="{cause}",job="gpt",node="n0"}}' in text
     assert 'trainwarden_goodput_ratio{job="gpt",node="n0"}' in text
+
+
+def test_a_hang_the_watchdog_found_is_hang_not_detection_and_restore_is_taken_out_of_restart():
+    ledger = GoodputLedger("j", launched_at=0.0)
+    ledger.round_started()
+    ledger.restored(1.5)  # a fresh start that still read a checkpoint: out of startup
+    end = _steps(ledger, 1, 10, t0=4.0, step_s=0.5, ranks=2)
+    ledger.hang_detected()
+    ledger.failed(end + 20.0)
+    ledger.round_started(end + 21.0)
+    ledger.restored(2.0)
+    ledger.restored(3.0)  # the slowest rank's restore counts
+    _steps(ledger, 11, 14, t0=end + 26.0, step_s=0.5, ranks=2)
+    g = ledger.snapshot()
+    assert g.badput_s["hang"] == pytest.approx(20.0) and g.badput_s["detection"] == 0.0
+    assert g.badput_s["restore"] == pytest.approx(4.5)
+    assert g.badput_s["startup"] == pytest.approx(2.5) and g.badput_s["restart"] == pytest.approx(3.0)
+    _sums_to_wall(g)
+
+
+def test_a_checkpoint_stall_is_taken_out_of_the_gap_after_its_step_never_more_than_the_gap():
+    ledger = GoodputLedger("j", launched_at=0.0)
+    ledger.round_started()
+    ledger.step(1, 2.0, 1.0)
+    ledger.checkpoint_stall(1, 0.2)
+    ledger.checkpoint_stall(1, 0.3)  # the slowest rank
+    ledger.checkpoint_stall(1, 0.1)
+    ledger.step(2, 3.5, 1.0)  # gap 0.5: 0.3 stall, 0.2 between steps
+    ledger.checkpoint_stall(2, 5.0)
+    ledger.step(3, 4.6, 1.0)  # gap 0.1: all of it stall, the rest of the report is not invented
+    g = ledger.snapshot()
+    assert g.badput_s["checkpoint_stall"] == pytest.approx(0.4)
+    assert g.badput_s["between_steps"] == pytest.approx(0.2)
+    _sums_to_wall(g)
+
+
+@pytest.mark.parametrize("cause", ["straggler", "comm_regression"])
+@pytest.mark.parametrize("step_s", [0.05, 2.0])
+def test_while_a_slow_cause_is_open_the_excess_over_the_jobs_median_step_is_charged_to_it(cause, step_s):
+    ledger = GoodputLedger("j", launched_at=0.0)
+    ledger.round_started()
+    end = _steps(ledger, 1, 20, t0=1.0, step_s=step_s)
+    ledger.slow(cause, True)
+    end = _steps(ledger, 21, 30, t0=end, step_s=step_s * 3)  # three times slower for ten steps
+    ledger.slow(cause, False)
+    _steps(ledger, 31, 40, t0=end, step_s=step_s)
+    g = ledger.snapshot()
+    assert g.badput_s[cause] == pytest.approx(10 * 2 * step_s)
+    assert g.productive_s == pytest.approx(40 * step_s)
+    _sums_to_wall(g)
+    with pytest.raises(ValueError):
+        ledger.slow("hang", True)
+
+
+def test_a_resumed_ledger_counts_the_time_away_as_stopped_and_redoes_steps_the_last_launcher_ran():
+    first = GoodputLedger("j", launched_at=0.0, node="a")
+    first.round_started()
+    _steps(first, 1, 20, t0=5.0, step_s=1.0)  # the last step ends at 25; the job stops there
+    state = json.loads(json.dumps(first.state()))  # as it travels through etcd
+    second = GoodputLedger("j", launched_at=100.0, node="b")
+    second.resume(state, now=100.0)
+    second.round_started(100.0)
+    _steps(second, 16, 30, t0=104.0, step_s=1.0)  # resumed from the checkpoint of step 15
+    g = second.snapshot()
+    assert g.badput_s["stopped"] == pytest.approx(75.0)
+    assert g.badput_s["startup"] == pytest.approx(5.0 + 4.0)  # both launches'
+    assert g.badput_s["lost_progress"] == pytest.approx(5.0) and g.productive_s == pytest.approx(30.0)
+    assert g.wall_s == pytest.approx(119.0)
+    _sums_to_wall(g)
+
+
+def test_a_resume_further_back_than_the_carried_steps_estimates_them_with_their_mean():
+    first = GoodputLedger("j", launched_at=0.0)
+    first.round_started()
+    _steps(first, 1, 600, t0=0.0, step_s=0.1)
+    state = first.state()
+    assert len(state["recent"]) == 512
+    second = GoodputLedger("j", launched_at=70.0)
+    second.resume(state, now=70.0)
+    second.round_started(70.0)
+    _steps(second, 1, 600, t0=71.0, step_s=0.1)  # no checkpoint at all: everything redone
+    g = second.snapshot()
+    assert g.badput_s["lost_progress"] == pytest.approx(60.0) and g.productive_s == pytest.approx(60.0)
+    _sums_to_wall(g)
+
+
+@pytest.mark.parametrize("broken", [{}, {"launched": 5.0, "as_of": 1.0, "productive_s": 0, "badput_s": {}},
+                                    {"launched": "x", "as_of": 1.0, "productive_s": 0, "badput_s": {}}])
+def test_a_malformed_persisted_state_is_refused_and_changes_nothing(broken):
+    ledger = GoodputLedger("j", launched_at=10.0)
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        ledger.resume(broken, now=10.0)
+    assert ledger.snapshot().wall_s == 0.0 and ledger.state()["launched"] == 10.0
+
+
+def test_incidents_drive_the_hang_and_slow_causes_until_each_open_one_is_resolved():
+    ledger = GoodputLedger("j", launched_at=0.0)
+    ledger.round_started()
+    end = _steps(ledger, 1, 10, t0=1.0, step_s=1.0)
+    ledger.incident("straggler_start", "open", "s1")
+    ledger.incident("straggler_start", "open", "s2")  # two ranks
+    end = _steps(ledger, 11, 12, t0=end, step_s=2.0)
+    ledger.incident("straggler_start", "resolved", "s1")
+    end = _steps(ledger, 13, 13, t0=end, step_s=2.0)  # s2 still open
+    ledger.incident("straggler_start", "resolved", "s2")
+    ledger.incident("straggler_end", "resolved", "s3")  # the end's own record changes nothing
+    end = _steps(ledger, 14, 14, t0=end, step_s=2.0)  # closed: the whole step is the job's
+    ledger.incident("hang", "open", "h1")
+    ledger.failed(end + 9.0)
+    g = ledger.snapshot()
+    assert g.badput_s["straggler"] == pytest.approx(3.0) and g.badput_s["hang"] == pytest.approx(9.0)
+    assert g.productive_s == pytest.approx(15.0)
+    _sums_to_wall(g)
