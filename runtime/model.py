@@ -66,6 +66,12 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    @property
+    def matmul_params(self) -> int:
+        """Parameters in the model's matrix multiplies (attention, MLP, output; not the embedding tables or
+        norms): the N of the 6·N FLOPs per token an MFU counts (`trainwarden run --model-params N`)."""
+        return self.layers * (4 + 2 * self.mlp_ratio) * self.dim * self.dim + self.dim * self.vocab
+
 
 class Attention(nn.Module):
     """Causal multi-head self-attention; heads are inferred from the (possibly sharded) projection width."""

@@ -82,6 +82,14 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens-per-step", type=_tokens, default=0, metavar="N",
                    help="tokens one step processes on one rank: an auto-instrumented script's tokens/s (default: "
                         "steps/s only)")
+    cost = p.add_mutually_exclusive_group()
+    cost.add_argument("--flops-per-step", type=float, default=0.0, metavar="F",
+                      help="the model's FLOPs per training step, all ranks together (forward and backward): exports "
+                           "trainwarden_mfu_ratio and prints the MFU in the summary")
+    cost.add_argument("--model-params", type=float, default=0.0, metavar="N",
+                      help="or the model's parameter count: a step costs 6*N FLOPs per token the ranks report")
+    p.add_argument("--peak-tflops", type=float, default=0.0, metavar="T",
+                   help="one accelerator's peak TFLOPS for the MFU (default: known GPUs by their NVML name; none on CPU)")
     p.add_argument("--managed", action="store_true", help=argparse.SUPPRESS)  # started by the node daemon
     add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
@@ -136,7 +144,8 @@ def _cmd_run(args) -> int:
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy, link_policy=args.link_policy, extra_env=extra_env, managed=args.managed,
                           warm_workers=args.warm_workers, auto_instrument=not args.no_auto_instrument,
-                          tokens_per_step=args.tokens_per_step)
+                          tokens_per_step=args.tokens_per_step, flops_per_step=args.flops_per_step,
+                          model_params=args.model_params, peak_tflops=args.peak_tflops)
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -55,6 +55,7 @@ from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.goodput_store import GoodputPublisher, load_goodput
+from trainwarden.agent.launch.mfu import MfuGauge, detect_peak_tflops
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
@@ -126,11 +127,21 @@ class RunOptions:
     """Instrument the unchanged script's workers (runtime/auto.py); only with the agent."""
     tokens_per_step: int = 0
     """Tokens one step processes on one rank, for an auto-instrumented script's tokens/s (0: steps/s)."""
+    flops_per_step: float = 0.0
+    """The model's FLOPs per training step, all ranks together, for the MFU (agent/launch/mfu.py); 0: unknown."""
+    model_params: float = 0.0
+    """Or the model's parameter count: 6 FLOPs per parameter and token (0: unknown)."""
+    peak_tflops: float = 0.0
+    """One accelerator's peak; 0: from the GPU's NVML name."""
 
     def __post_init__(self) -> None:
         validate_launch(self)
         if self.node is not None:
             validate_node_name(self.node)
+        if self.flops_per_step and self.model_params:
+            raise ValueError("--flops-per-step and --model-params both say what a step costs; give one")
+        if min(self.flops_per_step, self.model_params, self.peak_tflops) < 0:
+            raise ValueError("--flops-per-step, --model-params and --peak-tflops must be positive")
         if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
             raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
                              "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")
@@ -233,6 +244,8 @@ class _JobRun(Regrouping, LinkChecks):
         self.client = None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
+        self.mfu: MfuGauge | None = None
+        self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
@@ -343,6 +356,9 @@ class _JobRun(Regrouping, LinkChecks):
         cleanup.callback(agent.stop)
         self.agent = agent
         agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
+        self.mfu = self._mfu_gauge(agent)
+        if self.mfu is not None:
+            agent.registry.register(self.mfu)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
             self._ask_for_link_checks(agent)  # a communication regression asks for a link check
@@ -363,6 +379,24 @@ class _JobRun(Regrouping, LinkChecks):
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
         agent.incidents.add_listener(self._on_incident)
+
+    def _mfu_gauge(self, agent: NodeAgent) -> MfuGauge | None:
+        """``trainwarden_mfu_ratio`` when the user said what a step costs and the peak is known."""
+        opts = self.opts
+        if not (opts.flops_per_step or opts.model_params):
+            return None
+        peak, where = opts.peak_tflops, "--peak-tflops"
+        if not peak:
+            found = detect_peak_tflops()
+            if found is None:
+                print("trainwarden: no MFU: the accelerator's peak is unknown (no GPU with a known name); pass "
+                      "--peak-tflops", file=self.out, flush=True)
+                return None
+            peak, where = found
+        self._mfu_basis = (f"{'--flops-per-step' if opts.flops_per_step else '6 x --model-params x tokens'}, "
+                           f"{peak:g} TFLOPS per accelerator ({where})")
+        return MfuGauge(opts.job, self.node, agent.job_telemetry.snapshot, peak_tflops=peak,
+                        flops_per_step=opts.flops_per_step, model_params=opts.model_params)
 
     def _hang_coordinator(self) -> HangCoordinator | None:
         """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
@@ -599,7 +633,16 @@ class _JobRun(Regrouping, LinkChecks):
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
                       log_path=self.logs / "run.log", steps_from=self._steps_from(),
-                      goodput=self.goodput.snapshot())
+                      goodput=self.goodput.snapshot(), mfu=self._mfu_line())
+
+    def _mfu_line(self) -> str | None:
+        if self.mfu is None:
+            return None
+        try:
+            ratio = self.mfu.ratio()
+        except Exception:
+            ratio = None
+        return f"{100 * ratio:.1f}% ({self._mfu_basis})" if ratio is not None else None
 
     def _steps_from(self) -> str | None:
         if self.agent is None:

@@ -37,7 +37,7 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
 
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,
                   ckpt_dir: Path, log_path: Path, steps_from: str | None = None,
-                  goodput: Goodput | None = None) -> None:
+                  goodput: Goodput | None = None, mfu: str | None = None) -> None:
     """The end-of-run summary of the job ``record`` names; ``steps_from`` is `step_source`'s answer."""
     lines = [f"trainwarden: job {record.job} {record.phase.value} after {elapsed:.1f}s"]
     blocked = record.reason.startswith("resume blocked")
@@ -72,6 +72,8 @@ def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: 
         lines.append("  restarts     0")
     if goodput is not None and goodput.ratio is not None and not blocked:
         lines.append(f"  goodput      {goodput.describe()}")
+    if mfu:
+        lines.append(f"  mfu          {mfu}")
     lines.append(f"  checkpoints  {ckpt_dir} ({_latest_checkpoint(ckpt_dir, record.job)})")
     incidents = _incident_summary(state_dir)
     if incidents:

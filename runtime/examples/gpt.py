@@ -240,6 +240,9 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     timings.mark("restored")
 
     tokens_per_step = cfg.batch * cfg.model.seq
+    if dist.get_rank() == 0:
+        log.info("model: %d parameters in its matmuls, %d tokens per step (for the MFU: trainwarden run "
+                 "--model-params %d)", cfg.model.matmul_params, tokens_per_step, cfg.model.matmul_params)
     loss_value = math.nan
     last_seconds: float | None = None
     # this rank's share of the tokens: the job's throughput is the sum over ranks

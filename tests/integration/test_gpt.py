@@ -110,7 +110,8 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     log = tmp_path / "run.log"
     proc = module_procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8", "--max-restarts", "1",
-         "--monitor-interval", "0.5", "--job", "crash", *(["--cold-workers"] if start == "cold" else []), "--",
+         "--monitor-interval", "0.5", "--job", "crash", *(["--cold-workers"] if start == "cold" else []),
+         "--model-params", "1e6", "--peak-tflops", "0.001", "--",
          "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
         log=log, env=env,
     )
@@ -142,6 +143,13 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
             re.finditer(r"\[rank \d+\] [\w.]+: step (\d+) loss \S+ time ([\d.]+)s", text)}
     productive = float(goodput.group(1)) / 100 * float(goodput.group(2))
     assert abs(sum(kept.values()) - productive) <= 0.15 * productive + 0.5, (sum(kept.values()), productive)
+    # MFU: 6 x 1e6 FLOPs per token at the job's tokens/s, over 8 accelerators of 1 GFLOPS; the workers' own
+    # tokens/s (rank 0 prints the job's, from the step time alone) bounds it from above
+    mfu = re.search(r"mfu          ([\d.]+)% \(6 x --model-params x tokens, 0.001 TFLOPS per accelerator", text)
+    assert mfu, text[-1500:]
+    printed = sorted(float(t) for t in re.findall(r": step \d+ loss \S+ time \S+ tok/s (\d+)", text))
+    expected = 100 * 6e6 * printed[len(printed) // 2] / (1e9 * 8)
+    assert 0.3 * expected < float(mfu.group(1)) < 1.2 * expected, (mfu.group(1), expected)
     # torchrun reports the failed workers it noticed (peers rank 5 took down exit 1); the incident names the
     # one killed by a signal, whose stream broke without a goodbye, and calls the others collateral
     import json
