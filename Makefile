@@ -29,14 +29,16 @@ venv: $(BIN)/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-# Prometheus, Alertmanager and promtool for the integration tests (Debian packages).
+# Prometheus, Alertmanager and promtool for the integration tests, and Chromium that opens `trainwarden report`'s
+# page (Debian packages).
 system-packages:
-	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
+	    || ! command -v chromium >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	      prometheus prometheus-alertmanager >/dev/null; \
+	      prometheus prometheus-alertmanager chromium >/dev/null; \
 	  else \
-	    echo "make test: prometheus/promtool missing and not root; their tests will be skipped" >&2; \
+	    echo "make test: prometheus/promtool/chromium missing and not root; their tests will be skipped" >&2; \
 	  fi; \
 	fi
 

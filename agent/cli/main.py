@@ -11,12 +11,12 @@ import os
 import sys
 
 from trainwarden.agent import __version__
-from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, linkcheck, run, status
+from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, linkcheck, report, run, status
 from trainwarden.agent.common import exit_codes
 
 __all__ = ["build_parser", "main", "whole_lines"]
 
-COMMANDS = (run, status, incidents, checkpoints, agent, env, linkcheck)
+COMMANDS = (run, status, incidents, checkpoints, report, agent, env, linkcheck)
 """Modules with an ``add_parser(subparsers)``, in the order ``--help`` lists them."""
 
 

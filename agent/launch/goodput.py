@@ -39,11 +39,14 @@ from typing import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["CAUSES", "SLOW_CAUSES", "Goodput", "GoodputLedger"]
+__all__ = ["CAUSES", "CAUSE_LABELS", "SLOW_CAUSES", "Goodput", "GoodputLedger"]
 
 CAUSES = ("startup", "restore", "detection", "hang", "restart", "lost_progress", "rendezvous", "checkpoint_stall",
           "between_steps", "straggler", "comm_regression", "stopped")
 SLOW_CAUSES = ("straggler", "comm_regression")
+CAUSE_LABELS = {"lost_progress": "steps redone", "between_steps": "between steps", "checkpoint_stall":
+                "checkpoint stall", "comm_regression": "communication regression"}
+"""How a cause reads to people, where its name is not already the word (the summary, status, the report)."""
 
 _RECENT = 100_000
 """Steps kept (index and duration) to move to ``lost_progress`` when a restart recomputes them."""
@@ -78,9 +81,7 @@ class Goodput:
         """``91.2% of 65.3s (startup 5.1s, restart 3.2s, ...)``: the causes with any time, largest first."""
         if self.ratio is None:
             return "no step yet"
-        words = {"lost_progress": "steps redone", "between_steps": "between steps", "checkpoint_stall":
-                 "checkpoint stall", "comm_regression": "communication regression"}
-        parts = [f"{words.get(cause, cause)} {seconds:.1f}s" for cause, seconds in
+        parts = [f"{CAUSE_LABELS.get(cause, cause)} {seconds:.1f}s" for cause, seconds in
                  sorted(self.badput_s.items(), key=lambda kv: -kv[1]) if seconds >= 0.05]
         return f"{100 * self.ratio:.1f}% of {self.wall_s:.1f}s" + (f" ({', '.join(parts)})" if parts else "")
 

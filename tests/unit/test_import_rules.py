@@ -28,10 +28,10 @@ LAYERS = {
     "linkcheck": 3,
     "watchdog": 4, "metrics": 4,
     "node": 5,
-    "launch": 6,
+    "launch": 6, "report": 6,
     "cli": 7,
 }
-"""Sub-packages of trainwarden.agent, lowest first: CLI -> launch -> node -> watchdog/metrics ->
+"""Sub-packages of trainwarden.agent, lowest first: CLI -> launch, report -> node -> watchdog/metrics ->
 telemetry, incidents, rendezvous, health -> etcd -> common -> proto."""
 
 
