@@ -12,6 +12,8 @@ shares with it.
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
     auto_instrument = true    # optional: instrument the unchanged script (default true)
     tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)
+    model_params = 1.3e9      # optional, for the MFU: 6 FLOPs per parameter and token (or flops_per_step)
+    peak_tflops = 989         # optional: one accelerator's peak (default: known GPUs by their NVML name)
 
     [env]                     # optional: more environment for the workers
     OMP_NUM_THREADS = "4"
@@ -124,6 +126,12 @@ class JobSpec:
     ``trainwarden run --cold-workers``."""
     auto_instrument: bool = True
     tokens_per_step: int = 0
+    flops_per_step: float = 0.0
+    """The model's FLOPs per training step, all ranks together, for the MFU (``--flops-per-step``)."""
+    model_params: float = 0.0
+    """Or its parameter count (``--model-params``): 6 FLOPs per parameter and token."""
+    peak_tflops: float = 0.0
+    """One accelerator's peak for the MFU (``--peak-tflops``); 0: from the GPU's NVML name."""
     auto_resume: bool = True
     """Whether an alert may resume the job once it failed (the daemon's Alertmanager webhook); false: only an
     operator's `trainwarden resume` does."""
@@ -158,6 +166,10 @@ class JobSpec:
             args.append("--no-auto-instrument")
         if self.tokens_per_step:
             args += ["--tokens-per-step", str(self.tokens_per_step)]
+        for flag, value in (("--flops-per-step", self.flops_per_step), ("--model-params", self.model_params),
+                            ("--peak-tflops", self.peak_tflops)):
+            if value:
+                args += [flag, repr(float(value))]
         env = dict(self.env)
         if self.checkpoint_dir:  # the workers' TRAINWARDEN_CHECKPOINT_DIR (the reference job's --ckpt-dir default)
             env.setdefault(CHECKPOINT_DIR_ENV, self.checkpoint_dir)
@@ -168,12 +180,13 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int)}
+           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
+           "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
 """Fields that may be left out, or given as null: their default applies."""
 _TYPE_NAMES = {str: "a string", list: "a list", int: "a whole number", dict: "a table", (str, int): "a string",
-               bool: "true or false"}
+               bool: "true or false", (int, float): "a number"}
 
 
 def unknown_key_message(key: str, known, source: str) -> str:
@@ -266,6 +279,12 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     tokens = data.get("tokens_per_step", 0)
     if tokens < 0:
         raise fail("tokens_per_step", f"must be 0 or more, got {tokens}")
+    cost = {key: float(data.get(key, 0)) for key in ("flops_per_step", "model_params", "peak_tflops")}
+    for key, value in cost.items():
+        if not value >= 0 or value == float("inf"):
+            raise fail(key, f"must be a finite number of 0 or more, got {data[key]!r}")
+    if cost["flops_per_step"] and cost["model_params"]:
+        raise fail("model_params", "and 'flops_per_step' both say what a step costs; give one")
     checkpoint_dir = data.get("checkpoint_dir")
     if checkpoint_dir is not None and not checkpoint_dir:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
@@ -281,7 +300,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True),
-                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user)
+                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
 
 
 def dumps(spec: JobSpec) -> str:

@@ -20,7 +20,7 @@ GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt
         "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
         "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"},
         "warm_workers": False, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096,
-        "user": "alice"}
+        "user": "alice", "model_params": 1.3e9, "peak_tflops": 989}
 
 
 def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
@@ -38,6 +38,8 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert spec.user == "alice" and "alice" not in args  # the daemon's to apply (agent/node/job_user.py)
     assert parse_job_spec({**GOOD, "user": 1000}, "x").user == 1000
     assert "--no-auto-instrument" in args and args[args.index("--tokens-per-step") + 1] == "4096"
+    assert args[args.index("--model-params") + 1] == "1300000000.0" and args[args.index("--peak-tflops") + 1] == "989.0"
+    assert "--flops-per-step" not in args
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
     assert minimal.auto_resume and minimal.warm_workers  # warm restarts by default (issue 26)
@@ -49,6 +51,9 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"tokens_per_step": -1}, "field 'tokens_per_step' must be 0 or more"),
+    ({"model_params": -1}, "field 'model_params' must be a finite number of 0 or more"),
+    ({"peak_tflops": "989"}, "field 'peak_tflops' must be a number, got str"),
+    ({"flops_per_step": 1e18, "model_params": 1e9}, "'flops_per_step' both say what a step costs"),
     ({"auto_instrument": "yes"}, "field 'auto_instrument' must be true or false"),
     ({"nproc_per_node": "8"}, "field 'nproc_per_node' must be a whole number, got str '8'"),
     ({"nproc_per_node": 0}, "field 'nproc_per_node' must be at least 1"),
