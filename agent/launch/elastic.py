@@ -261,14 +261,16 @@ def _start_zygote(argv: list[str]):
     the thread that started it)."""
     import subprocess
 
-    from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV
+    from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV, ZYGOTE_PID_ENV
 
     marker = "trainwarden.agent.launch.warm"
     path, map_dir = os.environ.get(SOCKET_ENV), os.environ.get(MAP_DIR_ENV)
     if marker not in argv or not path or not map_dir:
         return None
     script = argv[argv.index(marker) + 1:]
-    return subprocess.Popen([sys.executable, "-m", marker, "--serve", path, map_dir, *script])
+    zygote = subprocess.Popen([sys.executable, "-m", marker, "--serve", path, map_dir, *script])
+    os.environ[ZYGOTE_PID_ENV] = str(zygote.pid)  # torch's agent passes it on: clients wait only while it lives
+    return zygote
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Warm workers: restarted workers fork from a process that has torch imported already (``--warm-workers``).
+"""Warm workers: workers fork from a process that has torch imported already (``--warm-workers``, the default).
 
 A restart's cost on this machine is mostly eight new interpreters importing torch at once (BENCHMARKS.md,
 "Restart breakdown": 9.5 s of 12.6 s). With warm workers the launcher (agent/launch/elastic.py) starts one
@@ -20,8 +20,11 @@ generators from the OS as a new interpreter would, and applies ``OMP_NUM_THREADS
 torch's agent knows; the zygote writes ``<map dir>/<worker pid>`` holding the client's pid, so the supervisor
 can tell that a telemetry stream (identified by its kernel-reported pid) is one of its round's workers.
 
-Whatever fails on the way (no zygote yet, a refused connection, a zygote that died) the client falls back to
-``exec`` of a normal interpreter: a cold start, as without this option.
+The first round's workers are started beside the zygote while it imports: their clients wait for its socket
+(``_wait_for_zygote``), so the first round forks too and the node imports torch once instead of once per rank.
+Whatever fails on the way (a zygote that will not fork and says so in ``<socket>.off``, one that died or took longer
+than ``TRAINWARDEN_WARM_WAIT_S``, a refused connection) the client falls back to ``exec`` of a normal interpreter: a
+cold start, as without this option.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ import socket
 import struct
 import sys
 
-__all__ = ["MAP_DIR_ENV", "SOCKET_ENV", "client_main", "warm_parent"]
+__all__ = ["MAP_DIR_ENV", "SOCKET_ENV", "WAIT_ENV", "ZYGOTE_PID_ENV", "client_main", "warm_parent"]
 
 SOCKET_ENV = "TRAINWARDEN_WARM_SOCKET"
 MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
+ZYGOTE_PID_ENV = "TRAINWARDEN_WARM_ZYGOTE_PID"
+"""The zygote's pid (set by the launcher that started it): a client waits for its socket only while it lives."""
+WAIT_ENV = "TRAINWARDEN_WARM_WAIT_S"
 _CLIENT_PID_ENV = "TRAINWARDEN_WARM_CLIENT_PID"
 """The client's pid, in the environment it hands the zygote (auto-instrumentation's mark is the client's)."""
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
@@ -90,11 +96,41 @@ def _recv(sock: socket.socket) -> dict:
 # ---- the client: torch's agent starts one per rank ------------------------------------------------------------
 
 
+def _wait_for_zygote(path: str) -> bool:
+    """Whether the zygote's socket is there, waiting while the zygote still imports (the first round's workers
+    are started beside it): not when it said it will not fork (``<path>.off``), died, or took longer than
+    ``TRAINWARDEN_WARM_WAIT_S`` (default 120 s; 0: never wait, the first round starts cold)."""
+    import time
+
+    try:
+        budget = float(os.environ.get(WAIT_ENV, "120"))
+        zygote = int(os.environ.get(ZYGOTE_PID_ENV, "0"))
+    except ValueError:
+        budget, zygote = 0.0, 0
+    deadline = time.monotonic() + budget
+    while not os.path.exists(path):
+        if os.path.exists(path + ".off") or time.monotonic() >= deadline or not _alive(zygote):
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: its parent, the launcher, reaps it only when it stops)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def client_main(argv: list[str]) -> None:
     """``python -m trainwarden.agent.launch.warm [-m MODULE | SCRIPT] ARGS...``: run it in a warm worker."""
     path = os.environ.get(SOCKET_ENV)
     conn = None
-    if path:
+    if path and _wait_for_zygote(path):
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(path)
@@ -197,8 +233,10 @@ def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
     """Import, then fork a worker per client until the listening socket is closed; in a child, its job."""
     problem = _preload(script)
     if problem is not None:
-        print(f"trainwarden: warm workers are off for this job: {problem}; restarted workers start cold",
+        print(f"trainwarden: warm workers are off for this job: {problem}; its workers start cold",
               file=sys.stderr, flush=True)
+        with open(path + ".off", "w") as f:  # the clients waiting for the socket start cold now
+            f.write(problem + "\n")
         return None
     os.makedirs(map_dir, exist_ok=True)
     return _Zygote(_listen(path), map_dir).run()

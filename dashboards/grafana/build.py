@@ -112,10 +112,17 @@ def job_dashboard() -> dict:
             unit="s", x=12, y=40,
             fieldConfig={"defaults": {"unit": "s", "custom": {"stacking": {"mode": "normal"}, "fillOpacity": 40}},
                          "overrides": []},
-            description="Since the launch, as the job's launchers count it (agent/launch/goodput.py): the steps "
-                        "the job kept, and the rest by cause (startup, fault detection, restart, steps redone after "
-                        "a restore, rendezvous of a regroup, gaps between steps), stacked: the top is the wall "
-                        "time. trainwarden_goodput_ratio is the productive share."),
+            description="Since the job's first launch, as its launchers count it (agent/launch/goodput.py; kept "
+                        "across launchers in etcd): the steps the job kept, and the rest by cause (startup, restore, "
+                        "detection, hang, restart, steps redone, rendezvous, checkpoint stall, between steps, "
+                        "straggler, communication regression, stopped), stacked: the top is the wall time. "
+                        "trainwarden_goodput_ratio is the productive share; docs/OPERATIONS.md says what to do "
+                        "about each cause."),
+        _panel(13, "MFU: model FLOPs utilization", [_target(f"trainwarden_mfu_ratio{{{JOB}}}", "{{node}}")],
+               unit="percentunit", x=0, y=48,
+               description="The model's FLOPs per second over the accelerators' peak, per node (agent/launch/mfu.py): "
+                           "only for a job run with --flops-per-step or --model-params, on GPUs the agent knows by "
+                           "name or with --peak-tflops."),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",

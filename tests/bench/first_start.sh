@@ -1,7 +1,7 @@
 #!/bin/bash
 # Launch to rank 0's first step of the reference job (8 ranks: dp 2 x tp 2 x pp 2) under `trainwarden run`,
-# warm workers (the default: a zygote imports torch beside the first round's workers) against --cold-workers,
-# alternating, RUNS times each. What warm workers cost a first start on a node with fewer cores than ranks.
+# warm workers (the default: the first round's workers wait for the zygote's imports and fork from it) against
+# --cold-workers (every rank imports torch), alternating, RUNS times each.
 #   bash tests/bench/first_start.sh [RUNS]
 set -u
 cd "$(dirname "$0")/../.."

@@ -62,7 +62,8 @@ def test_prometheus_sees_every_rank_of_a_running_job(procs, tmp_path, gpu_node):
     env["TRAINWARDEN_STATE_HOME"] = str(tmp_path / "state")
     run = procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", "8",
-         "--metrics-port", str(metrics_port), "--job", "prom", "--",
+         "--metrics-port", str(metrics_port), "--job", "prom", "--model-params", "1e6", "--peak-tflops", "0.001",
+         "--",
          "-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "300",
          "--ckpt-every", "10"],  # the checkpoint panels need one
         log=tmp_path / "run.log", env=env,

@@ -146,7 +146,40 @@ def test_imports_that_initialise_cuda_turn_warm_workers_off_and_clients_start_co
     assert zygote.wait(60) == 0
     log = (tmp_path / "zygote.log").read_text()
     assert "warm workers are off for this job: the job's imports initialised CUDA" in log, log
-    assert not os.path.exists(sock)
+    assert not os.path.exists(sock) and os.path.exists(sock + ".off")  # first-round clients stop waiting
     client = _client(script, {**env, "TRAINWARDEN_WARM_SOCKET": sock}, str(tmp_path / "cold"), "exit", "6")
     assert client.wait(60) == 6
     assert int(_report(tmp_path / "cold")[0]) == client.pid  # started cold, in place
+
+
+def test_a_first_round_client_waits_for_the_importing_zygote_and_is_forked(procs, tmp_path):
+    """The first round's workers start beside the zygote: their clients wait while it imports torch, so the
+    node imports it once, not once per rank."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    sock, map_dir = str(tmp_path / "z.sock"), str(tmp_path / "map")
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock, map_dir,
+                          str(script)], log=tmp_path / "zygote.log")
+    env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": sock, "TRAINWARDEN_WARM_ZYGOTE_PID": str(zygote.pid),
+           "TRAINWARDEN_WARM_WAIT_S": "600", "OMP_NUM_THREADS": "1"}
+    assert not os.path.exists(sock)  # still importing torch
+    client = _client(script, env, str(tmp_path / "first"), "exit", "3")
+    assert client.wait(90) == 3, client.stderr.read()
+    pid, ppid, *_ = _report(tmp_path / "first")
+    assert int(ppid) == zygote.pid and int(pid) != client.pid  # forked, not started cold
+
+
+def test_a_client_does_not_wait_for_a_zygote_that_died_or_said_it_will_not_fork(procs, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": str(tmp_path / "never.sock"), "OMP_NUM_THREADS": "1",
+           "TRAINWARDEN_WARM_ZYGOTE_PID": str(gone.pid), "TRAINWARDEN_WARM_WAIT_S": "600"}
+    client = _client(script, env, str(tmp_path / "dead"), "exit", "4")  # a 600 s wait would outlast the test
+    assert client.wait(60) == 4 and int(_report(tmp_path / "dead")[0]) == client.pid
+    alive = procs.spawn([sys.executable, "-c", "import time; time.sleep(120)"], log=tmp_path / "sleeper.log")
+    (tmp_path / "off.sock.off").write_text("the job's imports initialised CUDA\n")
+    env.update(TRAINWARDEN_WARM_SOCKET=str(tmp_path / "off.sock"), TRAINWARDEN_WARM_ZYGOTE_PID=str(alive.pid))
+    client = _client(script, env, str(tmp_path / "off"), "exit", "5")
+    assert client.wait(60) == 5 and int(_report(tmp_path / "off")[0]) == client.pid
