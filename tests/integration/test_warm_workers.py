@@ -33,6 +33,8 @@ if mode == "raise":
     raise RuntimeError("boom")
 if mode == "kill-self":
     os.kill(os.getpid(), signal.SIGTERM)
+if mode == "sigkill-self":  # the crash fault: no handler can run
+    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "wait":
     def bye(signum, frame):
         with open(out + ".sig", "w") as f:
@@ -83,6 +85,8 @@ def test_the_worker_is_forked_from_the_zygote_and_exits_as_the_client(zygote, tm
 
     client = _client(script, env, str(tmp_path / "c"), "kill-self")
     assert client.wait(30) == -signal.SIGTERM  # killed by the signal that killed the worker
+    client = _client(script, env, str(tmp_path / "k"), "sigkill-self")
+    assert client.wait(30) == -signal.SIGKILL, client.stderr.read()  # SIGKILL has no handler to reset first
 
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):
