@@ -836,6 +836,11 @@ class _JobRun(Regrouping, LinkChecks):
         sweep("tw-warm-")
         self._warm = str(scratch_dir("tw-warm-"))
         cleanup.callback(shutil.rmtree, self._warm, True)
+        if self.agent is not None:  # an aborted warm worker's SIGKILL is its client's death to torch's agent
+            from trainwarden.agent.launch.warm import warm_parent
+
+            workers = os.path.join(self._warm, "workers")
+            self.agent.actions.stand_in = lambda pid: warm_parent(pid, workers)
         return self._warm
 
     def _is_round_worker(self, pid: int) -> bool:

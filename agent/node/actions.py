@@ -53,9 +53,13 @@ class AgentActions:
         self._launchers: dict[str, tuple[int, float]] = {}  # job -> (pid, start time) of its launcher
         self._lock = threading.Lock()
         self.refused: dict[str, int] = {}
+        self.stand_in: Callable[[int], int | None] = lambda pid: None
+        """The pid the launcher knows a worker by, when that is not the worker's own: a warm worker's client
+        (agent/launch/warm.py; set by `trainwarden run`). A worker SIGKILLed counts as killed under both."""
 
     def killed_by_agent(self, pid: int) -> bool:
-        """True when the agent itself SIGKILLed `pid` (a worker that could not obey an abort)."""
+        """True when the agent itself SIGKILLed `pid` (a worker that could not obey an abort), or the worker
+        `pid` stands in for."""
         return pid in self._killed
 
     def register_launcher(self, job: str, pid: int) -> None:
@@ -125,6 +129,12 @@ class AgentActions:
                 continue
             logger.warning("job %s rank %d (pid %d) did not exit on abort; killing it", job, rank, proc.pid)
             self._killed.append(proc.pid)
+            try:
+                alias = self.stand_in(proc.pid)  # asked while the worker lives: the map goes with it
+            except Exception:
+                alias = None
+            if alias is not None:
+                self._killed.append(alias)
             try:
                 if self._kill is None:
                     proc.send_signal(signal.SIGKILL)  # psutil refuses if the pid was reused meanwhile

@@ -152,8 +152,9 @@ def assert_steps_counted(script: Script, text: str) -> None:
 
 
 def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psutil.Process | None:
-    """The worker of ``rank`` running ``script`` among the launcher's descendants (by RANK in its
-    /proc/<pid>/environ), or None while there is none."""
+    """The worker of ``rank`` running ``script`` among the launcher's descendants, or None while there is none.
+    torch's agent started a process with RANK in its /proc/<pid>/environ: a cold worker, or a warm worker's
+    client, whose worker the zygote forked (its pid map names the client: agent/launch/warm.py)."""
     try:
         descendants = psutil.Process(launcher.pid).children(recursive=True)
     except psutil.Error:
@@ -161,9 +162,17 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psuti
     for proc in descendants:
         try:
             environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ and str(script) in proc.cmdline():
+            if f"RANK={rank}".encode() not in environ or "--serve" in proc.cmdline() \
+                    or str(script) not in proc.cmdline():
+                continue
+            if "trainwarden.agent.launch.warm" not in proc.cmdline():
                 return proc
-        except (OSError, psutil.Error):
+            map_dir = next(Path(v.split(b"=", 1)[1].decode()) for v in environ
+                           if v.startswith(b"TRAINWARDEN_WARM_MAP_DIR="))
+            for entry in map_dir.iterdir():
+                if entry.read_text().strip() == str(proc.pid):
+                    return psutil.Process(int(entry.name))
+        except (OSError, ValueError, StopIteration, psutil.Error):
             continue
     return None
 

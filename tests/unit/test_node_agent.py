@@ -50,6 +50,19 @@ def test_abort_sends_the_command_then_kills_a_rank_that_cannot_obey(procs, tmp_p
     assert actions.abort("j", [0, 1], "hang")
     assert server.sent == [("j", 0, "abort"), ("j", 1, "abort")]
     assert kills == [(stopped.pid, signal.SIGKILL)]  # the vanished pid is left alone
+    assert actions.killed_by_agent(stopped.pid) and not actions.killed_by_agent(4242)
+
+
+def test_a_killed_warm_worker_counts_as_killed_under_the_pid_torchrun_knows_it_by(procs, tmp_path):
+    """torch's agent reports a warm worker's failure under its client's pid (agent/launch/warm.py): the abort's
+    SIGKILL must read as the agent's under that pid too, or the hang is recorded as a crash."""
+    stopped = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "w.log")
+    stopped.send_signal(signal.SIGSTOP)
+    actions = AgentActions(FakeServer(), FakeJobState({0: stopped.pid}), incidents=None,
+                           kill=lambda pid, sig: None, sleep=lambda s: None)
+    actions.stand_in = lambda pid: 4242 if pid == stopped.pid else None
+    assert actions.abort("j", [0], "hang")
+    assert actions.killed_by_agent(stopped.pid) and actions.killed_by_agent(4242)
 
 
 def test_abort_kills_the_stopped_worker_itself_and_nothing_that_exited(procs, tmp_path):
