@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -228,6 +229,7 @@ def main() -> None:
     finally:
         os.killpg(agent.pid, 9)
         agent.wait()
+        shutil.rmtree(tmp, ignore_errors=True)  # the agent's socket and state: nothing left in /tmp
 
     base_wall = statistics.median(r["wall_median_s"] for r in results["baseline"])
     base_cpu = statistics.median(r["cpu_per_step_s"] for r in results["baseline"])
