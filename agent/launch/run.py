@@ -33,7 +33,6 @@ from typing import TextIO
 import psutil
 
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.common.job_history import JobHistory
 from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.signals import StopOnSignals
@@ -54,8 +53,7 @@ from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.goodput import GoodputLedger
-from trainwarden.agent.launch.goodput_store import GoodputPublisher, load_goodput
-from trainwarden.agent.launch.mfu import MfuGauge, detect_peak_tflops
+from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
@@ -207,7 +205,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping, LinkChecks):
+class _JobRun(Regrouping, LinkChecks, Accounting):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -238,13 +236,13 @@ class _JobRun(Regrouping, LinkChecks):
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
-        self.history = JobHistory(self.state_dir / "history", goodput=self.goodput.state)
+        self.history = self._new_history()
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
-        self.mfu: MfuGauge | None = None
+        self.mfu = None  # the MFU gauge (accounting.py), when the step's cost and the peak are known
         self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.torchrun: TorchrunProcess | None = None
@@ -282,13 +280,6 @@ class _JobRun(Regrouping, LinkChecks):
         cleanup.callback(self.run_record.remove)
         for scratch in (torchelastic_log_dir(self.state_dir), self.embedded_etcd_dir):  # a killed run's, if any
             shutil.rmtree(scratch, ignore_errors=True)
-
-    def start_history(self, cleanup: ExitStack) -> None:
-        """What `trainwarden report` reads afterwards (agent/common/job_history.py)."""
-        if self.history.start():
-            cleanup.callback(self.history.close)
-        self.history.event("launched", node=self.node, pid=os.getpid(), nnodes=self.opts.nnodes,
-                           nproc_per_node=self.opts.nproc_per_node)
 
     @property
     def embedded_etcd_dir(self) -> Path:
@@ -356,9 +347,7 @@ class _JobRun(Regrouping, LinkChecks):
         cleanup.callback(agent.stop)
         self.agent = agent
         agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
-        self.mfu = self._mfu_gauge(agent)
-        if self.mfu is not None:
-            agent.registry.register(self.mfu)
+        self._register_mfu(agent)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
             self._ask_for_link_checks(agent)  # a communication regression asks for a link check
@@ -379,24 +368,6 @@ class _JobRun(Regrouping, LinkChecks):
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
         agent.incidents.add_listener(self._on_incident)
-
-    def _mfu_gauge(self, agent: NodeAgent) -> MfuGauge | None:
-        """``trainwarden_mfu_ratio`` when the user said what a step costs and the peak is known."""
-        opts = self.opts
-        if not (opts.flops_per_step or opts.model_params):
-            return None
-        peak, where = opts.peak_tflops, "--peak-tflops"
-        if not peak:
-            found = detect_peak_tflops()
-            if found is None:
-                print("trainwarden: no MFU: the accelerator's peak is unknown (no GPU with a known name); pass "
-                      "--peak-tflops", file=self.out, flush=True)
-                return None
-            peak, where = found
-        self._mfu_basis = (f"{'--flops-per-step' if opts.flops_per_step else '6 x --model-params x tokens'}, "
-                           f"{peak:g} TFLOPS per accelerator ({where})")
-        return MfuGauge(opts.job, self.node, agent.job_telemetry.snapshot, peak_tflops=peak,
-                        flops_per_step=opts.flops_per_step, model_params=opts.model_params)
 
     def _hang_coordinator(self) -> HangCoordinator | None:
         """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
@@ -484,20 +455,6 @@ class _JobRun(Regrouping, LinkChecks):
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             raise _Abandon(_exit_code(signals.received))
         self.transition(JobPhase.STARTING)
-
-    def continue_goodput(self, cleanup: ExitStack) -> None:
-        """Carry on the job's ledger from its last launcher, here or on another node (agent/launch/goodput_store.py),
-        and publish this one's from now on."""
-        state = load_goodput(self.client, self.opts.job, self.history.directory / "goodput.json")
-        if state is not None:
-            try:
-                self.goodput.resume(state, now=time.time())
-            except (KeyError, TypeError, ValueError) as exc:
-                logger.warning("job %s: not continuing its goodput ledger from %s (%s); counting from this launch",
-                               self.opts.job, state.get("node") or "the state directory", exc)
-        publisher = GoodputPublisher(self.writer, self.opts.job, self.node, self.goodput.state)
-        publisher.start()
-        cleanup.callback(publisher.stop)
 
     def launch(self, cleanup: ExitStack) -> None:
         """torchrun in a session of its own, its output pumped to the terminal and the run log."""
@@ -634,15 +591,6 @@ class _JobRun(Regrouping, LinkChecks):
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
                       log_path=self.logs / "run.log", steps_from=self._steps_from(),
                       goodput=self.goodput.snapshot(), mfu=self._mfu_line())
-
-    def _mfu_line(self) -> str | None:
-        if self.mfu is None:
-            return None
-        try:
-            ratio = self.mfu.ratio()
-        except Exception:
-            ratio = None
-        return f"{100 * ratio:.1f}% ({self._mfu_basis})" if ratio is not None else None
 
     def _steps_from(self) -> str | None:
         if self.agent is None:
@@ -794,10 +742,6 @@ class _JobRun(Regrouping, LinkChecks):
         self.history.step(rank, index, start_unix + duration_s, duration_s)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
             self._round_running(index)
-
-    def _on_incident(self, incident: Incident) -> None:
-        if incident.job == self.opts.job:  # a hang, a straggler or a communication regression: badput's causes
-            self.goodput.incident(incident.kind.value, incident.state.value, incident.id)
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
                       detail: str = "", seconds: float = 0.0) -> None:
