@@ -449,24 +449,40 @@ def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.
         channel.close()
 
 
-def ask_checkpoint_record(socket_path: str, job: str, timeout: float = 10.0) -> tuple[int | None, str, str]:
-    """(step, path, source) of what etcd's job record says was committed, asked of the agent; (None, "", why)
-    when none is recorded or it is unknown (no agent, no etcd, a timeout). Once per restore, off the hot path."""
+def _checkpoint_record(socket_path: str, request, timeout: float):
+    """The agent's CheckpointRecordReply, or why there is none (a string)."""
     if not os.path.exists(socket_path):
-        return None, "", "unknown (no node agent)"
+        return "no node agent"
     channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
     try:
         call = channel.unary_unary(contract.CHECKPOINT_RECORD_METHOD,
                                    request_serializer=pb.CheckpointRecordRequest.SerializeToString,
                                    response_deserializer=pb.CheckpointRecordReply.FromString)
-        reply = call(pb.CheckpointRecordRequest(job=job), timeout=timeout)
+        return call(request, timeout=timeout)
     except grpc.RpcError as exc:
-        return None, "", f"unknown (the node agent did not answer: {exc.code() if hasattr(exc, 'code') else exc})"
+        return f"the node agent did not answer: {exc.code() if hasattr(exc, 'code') else exc}"
     finally:
         channel.close()
+
+
+def ask_checkpoint_record(socket_path: str, job: str, timeout: float = 10.0) -> tuple[int | None, str, str]:
+    """(step, path, source) of what etcd's job record says was committed, asked of the agent; (None, "", why)
+    when none is recorded or it is unknown (no agent, no etcd, a timeout). Once per restore, off the hot path."""
+    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job), timeout)
+    if isinstance(reply, str):
+        return None, "", f"unknown ({reply})"
     if not reply.known:
         return None, "", f"unknown ({reply.source})"
     return (int(reply.step) if reply.found else None), reply.path, reply.source
+
+
+def ask_memory_record(socket_path: str, job: str, world_size: int, timeout: float = 10.0) -> int | None:
+    """The newest step every rank of ``world_size`` has a memory snapshot of, as the agent that owns the memory
+    knows it; None when there is none or no agent answers. Once per restore, off the hot path."""
+    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size)), timeout)
+    if isinstance(reply, str) or reply.memory_step <= 0:
+        return None
+    return int(reply.memory_step)
 
 
 def _arrivals_message(batch) -> pb.Arrivals:

@@ -68,6 +68,7 @@ from trainwarden.agent.proto.checkpoint_layout import (
     validate,
 )
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, write_sidecar
+from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
 from trainwarden.runtime.session import current as current_session
 
 __all__ = [
@@ -143,6 +144,9 @@ class _RestorePlan:
     blocked: str = ""
     """Why the job may not resume at all (a read problem); empty otherwise."""
     error: str = ""
+    memory_step: int | None = None
+    """A step to restore from the memory snapshots first: every rank has one (the agent says), and it is at
+    least as new as every checkpoint the job committed and every complete one on disk."""
 
 
 READ_BACKOFF_ENV = "TRAINWARDEN_CKPT_READ_BACKOFF_S"
@@ -223,7 +227,8 @@ class Checkpointer:
                  process_group: dist.ProcessGroup | None = None,
                  on_commit: Callable[[CheckpointInfo], None] | None = None,
                  session=None, before_save: Callable[[int], None] | None = None,
-                 read_backoff_s: tuple[float, ...] | None = None) -> None:
+                 read_backoff_s: tuple[float, ...] | None = None,
+                 memory_dir: str | Path | None | bool = True) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
         self.directory = Path(directory)
@@ -260,6 +265,14 @@ class Checkpointer:
         self.last_committed: CheckpointInfo | None = None
         self.last_error: BaseException | None = None
         self.failed_saves = 0
+        if memory_dir is True:  # the node agent's, when it keeps snapshots
+            memory_dir = memory_dir_from_env()
+        self.memory: MemorySnapshots | None = None
+        """Per-step snapshots in the agent's shared memory (``snapshot``); None without a memory directory."""
+        if memory_dir:
+            self.memory = MemorySnapshots(memory_dir, rank=self.rank, world_size=self.world_size,
+                                          report=self._snapshot_written)
+        self.resumed_from_memory = False
 
     # -- save -----------------------------------------------------------------------------------------
 
@@ -296,6 +309,18 @@ class Checkpointer:
             self.wait()
             self.last_stall_seconds = time.monotonic() - start
         self._report("staged", step, seconds=self.last_stall_seconds)
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot ``state`` after ``step`` into the node agent's memory (every step: a restart after a crash or
+        a hang then resumes from here instead of the disk). Copies the state into host buffers and returns; the
+        write is in the background. False when there is no memory directory or this step was skipped (the
+        previous snapshot still being written). Never raises; disk checkpoints are unaffected."""
+        if self.memory is None or self._closed:
+            return False
+        return self.memory.save(step, state)
+
+    def _snapshot_written(self, step: int, path: str, seconds: float) -> None:
+        self._report("snapshot", step, seconds=seconds, path=path)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the in-flight save (if any) is written and committed, and its ``on_commit`` and
@@ -445,6 +470,8 @@ class Checkpointer:
         if plan.blocked:
             self._block(plan.blocked, CheckpointReadError)
         passed_over = list(plan.passed_over)
+        if plan.memory_step is not None and self._restore_from_memory(plan.memory_step, state, began):
+            return plan.memory_step
         for step, path in plan.candidates:
             failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
@@ -462,6 +489,26 @@ class Checkpointer:
                           allow_fresh_start=allow_fresh_start)
         self._report("restored", 0, seconds=time.monotonic() - began)  # step 0: starting fresh
         return None
+
+    def _restore_from_memory(self, step: int, state: Mapping[str, Any], began: float) -> bool:
+        """Every rank loads its own memory snapshot of ``step``; True when all did. Otherwise the disk's
+        candidates follow (they load over whatever part of the snapshot was loaded)."""
+        errors = self._gather(self.memory.load(step, state) if self.memory is not None else "no memory directory")
+        failed = {r: e for r, e in enumerate(errors) if e}
+        if failed:
+            if self.rank == 0:
+                logger.warning("not restoring step %d from memory (%s); restoring from the disk checkpoints", step,
+                               "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))[:1500],
+                               extra={"event": "snapshot_unusable", "step": step})
+            return False
+        self._last_saved_step = None  # the disk has no checkpoint of this step: a save of it is a real one
+        self.resumed_from_memory = True
+        seconds = time.monotonic() - began
+        if self.rank == 0:
+            logger.info("resumed from the memory snapshot of step %d in %.3f s (the newest disk checkpoint is "
+                        "older or the same)", step, seconds, extra={"event": "checkpoint_resume", "step": step})
+        self._report("restored", step, seconds=seconds, path=str(self.memory.directory if self.memory else ""))
+        return True
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
         self._restore_rng(path, state)
@@ -598,7 +645,31 @@ class Checkpointer:
             if status.step > newest:  # corrupt: its own bytes are wrong
                 self._quarantine(status.step, status.path, status.state, reason)
         return _RestorePlan(candidates=[(s.step, str(s.path)) for s in complete], passed_over=passed_over,
-                            evidence=evidence.describe(), ever_committed=bool(evidence.reasons()))
+                            evidence=evidence.describe(), ever_committed=bool(evidence.reasons()),
+                            memory_step=self._memory_candidate(max(newest, committed)))
+
+    def _memory_candidate(self, disk_step: int) -> int | None:
+        """Rank 0: the step of the memory snapshots to try first, or None. The agent that owns the memory
+        answers which step every rank of this world size has a snapshot of (none after the agent restarted);
+        a snapshot older than what the disk holds or etcd says was committed is never used."""
+        if self.memory is None:
+            return None
+        session = self._events or current_session()
+        ask = getattr(session, "memory_record", None)
+        if ask is None:
+            return None
+        try:
+            step = ask(self.world_size)
+        except Exception as exc:
+            logger.warning("could not ask the node agent for its memory snapshots (%s); restoring from disk", exc)
+            return None
+        if step is None or step <= 0:
+            return None
+        if step < disk_step:
+            logger.info("the memory snapshot of step %d is older than the disk's (step %d): restoring from disk",
+                        step, disk_step)
+            return None
+        return step
 
     def _scan_with_backoff(self, record: tuple[int | None, str]):
         """Scan; while something may be a read problem (``_doubtful``), look again after each backoff."""
@@ -684,6 +755,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            if self.memory is not None:
+                self.memory.close()
             self._committer.shutdown(wait=True)
             self._post_commit.shutdown(wait=True)
             self._stager.close()

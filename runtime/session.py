@@ -58,7 +58,8 @@ from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_pare
 
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
-                           TelemetryClient, abort_process, ask_checkpoint_record, ask_commit)
+                           TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
+                           ask_memory_record)
 from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
@@ -270,6 +271,13 @@ class Session:
         if self._client is None:
             return None, "", "unknown (no node agent)"
         return ask_checkpoint_record(self._client.config.socket_path, self.job)
+
+    def memory_record(self, world_size: int) -> int | None:
+        """The newest step every rank of ``world_size`` has an in-memory snapshot of, as the node agent that owns
+        the memory knows it (runtime/memory_snapshot.py); None without an agent or snapshots."""
+        if self._client is None:
+            return None
+        return ask_memory_record(self._client.config.socket_path, self.job, world_size)
 
     def _hold(self, index: int) -> None:
         """Wait before step ``index``: the launcher restarts the workers once the checkpoint this rank just

@@ -75,6 +75,10 @@ def add_parser(sub) -> None:
                            "a restart skips the interpreters' start-up; the first round starts cold)")
     warm.add_argument("--warm-workers", dest="warm_workers", action="store_true", default=True,
                       help="warm restarts (the default; kept for scripts written for earlier releases)")
+    p.add_argument("--no-memory-snapshots", dest="memory_snapshots", action="store_false",
+                   help="keep no per-step snapshots in shared memory (by default a job that checkpoints with "
+                        "trainwarden's Checkpointer and calls its snapshot() every step restarts from the step before "
+                        "a crash or a hang, from memory; one-node jobs)")
     p.add_argument("--no-auto-instrument", action="store_true",
                    help="do not instrument the script by itself: without it, a script that never imports "
                         "trainwarden gets step times (one step per optimizer.step()), collective timing, hang and "
@@ -143,7 +147,8 @@ def _cmd_run(args) -> int:
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy, link_policy=args.link_policy, extra_env=extra_env, managed=args.managed,
-                          warm_workers=args.warm_workers, auto_instrument=not args.no_auto_instrument,
+                          warm_workers=args.warm_workers, memory_snapshots=args.memory_snapshots,
+                          auto_instrument=not args.no_auto_instrument,
                           tokens_per_step=args.tokens_per_step, flops_per_step=args.flops_per_step,
                           model_params=args.model_params, peak_tflops=args.peak_tflops)
     except ValueError as exc:

@@ -124,6 +124,8 @@ class JobSpec:
     warm_workers: bool = True
     """Restarted workers fork from a process with torch imported (agent/launch/warm.py); false:
     ``trainwarden run --cold-workers``."""
+    memory_snapshots: bool = True
+    """The workers' per-step snapshots kept in shared memory across restarts; false: ``--no-memory-snapshots``."""
     auto_instrument: bool = True
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
@@ -162,6 +164,8 @@ class JobSpec:
             args += ["--link-policy", self.link_policy]
         if not self.warm_workers:
             args.append("--cold-workers")
+        if not self.memory_snapshots:
+            args.append("--no-memory-snapshots")
         if not self.auto_instrument:
             args.append("--no-auto-instrument")
         if self.tokens_per_step:
@@ -180,7 +184,7 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
+           "warm_workers": bool, "memory_snapshots": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
            "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
@@ -299,7 +303,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
-                   warm_workers=data.get("warm_workers", True),
+                   warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True),
                    auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
 
 

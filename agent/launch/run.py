@@ -56,6 +56,7 @@ from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.links import LinkChecks
+from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
@@ -121,6 +122,8 @@ class RunOptions:
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = True
     """Restarted workers fork from a process with torch imported (agent/launch/warm.py); False: cold starts."""
+    memory_snapshots: bool = True
+    """Keep the workers' per-step snapshots in shared memory across restarts (agent/launch/memory_tier.py)."""
     auto_instrument: bool = True
     """Instrument the unchanged script's workers (runtime/auto.py); only with the agent."""
     tokens_per_step: int = 0
@@ -242,6 +245,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
         self.client = None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
+        self.memory_tier: MemoryTier | None = None
         self.mfu = None  # the MFU gauge (accounting.py), when the step's cost and the peak are known
         self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
@@ -368,6 +372,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
         agent.incidents.add_listener(self._on_incident)
+        self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots,
+                                             multi_node=self._multi_node, cleanup=cleanup, out=self.out)
 
     def _hang_coordinator(self) -> HangCoordinator | None:
         """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
@@ -393,6 +399,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
     def _network_env(self) -> dict[str, str]:
         """Gloo binds the interface of the advertised address unless the user chose one (GLOO_SOCKET_IFNAME)."""
         env = dict(self.opts.extra_env)
+        if self.memory_tier is not None:
+            env.update(self.memory_tier.env())
         address = self.local_addr
         if address and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
             interface = interface_of(address)

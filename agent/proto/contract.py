@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "AGENT_SOCKET_ENV", "AUTO_INSTRUMENT_ENV", "AUTO_OWNER_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES",
+    "AGENT_SOCKET_ENV", "AUTO_INSTRUMENT_ENV", "AUTO_OWNER_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "MEMORY_DIR_ENV",
     "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME",
@@ -45,6 +45,9 @@ STATE_DIR_ENV = "TRAINWARDEN_STATE_DIR"
 """The job's state directory on this node (fault markers, diagnostics, incidents)."""
 CHECKPOINT_DIR_ENV = "TRAINWARDEN_CHECKPOINT_DIR"
 """The default checkpoint directory of the job."""
+MEMORY_DIR_ENV = "TRAINWARDEN_MEMORY_DIR"
+"""The node agent's shared-memory directory for the workers' per-step snapshots (agent/proto/snapshot_layout.py);
+unset: no memory snapshots."""
 FLIGHT_RECORDER_ENV = {
     # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read dumps
     # the whole ring, so it stays small: ~1 s of the reference job's collectives, read about once a second
@@ -93,9 +96,10 @@ PEER_FAILURE_TYPES = ("DistNetworkError", "DistBackendError", "DistStoreError")
 """torch's exception types for the same."""
 
 CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held",
-                     "resume_blocked")
+                     "resume_blocked", "snapshot")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
-has the same names, upper-case)."""
+has the same names, upper-case). ``snapshot``: a rank's in-memory snapshot of a step is written (its path says
+which; agent/proto/snapshot_layout.py); it is not a stage of the disk checkpoint and does not change the rank's."""
 
 # ---- diagnostics a worker writes on the agent's request -------------------------------------------------
 

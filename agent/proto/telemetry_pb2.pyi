@@ -19,6 +19,7 @@ class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SET_ASIDE: _ClassVar[CheckpointStage]
     HELD: _ClassVar[CheckpointStage]
     RESUME_BLOCKED: _ClassVar[CheckpointStage]
+    SNAPSHOT: _ClassVar[CheckpointStage]
 CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
 SAVE_START: CheckpointStage
 STAGED: CheckpointStage
@@ -29,6 +30,7 @@ FAILED: CheckpointStage
 SET_ASIDE: CheckpointStage
 HELD: CheckpointStage
 RESUME_BLOCKED: CheckpointStage
+SNAPSHOT: CheckpointStage
 
 class Hello(_message.Message):
     __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token", "step_source")
@@ -332,21 +334,25 @@ class CommitReply(_message.Message):
     def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointRecordRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "world_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class CheckpointRecordReply(_message.Message):
-    __slots__ = ("known", "found", "step", "path", "source")
+    __slots__ = ("known", "found", "step", "path", "source", "memory_step")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEP_FIELD_NUMBER: _ClassVar[int]
     known: bool
     found: bool
     step: int
     path: str
     source: str
-    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    memory_step: int
+    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., memory_step: _Optional[int] = ...) -> None: ...

@@ -527,6 +527,8 @@ class JobTelemetry:
             owner = self._jobs[job]
             if stage == "set_aside":  # reported in the middle of a restore: the rank is still restoring
                 owner.checkpoint_set_aside += 1
+            elif stage == "snapshot":  # written in the background, in the middle of anything: not the rank's stage
+                pass
             else:
                 state.checkpoint_stage = stage
             if stage == "staged":

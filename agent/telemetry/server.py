@@ -136,6 +136,9 @@ class TelemetryServer:
         self.checkpoint_record: CheckpointRecordSource | None = None
         """Answers the CheckpointRecord RPC from etcd's ``jobs/<job>/checkpoint`` (the launcher sets it);
         None: unknown."""
+        self.memory_record: Callable[[str, int], "int | None"] | None = None
+        """``(job, world_size) -> step`` of the newest memory snapshot every rank has (the launcher that owns the
+        memory sets it: agent/launch/memory_tier.py); None: this agent keeps no snapshots."""
 
     @property
     def address(self) -> str:
@@ -482,16 +485,29 @@ class TelemetryServer:
         return None
 
     def _checkpoint_record(self, request, context) -> pb.CheckpointRecordReply:
-        """What etcd's record says the job committed (a restore's evidence before any fresh start)."""
+        """What etcd's record says the job committed (a restore's evidence before any fresh start), and the
+        newest memory snapshot of the asking world size."""
         if isinstance(request, _Rejected):
             self._reject(context, request)
+        reply = self._etcd_checkpoint_record(request.job)
+        reply.memory_step = -1
+        if self.memory_record is not None and request.world_size > 0:
+            try:
+                step = self.memory_record(request.job, request.world_size)
+            except Exception:  # a restore then reads the disk
+                log.exception("cannot tell the memory snapshots of job %s", request.job)
+                step = None
+            reply.memory_step = step if step is not None else -1
+        return reply
+
+    def _etcd_checkpoint_record(self, job: str) -> pb.CheckpointRecordReply:
         source = self.checkpoint_record
         if source is None:
             return pb.CheckpointRecordReply(known=False, source="this agent has no etcd record of the job")
         try:
-            record = source(request.job)
+            record = source(job)
         except Exception as exc:  # etcd away: unknown, never a refusal to answer
-            log.warning("cannot read the checkpoint record of job %s: %s", request.job, exc)
+            log.warning("cannot read the checkpoint record of job %s: %s", job, exc)
             return pb.CheckpointRecordReply(known=False, source=f"etcd could not be read: {exc}"[:500])
         if record is None:
             return pb.CheckpointRecordReply(known=True, found=False, source="none recorded")

@@ -14,7 +14,9 @@ part, optimizer, step, data position; plus the per-rank ``RNGState``) is handed 
 which saves it asynchronously as checkpoint "step s". At start-up the newest complete checkpoint is
 restored and training resumes at ``s + 1``. Model and optimizer go through
 ``torch.distributed.checkpoint.state_dict`` so they are keyed by fully-qualified parameter names and DCP
-reshards them into a different mesh. Because the data and the learning rate depend only on the step, a
+reshards them into a different mesh. After every step (``--snapshot-every``) the same state is also snapshotted into
+the node agent's shared memory when ``trainwarden run`` keeps one (:mod:`trainwarden.runtime.memory_snapshot`):
+a restart after a crash or a hang resumes from the step before it instead of the last disk checkpoint. Because the data and the learning rate depend only on the step, a
 resumed run reproduces an uninterrupted one bit for bit on the same mesh.
 
 Fault injection (:mod:`trainwarden.runtime.faults`, ``TRAINWARDEN_FAULTS``) is consulted at the start of
@@ -95,6 +97,9 @@ class TrainConfig:
     """Complete checkpoints kept."""
     log_every: int
     """Log every this many steps (and always the last)."""
+    snapshot_every: int = 1
+    """Snapshot the state into the node agent's memory after every step divisible by this (0: never); a restart
+    after a fault resumes from the newest snapshot when it is newer than the disk's checkpoint."""
     allow_fresh_start: bool = False
     """Train from step 1 even when checkpoints exist but none loads (otherwise the run stops and says so)."""
     micro_batch_size: int = 0
@@ -107,6 +112,8 @@ class TrainConfig:
         for name in ("batch", "steps", "ckpt_every", "keep", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"--snapshot-every must be >= 0, got {self.snapshot_every}")
         if self.warmup < 0 or not self.lr > 0:
             raise ValueError(f"need --lr > 0 and --warmup >= 0, got lr={self.lr} warmup={self.warmup}")
 
@@ -142,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
              "(default: $TRAINWARDEN_CHECKPOINT_DIR, which `trainwarden run` sets; none: no checkpoints)")
     add("--ckpt-every", type=int, default=10, help="save after every N-th step")
     add("--keep", type=int, default=3, help="complete checkpoints to keep")
+    add("--snapshot-every", type=int, default=1, metavar="N",
+        help="snapshot the state into the node agent's shared memory after every N-th step (default 1; 0: never): "
+             "a restart after a crash or a hang resumes from the step before it, from memory. Only under "
+             "`trainwarden run` (it owns the memory)")
     add("--log-every", type=int, default=1)
     add("--allow-fresh-start", action="store_true",
         help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
@@ -163,7 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         mesh=MeshConfig(dp=dp, tp=a.tp, pp=a.pp, micro_batches=micro_batches),
         micro_batch_size=a.micro_batch_size,
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
-        ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start)
+        ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start,
+        snapshot_every=a.snapshot_every)
 
 
 def _fitting_dp(tp: int, pp: int) -> int:
@@ -268,6 +280,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
             log.info("step %d loss %.6f time %.3fs tok/s %.0f", step, loss_value, last_seconds,
                      tokens_per_step / last_seconds)
         requested = rt.take_checkpoint_request(step)  # the agent's "checkpoint now" (at this step)
+        if ckpt is not None and cfg.snapshot_every and step % cfg.snapshot_every == 0:
+            ckpt.snapshot(step, ckpt_state)  # a host copy; written to the agent's memory in the background
         if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
             ckpt.save(step, ckpt_state)
     if ckpt is not None:

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 GOOD = {"name": "gpt-small", "command": ["-m", "trainwarden.runtime.examples.gpt", "--steps", "10"],
         "nnodes": "2:4", "nproc_per_node": 8, "checkpoint_dir": "/shared/ckpt", "max_restarts": 2,
         "straggler_policy": "exclude", "nodes": ["gpu-a1", "gpu-a2"], "env": {"OMP_NUM_THREADS": "4"},
-        "warm_workers": False, "auto_resume": False, "auto_instrument": False, "tokens_per_step": 4096,
+        "warm_workers": False, "memory_snapshots": False, "auto_resume": False, "auto_instrument": False,
+        "tokens_per_step": 4096,
         "user": "alice", "model_params": 1.3e9, "peak_tflops": 989}
 
 
@@ -34,7 +35,7 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert args[:4] == ["--job", "gpt-small", "--nnodes", "2:4"]
     assert "OMP_NUM_THREADS=4" in args and "TRAINWARDEN_CHECKPOINT_DIR=/shared/ckpt" in args
     assert args[args.index("--") + 1:] == GOOD["command"]
-    assert "--cold-workers" in args and not spec.auto_resume
+    assert "--cold-workers" in args and "--no-memory-snapshots" in args and not spec.auto_resume
     assert spec.user == "alice" and "alice" not in args  # the daemon's to apply (agent/node/job_user.py)
     assert parse_job_spec({**GOOD, "user": 1000}, "x").user == 1000
     assert "--no-auto-instrument" in args and args[args.index("--tokens-per-step") + 1] == "4096"

@@ -1,0 +1,136 @@
+"""The host memory where the workers' per-step snapshots outlive the workers: ``MemoryTier``.
+
+`trainwarden run` makes one private directory in shared memory (``/dev/shm``) for the job on this node and gives
+it to the workers (``MEMORY_DIR_ENV``). Each rank writes its snapshot there after every step and reports the file
+(checkpoint stage ``snapshot``; runtime/memory_snapshot.py). This class hears those reports and answers the
+restoring rank 0 which step every rank of its world size has a snapshot of (the CheckpointRecord RPC's
+``memory_step``), so a restart after a crash or a hang resumes from the step before the fault, from memory.
+
+What it trusts:
+
+- only reports of this run's workers (the telemetry server checks who holds each rank) naming files inside
+  its own directory, of the reporting rank;
+- only what it heard in its own life: the record is in this process, and the directory is this process's
+  (scratch-marked with its pid). A run that restarts (the daemon relaunching a launcher, an agent restart)
+  starts with no record and removes the directories of runs that are gone, so a snapshot is never used after
+  the agent that owned it stopped. Disk stays the durable truth: the runtime never uses a snapshot older than a
+  committed disk checkpoint.
+
+A snapshot of another world size is another ``world-N`` directory (a round that shrank or grew); the first
+report of a new world size removes the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections import deque
+from pathlib import Path
+
+from trainwarden.agent.common.scratch import scratch_dir, sweep
+from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
+from trainwarden.agent.proto.snapshot_layout import KEEP, parse_snapshot
+
+__all__ = ["DEFAULT_ROOT", "MemoryTier"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path("/dev/shm")
+PREFIX = "trainwarden-mem-"
+
+
+class MemoryTier:
+    """This run's shared-memory directory for the job's snapshots and what the workers reported of it."""
+
+    def __init__(self, job: str, path: Path) -> None:
+        self.job = job
+        self.path = path
+        self._lock = threading.Lock()
+        self._world: int | None = None
+        self._steps: dict[int, deque[int]] = {}  # rank -> its newest reported steps (what its files hold)
+        self.reports = 0
+
+    @classmethod
+    def open(cls, job: str, *, root: Path = DEFAULT_ROOT) -> "MemoryTier | None":
+        """A new tier under ``root`` (removing what runs that are gone left there); None, with the reason logged,
+        when ``root`` cannot hold one."""
+        try:
+            sweep(PREFIX, root=root)
+            path = scratch_dir(f"{PREFIX}{job}-", root=root)
+        except OSError as exc:
+            log.warning("no memory snapshots for job %s: cannot make a directory in %s (%s); restarts restore from "
+                        "the disk checkpoints", job, root, exc)
+            return None
+        return cls(job, path)
+
+    def env(self) -> dict[str, str]:
+        """What the workers need to find it."""
+        return {MEMORY_DIR_ENV: str(self.path)}
+
+    # ---- telemetry listener (the agent's reader thread: quick, never blocks) ------------------------------
+
+    def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
+        pass
+
+    def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
+                      detail: str = "", seconds: float = 0.0) -> None:
+        if stage != "snapshot" or job != self.job:
+            return
+        parsed = parse_snapshot(path)
+        if parsed is None or Path(path).parent.parent != self.path or parsed[1] != rank or parsed[2] != step:
+            log.warning("job %s rank %d reported a snapshot at %r, not a file of its own in %s: ignored", job, rank,
+                        path[:300], self.path)
+            return
+        world = parsed[0]
+        stale = []
+        with self._lock:
+            if world != self._world:
+                stale = [p for p in self.path.glob("world-*") if p.name != f"world-{world}"]
+                self._world, self._steps = world, {}
+            steps = self._steps.setdefault(rank, deque(maxlen=KEEP))
+            if not steps or step > steps[-1]:
+                steps.append(step)
+            self.reports += 1
+        for old in stale:  # the workers of that world size are gone
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- the restoring rank's question ---------------------------------------------------------------------
+
+    def committed(self, job: str, world_size: int) -> int | None:
+        """The newest step every rank of ``world_size`` reported a snapshot of and still keeps; None if none."""
+        if job != self.job:
+            return None
+        with self._lock:
+            if world_size != self._world or len(self._steps) != world_size:
+                return None
+            if set(self._steps) != set(range(world_size)):
+                return None
+            common = set.intersection(*(set(steps) for steps in self._steps.values()))
+        return max(common) if common else None
+
+    def close(self) -> None:
+        """Remove the directory and every snapshot in it (the run is over)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def start_memory_tier(job: str, agent, *, enabled: bool, multi_node: bool, cleanup, out) -> "MemoryTier | None":
+    """`trainwarden run`'s tier for ``job`` with its in-process ``agent`` (None: it keeps none, said in one line)."""
+    if not enabled or agent is None:
+        print("trainwarden: memory snapshots: off (--no-memory-snapshots); restarts restore from the disk "
+              "checkpoints", file=out, flush=True)
+        return None
+    if multi_node:
+        print("trainwarden: memory snapshots: off for a job of several nodes (a node holds only its own ranks' "
+              "snapshots); restarts restore from the disk checkpoints", file=out, flush=True)
+        return None
+    tier = MemoryTier.open(job)
+    if tier is None:
+        return None
+    cleanup.callback(tier.close)
+    agent.job_telemetry.add_listener(tier)
+    agent.server.memory_record = tier.committed
+    print(f"trainwarden: memory snapshots in {tier.path}: a job that checkpoints with trainwarden's Checkpointer "
+          "and snapshots every step restarts from the step before a fault (--no-memory-snapshots turns this off)",
+          file=out, flush=True)
+    return tier
