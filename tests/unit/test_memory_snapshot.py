@@ -1,0 +1,245 @@
+"""Per-step memory snapshots (issue 26 item 3): the rank's side (runtime/memory_snapshot.py), the agent's record
+(agent/launch/memory_tier.py) and the Checkpointer's choice between memory and disk (runtime/checkpoint.py).
+
+Real tensors, a real optimizer and real files in a temporary directory; the node agent is a small fake session
+that answers what the CheckpointRecord RPC would (the integration test runs the real one:
+tests/integration/test_gpt.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from trainwarden.agent.launch.memory_tier import MemoryTier
+from trainwarden.agent.proto.snapshot_layout import parse_snapshot, rank_snapshots, snapshot_path
+from trainwarden.runtime.checkpoint import Checkpointer, RNGState
+from trainwarden.runtime.examples.gpt import TrainState
+from trainwarden.runtime.memory_snapshot import MemorySnapshots
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _job(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = TrainState(model, optimizer)
+    return model, optimizer, {"app": state, "rng": RNGState()}
+
+
+def _train(model, optimizer, state, step: int) -> None:
+    torch.manual_seed(1000 + step)
+    model(torch.randn(3, 6)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    state["app"].step = step
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class _Agent:
+    """What the node agent answers a restoring rank 0: etcd's record of the disk checkpoint and the memory step."""
+
+    def __init__(self, record: int | None = None, memory: int | None = None) -> None:
+        self.record, self.memory = record, memory
+        self.stages: list[tuple[str, int, str]] = []
+
+    def committed_record(self):
+        return self.record, "", "found" if self.record is not None else "none recorded"
+
+    def memory_record(self, world_size: int):
+        return self.memory
+
+    def checkpoint_event(self, stage, step, seconds=0.0, bytes=0, path="", detail=""):
+        self.stages.append((stage, step, path))
+
+    def commit_refusal(self, step, path="", bytes=0):
+        return None
+
+
+def test_a_snapshot_loads_back_into_a_fresh_model_and_optimizer_exactly(tmp_path):
+    model, optimizer, state = _job()
+    reported = []
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1, report=lambda *a: reported.append(a))
+    for step in (1, 2, 3):
+        _train(model, optimizer, state, step)
+        assert snaps.save(step, state)
+        snaps.wait()
+    assert [r[0] for r in reported] == [1, 2, 3] and parse_snapshot(reported[-1][1]) == (1, 0, 3)
+    assert [s for s, _ in rank_snapshots(tmp_path, 1, 0)] == [3, 2]  # KEEP: the newest two
+    weights = _params(model)
+    moments = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    random_next = torch.rand(3)
+
+    fresh_model, fresh_optimizer, fresh_state = _job(seed=7)  # other weights, no optimizer state yet
+    torch.rand(5)  # and the generator elsewhere
+    assert MemorySnapshots(tmp_path, rank=0, world_size=1).load(3, fresh_state) == ""
+    assert all(torch.equal(a, b) for a, b in zip(weights, fresh_model.parameters()))
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], moments)
+    assert fresh_state["app"].step == 3
+    assert torch.equal(torch.rand(3), random_next)  # the RNG state came back with it
+    snaps.close()
+
+
+def test_what_does_not_match_is_an_error_and_nothing_else(tmp_path):
+    model, optimizer, state = _job()
+    _train(model, optimizer, state, 1)
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1)
+    snaps.save(1, state)
+    snaps.wait()
+    other = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    wrong = {"app": TrainState(other, torch.optim.AdamW(other.parameters())), "rng": RNGState()}
+    assert "does not match the state" in snaps.load(1, wrong)
+    assert "no snapshot of step 2" in snaps.load(2, state)
+    assert "has no snapshot" in MemorySnapshots(tmp_path, rank=1, world_size=1).load(1, state)
+    assert "no snapshot" in MemorySnapshots(tmp_path, rank=0, world_size=2).load(1, state)  # another world size
+    snapshot_path(tmp_path, 1, 0, 1).write_bytes(b"torn")
+    assert "cannot be read" in snaps.load(1, state)
+    snaps.close()
+
+
+def test_the_step_never_waits_for_a_write_it_skips_while_one_is_in_flight(tmp_path):
+    model, optimizer, state = _job()
+    release = threading.Event()
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1, report=lambda *a: release.wait(30))
+    assert snaps.save(1, state)
+    assert not snaps.save(2, state) and snaps.skipped == 1  # the first one is still being written
+    release.set()
+    snaps.wait()
+    assert snaps.save(3, state)
+    snaps.wait()
+    assert [s for s, _ in rank_snapshots(tmp_path, 1, 0)] == [3, 1]
+    snaps.close()
+
+
+def test_a_write_that_fails_turns_snapshots_off_with_one_warning_and_never_raises(tmp_path, caplog):
+    model, optimizer, state = _job()
+    blocker = tmp_path / "world-1"
+    blocker.write_text("a file where the directory should be")  # as a full /dev/shm would fail the write
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1)
+    assert snaps.save(1, state)
+    snaps.wait()
+    assert not snaps.enabled and not snaps.save(2, state)
+    assert [r.message for r in caplog.records if "memory snapshots are off" in r.message]
+    snaps.close()
+
+
+# ---- the agent's record -----------------------------------------------------------------------------------
+
+
+def _report(tier: MemoryTier, rank: int, step: int, world: int = 2, job: str = "j") -> None:
+    tier.on_checkpoint(job, rank, "snapshot", step, str(snapshot_path(tier.path, world, rank, step)), 0)
+
+
+def test_the_agent_counts_a_step_once_every_rank_of_the_world_size_has_it(tmp_path):
+    tier = MemoryTier.open("j", root=tmp_path)
+    assert tier.env() == {"TRAINWARDEN_MEMORY_DIR": str(tier.path)}
+    _report(tier, 0, 5)
+    assert tier.committed("j", 2) is None  # rank 1 has reported nothing yet
+    _report(tier, 1, 4)
+    _report(tier, 1, 5)
+    _report(tier, 0, 6)
+    assert tier.committed("j", 2) == 5 and tier.committed("j", 4) is None and tier.committed("other", 2) is None
+    _report(tier, 0, 7)  # rank 0 keeps 6 and 7 now: 5 is gone from its memory
+    assert tier.committed("j", 2) is None
+    _report(tier, 1, 7)
+    assert tier.committed("j", 2) == 7
+    tier.on_checkpoint("j", 1, "snapshot", 8, str(snapshot_path(tmp_path / "elsewhere", 2, 1, 8)), 0)
+    tier.on_checkpoint("j", 1, "snapshot", 8, str(snapshot_path(tier.path, 2, 0, 8)), 0)  # rank 0's file
+    assert tier.committed("j", 2) == 7  # neither counted
+    (tier.path / "world-2").mkdir()
+    _report(tier, 0, 9, world=1)  # a round of another size: the old world's files go
+    assert tier.committed("j", 2) is None and tier.committed("j", 1) == 9 and not (tier.path / "world-2").exists()
+    tier.close()
+    assert not tier.path.exists()
+
+
+def test_an_agent_that_restarts_drops_the_snapshots_of_the_one_before(tmp_path):
+    """A run SIGKILLed with snapshots in memory: the next run's tier removes them and knows no step."""
+    child = subprocess.run([sys.executable, "-c",
+                            "import os, signal\n"
+                            "from pathlib import Path\n"
+                            "from trainwarden.agent.launch.memory_tier import MemoryTier\n"
+                            "from trainwarden.agent.proto.snapshot_layout import snapshot_path\n"
+                            f"tier = MemoryTier.open('j', root=Path({str(tmp_path)!r}))\n"
+                            "p = snapshot_path(tier.path, 1, 0, 3); p.parent.mkdir(); p.write_bytes(b'x')\n"
+                            "print(tier.path, flush=True)\n"
+                            "os.kill(os.getpid(), signal.SIGKILL)"], capture_output=True, text=True, timeout=60)
+    assert child.returncode == -9, child.stderr
+    left = tmp_path / os.path.basename(child.stdout.strip())
+    assert snapshot_path(left, 1, 0, 3).is_file()
+    tier = MemoryTier.open("j", root=tmp_path)
+    assert not left.exists() and tier.committed("j", 1) is None
+    tier.close()
+
+
+# ---- the Checkpointer: memory first, never older than the disk ------------------------------------------------
+
+
+def _snapshotted_and_saved(tmp_path, *, snapshot_until: int, save_at: int):
+    model, optimizer, state = _job()
+    agent = _Agent()
+    ckpt = Checkpointer(tmp_path / "ckpt", session=agent, memory_dir=tmp_path / "mem", read_backoff_s=())
+    weights = {}
+    for step in range(1, max(snapshot_until, save_at) + 1):
+        _train(model, optimizer, state, step)
+        weights[step] = _params(model)
+        if step <= snapshot_until:
+            assert ckpt.snapshot(step, state)
+            ckpt.memory.wait()
+        if step == save_at:
+            ckpt.save(step, state)
+            ckpt.wait()
+    ckpt.close()
+    return weights, agent
+
+
+def _restore(tmp_path, agent):
+    model, optimizer, state = _job(seed=3)
+    ckpt = Checkpointer(tmp_path / "ckpt", session=agent, memory_dir=tmp_path / "mem", read_backoff_s=())
+    step = ckpt.restore(state)
+    ckpt.close()
+    return step, model, ckpt
+
+
+def test_restore_takes_the_memory_snapshot_when_it_is_newer_than_the_disk(tmp_path):
+    weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
+    agent.record, agent.memory = 5, 7
+    step, model, ckpt = _restore(tmp_path, agent)
+    assert step == 7 and ckpt.resumed_from_memory
+    assert all(torch.equal(a, b) for a, b in zip(weights[7], model.parameters()))
+    assert ("restored", 7, str(tmp_path / "mem")) in agent.stages
+
+
+def test_a_snapshot_older_than_the_committed_disk_checkpoint_is_never_used(tmp_path):
+    """The disk committed a newer step than memory holds (a save the snapshots did not see): the disk wins."""
+    weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=4, save_at=6)
+    agent.record, agent.memory = 6, 4
+    step, model, ckpt = _restore(tmp_path, agent)
+    assert step == 6 and not ckpt.resumed_from_memory
+    assert all(torch.equal(a, b) for a, b in zip(weights[6], model.parameters()))
+
+
+def test_a_snapshot_the_agent_does_not_vouch_for_is_never_used(tmp_path):
+    """Files in memory but no record in the agent (it restarted, or a rank never reported): the disk."""
+    weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
+    agent.record, agent.memory = 5, None
+    step, model, ckpt = _restore(tmp_path, agent)
+    assert step == 5 and not ckpt.resumed_from_memory
+    assert all(torch.equal(a, b) for a, b in zip(weights[5], model.parameters()))
+
+
+def test_a_snapshot_that_fails_to_load_falls_back_to_the_disk(tmp_path):
+    weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
+    snapshot_path(tmp_path / "mem", 1, 0, 7).write_bytes(b"torn")
+    agent.record, agent.memory = 5, 7
+    step, model, ckpt = _restore(tmp_path, agent)
+    assert step == 5 and not ckpt.resumed_from_memory
+    assert all(torch.equal(a, b) for a, b in zip(weights[5], model.parameters()))
