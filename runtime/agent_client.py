@@ -476,13 +476,12 @@ def ask_checkpoint_record(socket_path: str, job: str, timeout: float = 10.0) -> 
     return (int(reply.step) if reply.found else None), reply.path, reply.source
 
 
-def ask_memory_record(socket_path: str, job: str, world_size: int, timeout: float = 10.0) -> int | None:
-    """The newest step every rank of ``world_size`` has a memory snapshot of, as the agent that owns the memory
-    knows it; None when there is none or no agent answers. Once per restore, off the hot path."""
-    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size)), timeout)
-    if isinstance(reply, str) or reply.memory_step <= 0:
-        return None
-    return int(reply.memory_step)
+def ask_memory_steps(socket_path: str, job: str, world_size: int, rank: int, timeout: float = 10.0) -> list[int]:
+    """The steps of ``rank``'s memory snapshots at ``world_size`` that the agent owning the memory holds, newest
+    first; empty when there are none or no agent answers. Once per restore, off the hot path."""
+    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size),
+                                                                      rank=int(rank)), timeout)
+    return [] if isinstance(reply, str) else [int(s) for s in reply.memory_steps]
 
 
 def _arrivals_message(batch) -> pb.Arrivals:

@@ -144,9 +144,9 @@ class _RestorePlan:
     blocked: str = ""
     """Why the job may not resume at all (a read problem); empty otherwise."""
     error: str = ""
-    memory_step: int | None = None
-    """A step to restore from the memory snapshots first: every rank has one (the agent says), and it is at
-    least as new as every checkpoint the job committed and every complete one on disk."""
+    memory_floor: int | None = None
+    """When rank 0 keeps memory snapshots: the newest step the job committed or the disk holds complete (-1:
+    none). A memory snapshot every rank has, of this step or a newer one, is restored first."""
 
 
 READ_BACKOFF_ENV = "TRAINWARDEN_CKPT_READ_BACKOFF_S"
@@ -470,8 +470,10 @@ class Checkpointer:
         if plan.blocked:
             self._block(plan.blocked, CheckpointReadError)
         passed_over = list(plan.passed_over)
-        if plan.memory_step is not None and self._restore_from_memory(plan.memory_step, state, began):
-            return plan.memory_step
+        if plan.memory_floor is not None:
+            step = self._memory_step(plan.memory_floor)
+            if step is not None and self._restore_from_memory(step, state, began):
+                return step
         for step, path in plan.candidates:
             failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
@@ -646,30 +648,32 @@ class Checkpointer:
                 self._quarantine(status.step, status.path, status.state, reason)
         return _RestorePlan(candidates=[(s.step, str(s.path)) for s in complete], passed_over=passed_over,
                             evidence=evidence.describe(), ever_committed=bool(evidence.reasons()),
-                            memory_step=self._memory_candidate(max(newest, committed)))
+                            memory_floor=max(newest, committed) if self.memory is not None else None)
 
-    def _memory_candidate(self, disk_step: int) -> int | None:
-        """Rank 0: the step of the memory snapshots to try first, or None. The agent that owns the memory
-        answers which step every rank of this world size has a snapshot of (none after the agent restarted);
-        a snapshot older than what the disk holds or etcd says was committed is never used."""
-        if self.memory is None:
-            return None
-        session = self._events or current_session()
-        ask = getattr(session, "memory_record", None)
-        if ask is None:
-            return None
-        try:
-            step = ask(self.world_size)
-        except Exception as exc:
-            logger.warning("could not ask the node agent for its memory snapshots (%s); restoring from disk", exc)
-            return None
-        if step is None or step <= 0:
-            return None
-        if step < disk_step:
-            logger.info("the memory snapshot of step %d is older than the disk's (step %d): restoring from disk",
-                        step, disk_step)
-            return None
-        return step
+    def _memory_step(self, floor: int) -> int | None:
+        """Collective: the newest step every rank has a memory snapshot of, or None. A rank counts the steps its
+        node's agent (the memory's owner) heard it report and still holds, and whose file is here: none after
+        that agent restarted, none of a rank that moved to another node. A snapshot older than ``floor`` (what
+        the disk holds or etcd says was committed) is never used."""
+        mine: list[int] = []
+        if self.memory is not None:
+            session = self._events or current_session()
+            ask = getattr(session, "memory_steps", None)
+            try:
+                vouched = ask(self.world_size) if ask is not None else []
+                mine = [s for s in vouched if self.memory.has(s)]
+            except Exception as exc:
+                logger.warning("could not ask the node agent for this rank's memory snapshots (%s)", exc)
+        everyone = self._gather(mine)
+        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
+        best = max(common, default=None)
+        if self.rank == 0 and any(everyone) and (best is None or best < floor):
+            missing = [r for r, steps in enumerate(everyone) if not steps]
+            logger.info("restoring from disk, not memory: %s", (
+                f"the memory snapshot every rank has (step {best}) is older than the disk's (step {floor})"
+                if best is not None else f"no step is in every rank's memory snapshots"
+                f"{f' (ranks {missing[:16]} have none)' if missing else ''}"))
+        return best if best is not None and best >= floor else None
 
     def _scan_with_backoff(self, record: tuple[int | None, str]):
         """Scan; while something may be a read problem (``_doubtful``), look again after each backoff."""

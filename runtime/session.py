@@ -59,7 +59,7 @@ from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_pare
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
                            TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
-                           ask_memory_record)
+                           ask_memory_steps)
 from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
@@ -272,12 +272,12 @@ class Session:
             return None, "", "unknown (no node agent)"
         return ask_checkpoint_record(self._client.config.socket_path, self.job)
 
-    def memory_record(self, world_size: int) -> int | None:
-        """The newest step every rank of ``world_size`` has an in-memory snapshot of, as the node agent that owns
-        the memory knows it (runtime/memory_snapshot.py); None without an agent or snapshots."""
+    def memory_steps(self, world_size: int) -> list[int]:
+        """The steps of this rank's in-memory snapshots at ``world_size`` that its node agent (which owns the
+        memory) holds, newest first (runtime/memory_snapshot.py); empty without an agent or snapshots."""
         if self._client is None:
-            return None
-        return ask_memory_record(self._client.config.socket_path, self.job, world_size)
+            return []
+        return ask_memory_steps(self._client.config.socket_path, self.job, world_size, self.rank)
 
     def _hold(self, index: int) -> None:
         """Wait before step ``index``: the launcher restarts the workers once the checkpoint this rank just

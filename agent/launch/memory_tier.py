@@ -3,8 +3,10 @@
 `trainwarden run` makes one private directory in shared memory (``/dev/shm``) for the job on this node and gives
 it to the workers (``MEMORY_DIR_ENV``). Each rank writes its snapshot there after every step and reports the file
 (checkpoint stage ``snapshot``; runtime/memory_snapshot.py). This class hears those reports and answers the
-restoring rank 0 which step every rank of its world size has a snapshot of (the CheckpointRecord RPC's
-``memory_step``), so a restart after a crash or a hang resumes from the step before the fault, from memory.
+restoring ranks which of their snapshots it holds (the CheckpointRecord RPC's ``memory_steps``); the ranks agree on
+the newest step all of them have (runtime/checkpoint.py), so a restart after a crash or a hang resumes from the step
+before the fault, from memory. Each node's agent answers for its own ranks only: a job of several nodes needs no
+traffic between agents, and a rank that now runs on another node finds no snapshot there (the disk then).
 
 What it trusts:
 
@@ -23,6 +25,7 @@ report of a new world size removes the others.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from collections import deque
@@ -32,11 +35,14 @@ from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
 from trainwarden.agent.proto.snapshot_layout import KEEP, parse_snapshot
 
-__all__ = ["DEFAULT_ROOT", "MemoryTier"]
+__all__ = ["DEFAULT_ROOT", "ROOT_ENV", "MemoryTier", "start_memory_tier"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/dev/shm")
+ROOT_ENV = "TRAINWARDEN_MEMORY_ROOT"
+"""Where `trainwarden run` makes the tier (default ``/dev/shm``): a tmpfs with room for two snapshots of the
+node's ranks (a container's /dev/shm is often 64 MiB: mount a larger one, or point this at another tmpfs)."""
 PREFIX = "trainwarden-mem-"
 
 
@@ -52,9 +58,11 @@ class MemoryTier:
         self.reports = 0
 
     @classmethod
-    def open(cls, job: str, *, root: Path = DEFAULT_ROOT) -> "MemoryTier | None":
-        """A new tier under ``root`` (removing what runs that are gone left there); None, with the reason logged,
-        when ``root`` cannot hold one."""
+    def open(cls, job: str, *, root: Path | None = None) -> "MemoryTier | None":
+        """A new tier under ``root`` (default: ``$TRAINWARDEN_MEMORY_ROOT`` or ``/dev/shm``), removing what runs
+        that are gone left there; None, with the reason logged, when ``root`` cannot hold one."""
+        if root is None:
+            root = Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT)
         try:
             sweep(PREFIX, root=root)
             path = scratch_dir(f"{PREFIX}{job}-", root=root)
@@ -97,39 +105,32 @@ class MemoryTier:
 
     # ---- the restoring rank's question ---------------------------------------------------------------------
 
-    def committed(self, job: str, world_size: int) -> int | None:
-        """The newest step every rank of ``world_size`` reported a snapshot of and still keeps; None if none."""
+    def steps(self, job: str, world_size: int, rank: int) -> list[int]:
+        """The steps ``rank`` reported a snapshot of at ``world_size`` and still keeps, newest first."""
         if job != self.job:
-            return None
+            return []
         with self._lock:
-            if world_size != self._world or len(self._steps) != world_size:
-                return None
-            if set(self._steps) != set(range(world_size)):
-                return None
-            common = set.intersection(*(set(steps) for steps in self._steps.values()))
-        return max(common) if common else None
+            if world_size != self._world:
+                return []
+            return sorted(self._steps.get(rank, ()), reverse=True)
 
     def close(self) -> None:
         """Remove the directory and every snapshot in it (the run is over)."""
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def start_memory_tier(job: str, agent, *, enabled: bool, multi_node: bool, cleanup, out) -> "MemoryTier | None":
+def start_memory_tier(job: str, agent, *, enabled: bool, cleanup, out) -> "MemoryTier | None":
     """`trainwarden run`'s tier for ``job`` with its in-process ``agent`` (None: it keeps none, said in one line)."""
     if not enabled or agent is None:
         print("trainwarden: memory snapshots: off (--no-memory-snapshots); restarts restore from the disk "
               "checkpoints", file=out, flush=True)
-        return None
-    if multi_node:
-        print("trainwarden: memory snapshots: off for a job of several nodes (a node holds only its own ranks' "
-              "snapshots); restarts restore from the disk checkpoints", file=out, flush=True)
         return None
     tier = MemoryTier.open(job)
     if tier is None:
         return None
     cleanup.callback(tier.close)
     agent.job_telemetry.add_listener(tier)
-    agent.server.memory_record = tier.committed
+    agent.server.memory_steps = tier.steps
     print(f"trainwarden: memory snapshots in {tier.path}: a job that checkpoints with trainwarden's Checkpointer "
           "and snapshots every step restarts from the step before a fault (--no-memory-snapshots turns this off)",
           file=out, flush=True)

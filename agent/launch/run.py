@@ -372,8 +372,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
         agent.incidents.add_listener(self._on_incident)
-        self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots,
-                                             multi_node=self._multi_node, cleanup=cleanup, out=self.out)
+        self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots, cleanup=cleanup,
+                                             out=self.out)
 
     def _hang_coordinator(self) -> HangCoordinator | None:
         """For a job of several nodes: one node records each hang, naming the culprit from every node's view;

@@ -334,25 +334,27 @@ class CommitReply(_message.Message):
     def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointRecordRequest(_message.Message):
-    __slots__ = ("job", "world_size")
+    __slots__ = ("job", "world_size", "rank")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CheckpointRecordReply(_message.Message):
-    __slots__ = ("known", "found", "step", "path", "source", "memory_step")
+    __slots__ = ("known", "found", "step", "path", "source", "memory_steps")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     found: bool
     step: int
     path: str
     source: str
-    memory_step: int
-    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., memory_step: _Optional[int] = ...) -> None: ...
+    memory_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...

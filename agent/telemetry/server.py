@@ -136,9 +136,9 @@ class TelemetryServer:
         self.checkpoint_record: CheckpointRecordSource | None = None
         """Answers the CheckpointRecord RPC from etcd's ``jobs/<job>/checkpoint`` (the launcher sets it);
         None: unknown."""
-        self.memory_record: Callable[[str, int], "int | None"] | None = None
-        """``(job, world_size) -> step`` of the newest memory snapshot every rank has (the launcher that owns the
-        memory sets it: agent/launch/memory_tier.py); None: this agent keeps no snapshots."""
+        self.memory_steps: Callable[[str, int, int], "list[int]"] | None = None
+        """``(job, world_size, rank) -> steps`` of the rank's memory snapshots this agent holds, newest first (the
+        launcher that owns the memory sets it: agent/launch/memory_tier.py); None: this agent keeps none."""
 
     @property
     def address(self) -> str:
@@ -486,18 +486,15 @@ class TelemetryServer:
 
     def _checkpoint_record(self, request, context) -> pb.CheckpointRecordReply:
         """What etcd's record says the job committed (a restore's evidence before any fresh start), and the
-        newest memory snapshot of the asking world size."""
+        memory snapshots of the asking rank."""
         if isinstance(request, _Rejected):
             self._reject(context, request)
         reply = self._etcd_checkpoint_record(request.job)
-        reply.memory_step = -1
-        if self.memory_record is not None and request.world_size > 0:
+        if self.memory_steps is not None and request.world_size > 0:
             try:
-                step = self.memory_record(request.job, request.world_size)
+                reply.memory_steps.extend(self.memory_steps(request.job, request.world_size, request.rank))
             except Exception:  # a restore then reads the disk
                 log.exception("cannot tell the memory snapshots of job %s", request.job)
-                step = None
-            reply.memory_step = step if step is not None else -1
         return reply
 
     def _etcd_checkpoint_record(self, job: str) -> pb.CheckpointRecordReply:

@@ -22,14 +22,17 @@ def _everything(root: Path) -> list[str]:
 
 
 def test_a_full_run_with_a_restart_leaves_nothing_outside_the_jobs_state_directory(procs, tmp_path):
-    tmp, home = tmp_path / "tmp", tmp_path / "state"
+    tmp, home, shm = tmp_path / "tmp", tmp_path / "state", tmp_path / "shm"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    shm.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1",
+           "TRAINWARDEN_MEMORY_ROOT": str(shm)}
     run = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
                        "--nproc-per-node", "2", "--max-restarts", "1", "--job", "tidy", "--", str(WORKER)],
                       log=tmp_path / "run.log", env=env)
     assert run.wait(180) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    assert _everything(tmp) == []
+    assert _everything(tmp) == [] and _everything(shm) == []
+    assert "memory snapshots in " + str(shm) in (tmp_path / "run.log").read_text()
     assert [p for p in _everything(home) if not p.startswith(os.path.join("jobs", "tidy"))] == ["jobs"]
     state = home / "jobs" / "tidy"
     assert not (state / "embedded-etcd").exists()
@@ -38,10 +41,14 @@ def test_a_full_run_with_a_restart_leaves_nothing_outside_the_jobs_state_directo
 
 def test_what_a_sigkilled_run_left_in_tmp_is_removed_by_the_next_run(procs, tmp_path):
     """A SIGKILLed launcher cannot remove its agent's socket directory or its zygote's: they stayed in /tmp
-    for good. The next run removes them (their owner mark names a process that is gone)."""
-    tmp, home = tmp_path / "tmp", tmp_path / "state"
+    for good. The next run removes them (their owner mark names a process that is gone), and its memory
+    snapshots' directory in shared memory likewise (an agent that restarts drops the snapshots of the one
+    before)."""
+    tmp, home, shm = tmp_path / "tmp", tmp_path / "state", tmp_path / "shm"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    shm.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1",
+           "TRAINWARDEN_MEMORY_ROOT": str(shm)}
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\ntime.sleep(120)\n")
     killed = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
@@ -54,8 +61,9 @@ def test_what_a_sigkilled_run_left_in_tmp_is_removed_by_the_next_run(procs, tmp_
     killed.wait(30)
     left = _everything(tmp)
     assert any(p.startswith("trainwarden-") for p in left) and any(p.startswith("tw-warm-") for p in left), left
+    assert [p.name for p in shm.iterdir() if p.name.startswith("trainwarden-mem-killed-")], _everything(shm)
     run = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
                        "--nproc-per-node", "2", "--max-restarts", "1", "--job", "tidy", "--", str(WORKER)],
                       log=tmp_path / "run.log", env=env)
     assert run.wait(180) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    assert _everything(tmp) == []
+    assert _everything(tmp) == [] and _everything(shm) == []

@@ -45,16 +45,17 @@ def _params(model) -> list[torch.Tensor]:
 
 
 class _Agent:
-    """What the node agent answers a restoring rank 0: etcd's record of the disk checkpoint and the memory step."""
+    """What the node agent answers a restoring rank: etcd's record of the disk checkpoint and the steps of the
+    rank's memory snapshots it holds."""
 
-    def __init__(self, record: int | None = None, memory: int | None = None) -> None:
-        self.record, self.memory = record, memory
+    def __init__(self, record: int | None = None, memory: list[int] = ()) -> None:
+        self.record, self.memory = record, list(memory)
         self.stages: list[tuple[str, int, str]] = []
 
     def committed_record(self):
         return self.record, "", "found" if self.record is not None else "none recorded"
 
-    def memory_record(self, world_size: int):
+    def memory_steps(self, world_size: int):
         return self.memory
 
     def checkpoint_event(self, stage, step, seconds=0.0, bytes=0, path="", detail=""):
@@ -138,25 +139,22 @@ def _report(tier: MemoryTier, rank: int, step: int, world: int = 2, job: str = "
     tier.on_checkpoint(job, rank, "snapshot", step, str(snapshot_path(tier.path, world, rank, step)), 0)
 
 
-def test_the_agent_counts_a_step_once_every_rank_of_the_world_size_has_it(tmp_path):
+def test_the_agent_answers_for_each_rank_the_steps_it_reported_and_still_keeps(tmp_path):
     tier = MemoryTier.open("j", root=tmp_path)
     assert tier.env() == {"TRAINWARDEN_MEMORY_DIR": str(tier.path)}
-    _report(tier, 0, 5)
-    assert tier.committed("j", 2) is None  # rank 1 has reported nothing yet
-    _report(tier, 1, 4)
+    assert tier.steps("j", 2, 0) == []
+    for step in (4, 5, 6):
+        _report(tier, 0, step)
     _report(tier, 1, 5)
-    _report(tier, 0, 6)
-    assert tier.committed("j", 2) == 5 and tier.committed("j", 4) is None and tier.committed("other", 2) is None
-    _report(tier, 0, 7)  # rank 0 keeps 6 and 7 now: 5 is gone from its memory
-    assert tier.committed("j", 2) is None
-    _report(tier, 1, 7)
-    assert tier.committed("j", 2) == 7
+    assert tier.steps("j", 2, 0) == [6, 5] and tier.steps("j", 2, 1) == [5]  # KEEP: a rank's newest two
+    assert tier.steps("j", 4, 0) == [] and tier.steps("other", 2, 0) == []
     tier.on_checkpoint("j", 1, "snapshot", 8, str(snapshot_path(tmp_path / "elsewhere", 2, 1, 8)), 0)
     tier.on_checkpoint("j", 1, "snapshot", 8, str(snapshot_path(tier.path, 2, 0, 8)), 0)  # rank 0's file
-    assert tier.committed("j", 2) == 7  # neither counted
+    tier.on_checkpoint("j", 1, "snapshot", 9, str(snapshot_path(tier.path, 2, 1, 8)), 0)  # another step's
+    assert tier.steps("j", 2, 1) == [5]  # none of them counted
     (tier.path / "world-2").mkdir()
     _report(tier, 0, 9, world=1)  # a round of another size: the old world's files go
-    assert tier.committed("j", 2) is None and tier.committed("j", 1) == 9 and not (tier.path / "world-2").exists()
+    assert tier.steps("j", 2, 0) == [] and tier.steps("j", 1, 0) == [9] and not (tier.path / "world-2").exists()
     tier.close()
     assert not tier.path.exists()
 
@@ -176,7 +174,7 @@ def test_an_agent_that_restarts_drops_the_snapshots_of_the_one_before(tmp_path):
     left = tmp_path / os.path.basename(child.stdout.strip())
     assert snapshot_path(left, 1, 0, 3).is_file()
     tier = MemoryTier.open("j", root=tmp_path)
-    assert not left.exists() and tier.committed("j", 1) is None
+    assert not left.exists() and tier.steps("j", 1, 0) == []
     tier.close()
 
 
@@ -211,7 +209,7 @@ def _restore(tmp_path, agent):
 
 def test_restore_takes_the_memory_snapshot_when_it_is_newer_than_the_disk(tmp_path):
     weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
-    agent.record, agent.memory = 5, 7
+    agent.record, agent.memory = 5, [7, 6]
     step, model, ckpt = _restore(tmp_path, agent)
     assert step == 7 and ckpt.resumed_from_memory
     assert all(torch.equal(a, b) for a, b in zip(weights[7], model.parameters()))
@@ -221,7 +219,7 @@ def test_restore_takes_the_memory_snapshot_when_it_is_newer_than_the_disk(tmp_pa
 def test_a_snapshot_older_than_the_committed_disk_checkpoint_is_never_used(tmp_path):
     """The disk committed a newer step than memory holds (a save the snapshots did not see): the disk wins."""
     weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=4, save_at=6)
-    agent.record, agent.memory = 6, 4
+    agent.record, agent.memory = 6, [4, 3]
     step, model, ckpt = _restore(tmp_path, agent)
     assert step == 6 and not ckpt.resumed_from_memory
     assert all(torch.equal(a, b) for a, b in zip(weights[6], model.parameters()))
@@ -230,16 +228,25 @@ def test_a_snapshot_older_than_the_committed_disk_checkpoint_is_never_used(tmp_p
 def test_a_snapshot_the_agent_does_not_vouch_for_is_never_used(tmp_path):
     """Files in memory but no record in the agent (it restarted, or a rank never reported): the disk."""
     weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
-    agent.record, agent.memory = 5, None
+    agent.record, agent.memory = 5, []
     step, model, ckpt = _restore(tmp_path, agent)
     assert step == 5 and not ckpt.resumed_from_memory
     assert all(torch.equal(a, b) for a, b in zip(weights[5], model.parameters()))
 
 
+def test_a_step_the_agent_vouches_for_whose_file_is_gone_is_not_counted(tmp_path):
+    weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
+    snapshot_path(tmp_path / "mem", 1, 0, 7).unlink()
+    agent.record, agent.memory = 5, [7, 6]
+    step, model, ckpt = _restore(tmp_path, agent)
+    assert step == 6 and ckpt.resumed_from_memory
+    assert all(torch.equal(a, b) for a, b in zip(weights[6], model.parameters()))
+
+
 def test_a_snapshot_that_fails_to_load_falls_back_to_the_disk(tmp_path):
     weights, agent = _snapshotted_and_saved(tmp_path, snapshot_until=7, save_at=5)
     snapshot_path(tmp_path / "mem", 1, 0, 7).write_bytes(b"torn")
-    agent.record, agent.memory = 5, 7
+    agent.record, agent.memory = 5, [7, 6]
     step, model, ckpt = _restore(tmp_path, agent)
     assert step == 5 and not ckpt.resumed_from_memory
     assert all(torch.equal(a, b) for a, b in zip(weights[5], model.parameters()))
