@@ -51,6 +51,9 @@ def memory_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
     return Path(raw) if raw else None
 
 
+_CONTAINERS = (torch.Tensor, Mapping, list, tuple)
+
+
 class _Staged:
     """A state's structure with every tensor replaced by a host buffer of this rank's own part."""
 
@@ -75,6 +78,8 @@ class _Staged:
         if isinstance(value, Mapping):
             return {k: self.stage(v, f"{key}/{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
+            if not any(isinstance(v, _CONTAINERS) for v in value):  # e.g. Python's RNG state: 625 ints, kept as is
+                return list(value) if isinstance(value, list) else value
             staged = [self.stage(v, f"{key}/{i}") for i, v in enumerate(value)]
             return staged if isinstance(value, list) else tuple(staged)
         return value
@@ -102,6 +107,8 @@ def _fill(template: Any, saved: Any, key: str) -> Any:
     if isinstance(template, (list, tuple)) and not isinstance(saved, torch.Tensor):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(template):
             raise ValueError(f"{key}: a sequence of another length in the snapshot")
+        if not any(isinstance(t, _CONTAINERS) for t in template):
+            return saved
         filled = [_fill(t, s, f"{key}/{i}") for i, (t, s) in enumerate(zip(template, saved))]
         return filled if isinstance(template, list) else tuple(filled)
     return saved
