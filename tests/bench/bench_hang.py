@@ -30,6 +30,7 @@ from pathlib import Path
 from _procs import stop_group
 
 STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bstep (\d+) loss ")
+RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bresumed from checkpoint step ", re.M)
 FAULT = "hang:rank=2,step=15"
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "30",
        "--ckpt-every", "5"]
@@ -82,11 +83,13 @@ def trainwarden(root: Path, nproc: int, bound: float, warm: bool = False) -> dic
     log = log_path.read_text(errors="replace")
     resumed = log.find("resumed from checkpoint")
     recovered = _first_step_after(log[resumed:], fired) if fired and resumed >= 0 else None
+    restored = next((_stamp(m.group(1)) for m in RESUMED.finditer(log) if fired and _stamp(m.group(1)) > fired), None)
     return {"rc": rc, "fault_at": fired, "detected_s": hangs[0]["detected_at"] - fired if hangs and fired else None,
             "culprits": hangs[0]["ranks"] if hangs else None,
             # the deadline that applied: the detection latency is about this plus the watchdog's period
             "deadline_s": hangs[0]["evidence"].get("timeout_seconds") if hangs else None,
             "deadline": hangs[0]["evidence"].get("deadline") if hangs else None,
+            "restored_s": restored - fired if restored and fired else None,
             "recovered_s": recovered - fired if recovered and fired else None}
 
 

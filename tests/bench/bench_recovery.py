@@ -53,7 +53,7 @@ def crash(work: Path, bound: float) -> dict:
 def hang(work: Path, bound: float) -> dict:
     tw = bench_hang.trainwarden(work, 8, bound, warm=True)
     plain = bench_hang.plain_torchrun(work, 8, bound)
-    tw_row = {"detect": tw["detected_s"], "restore": None, "train": tw["recovered_s"],
+    tw_row = {"detect": tw["detected_s"], "restore": tw["restored_s"], "train": tw["recovered_s"],
               "note": f"deadline {tw['deadline_s']} s ({tw['deadline']})"}
     if plain["progress_after_fault_s"] is None:
         plain_row = {"detect": None, "restore": None, "train": GLOO_TIMEOUT_S, "charged": True,
