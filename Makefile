@@ -1,6 +1,7 @@
 # trainwarden: two commands on a fresh machine.
 #   make demo   creates .venv, installs trainwarden, runs the 3D-parallel CPU demo with a fault injected
 #   make test   creates .venv if needed, installs the test extra and the system packages, runs the suite
+#   make gpu-check  on a machine with an NVIDIA GPU: the GPU-only tests and benchmarks, figures in runs/gpu-check.json
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ PYTEST_ARGS ?=
 DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2
 DEMO_STEPS ?= 70
 
-.PHONY: demo demo-cluster dashboard-pictures test test-all venv install install-test system-packages bench clean
+.PHONY: demo demo-cluster dashboard-pictures test test-all gpu-check venv install install-test system-packages bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +66,18 @@ test: $(VENV)/.installed-test system-packages
 # the default suite and the tests marked extended (the longest scenarios, second variants): about 11 minutes more
 test-all: $(VENV)/.installed-test system-packages
 	$(BIN)/python -m pytest --extended $(PYTEST_ARGS)
+
+# every GPU-only test and benchmark (tests/gpu, marked gpu; skipped in `make test` without a GPU) on this machine's
+# GPU, with a CUDA build of torch: NCCL's Flight Recorder, CUDA step timing, NVML against nvidia-smi, warm workers with
+# CUDA, the checkpoint stall of a 403M-parameter model, telemetry overhead on a 60 ms step (about 10 minutes). The
+# figures go to $(GPU_FIGURES), also when a check fails.
+GPU_FIGURES ?= runs/gpu-check.json
+gpu-check: $(VENV)/.installed-test
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  'make gpu-check: no CUDA GPU visible to torch ' + torch.__version__ + ' (a CUDA build is needed: TORCH_SPEC)')"
+	rm -rf runs/gpu-check && mkdir -p runs/gpu-check
+	TRAINWARDEN_GPU_FIGURES=$(CURDIR)/runs/gpu-check $(BIN)/python -m pytest -m gpu tests/gpu $(PYTEST_ARGS); \
+	  status=$$?; $(BIN)/python tests/gpu/gpu_figures.py runs/gpu-check $(GPU_FIGURES); exit $$status
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python tests/bench/bench_checkpoint.py

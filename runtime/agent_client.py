@@ -188,9 +188,9 @@ class TelemetryClient:
         self.record(item)
         self._wake.set()
 
-    def update_hello(self, *, mesh=None, step_source: str | None = None) -> None:
-        """Change what this worker says about itself (its mesh, where its steps come from): sent now on the
-        open stream as a second Hello, and at the start of every later one."""
+    def update_hello(self, *, mesh=None, step_source: str | None = None, gpu_uuid: str | None = None) -> None:
+        """Change what this worker says about itself (its mesh, where its steps come from, its GPU): sent now
+        on the open stream as a second Hello, and at the start of every later one."""
         hello = pb.Hello()
         hello.CopyFrom(self._hello)
         if mesh is not None:
@@ -198,6 +198,8 @@ class TelemetryClient:
             hello.mesh.update({str(k): int(v) for k, v in dict(mesh).items()})
         if step_source is not None:
             hello.step_source = step_source
+        if gpu_uuid is not None:
+            hello.gpu_uuid = gpu_uuid
         self._hello = hello  # one reference swap: the sender copies whichever it sees
         self.record_soon((HELLO_RECORD,))
 

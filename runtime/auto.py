@@ -235,6 +235,7 @@ class OptimizerSteps:
         self._primary: "weakref.ref | None" = None
         self._clock_ns, self._wall_ns = clock_ns, wall_ns
         self._last_wall = self._last_mono = 0
+        self._gpu = None  # the CUDA event token of the step under way (Session._gpu_begin)
 
     def start_session(self) -> None:
         """The process group exists: open the telemetry session (once)."""
@@ -273,8 +274,10 @@ class OptimizerSteps:
             mono, wall = self._clock_ns(), self._wall_ns()
             start_wall, start_mono = self._last_wall, self._last_mono
             self._last_wall, self._last_mono = wall, mono
-            client.record((STEP_RECORD, _step_index(optimizer, self.boundaries), start_wall, mono - start_mono,
-                           self.tokens, None))
+            # one boundary ends a step and starts the next: on CUDA, the GPU's time between the two
+            token, self._gpu = self._gpu, session._gpu_begin()
+            session._emit_step((STEP_RECORD, _step_index(optimizer, self.boundaries), start_wall, mono - start_mono,
+                                self.tokens, None), token)
         except Exception:
             pass
 

@@ -1,22 +1,39 @@
 """Collective timing from PyTorch's Flight Recorder.
 
-This is the one module that touches `torch._C._distributed_c10d._dump_fr_trace` (a private API and the
-only way to read the recorder in-process). It has three parts:
+This is the one module that touches `torch._C._distributed_c10d._dump_fr_trace` and `_dump_nccl_trace`
+(private APIs and the only way to read the recorders in-process). It has three parts:
 
-- `FlightRecorder` reads the ring buffer and returns only the entries not returned before. Entries are
+- `FlightRecorder` reads the ring buffers and returns only the entries not returned before. Entries are
   returned once they are retired (completed); a collective still in flight is returned by a later read.
-  When the ring wrapped between two reads, the overwritten entries are counted in `missed`.
+  When a ring wrapped between two reads, the overwritten entries are counted in `missed`.
 - `CollectiveReducer` folds entries into cumulative per (process_group, op) totals: count, wait seconds and
   the last collective sequence id. It is plain Python, tested on recorded sample dicts.
 - `ArrivalLog` picks the training thread's collectives out of each read, (group, sequence id, enqueue
   time) in record order, for the agent to match across ranks (agent/telemetry/arrivals.py): on gloo that, not the
   estimate below, is what straggler detection uses.
 
+Two recorders, one per kind of backend (torch 2.13's source: FlightRecorder.cpp, ProcessGroupNCCL.cpp).
+Gloo (and any backend recording through the generic recorder) writes `FlightRecorder<c10::Event>`, dumped
+by `_dump_fr_trace`; ProcessGroupNCCL writes its own `FlightRecorderCUDA` (CUDA events), dumped by
+`_dump_nccl_trace`, which only CUDA builds have. The entries have the same fields, but record ids count
+per recorder, so each ring is followed on its own (`_Ring`) and each entry returned carries the name of
+its recorder under ``"recorder"`` ("gloo" or "nccl"). A job with NCCL and gloo groups reads both; a
+recorder with no entries costs a read of about 60 us.
+
+NCCL entries also carry ``state`` ("scheduled", "started", "completed": what the CUDA events said when
+the watchdog or a dump last queried them), ``time_discovered_started_ns`` and
+``time_discovered_completed_ns`` (wall clock of those queries, not of the GPU events: they lag the GPU by
+up to the watchdog's polling period) and, with TORCH_NCCL_ENABLE_TIMING=1, ``duration_ms`` (start to end
+event on the GPU).
+
 What "wait" means:
 
 - NCCL with TORCH_NCCL_ENABLE_TIMING=1: entries carry `duration_ms`, the measured time of the collective
   kernel, which is dominated by waiting for the slowest peer. wait = duration.
-- gloo (and NCCL without timing): entries carry only `time_created_ns`, the wall-clock enqueue time.
+- NCCL without timing: the time between the discovered start and completion (coarse: both are query
+  times), or zero when the start was never seen. The enqueue-gap estimate below means nothing on CUDA,
+  where the CPU enqueues ahead of the GPU.
+- gloo: entries carry only `time_created_ns`, the wall-clock enqueue time.
   Blocking gloo collectives return when they are complete, so the next thing the rank does (enqueue
   another collective, or end the step) cannot start before. We estimate each collective's wait as the
   time from its enqueue to the earlier of (the next enqueue on the same thread, the end of the step that
@@ -27,6 +44,11 @@ What "wait" means:
   Asynchronous collectives (`async_op=True`) are waited for in `work.wait()`, which the recorder does not
   see: their estimate is the gap to the next enqueue, which says little. Collectives enqueued outside any
   step are counted with zero wait (compute = step − wait only concerns steps).
+
+Arrival times (`ArrivalLog`): on gloo, the enqueue time. On NCCL the enqueue is the CPU's, which runs
+ahead of the GPU, so an entry with a duration arrives at ``time_discovered_completed_ns - duration_ms``:
+the kernel's start on the wall clock, late by the completion's discovery lag (see above); without a
+duration, the enqueue time (then a GPU straggler is not seen in arrivals, only in the hang verdict).
 
 Environment (tested on torch 2.13 with gloo): TORCH_FR_BUFFER_SIZE alone enables the recorder for gloo
 and NCCL alike (it is the number of entries kept; TORCH_NCCL_TRACE_BUFFER_SIZE is the older name, still
@@ -45,6 +67,7 @@ there, which the agent handles.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 import os
@@ -52,12 +75,12 @@ import pickle
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from trainwarden.agent.proto.contract import FLIGHT_RECORDER_ENV
 
-__all__ = ["FLIGHT_RECORDER_ENV", "ArrivalBatch", "ArrivalLog", "CollectiveReducer", "CollectiveSummary",
-           "FlightRecorder", "ReadSchedule", "ring_capacity"]
+__all__ = ["FLIGHT_RECORDER_ENV", "RECORDER_DUMPS", "ArrivalBatch", "ArrivalLog", "CollectiveReducer",
+           "CollectiveSummary", "FlightRecorder", "ReadSchedule", "ring_capacity", "torch_recorders"]
 
 log = logging.getLogger(__name__)
 
@@ -82,73 +105,143 @@ class CollectiveSummary:
     """Highest collective sequence id seen in the group."""
 
 
-def _torch_dump(include_stack_traces: bool) -> bytes:
-    from torch._C._distributed_c10d import _dump_fr_trace  # private: wrapped here and nowhere else
+RECORDER_DUMPS = {"gloo": "_dump_fr_trace", "nccl": "_dump_nccl_trace"}
+"""Recorder name -> the torch._C._distributed_c10d function that dumps it (pickled, torch's format)."""
 
-    return _dump_fr_trace(includeCollectives=True, includeStackTraces=include_stack_traces, onlyActive=False)
+
+def _torch_dump(function: str, include_stack_traces: bool) -> bytes:
+    from torch._C import _distributed_c10d as c10d  # private: wrapped here and nowhere else
+
+    return getattr(c10d, function)(includeCollectives=True, includeStackTraces=include_stack_traces,
+                                   onlyActive=False)
+
+
+def torch_recorders() -> dict[str, Callable[[bool], bytes]]:
+    """The recorders this torch build has: "gloo" always, "nccl" in CUDA builds (`_dump_nccl_trace`)."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return {}
+    return {name: functools.partial(_torch_dump, function) for name, function in RECORDER_DUMPS.items()
+            if hasattr(c10d, function)}
+
+
+class _Ring:
+    """What was returned of one recorder's ring: record ids count per recorder."""
+
+    __slots__ = ("next_id", "returned_ids", "missed", "returned")
+
+    def __init__(self) -> None:
+        self.next_id = 0  # every record id below this was returned (or missed)
+        self.returned_ids: set[int] = set()  # ids at or above next_id already returned
+        self.missed = 0
+        self.returned = 0
+
+    def take(self, entries: list[dict]) -> list[dict]:
+        if not entries:
+            return []
+        first = entries[0]["record_id"]
+        if first > self.next_id:  # the ring wrapped: these were overwritten before we saw them
+            self.missed += first - self.next_id - sum(1 for i in self.returned_ids if i < first)
+            self.returned_ids = {i for i in self.returned_ids if i >= first}
+            self.next_id = first
+        new = []
+        for entry in entries:
+            rid = entry["record_id"]
+            if rid < self.next_id or rid in self.returned_ids or not _done(entry):
+                continue
+            new.append(entry)
+            self.returned_ids.add(rid)
+        while self.next_id in self.returned_ids:
+            self.returned_ids.discard(self.next_id)
+            self.next_id += 1
+        self.returned += len(new)
+        return new
 
 
 class FlightRecorder:
-    """Reads new Flight Recorder entries; `dump` is injected in tests (returns the pickled trace)."""
+    """Reads new Flight Recorder entries from every recorder of the process (module docstring).
 
-    def __init__(self, dump: Callable[[bool], bytes] | None = None) -> None:
-        if dump is None:
-            try:
-                from torch._C import _distributed_c10d as c10d
-                dump = _torch_dump if hasattr(c10d, "_dump_fr_trace") else None
-            except ImportError:
-                dump = None
-        self._dump = dump
-        self._next_id = 0          # every record id below this was returned (or missed)
-        self._returned: set[int] = set()  # ids at or above _next_id already returned
-        self.missed = 0
-        """Entries overwritten before a read returned them."""
-        self.returned = 0
-        """Entries returned so far."""
+    ``recorders`` maps a recorder's name to a callable that returns its pickled trace (tests inject them;
+    by default `torch_recorders()`); ``dump`` alone is one recorder named "gloo"."""
+
+    def __init__(self, dump: Callable[[bool], bytes] | None = None, *,
+                 recorders: Mapping[str, Callable[[bool], bytes]] | None = None) -> None:
+        if recorders is None:
+            recorders = {"gloo": dump} if dump is not None else torch_recorders()
+        self._recorders = dict(recorders)
+        self._rings = {name: _Ring() for name in self._recorders}
+        self._failing: set[str] = set()
 
     @property
     def available(self) -> bool:
-        return self._dump is not None
+        return bool(self._recorders)
 
     @property
-    def complete_below(self) -> int:
-        """Every record id below this has been returned (or counted as missed); later ones may not have."""
-        return self._next_id
+    def recorders(self) -> tuple[str, ...]:
+        return tuple(self._recorders)
+
+    @property
+    def missed(self) -> int:
+        """Entries overwritten before a read returned them (every recorder)."""
+        return sum(ring.missed for ring in self._rings.values())
+
+    @property
+    def returned(self) -> int:
+        """Entries returned so far (every recorder)."""
+        return sum(ring.returned for ring in self._rings.values())
+
+    @property
+    def complete_below(self) -> dict[str, int]:
+        """Per recorder: every record id below this has been returned (or counted as missed)."""
+        return {name: ring.next_id for name, ring in self._rings.items()}
 
     def dump_raw(self, include_stack_traces: bool = False) -> bytes | None:
         """The full trace (torch's pickle bytes) for diagnostics; None when unavailable.
 
+        With one recorder, or one that holds entries, its dump unchanged. With entries in several (NCCL and
+        gloo groups in one job), one trace in the same format: the entries of all, each tagged with its
+        ``recorder``, the NCCL dump's other fields, ``pg_config`` merged, and the pg ids of entries and
+        ``pg_status`` both spelled ``<recorder>/<pg id>`` (pg ids count per backend; the agent's hang verdict
+        joins the two on it, agent/watchdog/culprit.py).
+
         Without stack traces by default: the agent needs sequence ids and states to name a hang's culprit
         (faulthandler gives the stacks), and capturing the Python stack of every entry makes the dump
         about 50x slower (torch 2.13, 2,000 entries: ~0.1 s without, ~5 s with, on a busy 2-core VM)."""
-        if self._dump is None:
+        if not self._recorders:
             return None
-        return self._dump(include_stack_traces)
+        raw = {name: dump(include_stack_traces) for name, dump in self._recorders.items()}
+        if len(raw) == 1:
+            return next(iter(raw.values()))
+        traces = {name: pickle.loads(data) for name, data in raw.items()}
+        holding = [name for name, trace in traces.items() if trace.get("entries")]
+        if len(holding) <= 1:
+            return raw[holding[0] if holding else ("nccl" if "nccl" in raw else next(iter(raw)))]
+        merged = dict(traces.get("nccl") or traces[holding[0]])
+        merged["entries"] = [dict(entry, recorder=name, pg_id=f"{name}/{entry.get('pg_id')}")
+                             for name in holding for entry in traces[name]["entries"]]
+        merged["pg_config"] = {k: v for name in holding for k, v in (traces[name].get("pg_config") or {}).items()}
+        merged["pg_status"] = {f"{name}/{k}": v for name in holding
+                               for k, v in (traces[name].get("pg_status") or {}).items()}
+        return pickle.dumps(merged)
 
     def read_new(self) -> list[dict]:
-        """Retired entries not returned before, oldest first. Empty when the recorder is unavailable."""
-        if self._dump is None:
-            return []
-        trace = pickle.loads(self._dump(False))
-        entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
-        if not entries:
-            return []
-        first = entries[0]["record_id"]
-        if first > self._next_id:  # the ring wrapped: these were overwritten before we saw them
-            self.missed += first - self._next_id - sum(1 for i in self._returned if i < first)
-            self._returned = {i for i in self._returned if i >= first}
-            self._next_id = first
-        new = []
-        for entry in entries:
-            rid = entry["record_id"]
-            if rid < self._next_id or rid in self._returned or not _done(entry):
+        """Retired entries not returned before, each recorder's oldest first, tagged with ``"recorder"``.
+        Empty when no recorder is available. A recorder whose dump fails is skipped (and logged once)."""
+        new: list[dict] = []
+        for name, dump in self._recorders.items():
+            try:
+                trace = pickle.loads(dump(False))
+            except Exception as exc:
+                if name not in self._failing:
+                    self._failing.add(name)
+                    log.warning("flight recorder %s: dump failed: %s", name, exc)
                 continue
-            new.append(entry)
-            self._returned.add(rid)
-        while self._next_id in self._returned:
-            self._returned.discard(self._next_id)
-            self._next_id += 1
-        self.returned += len(new)
+            self._failing.discard(name)
+            entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
+            for entry in entries:
+                entry["recorder"] = name
+            new.extend(self._rings[name].take(entries))
         return new
 
 
@@ -237,11 +330,32 @@ def _done(entry: dict) -> bool:
     return bool(entry.get("retired")) or entry.get("state") == "completed"
 
 
+def _is_nccl(entry: dict) -> bool:
+    return entry.get("recorder") == "nccl" or str(entry.get("profiling_name") or "").startswith("nccl:")
+
+
+def _discovered_seconds(entry: dict) -> float:
+    """NCCL without timing: from the discovered start to the discovered completion (query times)."""
+    started, completed = entry.get("time_discovered_started_ns"), entry.get("time_discovered_completed_ns")
+    if not started or not completed or completed < started:
+        return 0.0
+    return (int(completed) - int(started)) / 1e9
+
+
+def _arrival_ns(entry: dict) -> int:
+    """When the rank reached the collective, on the wall clock (module docstring: Arrival times)."""
+    duration_ms, completed = entry.get("duration_ms"), entry.get("time_discovered_completed_ns")
+    if _is_nccl(entry) and duration_ms is not None and completed:
+        return int(completed) - int(float(duration_ms) * 1e6)
+    return int(entry["time_created_ns"])
+
+
 def _group_name(entry: dict) -> str:
     pg = entry.get("process_group")
     if isinstance(pg, (tuple, list)) and pg:
-        name = str(pg[1]) if len(pg) > 1 and pg[1] not in ("", "undefined") else f"pg{pg[0]}"
-        return name
+        if len(pg) > 1 and pg[1] not in ("", "undefined"):
+            return str(pg[1])
+        return f"pg{pg[0]}" if str(pg[0]).isdigit() else str(pg[0])  # a group made outside init_process_group
     return f"pg{entry.get('pg_id', '?')}"
 
 
@@ -277,6 +391,8 @@ class CollectiveReducer:
             if duration_ms is not None:
                 self.has_durations = True
                 self._add(entry, max(0.0, float(duration_ms)) / 1000.0)
+            elif _is_nccl(entry):
+                self._add(entry, _discovered_seconds(entry))
             else:
                 self._pending.append(entry)
         self._pending.sort(key=lambda e: e.get("time_created_ns") or 0)
@@ -343,7 +459,9 @@ class ArrivalLog:
     to arrive is the one the others waited for (agent/telemetry/arrivals.py). Only the training thread's
     collectives count (checkpoint writers run theirs on other threads), point-to-point entries are left
     out (no sequence id that matches across ranks), and entries are released in record order: one still
-    in flight holds back those after it, so the agent sees every arrival of a stretch exactly once.
+    in flight holds back those after it, so the agent sees every arrival of a stretch exactly once. Each
+    recorder's entries are released in its own record order; a batch holding both (NCCL and gloo groups)
+    is merged by enqueue time, the training thread's program order.
     `members` resolves a group name to its ranks (injected in tests; torch's group registry otherwise).
     """
 
@@ -356,20 +474,29 @@ class ArrivalLog:
         self._sent_any = False
         self._broken = True
 
-    def add(self, entries: Iterable[dict], *, complete_below: int, missed: int) -> ArrivalBatch:
-        """Take the entries of one read; return the arrivals that can be released."""
+    def add(self, entries: Iterable[dict], *, complete_below: int | Mapping[str, int], missed: int) -> ArrivalBatch:
+        """Take the entries of one read; return the arrivals that can be released. ``complete_below``: the
+        reader's `FlightRecorder.complete_below` (per recorder; one int applies to every recorder)."""
+
+        def below(entry: dict) -> bool:
+            if isinstance(complete_below, int):
+                return entry["record_id"] < complete_below
+            return entry["record_id"] < complete_below.get(entry.get("recorder", ""), 0)
+
         if missed != self._missed:  # entries were lost: the chain of arrivals has a gap
             self._missed = missed
             self._broken = True
-            self._held = [e for e in self._held if e["record_id"] >= complete_below]
+            self._held = [e for e in self._held if not below(e)]
         self._held.extend(e for e in entries
                           if str(e.get("thread_id", "")) == self._thread and not e.get("is_p2p")
                           and e.get("time_created_ns") is not None)
-        self._held.sort(key=lambda e: e["record_id"])
-        ready = [e for e in self._held if e["record_id"] < complete_below]
-        self._held = self._held[len(ready):]
-        arrivals = tuple((_group_id(e), int(e.get("collective_seq_id") or 0), int(e["time_created_ns"]),
-                          _op_name(e)) for e in ready)
+        ready = [e for e in self._held if below(e)]
+        self._held = [e for e in self._held if not below(e)]
+        ready.sort(key=lambda e: (e.get("recorder", ""), e["record_id"]))
+        if len({e.get("recorder", "") for e in ready}) > 1:
+            ready.sort(key=lambda e: int(e["time_created_ns"]))  # stable: record order within a recorder
+        arrivals = tuple((_group_id(e), int(e.get("collective_seq_id") or 0), _arrival_ns(e), _op_name(e))
+                         for e in ready)
         members: dict[str, tuple[int, ...]] = {}
         for name in {a[0] for a in arrivals} - self._described:
             self._described.add(name)

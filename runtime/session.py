@@ -56,6 +56,7 @@ from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_TH
 
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_parent
 
+from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
                            TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
@@ -98,7 +99,7 @@ _NULL = _NullContext()
 
 
 class _StepContext:
-    __slots__ = ("_session", "_index", "_tokens", "_wall", "_mono")
+    __slots__ = ("_session", "_index", "_tokens", "_wall", "_mono", "_gpu")
 
     def __init__(self, session: "Session", index: int, tokens: int) -> None:
         self._session, self._index, self._tokens = session, index, tokens
@@ -108,6 +109,7 @@ class _StepContext:
         if s._hold_after is not None and self._index > s._hold_after:
             s._hold(self._index)
         s._phases = None
+        self._gpu = s._gpu_begin()
         self._wall = time.time_ns()
         self._mono = time.monotonic_ns()
         return self
@@ -116,10 +118,12 @@ class _StepContext:
         s = self._session
         if exc_type is not None:  # a step that raised did not complete: it is not progress
             s._phases = None
+            if s._cuda is not None:
+                s._cuda.abandon(self._gpu)
             return False
         try:
-            s._client.record((STEP_RECORD, self._index, self._wall, time.monotonic_ns() - self._mono,
-                              self._tokens, s._phases))
+            s._emit_step((STEP_RECORD, self._index, self._wall, time.monotonic_ns() - self._mono, self._tokens,
+                          s._phases), self._gpu)
             s._phases = None
         except Exception:
             pass
@@ -161,6 +165,8 @@ class Session:
         self._hold_after: int | None = None  # start no step after this one (a checkpoint with hold)
         self.hold_limit_s = HOLD_LIMIT_S
         self._client: TelemetryClient | None = None
+        self._cuda: CudaStepTimer | None = None  # from the first step with CUDA in use (cuda_timing.py)
+        self._cuda_off = False
         self._manual_steps = False  # the script called step(): auto-instrumentation's hooks stop counting
         self.step_source = getattr(hello, "step_source", "") or "rt.step"
         if client_config is not None:
@@ -183,6 +189,30 @@ class Session:
         return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent, "fr_reads": c.fr_reads,
                 "fr_read_cpu_s": round(c.fr_read_cpu_s, 6), "fr_missed": self._fr.missed if self._fr else 0}
 
+    def _gpu_begin(self):
+        """At a step boundary: a CUDA event token for `_emit_step`, once this process uses CUDA (the timer
+        and the GPU's UUID for the agent come with the first such step); None without CUDA. Never raises."""
+        timer = self._cuda
+        if timer is None:
+            if self._client is None or self._cuda_off or not cuda_in_use():
+                return None
+            try:
+                timer = self._cuda = CudaStepTimer(self._client.record)
+                self._update_hello(gpu_uuid=gpu_uuid())
+            except Exception as exc:  # steps keep their CPU times
+                log.warning("CUDA step timing is off: %s", exc)
+                self._cuda, self._cuda_off = None, True
+                return None
+        return timer.begin()
+
+    def _emit_step(self, record: tuple, token) -> None:
+        """Queue a finished step: behind its GPU end event when CUDA timing is on, else to the client now."""
+        timer = self._cuda
+        if timer is not None:
+            timer.end(token, record)
+        elif self._client is not None:
+            self._client.record(record)
+
     def step(self, index: int, *, tokens: int = 0):
         """Context manager around one training step."""
         if self._client is None:
@@ -199,9 +229,10 @@ class Session:
             self.step_source = "rt.step"
             self._update_hello(step_source="rt.step")
 
-    def _update_hello(self, *, mesh: Mapping[str, int] | None = None, step_source: str | None = None) -> None:
+    def _update_hello(self, *, mesh: Mapping[str, int] | None = None, step_source: str | None = None,
+                      gpu_uuid: str | None = None) -> None:
         if self._client is not None:
-            self._client.update_hello(mesh=mesh, step_source=step_source)
+            self._client.update_hello(mesh=mesh, step_source=step_source, gpu_uuid=gpu_uuid)
 
     def phase(self, name: str):
         """Context manager around a part of the step ("forward", "backward", "optimizer")."""
@@ -322,6 +353,8 @@ class Session:
         return written
 
     def close(self, reason: str = "closed", timeout: float = 2.0) -> None:
+        if self._cuda is not None:  # the steps the GPU is still finishing, before the stream closes
+            self._cuda.close(timeout=timeout / 2)
         if self._client is not None:
             self._client.close(timeout=timeout, reason=reason)
 

@@ -1,9 +1,14 @@
 """A stand-in for the ``pynvml`` module (nvidia-ml-py), for tests of the GPU health sampler.
 
-It mirrors the parts of pynvml the sampler uses: ``NVMLError`` carrying ``.value`` (an NVML_ERROR_*
-code), the constants, per-device query functions and an event set whose ``nvmlEventSetWait_v2`` blocks on
-a queue and raises ``NVMLError(NVML_ERROR_TIMEOUT)`` when nothing arrives in time. Each ``FakeGpu`` holds
-its readings and can make any function raise a given error code (``errors={"nvmlDeviceGetPowerUsage":
+It mirrors the parts of pynvml the sampler uses, with pynvml's own types where they do not need a driver:
+errors are pynvml's ``NVMLError``, so ``NVMLError(code)`` is the subclass the real library raises for that
+code (``NVMLError_NotSupported`` for a field a GPU lacks, ``NVMLError_GpuIsLost``, ...) with ``.value``;
+utilization and memory come back as pynvml's ctypes structures (``c_nvmlUtilization_t``, ``c_nvmlMemory_t``),
+strings as ``str`` (pynvml's ``convertStrBytes``), counters as ``int``, remapped rows as a 4-tuple; the
+constants are pynvml's. Device handles are ``FakeHandle`` (the real ones are pointers into the driver) and
+XID events are namespaces with ``c_nvmlEventData_t``'s field names. The event set's ``nvmlEventSetWait_v2``
+blocks on a queue and raises ``NVMLError_Timeout`` when nothing arrives in time. Each ``FakeGpu`` holds its
+readings and can make any function raise a given error code (``errors={"nvmlDeviceGetPowerUsage":
 NVML_ERROR_NOT_SUPPORTED}``). ``calls`` counts calls per function name.
 """
 
@@ -17,23 +22,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_TIMEOUT = 10
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_FUNCTION_NOT_FOUND = 13
-NVML_ERROR_GPU_IS_LOST = 15
-NVML_ERROR_UNKNOWN = 999
+import pynvml
 
+NVML_ERROR_UNINITIALIZED = pynvml.NVML_ERROR_UNINITIALIZED
+NVML_ERROR_NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
+NVML_ERROR_DRIVER_NOT_LOADED = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+NVML_ERROR_TIMEOUT = pynvml.NVML_ERROR_TIMEOUT
+NVML_ERROR_LIBRARY_NOT_FOUND = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+NVML_ERROR_FUNCTION_NOT_FOUND = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+NVML_ERROR_GPU_IS_LOST = pynvml.NVML_ERROR_GPU_IS_LOST
+NVML_ERROR_UNKNOWN = pynvml.NVML_ERROR_UNKNOWN
 
-class NVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(value)
-        self.value = value
-
-    def __str__(self) -> str:
-        return f"fake NVML error {self.value}"
+NVMLError = pynvml.NVMLError
+"""pynvml's: ``NVMLError(code)`` builds the per-code subclass, as the library's return check does."""
 
 
 @dataclass
@@ -72,13 +73,13 @@ class FakeNvml:
     NVML_ERROR_LIBRARY_NOT_FOUND = NVML_ERROR_LIBRARY_NOT_FOUND
     NVML_ERROR_FUNCTION_NOT_FOUND = NVML_ERROR_FUNCTION_NOT_FOUND
     NVML_ERROR_GPU_IS_LOST = NVML_ERROR_GPU_IS_LOST
-    NVML_TEMPERATURE_GPU = 0
-    NVML_CLOCK_SM = 1
-    NVML_VOLATILE_ECC = 0
-    NVML_AGGREGATE_ECC = 1
-    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
-    nvmlEventTypeXidCriticalError = 0x8
+    NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
+    NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
+    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
+    NVML_AGGREGATE_ECC = pynvml.NVML_AGGREGATE_ECC
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
 
     def __init__(self, gpus: list[FakeGpu], *, init_error: int | None = None, module_errors: dict | None = None):
         self.gpus = gpus
@@ -92,7 +93,8 @@ class FakeNvml:
         self._lock = threading.Lock()
 
     def push_xid(self, index: int, xid: int) -> None:
-        self.events.put(SimpleNamespace(device=FakeHandle(index), eventType=0x8, eventData=xid))
+        self.events.put(SimpleNamespace(device=FakeHandle(index), eventType=pynvml.nvmlEventTypeXidCriticalError,
+                                        eventData=xid, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF))
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _enter(self, fn: str, handle: FakeHandle | None = None) -> FakeGpu | None:
@@ -138,11 +140,11 @@ class FakeNvml:
 
     def nvmlDeviceGetUtilizationRates(self, handle):
         gpu = self._enter("nvmlDeviceGetUtilizationRates", handle)
-        return SimpleNamespace(gpu=gpu.util_gpu, memory=gpu.util_memory)
+        return pynvml.c_nvmlUtilization_t(gpu=gpu.util_gpu, memory=gpu.util_memory)
 
     def nvmlDeviceGetMemoryInfo(self, handle):
         gpu = self._enter("nvmlDeviceGetMemoryInfo", handle)
-        return SimpleNamespace(total=gpu.mem_total, used=gpu.mem_used, free=gpu.mem_total - gpu.mem_used)
+        return pynvml.c_nvmlMemory_t(total=gpu.mem_total, free=gpu.mem_total - gpu.mem_used, used=gpu.mem_used)
 
     def nvmlDeviceGetTemperature(self, handle, sensor):
         return self._enter("nvmlDeviceGetTemperature", handle).temperature

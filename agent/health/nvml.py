@@ -361,9 +361,28 @@ class GpuHealthSampler:
                 problems.append(f"XID {xid} ({XID_DESCRIPTIONS.get(int(xid), 'fatal')}) seen {count}x")
         return problems
 
-    def unhealthy_reasons(self) -> tuple[str, ...]:
-        """One line per GPU problem on this node; empty when its GPUs are fit (or it has none)."""
-        return tuple(f"gpu {s.index}: {p}" for s in self.samples for p in self.gpu_problems(s))
+    def unhealthy_reasons(self, ranks_on_gpus: Callable[[list[str]], dict] | None = None) -> tuple[str, ...]:
+        """One line per GPU problem on this node; empty when its GPUs are fit (or it has none).
+
+        ``ranks_on_gpus`` (the agent's ``JobTelemetry.ranks_on_gpus``: GPU UUIDs -> {uuid: {job: ranks}}, from
+        the UUIDs workers report) adds the ranks on each faulty GPU to its lines: the fault is theirs."""
+        faults = [(s, p) for s in self.samples for p in self.gpu_problems(s)]
+        if not faults:
+            return ()
+        uuids = {gpu.index: gpu.uuid for gpu in self._gpus}
+        ranks: dict = {}
+        if ranks_on_gpus is not None:
+            try:
+                ranks = ranks_on_gpus(sorted({uuids.get(s.index, "") for s, _ in faults} - {""}))
+            except Exception as err:  # the verdict stands without the ranks
+                logger.warning("cannot map GPU faults to ranks: %s", err)
+        lines = []
+        for sample, problem in faults:
+            on_gpu = ranks.get(uuids.get(sample.index, ""), {})
+            where = "; ".join(f"job {job} rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}"
+                              for job, r in sorted(on_gpu.items()))
+            lines.append(f"gpu {sample.index}: {problem}" + (f" ({where})" if where else ""))
+        return tuple(lines)
 
     # ---- Prometheus ------------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:

@@ -112,7 +112,8 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      state_home=config.state_home or default_state_home(), local_addr=options.local_addr,
                      endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
                      gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
-                     health=gpus.unhealthy_reasons if gpus is not None else None, record=agent.incidents.record,
+                     health=(lambda: gpus.unhealthy_reasons(agent.job_telemetry.ranks_on_gpus))
+                     if gpus is not None else None, record=agent.incidents.record,
                      default_user=options.job_user, allow_root_jobs=options.allow_root_jobs, lineage=agent.actions,
                      etcd_files=tuple(path for path in (sec.ca_cert, sec.cert_cert, sec.cert_key, sec.password_file)
                                       if path))

@@ -33,7 +33,7 @@ RESUME_BLOCKED: CheckpointStage
 SNAPSHOT: CheckpointStage
 
 class Hello(_message.Message):
-    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token", "step_source")
+    __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token", "step_source", "gpu_uuid")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Hello(_message.Message):
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     local_rank: int
@@ -61,7 +62,8 @@ class Hello(_message.Message):
     hostname: str
     peer_token: str
     step_source: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ..., peer_token: _Optional[str] = ..., step_source: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., pid: _Optional[int] = ..., restart_count: _Optional[int] = ..., hostname: _Optional[str] = ..., peer_token: _Optional[str] = ..., step_source: _Optional[str] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("index", "start_unix", "duration_seconds", "tokens", "phases")

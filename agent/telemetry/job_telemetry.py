@@ -97,6 +97,8 @@ class WorkerInfo:
     """Where its steps come from: "rt.step" or "optimizer hooks" (contract.STEP_SOURCES); "" from older runtimes."""
     uid: int | None = None
     """The process's uid from the kernel when `verified`; None for an unverified stream."""
+    gpu_uuid: str = ""
+    """The worker's CUDA device as NVML names it ("GPU-..."); "" until its first CUDA step, or without CUDA."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +170,8 @@ class RankSnapshot:
     growth is progress too: the hang detector's heartbeat for a loop without steps."""
     last_collective_unix: float = 0.0
     """Wall time the newest reported collective was entered (its own timestamp; 0: none or unknown)."""
+    gpu_uuid: str = ""
+    """The rank's GPU (WorkerInfo.gpu_uuid): a GPU fault names the ranks on it (`JobTelemetry.ranks_on_gpus`)."""
     collective_gap_max_seconds: float = 0.0
     """The longest time between two consecutive collectives of the rank's current process, over its recent
     collectives (0: fewer than two seen): how long such a loop may go quiet."""
@@ -366,7 +370,7 @@ class JobTelemetry:
                 state.goodbye = reason[:200]
 
     def update_worker(self, job: str, rank: int, pid: int, *, mesh: Mapping[str, int],
-                      step_source: str) -> None:
+                      step_source: str, gpu_uuid: str = "") -> None:
         """A later Hello on a worker's stream: it says more about itself (a script's own ``init(mesh=...)``
         after auto-instrumentation opened the stream; ``rt.step`` taking over from the optimizer hooks)."""
         with self._lock:
@@ -377,7 +381,21 @@ class JobTelemetry:
             if mesh:
                 owner.mesh = dict(mesh)
             state.info = replace(state.info, mesh=dict(mesh) or state.info.mesh,
-                                 step_source=step_source or state.info.step_source)
+                                 step_source=step_source or state.info.step_source,
+                                 gpu_uuid=gpu_uuid or state.info.gpu_uuid)
+
+    def ranks_on_gpus(self, uuids: Iterable[str]) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Per GPU UUID, the connected ranks of each job that said they run on it: {uuid: {job: ranks}}.
+        GPUs no rank named are left out (a fault there touches no job this agent knows of)."""
+        wanted = {u for u in uuids if u}
+        found: dict[str, dict[str, list[int]]] = {}
+        with self._lock:
+            for name, owner in self._jobs.items():
+                for rank, state in owner.ranks.items():
+                    uuid = state.info.gpu_uuid
+                    if uuid in wanted and state.connected:
+                        found.setdefault(uuid, {}).setdefault(name, []).append(rank)
+        return {u: {job: tuple(sorted(r)) for job, r in jobs.items()} for u, jobs in found.items()}
 
     def ended_streams(self, job: str, since: float) -> list[dict]:
         """Streams of `job` that ended at or after wall time `since`, oldest first: who left first, and
@@ -644,7 +662,7 @@ class JobTelemetry:
             wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
             flags=tuple(sorted(flags)), straggler_score=r.straggler_score, last_step_end_unix=r.last_step_end_ns / 1e9,
             streams=r.streams, step_source=r.info.step_source, collectives_seen=r.collectives_seen,
-            last_collective_unix=r.last_collective_ns / 1e9,
+            last_collective_unix=r.last_collective_ns / 1e9, gpu_uuid=r.info.gpu_uuid,
             collective_gap_max_seconds=max(r.collective_gaps, default=0) / 1e9,
             # until a few steady steps are in, all of them: a job whose every step is long must not be
             # held to the floor deadline by an empty window

@@ -414,7 +414,8 @@ class TelemetryServer:
             if (h.job, h.rank) != (job, rank) or (h.pid != info.pid and not info.verified) or len(h.mesh) > 8:
                 js.count_rejected("invalid")  # a stream speaks for one worker
                 return
-            js.update_worker(job, rank, info.pid, mesh=dict(h.mesh), step_source=h.step_source[:32])
+            js.update_worker(job, rank, info.pid, mesh=dict(h.mesh), step_source=h.step_source[:32],
+                             gpu_uuid=h.gpu_uuid[:96])
         else:
             js.count_rejected("invalid")
 
@@ -426,7 +427,7 @@ class TelemetryServer:
         return WorkerInfo(job=hello.job, rank=hello.rank, local_rank=hello.local_rank,
                           world_size=hello.world_size, mesh=dict(hello.mesh), pid=hello.pid,
                           restart_count=hello.restart_count, hostname=hello.hostname[:256],
-                          step_source=hello.step_source[:32])
+                          step_source=hello.step_source[:32], gpu_uuid=hello.gpu_uuid[:96])
 
     def _status(self, request, context) -> pb.StatusReply:
         if isinstance(request, _Rejected):

@@ -1,6 +1,6 @@
 """Per-step overhead of trainwarden telemetry: `rt.step` + the sender thread + Flight Recorder reads.
 
-    python tests/bench/bench_telemetry.py [--steps 100] [--rounds 3] [--step-ms 50]
+    python tests/bench/bench_telemetry.py [--steps 100] [--rounds 3] [--step-ms 50] [--device cuda] [--json OUT]
 
 Each mode runs in its own process (so no background thread of another mode competes), and the modes are
 interleaved over several rounds to spread machine noise evenly:
@@ -11,7 +11,10 @@ interleaved over several rounds to spread machine noise evenly:
     absent    rt.step with TRAINWARDEN_AGENT_SOCKET pointing at no agent (drop + reconnect path)
 
 The loop is a single-threaded matmul loop sized to about --step-ms per step, plus one gloo all_reduce in
-a world of one (so the Flight Recorder has entries to read). All modes run with FLIGHT_RECORDER_ENV set:
+a world of one (so the Flight Recorder has entries to read). With ``--device cuda`` (`make gpu-check`) the step
+is a ``torch.cuda._sleep`` kernel of about --step-ms, one NCCL all_reduce in a world of one and a synchronize
+(as a loss.item() does); rt.step then times the step with CUDA events (runtime/cuda_timing.py) and the Flight
+Recorder read is NCCL's. ``--json OUT`` also writes the figures. All modes run with FLIGHT_RECORDER_ENV set:
 recording is torch's cost and the launcher turns it on regardless (``--ring N`` sets its size, default
 the launcher's). Reported:
 
@@ -89,6 +92,20 @@ def _runqueue_wait_s() -> float:
         return 0.0
 
 
+def calibrate_cuda(step_ms: float) -> int:
+    """`torch.cuda._sleep` cycles for about `step_ms` on this GPU (timed with CUDA events)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # warm up the clocks
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return max(1, round(cycles * step_ms / start.elapsed_time(end)))
+
+
 def child(mode: str, steps: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -96,15 +113,26 @@ def child(mode: str, steps: int, repeats: int) -> dict:
     import trainwarden.runtime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    cuda = os.environ.get("BENCH_DEVICE") == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    device = "cuda" if cuda else "cpu"
     a = torch.randn(256, 256)
-    grad = torch.ones(1000)
-    small = torch.ones(1)
+    grad = torch.ones(1000, device=device)
+    small = torch.ones(1, device=device)
     for _ in range(int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0"))):  # steady state: the ring is full
         dist.all_reduce(small)
     rt = trainwarden.runtime.init(job="bench", **json.loads(os.environ.get("BENCH_CLIENT_OPTIONS", "{}")))
 
     def one_step(i):
+        if cuda:
+            torch.cuda._sleep(repeats)
+            dist.all_reduce(grad)
+            torch.cuda.synchronize()
+            return
         for _ in range(repeats):
             a @ a
         dist.all_reduce(grad)
@@ -157,6 +185,9 @@ def child(mode: str, steps: int, repeats: int) -> dict:
         entries = fr.read_new()
         result["fr_full_read_s"] = time.perf_counter() - t0
         result["fr_entries"] = len(entries)
+        result["fr_recorders"] = sorted({e.get("recorder", "") for e in entries})
+        timer = getattr(rt, "_cuda", None)
+        result["gpu_timed_steps"] = timer.resolved if timer is not None else 0
     rt.close()
     dist.destroy_process_group()
     return result
@@ -172,6 +203,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                         help="also run an alive mode named NAME with these client options (ClientConfig fields, "
                              "e.g. slow:fr_interval_s=3,flush_interval_s=1.5); repeatable")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: a GPU step (torch.cuda._sleep) over NCCL, timed with CUDA events")
+    parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--child")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,7 +222,7 @@ def main() -> None:
 
     from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
 
-    repeats = calibrate(args.step_ms)
+    repeats = calibrate_cuda(args.step_ms) if args.device == "cuda" else calibrate(args.step_ms)
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     sock = tmp / "agent.sock"
     agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock), str(tmp / "state")], stdout=subprocess.PIPE,
@@ -201,7 +235,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for mode in results:
                 env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port()), **FLIGHT_RECORDER_ENV)
+                           MASTER_PORT=str(free_port()), BENCH_DEVICE=args.device, **FLIGHT_RECORDER_ENV)
                 if args.ring is not None:
                     env["TORCH_FR_BUFFER_SIZE"] = str(args.ring)
                 env.pop("TRAINWARDEN_AGENT_SOCKET", None)
@@ -233,7 +267,9 @@ def main() -> None:
 
     base_wall = statistics.median(r["wall_median_s"] for r in results["baseline"])
     base_cpu = statistics.median(r["cpu_per_step_s"] for r in results["baseline"])
-    print(f"\n{repeats} matmuls (256x256) per step")
+    print(f"\n{repeats} {'torch.cuda._sleep cycles' if args.device == 'cuda' else 'matmuls (256x256)'} per step")
+    figures: dict = {"device": args.device, "step_ms_asked": args.step_ms, "baseline_wall_s": base_wall,
+                     "modes": {}}
     print(f"baseline: {base_wall * 1e3:.3f} ms/step wall, {base_cpu * 1e3:.3f} ms/step CPU "
           f"({args.rounds} rounds x {args.steps} steps, median of medians)")
     others = [m for m in results if m != "baseline"]
@@ -243,6 +279,8 @@ def main() -> None:
         print(f"{mode:7s}: wall {wall * 1e3:.3f} ms/step  overhead {(wall - base_wall) * 1e6:+8.1f} us "
               f"({(wall / base_wall - 1) * 100:+.2f} %)   cpu overhead {(cpu - base_cpu) * 1e6:+8.1f} us/step "
               f"({(cpu / base_cpu - 1) * 100:+.2f} %)   client {results[mode][-1]['stats']}, read pace {results[mode][-1].get('read_pace_s')} s")
+        figures["modes"][mode] = {"wall_s": wall, "overhead_pct": (wall / base_wall - 1) * 100,
+                                  "cpu_overhead_us": (cpu - base_cpu) * 1e6}
     base_bg = statistics.median(r["background_cpu_per_step_s"] for r in results["baseline"])
     alive = results["alive"]
     hot = statistics.median(r["hot_path_us"] for r in alive)
@@ -267,6 +305,10 @@ def main() -> None:
     print(f"flight recorder read of a full ring ({alive[-1]['fr_entries']} entries): {fr_cost * 1e3:.1f} ms; "
           f"at the agent's read pace ({paced:g} s) one read every {interval:.1f} s = "
           f"{fr_cost / interval * base_wall * 1e6:.1f} us/step amortized (may fall outside the measured steps)")
+    figures.update(hot_path_us=hot, fr_full_read_s=fr_cost, fr_entries=alive[-1]["fr_entries"],
+                   fr_recorders=alive[-1].get("fr_recorders"), gpu_timed_steps=alive[-1].get("gpu_timed_steps"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -39,9 +39,17 @@ class FakeClient:
 
 
 class FakeSession:
+    """Session's step interface without CUDA: no event token, the record goes to the client at once."""
+
     def __init__(self):
         self._client = FakeClient()
         self._manual_steps = False
+
+    def _gpu_begin(self):
+        return None
+
+    def _emit_step(self, record, token):
+        self._client.record(record)
 
 
 class Ticks:
@@ -260,3 +268,16 @@ def test_the_step_dcp_takes_to_create_an_optimizers_state_is_not_a_step(monkeypa
         assert steps.boundaries == 1 and len(steps.session._client.records) == 1
     finally:
         handle.remove()
+
+
+def test_on_cuda_each_optimizer_boundary_ends_the_gpu_step_the_previous_one_began():
+    steps = _steps()
+    tokens = iter(["events 1", "events 2", "events 3"])
+    emitted = []
+    steps.session._gpu_begin = lambda: next(tokens)
+    steps.session._emit_step = lambda record, token: emitted.append((record[1], token))
+    sgd = _sgd()
+    for _ in range(3):
+        steps.on_optimizer_step(sgd)
+    # the first step began before CUDA timing could: it keeps its CPU time (no token)
+    assert emitted == [(0, None), (1, "events 1"), (2, "events 2")]

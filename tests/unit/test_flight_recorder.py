@@ -1,10 +1,17 @@
-"""Flight Recorder reading and reduction, on sample dicts shaped like torch 2.13's `_dump_fr_trace()`."""
+"""Flight Recorder reading and reduction, on sample dicts shaped like torch 2.13's `_dump_fr_trace()` and
+`_dump_nccl_trace()` (the keys FlightRecorder<EventType>::getCollectiveTrace inserts, checked against torch's
+own analyzer type `EntryState`), and on the gloo recorder of a real one-rank run."""
 
+import json
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV, CollectiveReducer, FlightRecorder
+from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV, ArrivalLog, CollectiveReducer, FlightRecorder
 
 MS = 1_000_000
 T0 = 1_795_356_347_000_000_000  # wall-clock ns, as the recorder stores them
@@ -50,8 +57,7 @@ def test_reader_returns_each_retired_entry_once_and_counts_overwritten_ones():
 
 @pytest.mark.timeout(10)
 def test_absent_recorder_is_harmless():
-    fr = FlightRecorder(dump=None)
-    fr._dump = None  # as when torch lacks _dump_fr_trace
+    fr = FlightRecorder(recorders={})  # as when torch has neither _dump_fr_trace nor _dump_nccl_trace
     assert not fr.available and fr.read_new() == [] and fr.dump_raw() is None
 
 
@@ -224,3 +230,169 @@ def test_ring_capacity_comes_from_the_environment():
     assert ring_capacity({"TORCH_FR_BUFFER_SIZE": "256"}) == 256
     assert ring_capacity({"TORCH_NCCL_TRACE_BUFFER_SIZE": "64"}) == 64
     assert ring_capacity({}) is None and ring_capacity({"TORCH_FR_BUFFER_SIZE": "lots"}) is None
+
+
+# ---- NCCL's recorder (FlightRecorderCUDA, `_dump_nccl_trace`) ----------------------------------------------
+
+def nccl_entry(record_id, created_ms, *, seq, pg=("group_name_0", ""), name="nccl:all_reduce", state="completed",
+               started_ms=None, completed_ms=None, duration_ms=None, retired=True, thread="140588942891904"):
+    """One entry as FlightRecorder<CUDAEvent>::getCollectiveTrace writes it (torch 2.13,
+    FlightRecorderDetail.hpp): `duration_ms` only when timing is on, the discovery times None until seen."""
+    e = {"record_id": record_id, "pg_id": 0, "process_group": pg, "thread_name": "pt_main_thread",
+         "thread_id": thread, "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": name,
+         "time_created_ns": T0 + created_ms * MS, "input_sizes": [[3, 4]], "input_dtypes": ["Float"],
+         "output_sizes": [[3, 4]], "output_dtypes": ["Float"], "state": state,
+         "time_discovered_started_ns": None if started_ms is None else T0 + started_ms * MS,
+         "time_discovered_completed_ns": None if completed_ms is None else T0 + completed_ms * MS,
+         "retired": retired, "timeout_ms": 600000, "is_p2p": False}
+    if duration_ms is not None:
+        e["duration_ms"] = duration_ms
+    return e
+
+
+def nccl_trace(entries):
+    return pickle.dumps({"version": "2.10", "pg_config": {"group_name_0": {"name": "group_name_0", "desc": "",
+                                                                           "ranks": "[0, 1]"}},
+                         "comm_lib_version": "2.27.5", "pg_status": {"0": {"last_enqueued_collective": 3,
+                                                                          "last_started_collective": 2,
+                                                                          "last_completed_collective": 2}},
+                         "entries": entries, "nccl_comm_state": {}})
+
+
+def test_nccl_fixtures_are_read_by_torchs_own_analyzer_types():
+    from torch.distributed.flight_recorder.components.types import EntryState
+
+    for e in (nccl_entry(0, 0, seq=1, started_ms=5, completed_ms=9, duration_ms=3.5),
+              nccl_entry(1, 1, seq=2, state="started", started_ms=6, retired=False)):
+        state = EntryState(e, {0, 1})
+        assert (state.pg_name, state.collective_state, state.record_id) == (
+            e["process_group"][0], e["state"], e["record_id"])
+
+
+@pytest.mark.timeout(10)
+def test_each_backends_recorder_is_read_on_its_own_ring():
+    gloo, nccl = FakeDump(), []
+    fr = FlightRecorder(recorders={"gloo": gloo, "nccl": lambda stacks: nccl_trace(list(nccl))})
+    gloo.entries = [entry(0, 0), entry(1, 5)]
+    nccl[:] = [nccl_entry(0, 1, seq=1, started_ms=2, completed_ms=8, duration_ms=4.0),
+               nccl_entry(1, 3, seq=2, state="started", started_ms=9, retired=False)]  # in flight on the GPU
+    got = fr.read_new()
+    assert sorted((e["recorder"], e["record_id"]) for e in got) == [("gloo", 0), ("gloo", 1), ("nccl", 0)]
+    assert fr.complete_below == {"gloo": 2, "nccl": 1}
+    # the in-flight NCCL collective completes (the watchdog discovered it): returned once, the ids overlap gloo's
+    nccl[1] = nccl_entry(1, 3, seq=2, started_ms=9, completed_ms=15, duration_ms=5.0)
+    assert [(e["recorder"], e["record_id"]) for e in fr.read_new()] == [("nccl", 1)]
+    assert fr.read_new() == [] and fr.missed == 0 and fr.returned == 4
+
+
+@pytest.mark.timeout(10)
+def test_an_nccl_entry_completed_by_state_alone_is_returned():
+    # before the watchdog retires it, a dump's own event query may already say "completed"
+    fr = FlightRecorder(recorders={"nccl": lambda stacks: nccl_trace([
+        nccl_entry(0, 0, seq=1, completed_ms=4, retired=False)])})
+    assert [e["record_id"] for e in fr.read_new()] == [0]
+
+
+@pytest.mark.timeout(10)
+def test_a_failing_recorder_does_not_hide_the_other():
+    def broken(stacks):
+        raise RuntimeError("NCCL dump failed")
+
+    gloo = FakeDump()
+    gloo.entries = [entry(0, 0)]
+    fr = FlightRecorder(recorders={"nccl": broken, "gloo": gloo})
+    assert [e["recorder"] for e in fr.read_new()] == ["gloo"]
+
+
+@pytest.mark.timeout(10)
+def test_nccl_wait_is_the_measured_duration_or_the_discovered_span_never_the_enqueue_gap():
+    reducer = CollectiveReducer()
+    reducer.add_step(T0, T0 + 100 * MS)
+    reducer.add_entries([
+        dict(nccl_entry(0, 1, seq=1, started_ms=30, completed_ms=60, duration_ms=25.0), recorder="nccl"),
+        # timing off: no duration; the discovered span stands in (state went started -> completed)
+        dict(nccl_entry(1, 2, seq=2, name="nccl:all_gather", started_ms=61, completed_ms=70), recorder="nccl"),
+        # timing off and the start never seen: zero, not the 1 ms -> step end gap of CPU enqueues
+        dict(nccl_entry(2, 3, seq=3, name="nccl:broadcast", completed_ms=80), recorder="nccl"),
+    ])
+    s = by_key(reducer.summaries())
+    assert s[("group_name_0", "all_reduce")].wait_seconds == pytest.approx(0.025)
+    assert s[("group_name_0", "all_gather")].wait_seconds == pytest.approx(0.009)
+    assert s[("group_name_0", "broadcast")].wait_seconds == 0.0 and s[("group_name_0", "broadcast")].count == 1
+    assert reducer.has_durations
+
+
+def test_nccl_arrivals_are_the_kernels_start_not_the_cpu_enqueue():
+    log = ArrivalLog(140588942891904, members=lambda name: None)
+    fr = FlightRecorder(recorders={"nccl": lambda stacks: nccl_trace([
+        # enqueued at 1 ms by a CPU running ahead; the kernel ran 40 ms -> 44 ms (completion seen at 44 ms)
+        nccl_entry(0, 1, seq=1, started_ms=44, completed_ms=44, duration_ms=4.0),
+        # timing off: only the enqueue time is known
+        nccl_entry(1, 2, seq=2, completed_ms=50)])})
+    batch = log.add(fr.read_new(), complete_below=fr.complete_below, missed=fr.missed)
+    assert batch.arrivals == (("group_name_0", 1, T0 + 40 * MS, "all_reduce"),
+                              ("group_name_0", 2, T0 + 2 * MS, "all_reduce"))
+
+
+def test_arrivals_of_two_recorders_merge_in_enqueue_order_and_wait_per_recorder():
+    thread = "140588942891904"
+    gloo, nccl = FakeDump(), []
+    fr = FlightRecorder(recorders={"gloo": gloo, "nccl": lambda stacks: nccl_trace(list(nccl))})
+    log = ArrivalLog(int(thread), members=lambda name: None)
+    gloo.entries = [entry(0, 10, pg=("5", "cpu_pg"), seq=1, thread=thread)]
+    nccl[:] = [nccl_entry(0, 5, seq=1, completed_ms=9), nccl_entry(1, 20, seq=2, retired=False, state="scheduled")]
+    batch = log.add(fr.read_new(), complete_below=fr.complete_below, missed=fr.missed)
+    assert [(a[0], a[1]) for a in batch.arrivals] == [("group_name_0", 1), ("5", 1)]
+    nccl[1] = nccl_entry(1, 20, seq=2, completed_ms=30)
+    batch = log.add(fr.read_new(), complete_below=fr.complete_below, missed=fr.missed)
+    assert [(a[0], a[1]) for a in batch.arrivals] == [("group_name_0", 2)] and batch.continues
+
+
+def test_a_diagnostics_dump_of_two_recorders_is_one_trace_with_every_entry():
+    from trainwarden.agent.watchdog.culprit import positions_from_trace
+
+    gloo = FakeDump()
+    gloo.entries = [entry(0, 10, pg=("5", "cpu_pg"), seq=4)]
+    fr = FlightRecorder(recorders={"gloo": gloo, "nccl": lambda stacks: nccl_trace([
+        nccl_entry(0, 5, seq=7, state="started", started_ms=6, retired=False)])})
+    trace = pickle.loads(fr.dump_raw())
+    assert sorted(e["recorder"] for e in trace["entries"]) == ["gloo", "nccl"]
+    assert "nccl_comm_state" in trace and set(trace["pg_status"]) == {"nccl/0"}
+    assert sorted(e["pg_id"] for e in trace["entries"]) == ["gloo/5", "nccl/0"]
+    positions = positions_from_trace(trace)
+    assert positions["group_name_0"].seq == 7 and positions["group_name_0"].in_flight
+    assert positions["5"].seq == 4
+    # one recorder holding entries: its dump, byte for byte
+    only_gloo = FlightRecorder(recorders={"gloo": gloo, "nccl": lambda stacks: nccl_trace([])})
+    assert only_gloo.dump_raw() == gloo(False)
+
+
+_REAL_GLOO_RUN = textwrap.dedent("""
+    import json, os, sys, tempfile
+    import torch, torch.distributed as dist
+    from trainwarden.runtime.flight_recorder import FlightRecorder, torch_recorders
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    fr = FlightRecorder()
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    got = fr.read_new()
+    print(json.dumps({"recorders": sorted(torch_recorders()), "entries": got}))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_gloo_recorder_of_a_real_run_is_read():
+    env = dict(os.environ, TORCH_FR_BUFFER_SIZE="64")
+    out = subprocess.run([sys.executable, "-c", _REAL_GLOO_RUN], env=env, capture_output=True, text=True,
+                         timeout=100, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # a CPU build of torch has the generic recorder only; a CUDA build adds NCCL's
+    assert "gloo" in result["recorders"]
+    got = [(e["recorder"], e["profiling_name"], e["collective_seq_id"]) for e in result["entries"]]
+    assert got == [("gloo", "gloo:all_reduce", 1), ("gloo", "gloo:broadcast", 2)]
+    reducer = CollectiveReducer()
+    reducer.add_entries(result["entries"])  # no step recorded: gloo entries wait for one, none are NCCL
+    assert not reducer.has_durations

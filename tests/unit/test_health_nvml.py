@@ -257,3 +257,43 @@ def test_real_pynvml_without_a_gpu_reports_unavailable():
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="GpuHealthConfig"):
         GpuHealthConfig(**{"node": "n1", **kwargs})
+
+
+def test_the_fake_answers_with_pynvmls_own_types_and_errors():
+    pynvml = pytest.importorskip("pynvml")
+    fake = FakeNvml([FakeGpu(errors={"nvmlDeviceGetTotalEccErrors": NVML_ERROR_NOT_SUPPORTED})])
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    assert isinstance(fake.nvmlDeviceGetUtilizationRates(handle), pynvml.c_nvmlUtilization_t)
+    assert isinstance(fake.nvmlDeviceGetMemoryInfo(handle), pynvml.c_nvmlMemory_t)
+    assert isinstance(fake.nvmlDeviceGetUUID(handle), str)  # pynvml decodes (convertStrBytes)
+    # a GPU without ECC (a consumer card) answers as the library does: NVMLError_NotSupported, value 3
+    with pytest.raises(pynvml.NVMLError_NotSupported) as err:
+        fake.nvmlDeviceGetTotalEccErrors(handle, fake.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, fake.NVML_VOLATILE_ECC)
+    assert err.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_a_gpu_fault_names_the_ranks_that_run_on_that_gpu():
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
+
+    fake = FakeNvml([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb", ecc_uncorrected=2)])
+    gpus = sampler(fake)
+    gpus.open()
+    gpus.sample()
+    telemetry = JobTelemetry()
+    for rank, uuid in ((0, "GPU-aaaa"), (1, "GPU-bbbb"), (2, "")):
+        telemetry.connect(WorkerInfo(job="llm", rank=rank, world_size=3, pid=100 + rank, gpu_uuid=uuid))
+    # rank 2 names its GPU with its first CUDA step (a later Hello)
+    telemetry.update_worker("llm", 2, 102, mesh={}, step_source="", gpu_uuid="GPU-bbbb")
+    assert telemetry.ranks_on_gpus(["GPU-bbbb"]) == {"GPU-bbbb": {"llm": (1, 2)}}
+    assert gpus.unhealthy_reasons(telemetry.ranks_on_gpus) == (
+        "gpu 1: 2 uncorrected ECC errors (volatile counter) (job llm ranks 1,2)",)
+    assert gpus.unhealthy_reasons() == ("gpu 1: 2 uncorrected ECC errors (volatile counter)",)
+    assert [r.gpu_uuid for r in telemetry.snapshot("llm")[0].ranks] == ["GPU-aaaa", "GPU-bbbb", "GPU-bbbb"]
+
+
+def test_the_hello_carries_the_workers_gpu_to_the_agent():
+    from trainwarden.agent.proto import telemetry_pb2 as pb
+    from trainwarden.agent.telemetry.server import TelemetryServer
+
+    info = TelemetryServer._worker_info(pb.Hello(job="llm", rank=0, world_size=1, pid=7, gpu_uuid="GPU-aaaa"))
+    assert info.gpu_uuid == "GPU-aaaa"

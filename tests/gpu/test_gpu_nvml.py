@@ -1,0 +1,111 @@
+"""Every reading of the GPU health sampler (agent/health/nvml.py) against ``nvidia-smi -q -x``, on real GPUs.
+
+Static readings (UUID, name, memory total, ECC and remapped-row counts, PCIe replays) must agree exactly; readings
+that move (utilization, memory used, temperature, power, SM clock) within a tolerance, since the two are read
+moments apart; a field nvidia-smi shows as N/A must be left out by the sampler (NVMLError_NotSupported)."""
+
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+import gpu_figures
+from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
+              pytest.mark.skipif(not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
+                                 reason="needs a CUDA GPU and nvidia-smi")]
+
+
+def _number(node, *paths):
+    """The first of ``paths`` that exists under ``node``, as a float; None for N/A or absent."""
+    for path in paths:
+        found = node.find(path)
+        if found is not None and found.text:
+            text = found.text.strip().split()[0]
+            if text in ("N/A", "[N/A]", "Unknown", "[Not"):
+                return None
+            if text in ("Yes", "No"):
+                return 1.0 if text == "Yes" else 0.0
+            try:
+                return float(text)
+            except ValueError:
+                return None
+    return None
+
+
+def _smi() -> list:
+    root = ET.fromstring(subprocess.run(["nvidia-smi", "-q", "-x"], capture_output=True, text=True,
+                                        check=True, timeout=60).stdout)
+    return root.findall("gpu")
+
+
+TOLERANCE = {"utilization_ratio": 0.5, "memory_busy_ratio": 0.5, "memory_used_bytes": 2 * 2**30,
+             "temperature_celsius": 5.0, "power_watts": 0.3, "sm_clock_hertz": 0.5}
+"""Absolute for ratios, bytes and degrees; relative for power and clock (they follow load between the reads)."""
+
+
+def test_every_nvml_reading_matches_nvidia_smi():
+    sampler = GpuHealthSampler(GpuHealthConfig(node="gpu-check"))
+    assert sampler.open(), sampler.unavailable_reason
+    try:
+        sampler.sample()
+        samples = {s.index: s for s in sampler.samples}
+        gpus = {g.index: g for g in sampler._gpus}
+        smi = _smi()
+    finally:
+        sampler.stop()
+    rows, mismatches = [], []
+    for index, node in enumerate(smi):
+        s = samples[index]
+        expected = {
+            "uuid": (node.findtext("uuid") or "").strip(), "name": (node.findtext("product_name") or "").strip(),
+            "memory_total_bytes": _number(node, "fb_memory_usage/total"),
+            "memory_used_bytes": _number(node, "fb_memory_usage/used"),
+            "utilization_ratio": _number(node, "utilization/gpu_util"),
+            "memory_busy_ratio": _number(node, "utilization/memory_util"),
+            "temperature_celsius": _number(node, "temperature/gpu_temp"),
+            "power_watts": _number(node, "gpu_power_readings/power_draw", "power_readings/power_draw",
+                                   "gpu_power_readings/instant_power_draw"),
+            "sm_clock_hertz": _number(node, "clocks/sm_clock"),
+            "ecc_corrected": _number(node, "ecc_errors/volatile/dram_correctable",
+                                     "ecc_errors/volatile/single_bit/total"),
+            "ecc_uncorrected": _number(node, "ecc_errors/volatile/dram_uncorrectable",
+                                       "ecc_errors/volatile/double_bit/total"),
+            "remapped_correctable": _number(node, "remapped_rows/remapped_row_corr"),
+            "remapped_uncorrectable": _number(node, "remapped_rows/remapped_row_unc"),
+            "remap_pending": _number(node, "remapped_rows/remapped_row_pending"),
+            "remap_failed": _number(node, "remapped_rows/remapped_row_failure"),
+            "pcie_replays": _number(node, "pci/replay_counter"),
+        }
+        # nvidia-smi's units: MiB, %, C, W, MHz
+        for key, scale in (("memory_total_bytes", 2**20), ("memory_used_bytes", 2**20), ("utilization_ratio", 0.01),
+                           ("memory_busy_ratio", 0.01), ("sm_clock_hertz", 1e6)):
+            if expected[key] is not None:
+                expected[key] *= scale
+        got = {"uuid": gpus[index].uuid, "name": gpus[index].name,
+               **{k: getattr(s, k) for k in expected if k not in ("uuid", "name")}}
+        for key, want in expected.items():
+            have = got[key]
+            if isinstance(have, bool):
+                have = float(have)
+            if want is None or have is None:
+                ok = want is None and have is None  # unsupported on both sides
+            elif key in ("uuid", "name"):
+                ok = have == want
+            elif key == "memory_total_bytes":
+                ok = abs(have - want) < 2**20  # nvidia-smi rounds to MiB
+            elif key in ("power_watts", "sm_clock_hertz"):
+                ok = abs(have - want) <= TOLERANCE[key] * max(abs(want), 1.0)
+            elif key in TOLERANCE:
+                ok = abs(have - want) <= TOLERANCE[key]
+            else:
+                ok = float(have) == float(want)
+            rows.append({"gpu": index, "reading": key, "nvml": have, "nvidia_smi": want, "agree": ok})
+            if not ok:
+                mismatches.append(rows[-1])
+    gpu_figures.record("nvml_vs_nvidia_smi", gpus=len(smi), readings=rows, mismatches=mismatches)
+    assert len(smi) == len(samples)
+    assert not mismatches, mismatches
