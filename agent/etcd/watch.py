@@ -3,9 +3,9 @@
 python3-etcd3 multiplexes every watch of a client on one gRPC stream. When that stream breaks (etcd restarted,
 the member went away, a network cut) its reader thread drops every callback and means to tell each of them,
 but fails first (``six`` is not imported in ``etcd3/watch.py``): the callbacks never hear of it, and the watch
-is silently dead. ``KeyWatch.alive()`` asks the client whether this watch's callback is still registered (the
-one place that reads the library's private ``watcher._callbacks``; where the layout differs it answers True and
-only the caller's slow safety re-read catches a lost watch). A caller therefore:
+is silently dead. ``KeyWatch.alive()`` asks the client whether this watch's callback is still registered
+(``watch_registered``: the one place that reads the library's private ``watcher._callbacks``; where the layout
+differs it answers True and only the caller's slow safety re-read catches a lost watch). A caller therefore:
 
 * reads the state it watches once, then ``start()`` s the watch (events after the read's revision are never
   missed: the watch starts at ``revision + 1``);
@@ -22,7 +22,19 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KeyWatch"]
+__all__ = ["KeyWatch", "watch_registered"]
+
+
+def watch_registered(client, watch_id, callback) -> bool:
+    """Whether python3-etcd3 still delivers watch ``watch_id`` to ``callback`` (False once its stream broke: the
+    library then drops every callback without a word). The one reader of its private ``watcher._callbacks``; where
+    that layout differs it answers True, and only a caller's slow re-read catches a lost watch."""
+    if watch_id is None:
+        return False
+    callbacks = getattr(getattr(client, "watcher", None), "_callbacks", None)
+    if not isinstance(callbacks, dict):
+        return True
+    return callbacks.get(watch_id) == callback
 
 
 class KeyWatch:
@@ -54,10 +66,7 @@ class KeyWatch:
             if self._id is None or self._failed:
                 return False
             watch_id = self._id
-        callbacks = getattr(getattr(self._client, "watcher", None), "_callbacks", None)
-        if not isinstance(callbacks, dict):
-            return True  # another python3-etcd3: only the caller's safety re-read can tell
-        return callbacks.get(watch_id) == self._callback
+        return watch_registered(self._client, watch_id, self._callback)
 
     def stop(self) -> None:
         """Cancel the watch (best effort: a dead stream has nothing to cancel)."""

@@ -49,6 +49,7 @@ from etcd3.events import DeleteEvent, PutEvent
 from etcd3.utils import prefix_range_end
 
 from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, with_failover
+from trainwarden.agent.etcd.watch import watch_registered
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rendezvous_key
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,10 @@ class RoundWatch:
     @property
     def over(self) -> bool:
         return self._over.is_set()
+
+    def alive(self) -> bool:
+        """False once the client dropped the watch without a word (its stream broke; agent/etcd/watch.py)."""
+        return watch_registered(self._client, self._id, self._on_response)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the round is over (or the watch failed: ``error``), False after ``timeout``."""
