@@ -13,8 +13,8 @@ its ranks in its last worker round (the record's ``ranks``) and when its lease e
 read that saw it and the one that did not; its last keep-alive was up to one lease TTL before).
 
 The watch is checked every ``period_s`` without asking etcd (agent/etcd/watch.py); when it is gone (python3-etcd3
-drops it silently with its stream), and every ``SAFETY_REREAD_S`` regardless, the members are read again
-(``check_once``) and watched anew.
+drops it silently with its stream) the members are read again (``check_once``) and watched anew; every
+``SAFETY_REREAD_S`` they are counted (one count-only read) and read again only if the count is not the watch's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from trainwarden.agent.etcd.client import describe_etcd_error
+from trainwarden.agent.etcd.client import describe_etcd_error, with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX
 from trainwarden.agent.etcd.membership import (MEMBERSHIP_TTL_S, claim_node_loss, departed, member_records,
                                                nodes_prefix)
@@ -35,8 +35,9 @@ from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentS
 __all__ = ["NodeLossWatcher", "SAFETY_REREAD_S"]
 
 SAFETY_REREAD_S = 60.0
-"""How often the members are read again although the watch lives: the net under a watch that died unseen. A loss
-is then recorded within this long at worst (normally within the lease's end and an event's delivery)."""
+"""How often the members are counted although the watch lives: the net under a watch that died unseen. A loss is
+then recorded within this long at worst (normally within the lease's end and an event's delivery). A count, not a
+read: reading every member's record each minute on every node would be O(nodes²) again, only slower."""
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,18 @@ class NodeLossWatcher:
         self._read_at = self._clock()
         return recorded
 
+    def _recount(self) -> None:
+        """The safety net, cheaply: count the members (a count-only read); read them all only if the count is not
+        the watch's."""
+        client, base = self._client, nodes_prefix(self._job, self._prefix)
+        count = int(with_failover(client, lambda: client.get_prefix_response(base, count_only=True)).count)
+        with self._lock:
+            known = len(self._live)
+        if count != known:
+            log.info("job %s: %d members in etcd, %d as watched; reading them again", self._job, count, known)
+            self._watch_and_read()
+        self._read_at = self._clock()
+
     def _on_events(self, events: list) -> None:
         """The watch thread's part: the members as the events say (no etcd call here)."""
         base = nodes_prefix(self._job, self._prefix)
@@ -139,9 +152,10 @@ class NodeLossWatcher:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                if (self._watch is None or not self._watch.alive() or self._read_at is None
-                        or self._clock() - self._read_at >= SAFETY_REREAD_S):
+                if self._watch is None or not self._watch.alive() or self._read_at is None:
                     self._watch_and_read()
+                elif self._clock() - self._read_at >= SAFETY_REREAD_S:
+                    self._recount()
                 elif self._dirty:
                     with self._lock:
                         live, self._dirty = dict(self._live), False
