@@ -335,12 +335,14 @@ class JobRunner:
                           on_error=self._on_error)
         cordon.start()
         self._watches["cordon"] = cordon
-        if not self._listed:  # once per daemon: jobs submitted before the index existed get an entry
-            for view in control.jobs():
-                if view.managed and view.name not in self._indexed:
-                    control.ensure_indexed(view)
-            self._listed = True
         indexed = control.index()
+        if not self._listed:  # once per daemon: jobs submitted before the index existed get an entry
+            missing = [view for view in control.jobs() if view.managed and view.name not in indexed]
+            for view in missing:
+                control.ensure_indexed(view)
+            if missing:
+                indexed = control.index()
+            self._listed = True
         for name in list(self._views):
             if name not in indexed:
                 del self._views[name]

@@ -70,3 +70,17 @@ def test_a_watch_lost_with_its_stream_is_noticed_and_the_jobs_are_read_again(etc
     finally:
         runner.stop(5)
         client.close()
+
+
+def test_a_job_submitted_before_the_index_existed_is_indexed_and_run_at_the_daemons_start(etcd_client, tmp_path):
+    control = JobControl(etcd_client)
+    _submit(control, tmp_path, "older")
+    etcd_client.delete(control.index_key("older"))  # as an older `trainwarden submit` left it
+    incidents: list = []
+    runner = _runner(etcd_client, tmp_path, interval_s=3600.0, incidents=incidents)
+    runner.start()
+    try:
+        wait_for(lambda: _refused(incidents, "older"), 30, what="the runner to find the job")
+        assert etcd_client.get(control.index_key("older"))[0] is not None
+    finally:
+        runner.stop(5)
