@@ -24,7 +24,14 @@ from trainwarden.agent.proto.parent_death import exec_dying_with_parent
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmbeddedEtcd", "EtcdNotFoundError", "EtcdStartError", "find_etcd_binary", "free_port"]
+__all__ = ["AUTO_COMPACTION_ARGS", "EmbeddedEtcd", "EtcdNotFoundError", "EtcdStartError", "find_etcd_binary", "free_port"]
+
+AUTO_COMPACTION_ARGS = ("--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m")
+"""etcd keeps every revision until it is compacted, and 3.5 compacts nothing unless told: the nodes' steady writes
+(progress, goodput: docs/OPERATIONS.md, "Fleet size and etcd load") would grow the database until the space quota
+(2 GiB by default) stops every write. Five minutes of history is what the Kubernetes API server keeps (it compacts
+every 5 minutes); every watch trainwarden makes starts from now, or from a rendezvous round's close, which it makes
+again from now when that was compacted away (agent/rendezvous/native.py)."""
 
 
 class EtcdNotFoundError(RuntimeError):
@@ -114,6 +121,7 @@ class EmbeddedEtcd:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"trainwarden={peer_url}",
             "--log-level", "warn",
+            *AUTO_COMPACTION_ARGS,
         ]
         self.data_dir.mkdir(parents=True, exist_ok=True)  # a data dir that does not exist yet is etcd's to fill
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

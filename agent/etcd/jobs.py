@@ -8,6 +8,10 @@ daemons read and write (DESIGN.md "etcd keys").
   and ``resume`` write a new generation in ``pending``; the launchers move it on from there.
 * ``jobs/<job>/autoresume/<generation>``: a failed generation resumed by an alert (the daemon's webhook), once.
 * ``jobs/<job>/control``: an operator's request to the daemons running the job, ``{"action": "stop", "generation"}``.
+* ``jobs/.index/<job>``: the job's generation and what last changed it, rewritten in the same transaction by every
+  request here (submit, stop, resume, refuse, an alert's resume). The node daemons watch this one small prefix
+  to learn of requests at once, instead of reading every job every few seconds (agent/node/job_runner.py); no
+  job name starts with a dot, so it is never taken for a job.
 * ``nodes/<node>``: a daemon's record of its node (host, address, version, endpoints, jobs) under its lease.
 * ``nodes/<node>/cordon``: why the node takes no new work, since when, by whom (the operator clears it).
 
@@ -29,9 +33,12 @@ from trainwarden.agent.common.job_spec import JobSpec
 from trainwarden.agent.etcd.client import with_failover
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
-__all__ = ["JobConflict", "JobControl", "JobView", "operator", "submission_record"]
+__all__ = ["INDEX", "JobConflict", "JobControl", "JobView", "operator", "submission_record"]
 
 _TERMINAL = {p.value for p in JobPhase if p.terminal}
+
+INDEX = ".index"
+"""``jobs/.index/<job>``: one small key per job that every request rewrites (module docstring)."""
 
 
 class JobConflict(ValueError):
@@ -102,6 +109,10 @@ class JobControl:
     def _key(self, job: str, *parts: str) -> str:
         return job_key(job, *parts, prefix=self._prefix)
 
+    def key(self, job: str, *parts: str) -> str:
+        """``<prefix>/jobs/<job>/<parts...>``."""
+        return self._key(job, *parts)
+
     def node_key(self, node: str, *parts: str) -> str:
         return "/".join([self._prefix.rstrip("/"), "nodes", node, *parts])
 
@@ -124,6 +135,38 @@ class JobControl:
         txn = self._client.transactions
         return [txn.version(key) == 0] if meta is None else [txn.mod(key) == meta.mod_revision]
 
+    def index_key(self, job: str = "") -> str:
+        """``jobs/.index/<job>``; with no job, the index's prefix (trailing slash)."""
+        return self._key(INDEX, job)
+
+    def _indexed(self, name: str, generation: int, why: str):
+        """The transaction's put of ``name``'s index entry (every request's transaction carries one)."""
+        return self._client.transactions.put(self.index_key(name), json.dumps(
+            {"generation": generation, "why": why, "at": time.time()}, sort_keys=True))
+
+    def index(self) -> dict[str, int]:
+        """Every indexed job with the revision that last changed its entry (one range read of small keys)."""
+        client, root = self._client, self.index_key()
+        return {meta.key.decode()[len(root):]: int(meta.mod_revision)
+                for _, meta in with_failover(client, lambda: list(client.get_prefix(root, keys_only=True)))}
+
+    def ensure_indexed(self, view: "JobView") -> bool:
+        """Index a job submitted before the index existed (created only if absent); True if it was written."""
+        key = self.index_key(view.name)
+        txn = self._client.transactions
+        return self._txn([txn.version(key) == 0], [self._indexed(view.name, view.generation, "indexed")])
+
+    def members(self, name: str) -> dict[str, dict]:
+        """The job's live members (``jobs/<job>/nodes/<node>``), by node."""
+        client, root = self._client, self._key(name, "nodes", "")
+        found = {}
+        for value, meta in with_failover(client, lambda: list(client.get_prefix(root))):
+            try:
+                found[meta.key.decode()[len(root):]] = json.loads(value)
+            except ValueError:
+                continue
+        return found
+
     # ---- jobs -------------------------------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, *, by: str | None = None) -> int:
@@ -140,13 +183,16 @@ class JobControl:
         if not self._txn(self._unchanged(state_key, meta), [
                 txn.put(spec_key, json.dumps(record, sort_keys=True)),
                 txn.put(state_key, json.dumps(_pending(spec.name, generation, "submitted by " + record["submitted_by"]))),
-                txn.delete(self._key(spec.name, "control"))]):
+                txn.delete(self._key(spec.name, "control")),
+                self._indexed(spec.name, generation, "submitted")]):
             raise JobConflict(f"job {spec.name} changed while it was being submitted; look at `trainwarden jobs` and "
                               "try again")
         return generation
 
-    def job(self, name: str) -> JobView | None:
-        view = self._view(name)
+    def job(self, name: str, *, members: bool = True) -> JobView | None:
+        """One job; without ``members`` only its spec, state and control (what a daemon decides from: three
+        small reads, none that grows with the job's nodes)."""
+        view = self._view(name, members=members)
         return view if view.spec or view.state else None
 
     def jobs(self) -> list[JobView]:
@@ -156,23 +202,19 @@ class JobControl:
         names = set()
         for _, meta in with_failover(client, lambda: list(client.get_prefix(root, keys_only=True))):
             name, _, part = meta.key.decode()[len(root):].partition("/")
-            if part in ("spec", "state"):
+            if part in ("spec", "state") and not name.startswith("."):  # not the index
                 names.add(name)
         return [view for view in (self._view(n) for n in sorted(names)) if view.spec or view.state]
 
-    def _view(self, name: str) -> JobView:
+    def _view(self, name: str, *, members: bool = True) -> JobView:
         view = JobView(name)
         spec, meta = self._get(self._key(name, "spec"))
         view.spec, view.spec_revision = spec or {}, int(meta.mod_revision) if meta is not None else 0
         view.state = self._get(self._key(name, "state"))[0] or {}
         view.control = self._get(self._key(name, "control"))[0]
-        view.checkpoint = self._get(self._key(name, "checkpoint"))[0]
-        client, members = self._client, self._key(name, "nodes", "")
-        for value, meta in with_failover(client, lambda: list(client.get_prefix(members))):
-            try:
-                view.nodes[meta.key.decode()[len(members):]] = json.loads(value)
-            except ValueError:
-                continue
+        if members:
+            view.checkpoint = self._get(self._key(name, "checkpoint"))[0]
+            view.nodes = self.members(name)
         return view
 
     def stop(self, name: str, *, by: str | None = None) -> str:
@@ -187,7 +229,7 @@ class JobControl:
             raise JobConflict(f"job {name} already {phase} (generation {generation}); nothing to stop")
         request = json.dumps({"action": "stop", "generation": generation, "by": by, "at": time.time()})
         txn = self._client.transactions
-        success = [txn.put(self._key(name, "control"), request)]
+        success = [txn.put(self._key(name, "control"), request), self._indexed(name, generation, "stop")]
         if phase == JobPhase.PENDING.value:  # no launcher has it yet: stopped here and now
             success.append(txn.put(state_key, json.dumps({**state, "phase": JobPhase.STOPPED.value,
                                                           "reason": f"stopped by {by} before it started",
@@ -207,7 +249,7 @@ class JobControl:
             return False
         refused = {**state, "phase": JobPhase.REFUSED.value, "reason": reason[:500], "last_change": time.time()}
         put = self._client.transactions.put(state_key, json.dumps(refused))
-        return self._txn(self._unchanged(state_key, meta), [put])
+        return self._txn(self._unchanged(state_key, meta), [put, self._indexed(name, generation, "refused")])
 
     def resume(self, name: str, *, by: str | None = None) -> int:
         """Start a failed or stopped submitted job again as the next generation; the generation."""
@@ -228,7 +270,8 @@ class JobControl:
         txn = self._client.transactions
         if not self._txn(self._unchanged(state_key, meta), [
                 txn.put(state_key, json.dumps(_pending(name, generation, f"resumed by {by} after {view.phase}"))),
-                txn.delete(self._key(name, "control"))]):
+                txn.delete(self._key(name, "control")),
+                self._indexed(name, generation, "resumed")]):
             raise JobConflict(f"job {name} changed meanwhile; run `trainwarden resume {name}` again")
         return generation
 
@@ -248,7 +291,8 @@ class JobControl:
         if not self._txn([*self._unchanged(state_key, meta), txn.version(once_key) == 0], [
                 txn.put(state_key, json.dumps(_pending(name, generation + 1, f"resumed by {by} after failed"))),
                 txn.put(once_key, json.dumps(entry, sort_keys=True)),
-                txn.delete(self._key(name, "control"))]):
+                txn.delete(self._key(name, "control")),
+                self._indexed(name, generation + 1, "resumed by an alert")]):
             raise JobConflict(f"job {name} generation {generation} was resumed meanwhile")
         return generation + 1
 

@@ -22,7 +22,7 @@ from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GoodputPublisher", "choose", "goodput_key", "job_goodput", "load_goodput"]
+__all__ = ["GOODPUT_PERIOD_S", "GoodputPublisher", "choose", "goodput_key", "job_goodput", "load_goodput"]
 
 
 def goodput_key(job: str, node: str = "", *, prefix: str = DEFAULT_PREFIX) -> str:
@@ -78,10 +78,17 @@ def load_goodput(client, job: str, state_file: Path, *, prefix: str = DEFAULT_PR
     return choose(states)
 
 
+GOODPUT_PERIOD_S = 15.0
+"""How often a node puts its goodput ledger (``jobs/<job>/goodput/<node>``, through the run's ``EtcdWriter``):
+what a node that dies loses of its ledger, at most (the next launcher continues from the newest copy). One put of
+about a kilobyte every 15 s is 267 puts a second at 4,000 nodes, a small part of a 3-member etcd's load (docs/
+OPERATIONS.md, "Fleet size and etcd load")."""
+
+
 class GoodputPublisher:
     """Puts ``state()`` to the node's key every ``period_s`` and once more at ``stop()``."""
 
-    def __init__(self, writer, job: str, node: str, state: Callable[[], dict], *, period_s: float = 15.0,
+    def __init__(self, writer, job: str, node: str, state: Callable[[], dict], *, period_s: float = GOODPUT_PERIOD_S,
                  prefix: str = DEFAULT_PREFIX) -> None:
         self._writer, self._state, self._period = writer, state, period_s
         self._key = goodput_key(job, node, prefix=prefix)

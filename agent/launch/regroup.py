@@ -23,8 +23,7 @@ import psutil
 
 from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.etcd.client import describe_etcd_error
-from trainwarden.agent.etcd.cluster import agree_checkpoint_step, read_leave, request_leave
-from trainwarden.agent.etcd.keys import job_key
+from trainwarden.agent.etcd.cluster import LeaveWatch, agree_checkpoint_step, request_leave
 from trainwarden.agent.launch.elastic import GROW_WAIT_S
 
 __all__ = ["GROW_MARGIN_STEPS", "GROW_MARGIN_S", "Regrouping"]
@@ -56,8 +55,13 @@ class Regrouping:
         self._leave_asked.set()
 
     def _watch_leave_loop(self, done: threading.Event) -> None:
-        while not done.wait(0.5):
-            self._watch_leave()
+        try:
+            while not done.wait(0.5):
+                self._watch_leave()
+        finally:
+            leaves = getattr(self, "_leaves", None)
+            if leaves is not None:
+                leaves.stop()
 
     def _watch_leave(self) -> None:
         """The leave protocol's watcher (a thread beside the supervise loop): ask for this node's leave when told
@@ -76,14 +80,18 @@ class Regrouping:
         self._leave_polled = now
         try:
             key = str(round_)
-            if not self._leave_asked.is_set() and self._excluded():
+            if getattr(self, "_leaves", None) is None:
+                self._leaves = LeaveWatch(self.client, self.opts.job, self.node)
+            self._leaves.refresh()  # asks etcd only when a watch is gone (and every LEAVE_REREAD_S)
+            if not self._leave_asked.is_set() and self._leaves.excluded():
                 print(f"trainwarden: node {self.node} is to be left out of job {self.opts.job} (straggler policy "
                       "exclude); it leaves at a step boundary after a checkpoint", file=self.out, flush=True)
                 self._leave_asked.set()
+            standing = None
             if self._leave_asked.is_set() and self._asked_leave_round != round_:
                 self._asked_leave_round = round_
-                request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
-            request = read_leave(self.client, self.opts.job, key)
+                standing = request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
+            request = self._leaves.request(key) or standing
         except Exception as exc:
             logger.debug("cannot read the job's leave requests: %s", describe_etcd_error(exc))
             return
@@ -99,12 +107,6 @@ class Regrouping:
         # the ranks have most likely finished since the newest one reported
         behind = min(10.0, max(0.0, time.time() - self._round_step_end)) if self._round_step_end else 0.0
         return self._round_step + int(behind / median) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
-
-    def _excluded(self) -> bool:
-        """This node's watchdog asked for the node's exclusion from the job (``jobs/<job>/exclude/<node>``,
-        written under straggler policy ``exclude``): the request takes effect as a leave."""
-        value, _ = self.client.get(job_key(self.opts.job, "exclude", self.node))
-        return value is not None
 
     def _spawn(self, target, *args) -> None:
         threading.Thread(target=target, args=args, name="trainwarden-leave", daemon=True).start()

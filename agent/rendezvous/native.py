@@ -46,9 +46,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from etcd3.events import DeleteEvent, PutEvent
+from etcd3.exceptions import RevisionCompactedError
 from etcd3.utils import prefix_range_end
 
 from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, with_failover
+from trainwarden.agent.etcd.watch import watch_registered
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rendezvous_key
 
 logger = logging.getLogger(__name__)
@@ -185,7 +187,9 @@ class CloseRule:
 class RoundWatch:
     """Watches a closed round's ``nodes/``: ``over`` once a member's key goes (lost, or left to re-join)."""
 
-    def __init__(self, client, round_: Round, nodes_prefix: str) -> None:
+    def __init__(self, client, round_: Round, nodes_prefix: str, *, replay: bool = True) -> None:
+        """``replay``: from the round's close (a loss since is seen); else from now, for a round whose close etcd
+        has compacted away (the caller then counts the round's keys)."""
         self.round = round_
         self.lost: str | None = None
         """The first member whose key went."""
@@ -193,7 +197,8 @@ class RoundWatch:
         self._members = frozenset(round_.members)
         self._over = threading.Event()
         self._client = client
-        self._id = client.add_watch_prefix_callback(nodes_prefix, self._on_response, start_revision=round_.as_of + 1)
+        since = {"start_revision": round_.as_of + 1} if replay else {}
+        self._id = client.add_watch_prefix_callback(nodes_prefix, self._on_response, **since)
 
     def _on_response(self, response) -> None:  # the client's watch thread: no etcd calls here
         if isinstance(response, BaseException):
@@ -209,6 +214,10 @@ class RoundWatch:
     @property
     def over(self) -> bool:
         return self._over.is_set()
+
+    def alive(self) -> bool:
+        """False once the client dropped the watch without a word (its stream broke; agent/etcd/watch.py)."""
+        return watch_registered(self._client, self._id, self._on_response)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the round is over (or the watch failed: ``error``), False after ``timeout``."""
@@ -298,8 +307,16 @@ class NativeRendezvous:
         round_ = round_ or self.last
         if round_ is None:
             raise NativeRendezvousError(f"node {self.node} has no round to watch: call next_round() first")
-        watch = self._call("watch the round's nodes",
-                           lambda: RoundWatch(self._client, round_, self._key(round_.number, "nodes") + "/"))
+        prefix = self._key(round_.number, "nodes") + "/"
+        try:
+            watch = self._call("watch the round's nodes", lambda: RoundWatch(self._client, round_, prefix))
+        except NativeRendezvousUnavailable as exc:
+            if not isinstance(exc.__cause__, RevisionCompactedError):
+                raise
+            # etcd compacted past the round's close (auto-compaction; a round lives for days): watch from now;
+            # a loss in between shows in the count of the round's keys (``present``)
+            watch = self._call("watch the round's nodes", lambda: RoundWatch(self._client, round_, prefix,
+                                                                             replay=False))
         if round_ is self.last:
             self._watch = watch
         return watch

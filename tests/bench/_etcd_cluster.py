@@ -27,13 +27,15 @@ METRIC = re.compile(r"^(etcd_\w+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
 class LoopbackEtcdCluster:
     """``members`` etcd processes forming one cluster on 127.0.0.1."""
 
-    def __init__(self, members: int = 3, *, start_timeout: float = 60.0) -> None:
+    def __init__(self, members: int = 3, *, start_timeout: float = 60.0, extra_args: tuple[str, ...] = ()) -> None:
+        """``extra_args``: more etcd flags for every member (e.g. the project's auto-compaction settings)."""
         self.dir = Path(tempfile.mkdtemp(prefix="trainwarden-bench-etcd-"))
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = {n: free_port() for n in self.names}
         self.peer_ports = {n: free_port() for n in self.names}
         self._procs: dict[str, subprocess.Popen] = {}
         self._start_timeout = start_timeout
+        self._extra_args = tuple(extra_args)
 
     @property
     def endpoints(self) -> list[str]:
@@ -50,7 +52,7 @@ class LoopbackEtcdCluster:
                        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                        "--initial-cluster", cluster, "--initial-cluster-state", "new",
                        "--initial-cluster-token", self.dir.name, "--log-level", "warn",
-                       "--quota-backend-bytes", str(8 * 1024 ** 3)]
+                       "--quota-backend-bytes", str(8 * 1024 ** 3), *self._extra_args]
                 log = open(self.dir / f"{name}.log", "ab")
                 self._procs[name] = subprocess.Popen(exec_dying_with_parent(cmd), stdin=subprocess.DEVNULL, stdout=log,
                                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -9,7 +9,9 @@ counted over several of the daemon's rounds and across a daemon restart.
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import signal
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from procs import wait_for
 from test_daemon_jobs import Daemons, _cli, _jobs
+from trainwarden.agent.node.job_runner import NODE_RECORD_KEEPALIVE_S, JobRunner
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,14 +46,25 @@ def _script(path: Path) -> Path:
 
 
 def _rounds(etcd_client, node: str, n: int) -> None:
-    """Wait until the daemon of ``node`` has finished ``n`` more rounds (each rewrites its node record)."""
-    seen: set[float] = set()
+    """Wait until the daemon of ``node`` has finished at least ``n`` more rounds. Its node record is put only when it
+    changes; on a round every ``NODE_RECORD_KEEPALIVE_S`` the daemon keeps the record's lease alive instead, which
+    resets the lease's TTL: each reset seen is that many rounds (a new lease, after a restart, starts the count)."""
+    interval = inspect.signature(JobRunner.__init__).parameters["interval_s"].default
+    needed = math.ceil(n / max(1, math.ceil(NODE_RECORD_KEEPALIVE_S / interval))) + 1
+    seen = {"lease": None, "ttl": 0, "resets": 0}
 
     def more() -> bool:
-        value, _ = etcd_client.get(f"{PREFIX}/nodes/{node}")
-        if value is not None:
-            seen.add(json.loads(value)["at"])
-        return len(seen) > n
+        _, meta = etcd_client.get(f"{PREFIX}/nodes/{node}")
+        if meta is None or not meta.lease_id:
+            return False
+        ttl = int(etcd_client.get_lease_info(meta.lease_id).TTL)
+        if meta.lease_id != seen["lease"]:
+            seen.update(lease=meta.lease_id, ttl=ttl, resets=0)
+            return False
+        if ttl > seen["ttl"]:
+            seen["resets"] += 1
+        seen["ttl"] = ttl
+        return seen["resets"] >= needed
 
     wait_for(more, 120, what=f"{n} rounds of the daemon on {node}")
 

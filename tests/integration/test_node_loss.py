@@ -79,3 +79,28 @@ def test_a_member_replaced_by_a_new_run_before_its_lease_ended_is_a_loss(etcd_cl
     finally:
         a.stop()
         lease.revoke()
+
+
+def test_the_running_watcher_learns_of_a_loss_from_its_watch_without_reading_the_members_again(etcd_client):
+    """The watcher's clock never moves, so its safety re-read never falls due and its timer only checks the watch:
+    the loss can reach it only as the watch's delete event."""
+    a = _member(etcd_client, "lw", "a")
+    lease = etcd_client.lease(60)
+    etcd_client.put(nodes_prefix("lw") + "b", json.dumps({"ranks": [1]}), lease=lease)
+    recorded = []
+    watcher = NodeLossWatcher(etcd_client, "lw", "a", lambda inc: recorded.append(inc) or inc, period_s=0.05,
+                              clock=lambda: 1000.0)
+    reads = []
+    real = watcher.check_once
+    watcher.check_once = lambda: reads.append(1) or real()
+    watcher.start()
+    try:
+        while not reads or "b" not in watcher._seen:  # the first read (the test's timeout bounds the waits)
+            time.sleep(0.05)
+        lease.revoke()  # b's power goes
+        while not recorded:
+            time.sleep(0.05)
+        assert [i.node for i in recorded] == ["b"] and reads == [1]
+    finally:
+        watcher.stop()
+        a.stop()

@@ -262,3 +262,33 @@ def test_the_handler_sees_a_loss_without_its_watch_and_an_etcd_outage_is_no_loss
         for h in handlers[:2]:
             h.shutdown()
         server.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_watch_lost_after_etcd_compacted_the_rounds_close_is_made_again_from_now(etcd, job):
+    """Auto-compaction removes the revision a round closed at while the round trains on; a watch made again then
+    starts from now, and the count of the round's keys still sees a loss (issue 28)."""
+    handlers = _handlers(etcd, job, 3)
+    try:
+        _in_threads([h.next_rendezvous for h in handlers])
+        client = open_client("127.0.0.1", etcd.client_port, timeout=10.0)
+        try:
+            client.put(f"/trainwarden/v1/rdzv/{job}/filler", "x")
+            _, meta = client.get(f"/trainwarden/v1/rdzv/{job}/filler")
+            client.compact(meta.mod_revision)
+        finally:
+            client.close()
+        survivor, dead = handlers[0], handlers[2]
+        survivor._watch.cancel()  # as if its stream had broken: it must be made again, past the compaction
+        survivor._watch = None
+        assert survivor.num_nodes_waiting() == 0 and survivor._watch is not None and survivor._watch.alive()
+        dead._stop.set()
+        dead._client.revoke_lease(dead._lease.id)
+        for _ in range(500):
+            if survivor.num_nodes_waiting() == 1:
+                break
+            threading.Event().wait(0.02)
+        assert survivor.num_nodes_waiting() == 1  # from the new watch's delete event
+    finally:
+        for h in handlers[:2]:
+            h.shutdown()
