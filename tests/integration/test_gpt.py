@@ -170,6 +170,39 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     assert re.search(r"incidents    (checkpoint_set_aside 1 \(rank 0\), )?crash 1 \(rank 5; \d collateral\) ", text), text[-800:]
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_a_hang_under_trainwarden_run_resumes_from_memory_to_the_same_losses(straight, module_procs, tmp_path):
+    """Rank 2 blocks forever at step 10 (issue 26): the watchdog aborts the job, the restarted ranks restore the step
+    before the hang from the agent's memory snapshots (the disk holds only step 4's and maybe step 8's checkpoint),
+    and every printed loss equals the uninterrupted run's."""
+    import json
+    import sys
+
+    from gpt_helpers import gpt_env, parse_losses
+
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="hang:rank=2,step=10")
+    log = tmp_path / "run.log"
+    proc = module_procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8",
+         "--max-restarts", "1", "--job", "hangmem", "--",
+         "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
+        log=log, env=env,
+    )
+    rc = proc.wait(360)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    assert straight.returncode == 0, straight.describe()
+    assert parse_losses(text) == straight.losses  # steps printed twice agree, and all match
+    assert final_line(text) == final_line(straight.log)
+    # rank 2 stopped before step 10: every rank's snapshot of step 9 was written by then (or of 8 at worst)
+    assert re.search(r"resumed from the memory snapshot of step [89] ", text), text[-3000:]
+    found = [json.loads(p.read_text()) for p in (tmp_path / "state" / "jobs" / "hangmem" / "incidents").glob("*.json")]
+    hangs = [i for i in found if i["kind"] == "hang"]
+    assert [h["ranks"] for h in hangs] == [[2]], found
+
+
 @pytest.mark.timeout(300)
 def test_gradient_accumulation_keeps_the_global_batch_when_data_parallelism_shrinks(module_procs, tmp_path):
     """``--micro-batch-size 2`` with a global batch of 8: two ranks of dp take two micro-batches each, one rank
