@@ -92,6 +92,28 @@ def test_mesh_that_does_not_match_world_fails_with_message(procs, tmp_path):
     assert not run.losses
 
 
+def _run_faulted(procs, tmp_path, job: str, faults: str, flags: list[str]) -> str:
+    """The reference job (8 ranks, a checkpoint every 4 steps) under `trainwarden run` with ``faults`` injected and
+    ``flags`` for the launcher; asserts it succeeded and returns its output."""
+    import sys
+
+    from gpt_helpers import gpt_env
+
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS=faults)
+    log = tmp_path / "run.log"
+    proc = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8",
+         "--max-restarts", "1", "--job", job, *flags, "--",
+         "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
+        log=log, env=env,
+    )
+    rc = proc.wait(360)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    return text
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("start", [pytest.param("cold", marks=pytest.mark.extended), "warm"])
@@ -102,24 +124,12 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
     the crash from the agent's memory snapshots (issue 26). ``cold``: --cold-workers --no-memory-snapshots, new
     interpreters as torchrun starts them, restoring step 8 from disk."""
     import os
-    import sys
 
-    from gpt_helpers import gpt_env, parse_losses
+    from gpt_helpers import parse_losses
 
-    env = gpt_env()
-    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="crash:rank=5,step=10")
-    log = tmp_path / "run.log"
-    proc = module_procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8", "--max-restarts", "1",
-         "--monitor-interval", "0.5", "--job", "crash",
-         *(["--cold-workers", "--no-memory-snapshots"] if start == "cold" else []),
-         "--model-params", "1e6", "--peak-tflops", "0.001", "--",
-         "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
-        log=log, env=env,
-    )
-    rc = proc.wait(360)
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-4000:]
+    text = _run_faulted(module_procs, tmp_path, "crash", "crash:rank=5,step=10", [
+        "--monitor-interval", "0.5", *(["--cold-workers", "--no-memory-snapshots"] if start == "cold" else []),
+        "--model-params", "1e6", "--peak-tflops", "0.001"])
     assert straight.returncode == 0, straight.describe()
     losses = parse_losses(text)  # asserts that steps 9 and 10, printed twice, agree
     assert losses == straight.losses
@@ -177,22 +187,10 @@ def test_a_hang_under_trainwarden_run_resumes_from_memory_to_the_same_losses(str
     before the hang from the agent's memory snapshots (the disk holds only step 4's and maybe step 8's checkpoint),
     and every printed loss equals the uninterrupted run's."""
     import json
-    import sys
 
-    from gpt_helpers import gpt_env, parse_losses
+    from gpt_helpers import parse_losses
 
-    env = gpt_env()
-    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="hang:rank=2,step=10")
-    log = tmp_path / "run.log"
-    proc = module_procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "8",
-         "--max-restarts", "1", "--job", "hangmem", "--",
-         "-m", "trainwarden.runtime.examples.gpt", *MESH_8, "--steps", str(STRAIGHT_STEPS), "--ckpt-every", "4"],
-        log=log, env=env,
-    )
-    rc = proc.wait(360)
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-4000:]
+    text = _run_faulted(module_procs, tmp_path, "hangmem", "hang:rank=2,step=10", [])
     assert straight.returncode == 0, straight.describe()
     assert parse_losses(text) == straight.losses  # steps printed twice agree, and all match
     assert final_line(text) == final_line(straight.log)
