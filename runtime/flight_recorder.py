@@ -129,13 +129,14 @@ def torch_recorders() -> dict[str, Callable[[bool], bytes]]:
 class _Ring:
     """What was returned of one recorder's ring: record ids count per recorder."""
 
-    __slots__ = ("next_id", "returned_ids", "missed", "returned")
+    __slots__ = ("next_id", "returned_ids", "missed", "returned", "unretired")
 
     def __init__(self) -> None:
         self.next_id = 0  # every record id below this was returned (or missed)
         self.returned_ids: set[int] = set()  # ids at or above next_id already returned
         self.missed = 0
         self.returned = 0
+        self.unretired: set[int] = set()  # NCCL ids seen completed by state but not yet retired: held one read
 
     def take(self, entries: list[dict]) -> list[dict]:
         if not entries:
@@ -150,6 +151,10 @@ class _Ring:
             rid = entry["record_id"]
             if rid < self.next_id or rid in self.returned_ids or not _done(entry):
                 continue
+            if _awaits_retirement(entry) and rid not in self.unretired:
+                self.unretired.add(rid)  # returned by the next read, with its duration once retired
+                continue
+            self.unretired.discard(rid)
             new.append(entry)
             self.returned_ids.add(rid)
         while self.next_id in self.returned_ids:
@@ -328,6 +333,14 @@ class ReadSchedule:
 
 def _done(entry: dict) -> bool:
     return bool(entry.get("retired")) or entry.get("state") == "completed"
+
+
+def _awaits_retirement(entry: dict) -> bool:
+    """An NCCL entry a dump's own event query saw completed before the watchdog retired it. Retirement is
+    what adds ``duration_ms`` (with timing on), within the watchdog's next poll (100 ms in torch), so the
+    reader holds such an entry for one read. Seen on an H100 (torch 2.11, NCCL 2.28): read at once, the
+    last entries of a burst came without durations."""
+    return _is_nccl(entry) and not entry.get("retired") and entry.get("state") == "completed"
 
 
 def _is_nccl(entry: dict) -> bool:

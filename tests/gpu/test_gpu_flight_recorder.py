@@ -25,7 +25,7 @@ RUN = textwrap.dedent("""
     fr = FlightRecorder()
     x = torch.ones(1 << 20, device="cuda")
     for _ in range(5):
-        torch.cuda._sleep(5_000_000)  # the all_reduce waits behind it on the stream: a measurable kernel span
+        torch.cuda._sleep(5_000_000)  # NCCL's stream waits for it before the start event: duration_ms is the collective's alone
         dist.all_reduce(x)
     torch.cuda.synchronize()
     got, deadline = [], time.monotonic() + 30

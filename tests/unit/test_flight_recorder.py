@@ -286,11 +286,17 @@ def test_each_backends_recorder_is_read_on_its_own_ring():
 
 
 @pytest.mark.timeout(10)
-def test_an_nccl_entry_completed_by_state_alone_is_returned():
-    # before the watchdog retires it, a dump's own event query may already say "completed"
-    fr = FlightRecorder(recorders={"nccl": lambda stacks: nccl_trace([
-        nccl_entry(0, 0, seq=1, completed_ms=4, retired=False)])})
-    assert [e["record_id"] for e in fr.read_new()] == [0]
+def test_an_nccl_entry_completed_before_retirement_waits_one_read_for_its_duration():
+    # a dump's own event query may say "completed" before the watchdog retires the entry, and retirement is
+    # what adds duration_ms: read at once on an H100, the last entries of a burst had none
+    nccl = [nccl_entry(0, 0, seq=1, completed_ms=4, retired=False), nccl_entry(1, 1, seq=2, completed_ms=5,
+                                                                              retired=False)]
+    fr = FlightRecorder(recorders={"nccl": lambda stacks: nccl_trace(list(nccl))})
+    assert fr.read_new() == [] and fr.complete_below == {"nccl": 0}
+    nccl[0] = nccl_entry(0, 0, seq=1, completed_ms=4, duration_ms=2.5)  # retired by the watchdog meanwhile
+    got = fr.read_new()
+    assert [(e["record_id"], e.get("duration_ms")) for e in got] == [(0, 2.5), (1, None)]  # 1: never retired
+    assert fr.read_new() == [] and fr.complete_below == {"nccl": 2}
 
 
 @pytest.mark.timeout(10)
