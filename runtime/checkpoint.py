@@ -193,6 +193,31 @@ class _Writer(FileSystemWriter):
         return plan
 
 
+class _ReusedStager(DefaultStager):
+    """The Checkpointer's stager: its host buffers (pinned on CUDA) are kept from one save to the next, and
+    only the Checkpointer releases them (``release``).
+
+    torch 2.11's ``DefaultStager._stage`` closes its copier after every stage (2.13 leaves that to the
+    owner). Closing drops the cached buffers and empties the copier's dispatch table, so on 2.11 every save
+    after the first failed with ``KeyError(<class 'type'>)``: seen on an H100 with a 403M-parameter model,
+    reproduced on CPU in tests/unit/test_checkpoint_safety.py. The copier's ``close`` is therefore a no-op
+    here, and so is the stager's, which some torch versions' ``async_save`` call on a caller's stager."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        copier = self._state_dict_stager
+        self._release_copier = copier.close
+        copier.close = lambda: None  # the instance attribute shadows the method: 2.11's _stage calls it
+
+    def close(self) -> None:  # a caller other than the Checkpointer: the buffers stay for the next save
+        pass
+
+    def release(self) -> None:
+        """Drop the buffers and break the copier's reference cycle (its closures hold it)."""
+        self._release_copier()
+        super().close()
+
+
 def _own_bytes(path: Path, rank: int) -> int:
     """Bytes of ``rank``'s files in a checkpoint, for the metrics. Another rank may move the directory
     meanwhile (rank 0 sets a fenced checkpoint aside as soon as its commit is refused): what cannot be
@@ -250,7 +275,7 @@ class Checkpointer:
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
         cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+        self._stager = _ReusedStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=cuda))
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-ckpt-commit")
         # on_commit (etcd publishing) and retention (deleting old checkpoints) run here, so the next save,
@@ -763,7 +788,7 @@ class Checkpointer:
                 self.memory.close()
             self._committer.shutdown(wait=True)
             self._post_commit.shutdown(wait=True)
-            self._stager.close()
+            self._stager.release()
             if self._owns_pg and self._pg is not None:
                 dist.destroy_process_group(self._pg)
             self._pg = None

@@ -46,11 +46,21 @@ RUN = textwrap.dedent("""
     root = Path(sys.argv[1])
     state = {"train": ModelState(model, optim)}
     ckpt = Checkpointer(root / "trainwarden", keep=1)
-    stalls = []
-    for step in range(3):  # the first save allocates the staging buffers (cold)
+    state_dict_s = []
+    for _ in range(3):  # get_state_dict alone: part of every save's stall
+        t0 = time.perf_counter()
+        state["train"].state_dict()
+        state_dict_s.append(time.perf_counter() - t0)
+    stalls, errors = [], []
+    for step in range(5):  # the first save allocates the staging buffers (cold)
+        failed = ckpt.failed_saves
+        t0 = time.perf_counter()
         ckpt.save(step, state)
-        stalls.append(ckpt.last_stall_seconds)
+        stalls.append(time.perf_counter() - t0)
+        if ckpt.failed_saves != failed:
+            errors.append(repr(ckpt.last_error))
         ckpt.wait()
+    committed = ckpt.last_committed.step if ckpt.last_committed else None
     ckpt.close()
     dcp_async = []
     for step in range(3):
@@ -59,6 +69,7 @@ RUN = textwrap.dedent("""
         dcp_async.append(time.perf_counter() - t0)
         future.result()
     print(json.dumps({"parameters": params, "state_bytes": nbytes, "raw_d2h_s": raw, "trainwarden_stall_s": stalls,
+                      "save_errors": errors, "last_committed_step": committed, "state_dict_s": state_dict_s,
                       "dcp_async_save_return_s": dcp_async,
                       "raw_d2h_gbps": nbytes / statistics.median(raw) / 1e9}))
     dist.destroy_process_group()
@@ -74,5 +85,7 @@ def test_checkpoint_stall_of_a_400m_parameter_model_against_the_raw_copy_and_dcp
     result.update(warm_stall_s=warm_stall, stall_over_raw_copy=warm_stall / min(result["raw_d2h_s"]),
                   stall_over_dcp_async=warm_stall / min(result["dcp_async_save_return_s"][1:]))
     gpu_figures.record("checkpoint_stall", **result)
+    assert result["save_errors"] == [] and result["last_committed_step"] == 4, (result, out.stderr[-3000:])
     assert result["parameters"] >= 400_000_000
+    assert result["stall_over_raw_copy"] <= 2.0  # the goal (issue 29); 1.06 on an H100, 2026-11-26
     assert all(s > 0 for s in result["raw_d2h_s"] + result["trainwarden_stall_s"] + result["dcp_async_save_return_s"])

@@ -171,3 +171,37 @@ def test_counting_a_ranks_bytes_survives_rank_0_moving_the_checkpoint_mid_count(
 
     monkeypatch.setattr(pathlib.Path, "_scandir", moved_meanwhile)
     assert _own_bytes(ckpt, 2) == 0
+
+
+def test_saves_reuse_the_stagers_buffers_even_where_torch_closes_its_copier_after_each_stage(tmp_path,
+                                                                                               monkeypatch):
+    # torch 2.11's DefaultStager._stage ends with `self._state_dict_stager.close()` (2.13 does not), which
+    # drops the cached buffers and empties the copier's dispatch table: every save after the first failed
+    # with KeyError(type) (seen on an H100, torch 2.11). This stages as 2.11 does.
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    stage = DefaultStager._stage
+
+    def stage_as_in_torch_2_11(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_as_in_torch_2_11)
+    box, events = Box(), Events()
+    with Checkpointer(tmp_path, keep=10, session=events) as ckpt:
+        copier = ckpt._stager._state_dict_stager
+        for step in range(3):
+            box.w.fill_(step)
+            box.n = step
+            ckpt.save(step, {"box": box, "meta": {"kind": Box}})  # a class among the values
+            ckpt.wait()
+            ckpt._stager.close()  # as some torch versions' async_save do with a caller's stager
+            assert len(copier._cached_storage_mapping) == 1  # box.w's buffer, kept for the next save
+        assert ckpt.failed_saves == 0, ckpt.last_error
+        assert ckpt.last_committed.step == 2
+    assert len(copier._cached_storage_mapping) == 0  # released with the Checkpointer
+    restored = Box()
+    with Checkpointer(tmp_path, keep=10, session=Events()) as ckpt:
+        ckpt.restore({"box": restored, "meta": {"kind": Box}})
+    assert restored.n == 2 and float(restored.w[0]) == 2.0
