@@ -75,6 +75,10 @@ def add_parser(sub) -> None:
                            "a restart skips the interpreters' start-up; the first round starts cold)")
     warm.add_argument("--warm-workers", dest="warm_workers", action="store_true", default=True,
                       help="warm restarts (the default; kept for scripts written for earlier releases)")
+    p.add_argument("--rendezvous-round", choices=["native", "dynamic"], default="native",
+                   help="native (the default): each node joins with a key of its own and one transaction closes the "
+                        "round, which scales to thousands of nodes; dynamic: torch's dynamic rendezvous over etcd "
+                        "(every join a compare-and-set on one shared record; 128 nodes did not gather in 9 minutes)")
     p.add_argument("--no-memory-snapshots", dest="memory_snapshots", action="store_false",
                    help="keep no per-step snapshots in shared memory (by default a job that checkpoints with "
                         "trainwarden's Checkpointer and calls its snapshot() every step restarts from the step before "
@@ -148,6 +152,7 @@ def _cmd_run(args) -> int:
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy, link_policy=args.link_policy, extra_env=extra_env, managed=args.managed,
                           warm_workers=args.warm_workers, memory_snapshots=args.memory_snapshots,
+                          rendezvous_round=args.rendezvous_round,
                           auto_instrument=not args.no_auto_instrument,
                           tokens_per_step=args.tokens_per_step, flops_per_step=args.flops_per_step,
                           model_params=args.model_params, peak_tflops=args.peak_tflops)

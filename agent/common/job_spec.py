@@ -9,6 +9,7 @@ shares with it.
     max_restarts = 3          # optional: worker-group restarts before the job fails
     straggler_policy = "alert"                  # optional: alert or exclude
     link_policy = "alert"     # optional: alert, or exclude (a node a link check names slow leaves the job)
+    rendezvous_round = "native"                 # optional: native (default) or dynamic (torch's)
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
     auto_instrument = true    # optional: instrument the unchanged script (default true)
     tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)
@@ -55,6 +56,7 @@ __all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STR
 
 STRAGGLER_POLICIES = ("alert", "exclude")
 LINK_POLICIES = ("alert", "exclude")
+RENDEZVOUS_ROUNDS = ("native", "dynamic")
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
@@ -126,6 +128,8 @@ class JobSpec:
     ``trainwarden run --cold-workers``."""
     memory_snapshots: bool = True
     """The workers' per-step snapshots kept in shared memory across restarts; false: ``--no-memory-snapshots``."""
+    rendezvous_round: str = "native"
+    """``native`` (a key per node, one closing transaction) or ``dynamic`` (torch's): ``--rendezvous-round``."""
     auto_instrument: bool = True
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
@@ -166,6 +170,8 @@ class JobSpec:
             args.append("--cold-workers")
         if not self.memory_snapshots:
             args.append("--no-memory-snapshots")
+        if self.rendezvous_round != "native":
+            args += ["--rendezvous-round", self.rendezvous_round]
         if not self.auto_instrument:
             args.append("--no-auto-instrument")
         if self.tokens_per_step:
@@ -184,7 +190,7 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "memory_snapshots": bool, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
+           "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
            "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
@@ -262,6 +268,9 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     link_policy = data.get("link_policy", "alert")
     if link_policy not in LINK_POLICIES:
         raise fail("link_policy", f"must be one of {', '.join(LINK_POLICIES)}, got {link_policy!r}")
+    rendezvous_round = data.get("rendezvous_round", "native")
+    if rendezvous_round not in RENDEZVOUS_ROUNDS:
+        raise fail("rendezvous_round", f"must be one of {', '.join(RENDEZVOUS_ROUNDS)}, got {rendezvous_round!r}")
     env = data.get("env", {})
     for key, value in env.items():
         if not key or "=" in key or not isinstance(value, str):
@@ -303,7 +312,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
-                   warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True),
+                   warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True), rendezvous_round=rendezvous_round,
                    auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
 
 

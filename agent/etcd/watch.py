@@ -31,7 +31,11 @@ def watch_registered(client, watch_id, callback) -> bool:
     that layout differs it answers True, and only a caller's slow re-read catches a lost watch."""
     if watch_id is None:
         return False
-    callbacks = getattr(getattr(client, "watcher", None), "_callbacks", None)
+    try:
+        watcher = getattr(client, "watcher", None)
+    except Exception:  # noqa: BLE001 - its stubs were dropped and no endpoint can make a new one: nothing delivers
+        return False
+    callbacks = getattr(watcher, "_callbacks", None)
     if not isinstance(callbacks, dict):
         return True
     return callbacks.get(watch_id) == callback

@@ -212,11 +212,13 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
 
 
 def _rendezvous_round(worker_group) -> int | None:
-    """The rendezvous round the group's workers belong to (the same on every node), when the handler is
-    torch's dynamic one; None otherwise."""
-    holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
-    state = getattr(holder, "state", None)
-    round_ = getattr(state, "round", None)
+    """The rendezvous round the group's workers belong to (the same on every node): the etcd-native handler's
+    ``round_number``, or torch's dynamic handler's state; None for another handler."""
+    handler = worker_group.spec.rdzv_handler
+    round_ = getattr(handler, "round_number", None)
+    if round_ is None:
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        round_ = getattr(state, "round", None)
     return int(round_) if isinstance(round_, int) else None
 
 

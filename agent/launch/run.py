@@ -122,6 +122,9 @@ class RunOptions:
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = True
     """Restarted workers fork from a process with torch imported (agent/launch/warm.py); False: cold starts."""
+    rendezvous_round: str = "native"
+    """``native``: the etcd-native round (a key per node, one closing transaction: agent/rendezvous/native.py);
+    ``dynamic``: torch's dynamic rendezvous over etcd, every join a compare-and-set on one shared blob."""
     memory_snapshots: bool = True
     """Keep the workers' per-step snapshots in shared memory across restarts (agent/launch/memory_tier.py)."""
     auto_instrument: bool = True
@@ -149,12 +152,13 @@ class RunOptions:
 
 
 MULTI_NODE_RDZV = {"last_call_timeout": "3", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
-"""torch's dynamic-rendezvous timings for jobs of several nodes. torch's defaults (last call 30 s, a node
+"""Rendezvous timings for jobs of several nodes, read by both rounds. torch's defaults (last call 30 s, a node
 declared dead after 3 missed 5 s heartbeats) put 45 s into every recovery from a lost node; with these a
 dead node leaves the rendezvous 4-6 s after it died, and a first round with at least MIN nodes closes 3 s
-after the last one joined (a restart's round closes as soon as the previous round's living members are back:
-agent/rendezvous/members.py). The cost: each heartbeat is a compare-and-set on the one rendezvous key, so N nodes make
-N/2 of them a second (not measured beyond the test bed's few nodes)."""
+after the last one joined (a restart's round closes as soon as the previous round's living members are back).
+On the native round (the default) the dead-node window is the node's lease TTL, 2 × 3 = 6 s, refreshed every
+2 s by a keep-alive of its own; on torch's dynamic round each heartbeat is a compare-and-set on the one
+rendezvous key, so N nodes make N/2 of them a second."""
 
 
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
@@ -325,6 +329,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
             self.rdzv_conf["protocol"] = "https"
         if parse_nnodes(self.opts.nnodes)[1] > 1:
             self.rdzv_conf.update(MULTI_NODE_RDZV)
+        self.rdzv_conf["round"] = self.opts.rendezvous_round
         cleanup.callback(self.client.close)
         # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
         self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=self.node)

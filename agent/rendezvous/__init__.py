@@ -1,6 +1,6 @@
 """The ``etcd3`` torchrun rendezvous backend (``backend``), the c10d store it uses (``store``), and the etcd-native
 round (``native``: a key per node, one closing transaction; torch-free) with its torchrun handler
-(``native_handler``, opted into with ``--rdzv-conf round=native``; not yet used by `trainwarden run`).
+(``native_handler``, ``--rdzv-conf round=native``: `trainwarden run`'s default, ``--rendezvous-round``).
 
 torchrun finds the backend through the ``torchrun.handlers`` entry point ``etcd3 =
 trainwarden.agent.rendezvous:handler_factory``. This is the one agent package that imports torch (it runs

@@ -1,7 +1,8 @@
 """torchrun's ``RendezvousHandler`` on the etcd-native round: ``--rdzv-backend etcd3 --rdzv-conf round=native``.
 
-Opt-in: without ``round=native`` the ``etcd3`` backend runs torch's dynamic rendezvous as before. With it, each
-torchrun agent is one node of ``native.NativeRendezvous``:
+`trainwarden run` passes ``round=native`` unless told ``--rendezvous-round dynamic``; for plain torchrun the ``etcd3``
+backend's default stays torch's dynamic rendezvous. With it, each torchrun agent is one node of
+``native.NativeRendezvous``:
 
 * its node id is ``<local address or FQDN>_<pid>_<n>`` (torch's own node descriptor: ``n`` counts the handlers
   of the process), and ranks follow the sorted ids;
@@ -84,6 +85,8 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._lease = self._grant()
         self._rdzv = self._native(self._lease)
         self._watch: RoundWatch | None = None
+        self.round_number: int | None = None
+        """The round this node's workers belong to (the same on every node): fencing, leaves and growth key on it."""
         self._waiting, self._waiting_at = 0, None  # the next round's joins, counted at most every WAITING_POLL_S
         self._short, self._counted_at = False, None  # the round's keys fewer than its members, as last counted
         self._stop = threading.Event()
@@ -114,6 +117,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._rdzv.last = last
         try:
             round_ = self._rdzv.next_round()
+            self.round_number = round_.number
             self._watch = self._rdzv.watch()
             self._waiting, self._waiting_at, self._short, self._counted_at = 0, None, False, None
         except NativeRendezvousTimeout as exc:
@@ -156,6 +160,8 @@ class NativeRendezvousHandler(RendezvousHandler):
                 self._counted_at, lost = now, self._short
         except NativeRendezvousError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
+        except ETCD_CLIENT_ERRORS as exc:  # torchrun's agent ends on any other error: etcd away is no loss
+            raise RendezvousConnectionError(describe_etcd_error(exc)) from exc
         return self._waiting + (1 if lost else 0)
 
     def shutdown(self) -> bool:

@@ -205,6 +205,7 @@ def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_g
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
         assert "node n2 joins job mr" in text("n2"), text("n2")[-3000:]
         assert "now 6" in text(), "the job never grew back to six ranks"
+        assert "round=native" in text("n0"), "trainwarden run's default rendezvous is the etcd-native round"
         # the killed run's log first: rank 0 may have been on n2 before the kill
         story = _rank0((tmp_path / "n2" / "killed.log").read_text() + text())
         # the shrink: the first resume that replayed steps (the first round may have closed with two nodes and

@@ -41,6 +41,11 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert "--no-auto-instrument" in args and args[args.index("--tokens-per-step") + 1] == "4096"
     assert args[args.index("--model-params") + 1] == "1300000000.0" and args[args.index("--peak-tflops") + 1] == "989.0"
     assert "--flops-per-step" not in args
+    assert "--rendezvous-round" not in args  # native, the default
+    dynamic = parse_job_spec({**GOOD, "rendezvous_round": "dynamic"}, "x").launcher_args()
+    assert dynamic[dynamic.index("--rendezvous-round") + 1] == "dynamic"
+    with pytest.raises(JobSpecError, match="rendezvous_round.*native, dynamic, got 'etcd'"):
+        parse_job_spec({**GOOD, "rendezvous_round": "etcd"}, "x")
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
     assert minimal.auto_resume and minimal.warm_workers  # warm restarts by default (issue 26)
