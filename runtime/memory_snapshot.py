@@ -54,6 +54,24 @@ def memory_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 _CONTAINERS = (torch.Tensor, Mapping, list, tuple)
+_NOT_LEAF = object()
+
+
+def _walk(value: Any, leaf: Callable[[Any, str], Any], key: str = "") -> Any:
+    """``value``'s structure (mappings as dicts, lists, tuples) with each leaf replaced by ``leaf(leaf, key)``;
+    ``leaf`` returns ``_NOT_LEAF`` for what is not one. A sequence holding no container nor tensor (Python's RNG
+    state: 625 ints) is one value, copied as a whole rather than walked."""
+    out = leaf(value, key)
+    if out is not _NOT_LEAF:
+        return out
+    if isinstance(value, Mapping):
+        return {k: _walk(v, leaf, f"{key}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if not any(isinstance(v, _CONTAINERS) for v in value):
+            return list(value) if isinstance(value, list) else value
+        items = [_walk(v, leaf, f"{key}/{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value
 
 
 class _Staged:
@@ -68,29 +86,24 @@ class _Staged:
         self._cuda = False
 
     def stage(self, value: Any, key: str) -> Any:
+        return _walk(value, self._buffer_for, key)
+
+    def _buffer_for(self, value: Any, key: str) -> Any:
         if isinstance(value, DTensor):
             # the local shard itself (to_local() runs an autograd function per tensor: most of the walk's time)
             local = getattr(value, "_local_tensor", None)
             value = local if isinstance(local, torch.Tensor) else value.to_local()
-        if isinstance(value, torch.Tensor):
-            value = value.detach()
-            buffer = self.buffers.get(key)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                     pin_memory=value.is_cuda)
-                self.buffers[key] = buffer
-            self._pairs[0].append(buffer)
-            self._pairs[1].append(value)
-            self._cuda = self._cuda or value.is_cuda
-            return buffer
-        if isinstance(value, Mapping):
-            return {k: self.stage(v, f"{key}/{k}") for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            if not any(isinstance(v, _CONTAINERS) for v in value):  # e.g. Python's RNG state: 625 ints, kept as is
-                return list(value) if isinstance(value, list) else value
-            staged = [self.stage(v, f"{key}/{i}") for i, v in enumerate(value)]
-            return staged if isinstance(value, list) else tuple(staged)
-        return value
+        if not isinstance(value, torch.Tensor):
+            return _NOT_LEAF
+        value = value.detach()
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
+            self.buffers[key] = buffer
+        self._pairs[0].append(buffer)
+        self._pairs[1].append(value)
+        self._cuda = self._cuda or value.is_cuda
+        return buffer
 
     def copy(self) -> None:
         """Copy every tensor staged since the last call into its buffer (non-blocking from a GPU, then an event
@@ -158,20 +171,13 @@ def _dump(obj: Any, f) -> None:
     About 15 times faster than ``torch.save`` for a state of many small tensors (its per-tensor records)."""
     tensors: list[torch.Tensor] = []
 
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.contiguous())
-            return (_TENSOR, len(tensors) - 1)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            if not any(isinstance(v, _CONTAINERS) for v in value):
-                return value
-            items = [strip(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+    def strip(value: Any, key: str) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _NOT_LEAF
+        tensors.append(value.contiguous())
+        return (_TENSOR, len(tensors) - 1)
 
-    body = strip(obj)
+    body = _walk(obj, strip)
     table, offset = [], 0
     for t in tensors:
         offset = -(-offset // _ALIGN) * _ALIGN
@@ -208,19 +214,12 @@ def _load(path: Path) -> Any:
         tensors.append(torch.frombuffer(raw, dtype=kind).reshape(shape) if nbytes else
                        torch.empty(shape, dtype=kind))
 
-    def fill(value: Any) -> Any:
+    def fill(value: Any, key: str) -> Any:
         if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
             return tensors[value[1]]
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            if not any(isinstance(v, (dict, list, tuple)) for v in value):
-                return value
-            items = [fill(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+        return _NOT_LEAF
 
-    return fill(header["body"])
+    return _walk(header["body"], fill)
 
 
 class MemorySnapshots:
