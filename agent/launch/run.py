@@ -40,11 +40,10 @@ from trainwarden.agent.common.netaddr import interface_of, route_address
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdSecurity, describe_etcd_error, split_endpoint
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
 from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.cluster import (HangCoordinator, ProgressPublisher, advance_round, commit_in_round, round_id)
-from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes, should_fence
+from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher
+from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.node_loss import NodeLossWatcher
-from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit, describe_failures
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
@@ -55,6 +54,7 @@ from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.launch.fencing import FENCED, Fencing
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
@@ -178,7 +178,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             job.continue_goodput(cleanup)
             job.launch(cleanup)
             rc = job.supervise(signals)
-            while rc is _FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
+            while rc is FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
                 job.wait_for_etcd(signals)
                 job.launch(cleanup)
                 rc = job.supervise(signals)
@@ -192,7 +192,6 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     return rc
 
 
-_FENCED = object()
 """``supervise``'s answer when this node lost etcd and stopped its workers (fencing)."""
 
 
@@ -212,7 +211,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping, LinkChecks, Accounting):
+class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -553,42 +552,6 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
     def _multi_node(self) -> bool:
         return parse_nnodes(self.opts.nnodes)[1] > 1
 
-    def _cut_off(self) -> bool:
-        """This node's membership lapsed (etcd has not confirmed it for longer than its lease, so the other
-        nodes have seen it leave) and its workers stopped stepping: the others train without it
-        (agent/etcd/membership.py ``should_fence``). Never for a one-node job: nobody can take its place."""
-        m = self.membership
-        if m is None or not self._multi_node or m.confirmed_at is None:
-            return False
-        return should_fence(unconfirmed_s=m.unconfirmed_for(), ttl_s=m.ttl,
-                            median_step_s=self.progress.median_step_seconds(),
-                            since_last_step_s=None if self._last_step_at is None
-                            else time.monotonic() - self._last_step_at)
-
-    def _etcd_trouble(self) -> bool:
-        m = self.membership
-        return m is not None and self._multi_node and m.unconfirmed_for() > 2 * m.period
-
-    def _fence(self, why: str) -> object:
-        """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
-        comes back only as a new member, through a new rendezvous (``wait_for_etcd``, then ``launch``)."""
-        print(f"trainwarden: node {self.node} {why}: fencing (stopping its workers); it rejoins job "
-              f"{self.opts.job} as a new member when etcd answers again", file=self.out, flush=True)
-        self.pump.quiet = True
-        self.torchrun.stop(grace=10.0)
-        self.pump.join(5)
-        self.events.join(5)
-        self.pump.quiet = False
-        if self.agent is not None:
-            self.agent.incidents.record(Incident(
-                id=new_incident_id(), kind=IncidentKind.FENCED, job=self.opts.job, node=self.node,
-                evidence={"unconfirmed_s": round(self.membership.unconfirmed_for(), 1), "why": why},
-                detected_at=time.time(), state=IncidentState.RESOLVED,
-                action="stopped this node's workers; rejoining as a new member when etcd answers"))
-        self.transition(JobPhase.RESTARTING, f"fenced: {why}")
-        self.fenced += 1
-        return _FENCED
-
     def wait_for_etcd(self, signals: StopOnSignals) -> None:
         """Until etcd confirms this node's membership again (or a signal stops the run)."""
         started = time.monotonic()
@@ -771,16 +734,6 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
 
     # ---- fenced rounds: who may publish a checkpoint ---------------------------------------------------
 
-    def _advance_round(self, rendezvous_round: int) -> None:
-        try:
-            refusal = advance_round(self.client, self.opts.job, round_id(self.record.generation, rendezvous_round))
-        except Exception as exc:  # a commit advances it too
-            logger.warning("cannot record round %s of job %s in etcd: %s", rendezvous_round, self.opts.job,
-                           describe_etcd_error(exc))
-            return
-        if refusal:
-            logger.warning("job %s: %s", self.opts.job, refusal)
-
     def _warm_dir(self, cleanup: ExitStack) -> str | None:
         """A short private directory for the warm workers' zygote socket (unix socket paths are short)."""
         if not self.opts.warm_workers:
@@ -799,36 +752,6 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
             workers = os.path.join(self._warm, "workers")
             self.agent.actions.stand_in = lambda pid: warm_parent(pid, workers)
         return self._warm
-
-    def _is_round_worker(self, pid: int) -> bool:
-        """``pid`` is a worker of this node's current round: one torch's agent started, or the warm worker
-        one of those stands for (agent/launch/warm.py)."""
-        if pid in self._worker_pids:
-            return True
-        from trainwarden.agent.launch.warm import warm_parent
-
-        warm = getattr(self, "_warm", None)
-        return warm is not None and warm_parent(pid, os.path.join(warm, "workers")) in self._worker_pids
-
-    def _commit_refusal(self, job: str, rank: int, pid: int, step: int, path: str, nbytes: int) -> str | None:
-        """The telemetry server's commit guard: None when rank ``rank`` may publish checkpoint ``step`` as the
-        job's latest, else why not. Only a worker of this node's current round, with this node's membership
-        confirmed by etcd within its lease, and the round still the job's current one in etcd (checked and
-        published in one transaction)."""
-        if job != self.opts.job:
-            return None
-        if not self._is_round_worker(pid):
-            return f"rank {rank} (pid {pid}) is not a worker of node {self.node}'s current round"
-        m = self.membership
-        if m is None or m.confirmed_at is None or m.unconfirmed_for() > 2 * m.period:  # etcd away: do not wait on it
-            unconfirmed = f"{m.unconfirmed_for():.0f} s" if m is not None and m.confirmed_at is not None else "ever"
-            return (f"etcd has not confirmed node {self.node}'s membership for {unconfirmed}: the job's round "
-                    "cannot be checked, and the other nodes may train on without this one")
-        pointer = {"step": int(step), "path": path, "time": time.time(), "bytes": int(nbytes)}
-        if self._round is None:  # not torch's dynamic rendezvous: no round to compare; membership is all we have
-            self.records.put_checkpoint(job, pointer)
-            return None
-        return commit_in_round(self.client, job, round_id(self.record.generation, self._round), pointer)
 
     def _on_line(self, line: str) -> None:
         """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""
