@@ -103,4 +103,5 @@ def test_a_job_runs_with_the_agents_certificate_alone(roles_etcd, tmp_path, proc
                        "--print-value-only")
     assert json.loads(pointer.stdout)["step"] == 8, pointer.stdout  # the commits went through with its role
     rdzv = _etcdctl(url, certs, "trainwarden-reader", "get", "--prefix", "--keys-only", "/trainwarden/v1/rdzv/rolesjob/")
-    assert "/trainwarden/v1/rdzv/rolesjob/state" in rdzv.stdout.split(), rdzv.stdout  # its rendezvous, in rdzv/
+    keys = rdzv.stdout.split()  # its rendezvous, in rdzv/: the etcd-native round, trainwarden run's default
+    assert "/trainwarden/v1/rdzv/rolesjob/rounds/00000000/close/members" in keys, rdzv.stdout
