@@ -21,7 +21,7 @@ import os
 import time
 
 from trainwarden.agent.common.job_lifecycle import JobPhase
-from trainwarden.agent.etcd.client import describe_etcd_error
+from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error
 from trainwarden.agent.etcd.cluster import advance_round, commit_in_round, round_id
 from trainwarden.agent.etcd.membership import should_fence
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
@@ -108,7 +108,10 @@ class Fencing:
             return (f"etcd has not confirmed node {self.node}'s membership for {unconfirmed}: the job's round "
                     "cannot be checked, and the other nodes may train on without this one")
         pointer = {"step": int(step), "path": path, "time": time.time(), "bytes": int(nbytes)}
-        if self._round is None:  # a rendezvous handler that names no round: membership is all we have
-            self.records.put_checkpoint(job, pointer)
-            return None
-        return commit_in_round(self.client, job, round_id(self.record.generation, self._round), pointer)
+        try:
+            if self._round is None:  # a rendezvous handler that names no round: membership is all we have
+                self.records.put_checkpoint(job, pointer)
+                return None
+            return commit_in_round(self.client, job, round_id(self.record.generation, self._round), pointer)
+        except ETCD_CLIENT_ERRORS as exc:  # etcd lost quorum under us: refused, and said in one line
+            return f"etcd could not check the job's round: {describe_etcd_error(exc)}"

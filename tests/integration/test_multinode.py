@@ -102,7 +102,7 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
         assert all(p.poll() is None for p, _ in runs.values()), text()[-4000:]
         partitioned_at = time.monotonic()
         bed.partition("n2")
-        wait_for(lambda: "fencing" in text("n2"), 60, what="n2 to fence itself")
+        wait_for(lambda: "fencing (stopping" in text("n2"), 60, what="n2 to fence itself")
         fenced_after = time.monotonic() - partitioned_at
         wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2, 120,
                  what="the other nodes to resume as two")
@@ -144,7 +144,7 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
         bed.start_etcd_member("e1")
         for node, (proc, log) in runs.items():
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
-        assert "fencing" not in text() and "round failed" not in text(), text()[-4000:]
+        assert "fencing (stopping" not in text() and "round failed" not in text(), text()[-4000:]
         assert _steps(text()) == list(range(1, steps + 1))  # every step once: no restart
         assert "not committed: " in text() and "latest complete: step 120" in text()
     assert bed.leftovers() == []
