@@ -34,6 +34,17 @@ SLOW_LINK_RATE = "20mbit"
 SHOW = re.compile(r"^trainwarden: |\[rank 0\] [\w.]+: (resumed|step \d+ loss)|^  \w+ {2,}")
 
 
+def sweep_killed_runs() -> None:
+    """What the killed node's run left on this machine (its private temp directories and its memory snapshots:
+    a powered-off node's would go with its reboot). Only directories whose owner process is gone are removed."""
+    from trainwarden.agent.common.scratch import sweep
+    from trainwarden.agent.launch.memory_tier import DEFAULT_ROOT, PREFIX
+
+    for prefix in ("trainwarden-", "tw-warm-"):
+        sweep(prefix)
+    sweep(PREFIX, root=DEFAULT_ROOT)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60, help="steps the job trains (default 60)")
@@ -107,6 +118,7 @@ def main(argv=None) -> int:
                 return 1
             time.sleep(0.5)
         rcs = {n: procs[n].poll() for n in nodes}
+    sweep_killed_runs()
     if args.fault == "slow-link":
         print(step_times(step_s, fault_step), flush=True)
     print(f"demo-cluster: exit codes {rcs}; the bed is gone. Logs and checkpoints: {work}", flush=True)
