@@ -145,6 +145,7 @@ class _Ring:
         if first > self.next_id:  # the ring wrapped: these were overwritten before we saw them
             self.missed += first - self.next_id - sum(1 for i in self.returned_ids if i < first)
             self.returned_ids = {i for i in self.returned_ids if i >= first}
+            self.unretired = {i for i in self.unretired if i >= first}
             self.next_id = first
         new = []
         for entry in entries:
