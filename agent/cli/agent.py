@@ -33,6 +33,7 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "etcd_user": (str, None),
     "etcd_password_file": (str, None),
     "straggler_policy": (str, "alert"),
+    "hang_floor": (float, None),
     "local_addr": (str, None),
     "run_jobs": (bool, True),
     "webhook_listen": (str, None),
@@ -95,6 +96,9 @@ def add_parser(sub) -> None:
     p.add_argument("--straggler-policy", choices=["alert", "exclude"],
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
+    p.add_argument("--hang-floor", type=float, metavar="S",
+                   help="shortest time without a step, a collective, CPU or I/O on any rank of a job before it "
+                        "counts as hung (default 2)")
     w = p.add_argument_group("Alertmanager webhook (alerts resume failed jobs; needs --etcd)")
     w.add_argument("--webhook-listen", metavar="HOST:PORT",
                    help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9480)")
@@ -128,7 +132,7 @@ def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.e
             if key not in SETTINGS:
                 raise ValueError(unknown_key_message(key, SETTINGS, args.config).replace("field", "key", 1))
             kind = SETTINGS[key][0]
-            if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
                 raise ValueError(f"{args.config}: key {key!r} must be {_kind_name(kind)}, got {value!r}")
     settings = {}
     for key, (kind, default) in SETTINGS.items():
@@ -146,7 +150,7 @@ def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.e
 
 
 def _kind_name(kind: type) -> str:
-    return {str: "a string", int: "a whole number", bool: "true or false"}[kind]
+    return {str: "a string", int: "a whole number", float: "a number", bool: "true or false"}[kind]
 
 
 def _from_text(text: str, kind: type, source: str) -> Any:
@@ -155,6 +159,11 @@ def _from_text(text: str, kind: type, source: str) -> Any:
             return int(text)
         except ValueError:
             raise ValueError(f"{source}={text!r}: must be a whole number") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{source}={text!r}: must be a number") from None
     if kind is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -188,7 +197,7 @@ def _cmd_agent(args) -> int:
                              metrics_port=s["metrics_port"], health_host=s["health_host"],
                              health_port=s["health_port"], allow_unverified_streams=s["allow_unverified_streams"],
                              state_home=Path(s["state_home"]) if s["state_home"] else None,
-                             watchdog=watchdog_config(s["straggler_policy"]),
+                             watchdog=watchdog_config(s["straggler_policy"], s["hang_floor"]),
                              **({"node": s["node"]} if s["node"] else {}))
         security = EtcdSecurity.from_env(ca_cert=s["etcd_ca"], cert_cert=s["etcd_cert"], cert_key=s["etcd_key"],
                                          user=s["etcd_user"], password_file=s["etcd_password_file"],

@@ -66,6 +66,10 @@ def add_parser(sub) -> None:
                    help="on a communication regression whose link check names this node's link slow: alert "
                         "(incident with the link check's report; default) or exclude (also leave the job at a step "
                         "boundary after a checkpoint, the others go on, and cordon the node)")
+    p.add_argument("--hang-floor", type=float, default=None, metavar="S",
+                   help="shortest time without a step, a collective, CPU or I/O on any rank before the job counts "
+                        "as hung and is restarted (default 2; the deadline is otherwise 5x the p99 step time). "
+                        "Raise it for a script that sleeps between steps")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
     warm = p.add_mutually_exclusive_group()
@@ -150,7 +154,8 @@ def _cmd_run(args) -> int:
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          straggler_policy=args.straggler_policy, link_policy=args.link_policy, extra_env=extra_env, managed=args.managed,
+                          straggler_policy=args.straggler_policy, link_policy=args.link_policy, hang_floor_s=args.hang_floor,
+                          extra_env=extra_env, managed=args.managed,
                           warm_workers=args.warm_workers, memory_snapshots=args.memory_snapshots,
                           rendezvous_round=args.rendezvous_round,
                           auto_instrument=not args.no_auto_instrument,

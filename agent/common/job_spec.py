@@ -10,6 +10,7 @@ shares with it.
     straggler_policy = "alert"                  # optional: alert or exclude
     link_policy = "alert"     # optional: alert, or exclude (a node a link check names slow leaves the job)
     rendezvous_round = "native"                 # optional: native (default) or dynamic (torch's)
+    hang_floor_s = 2.0        # optional: seconds without a step, collective, CPU or I/O that count as a hang
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
     auto_instrument = true    # optional: instrument the unchanged script (default true)
     tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)
@@ -57,6 +58,9 @@ __all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STR
 STRAGGLER_POLICIES = ("alert", "exclude")
 LINK_POLICIES = ("alert", "exclude")
 RENDEZVOUS_ROUNDS = ("native", "dynamic")
+HANG_FLOOR_RANGE_S = (0.5, 180.0)
+"""What ``--hang-floor`` and ``hang_floor_s`` accept: at least the runtime's telemetry period (0.5 s), and not
+above the watchdog's checkpoint allowance (180 s), which a larger floor would override."""
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
@@ -130,6 +134,8 @@ class JobSpec:
     """The workers' per-step snapshots kept in shared memory across restarts; false: ``--no-memory-snapshots``."""
     rendezvous_round: str = "native"
     """``native`` (a key per node, one closing transaction) or ``dynamic`` (torch's): ``--rendezvous-round``."""
+    hang_floor_s: float | None = None
+    """The hang deadline's floor (``--hang-floor``); None: the watchdog's default."""
     auto_instrument: bool = True
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
@@ -172,6 +178,8 @@ class JobSpec:
             args.append("--no-memory-snapshots")
         if self.rendezvous_round != "native":
             args += ["--rendezvous-round", self.rendezvous_round]
+        if self.hang_floor_s is not None:
+            args += ["--hang-floor", repr(float(self.hang_floor_s))]
         if not self.auto_instrument:
             args.append("--no-auto-instrument")
         if self.tokens_per_step:
@@ -190,7 +198,7 @@ class JobSpec:
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
+           "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "hang_floor_s": (int, float), "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
            "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
@@ -271,6 +279,12 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     rendezvous_round = data.get("rendezvous_round", "native")
     if rendezvous_round not in RENDEZVOUS_ROUNDS:
         raise fail("rendezvous_round", f"must be one of {', '.join(RENDEZVOUS_ROUNDS)}, got {rendezvous_round!r}")
+    hang_floor = data.get("hang_floor_s")
+    if hang_floor is not None:
+        low, high = HANG_FLOOR_RANGE_S
+        if not low <= hang_floor <= high:
+            raise fail("hang_floor_s", f"must be seconds between {low:g} and {high:g}, got {hang_floor!r}")
+        hang_floor = float(hang_floor)
     env = data.get("env", {})
     for key, value in env.items():
         if not key or "=" in key or not isinstance(value, str):
@@ -313,7 +327,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True), rendezvous_round=rendezvous_round,
-                   auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
+                   hang_floor_s=hang_floor, auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
 
 
 def dumps(spec: JobSpec) -> str:

@@ -115,9 +115,11 @@ class RunOptions:
     metrics_port: int = 9478
     """Port of the agent's Prometheus endpoint (0: a free one)."""
     straggler_policy: str = "alert"
+    """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
     link_policy: str = "alert"
     """``alert`` or ``exclude`` (a node a link check names slow leaves the job and is cordoned)."""
-    """``alert`` or ``exclude`` (also ask for this node's exclusion at the next rendezvous)."""
+    hang_floor_s: float | None = None
+    """The hang deadline's floor (``--hang-floor``); None: the watchdog's default (agent/watchdog/hang.py)."""
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = True
@@ -146,6 +148,7 @@ class RunOptions:
             raise ValueError("--flops-per-step and --model-params both say what a step costs; give one")
         if min(self.flops_per_step, self.model_params, self.peak_tflops) < 0:
             raise ValueError("--flops-per-step, --model-params and --peak-tflops must be positive")
+        watchdog_config(self.straggler_policy, self.hang_floor_s)  # a bad value is the command line's error
         if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
             raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
                              "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")
@@ -347,7 +350,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
                                           metrics_port=opts.metrics_port, state_home=opts.state_home,
                                           node=self.node,
-                                          watchdog=watchdog_config(opts.straggler_policy)),
+                                          watchdog=watchdog_config(opts.straggler_policy, opts.hang_floor_s)),
                               etcd=self.writer, cluster=self._hang_coordinator())
             agent.start()
         except (ExporterError, TelemetryServerError, ValueError) as exc:

@@ -52,6 +52,8 @@ from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolic
 from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
+from trainwarden.agent.watchdog.hang import HangConfig
+from trainwarden.agent.common.job_spec import HANG_FLOOR_RANGE_S
 from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -104,8 +106,9 @@ QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
 (`WatchdogConfig.quiet_read_period_s`; 0: never ask)."""
 
 
-def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
-    """The watchdog's configuration for a straggler policy name (``alert`` or ``exclude``)."""
+def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None = None) -> WatchdogConfig:
+    """The watchdog's configuration for a straggler policy name (``alert`` or ``exclude``) and, when given, the
+    hang deadline's floor in seconds (``--hang-floor``; default ``HangConfig.floor_s``)."""
     try:
         policy = StragglerPolicy(straggler_policy)
     except ValueError:
@@ -120,8 +123,16 @@ def watchdog_config(straggler_policy: str = "alert") -> WatchdogConfig:
     except ValueError:
         raise ValueError(f"{QUIET_READ_PERIOD_ENV}={pace!r}: expected seconds between 0 (never ask the workers "
                          f"to read their Flight Recorders slowly) and 30") from None
+    hang = HangConfig()
+    if hang_floor_s is not None:
+        low, high = HANG_FLOOR_RANGE_S
+        if not low <= hang_floor_s <= high:
+            raise ValueError(f"hang floor {hang_floor_s:g} s: expected seconds between {low:g} and {high:g} (the "
+                             f"shortest time without a step, a collective, CPU or I/O that counts as a hang; "
+                             f"default {HangConfig.floor_s:g})")
+        hang = HangConfig(floor_s=hang_floor_s)
     return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None,
-                          quiet_read_period_s=quiet)
+                          quiet_read_period_s=quiet, hang=hang)
 
 
 class NodeAgent:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -324,12 +325,45 @@ def process_io_bytes(pid: int) -> int | None:
 
 
 def process_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user and system, every thread) the process has used; None when it cannot be read."""
+    """CPU seconds (user and system, every thread) the process and its descendants have used: its own, its
+    children's that it has reaped, and each live descendant's (a DataLoader's workers compute while the rank
+    waits for them). None when the process cannot be read; a descendant that cannot be is left out."""
+    total = _cpu_with_reaped(pid)
+    if total is None:
+        return None
+    for child in _descendants(pid):
+        total += _cpu_with_reaped(child) or 0.0
+    return total
+
+
+def _cpu_with_reaped(pid: int) -> float | None:
     try:
-        times = psutil.Process(pid).cpu_times()
+        t = psutil.Process(pid).cpu_times()
     except (psutil.Error, OSError, ValueError):
         return None
-    return times.user + times.system
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _descendants(pid: int, limit: int = 256) -> list[int]:
+    """The live descendants of ``pid``, from /proc/<pid>/task/<tid>/children (a few reads per process, not a
+    scan of every process on the node); at most ``limit`` of them, nothing where /proc does not say."""
+    found: list[int] = []
+    todo = [pid]
+    while todo and len(found) < limit:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found[:limit]
 
 
 def _ranks(ranks: Iterable[int]) -> str:

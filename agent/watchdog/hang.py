@@ -9,8 +9,12 @@ because a job resumed from a checkpoint repeats indices it already reported.
 The deadline adapts to the job:
 
 - steady state: ``multiplier`` x the p99 of recent step times, clamped to [``floor_s``, ``ceiling_s``].
-  The defaults (5x, 5 s, 300 s) detect a hang of a job with 0.3 s steps in about 5 s (plus the watchdog's
-  period and the diagnostics wait: under 10 s to the abort), and give a job with 60 s steps 300 s.
+  The defaults (5x, 2 s, 300 s) detect a hang of a job with 0.3 s steps in about 2 s (plus the watchdog's
+  period and the diagnostics wait: about 3 s to the abort), and give a job with 60 s steps 300 s. The floor is
+  short because what else stops steps for seconds is told apart below: a rank that computes (or whose
+  DataLoader workers do), reads or writes, checkpoints, or runs collectives is not hung. What is left looks
+  exactly like a hang (no step, no collective, no CPU, no I/O): a script that sleeps for seconds between steps
+  needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds).
 - start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
   pids), the deadline is at least ``startup_s``. Rendezvous, process-group creation, compilation and the
   checkpoint restore all happen before the first steps, and the first steps are slow.
@@ -34,10 +38,14 @@ optimizer. A stuck rank stops its peers at their next collective, so the count s
   ones, clamped like the step deadline. Before that, the start-up deadline.
 
 Work between steps with no collective and no step (a long evaluation on one rank while the others wait in a
-barrier, say) is told from a hang by the CPU: while some rank's process keeps using at least ``busy_cores`` of
-CPU, the deadline is at least ``busy_s`` (300 s). A deadlocked or stopped rank uses none, and neither do ranks
-blocked in a collective, so hangs are caught as before; a rank spinning forever is caught after ``busy_s``.
-(An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s evaluation on one rank.)
+barrier, say) is told from a hang by the processes' activity: while some rank's process tree (the rank and its
+children: a DataLoader's workers preparing an epoch's first batches while the rank waits for them) keeps using
+at least ``busy_cores`` of CPU, or the rank's process reads or writes at least ``busy_io_bytes_per_s`` (a shard
+streamed from remote storage), the deadline is at least ``busy_s`` (300 s). A deadlocked or stopped rank does
+neither, and neither do ranks blocked in a collective, so hangs are caught as before; a rank spinning forever is
+caught after ``busy_s``. (An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
+evaluation on one rank.) The watchdog reads activity only once a job has been stalled for a second: a healthy
+job costs it nothing.
 
 After firing, a job is not judged again until it progresses or a new worker round starts (the restart
 that the abort causes), so one hang gives one incident. A job none of whose ranks is connected is not
@@ -61,8 +69,8 @@ class HangConfig:
 
     multiplier: float = 5.0
     """Deadline = multiplier x p99 of recent step times (then clamped)."""
-    floor_s: float = 5.0
-    """Shortest deadline in steady state."""
+    floor_s: float = 2.0
+    """Shortest deadline in steady state (see the module docstring for why it can be short)."""
     ceiling_s: float = 300.0
     """Longest deadline in steady state."""
     startup_s: float = 300.0
@@ -78,7 +86,10 @@ class HangConfig:
     busy_s: float = 300.0
     """Deadline while some rank's process keeps computing (at least `busy_cores` of CPU since the last check)."""
     busy_cores: float = 0.5
-    """CPU seconds per second a rank's process must use to count as computing (a blocked one uses ~0)."""
+    """CPU seconds per second a rank's process tree must use to count as computing (a blocked one uses ~0)."""
+    busy_io_bytes_per_s: float = float(1 << 20)
+    """Bytes per second a rank's process must read or write to count as working (a blocked one moves only its
+    telemetry: a few kB a second)."""
     checkpoint_io_bytes: int = 1 << 20
     """Bytes the ranks in a blocking checkpoint stage must read or write to count as progress (more than
     their own telemetry and log lines move while stuck)."""
@@ -138,6 +149,7 @@ class _JobProgress:
     io_seen: dict[int, int] = field(default_factory=dict)  # rank -> bytes moved, while in a blocking stage
     io_moved: int = 0  # bytes moved since the last progress
     cpu_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, CPU seconds)
+    activity_io_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, bytes moved)
     last_busy: float = 0.0  # the last observation in which some rank was computing
 
 
@@ -153,7 +165,8 @@ class HangDetector:
                 in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None,
                 progress_age_s: float = 0.0, collective_counts: Mapping[int, int] | None = None,
                 collective_gap_s: float = 0.0, collective_age_s: float = 0.0,
-                cpu_seconds: Mapping[int, float] | None = None) -> HangCheck:
+                cpu_seconds: Mapping[int, float] | None = None,
+                io_bytes: Mapping[int, int] | None = None) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
@@ -165,7 +178,9 @@ class HangDetector:
         `collective_counts` maps rank to its cumulative count of collectives (module docstring),
         `collective_gap_s` is the longest recent gap between a rank's consecutive collectives and
         `collective_age_s` how long before now the newest reported one was entered; `cpu_seconds` maps rank
-        to the CPU seconds its process has used (ranks whose counters cannot be read are left out).
+        to the CPU seconds its process tree has used and `io_bytes` to the bytes its process has read and
+        written (ranks whose counters cannot be read are left out; None: not read this time, and the next
+        reading is a new baseline).
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -209,7 +224,7 @@ class HangDetector:
                 timeout, reason = self.config.startup_s, "startup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
-        if self._busy(state, now, cpu_seconds):
+        if self._busy(state, now, cpu_seconds, io_bytes):
             state.last_busy = now
         stalled = now - state.last_progress
         # a rank that computes is not stalled: the deadline runs from the later of the last progress and the
@@ -228,15 +243,31 @@ class HangDetector:
                          steps_since_start=steps, min_steps_since_start=min(done, default=0),
                          progressed=progressed or collectives_moved, heartbeat=heartbeat)
 
-    def _busy(self, state: _JobProgress, now: float, cpu: Mapping[int, float] | None) -> bool:
-        """Some rank's process used at least `busy_cores` of CPU since the previous observation."""
-        busy = False
-        for rank, seconds in (cpu or {}).items():
-            before = state.cpu_seen.get(rank)
-            if before is not None and now > before[0] and seconds >= before[1]:
-                busy = busy or (seconds - before[1]) / (now - before[0]) >= self.config.busy_cores
-            state.cpu_seen[rank] = (now, seconds)
-        return busy
+    def _busy(self, state: _JobProgress, now: float, cpu: Mapping[int, float] | None,
+              io: Mapping[int, int] | None) -> bool:
+        """Some rank's process tree used at least `busy_cores` of CPU, or its process moved at least
+        `busy_io_bytes_per_s`, since the previous reading (a missing reading drops the baselines)."""
+        busy = self._rate(state.cpu_seen, now, cpu, self.config.busy_cores)
+        return self._rate(state.activity_io_seen, now, io, self.config.busy_io_bytes_per_s) or busy
+
+    @staticmethod
+    def _rate(seen: dict, now: float, totals: Mapping[int, float] | None, threshold: float) -> bool:
+        """Whether some rank's counter grew at least `threshold` per second since its last reading in `seen`."""
+        if totals is None:
+            seen.clear()
+            return False
+        over = False
+        for rank, total in totals.items():
+            before = seen.get(rank)
+            if before is not None and now > before[0] and total >= before[1]:
+                over = over or (total - before[1]) / (now - before[0]) >= threshold
+            seen[rank] = (now, total)
+        return over
+
+    def stalled_s(self, job: str) -> float:
+        """Seconds since `job` last progressed, as of its last observation (0: unknown job)."""
+        state = self._jobs.get(job)
+        return 0.0 if state is None else self._clock() - state.last_progress
 
     def _checkpoint_io(self, state: _JobProgress, io: Mapping[int, int] | None) -> bool:
         """True when the ranks in a blocking checkpoint stage moved enough bytes since the last progress.

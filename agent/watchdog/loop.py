@@ -60,10 +60,14 @@ __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
-REPORT_AGE_CAP_S = 2.0
-"""The longest a step's report counts as late: the runtime sends its steps every 1.5 s, so progress counts from
-the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor, so that a
-wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
+REPORT_AGE_CAP_S = 1.0
+"""The longest a step's report counts as late: the runtime sends its steps every 0.5 s, so progress counts from
+the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor (2 s), so
+that a wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
+ACTIVITY_AFTER_S = 1.0
+"""A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
+that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
+a period later, a rate."""
 STALL_S = 120.0
 """An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
 diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
@@ -261,7 +265,8 @@ class Watchdog:
             progress_age_s=self._report_age(newest),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
-            collective_age_s=self._report_age(newest_collective), cpu_seconds=self._cpu_of(connected))
+            collective_age_s=self._report_age(newest_collective),
+            **(self._activity_of(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -292,14 +297,19 @@ class Watchdog:
         self._pace_reads(snap)
         return check
 
-    def _cpu_of(self, ranks: Sequence[RankSnapshot]) -> dict[int, float]:
-        """CPU seconds of the ranks' processes this agent can read (a rank busy computing is not hung)."""
-        found = {}
+    def _activity_of(self, ranks: Sequence[RankSnapshot]) -> dict[str, dict[int, float]]:
+        """CPU seconds of the ranks' process trees and bytes their processes moved, where this agent can read
+        them (a rank computing, or reading its data, is not hung)."""
+        cpu, io = {}, {}
         for r in ranks:
-            seconds = self._cpu_seconds(r.pid) if r.pid > 0 else None
+            if r.pid <= 0:
+                continue
+            seconds, moved = self._cpu_seconds(r.pid), self._io_bytes(r.pid)
             if seconds is not None:
-                found[r.rank] = seconds
-        return found
+                cpu[r.rank] = seconds
+            if moved is not None:
+                io[r.rank] = moved
+        return {"cpu_seconds": cpu, "io_bytes": io}
 
     def _report_age(self, unix: float) -> float:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""

@@ -105,6 +105,31 @@ def test_agent_defaults_match_the_deployment_contract():
     assert s["health_port"] is None and s["health_host"] == "127.0.0.1"  # off; loopback when asked for
 
 
+def test_hang_floor_is_a_setting_of_the_agent_and_an_option_of_run(tmp_path):
+    from trainwarden.agent.cli.agent import resolve_settings
+    from trainwarden.agent.launch.run import RunOptions
+    from trainwarden.agent.node.agent import watchdog_config
+    from trainwarden.agent.watchdog.hang import HangConfig
+
+    assert watchdog_config().hang.floor_s == HangConfig.floor_s == 2.0
+    assert watchdog_config("alert", 7.5).hang.floor_s == 7.5
+    with pytest.raises(ValueError, match="hang floor 0.1 s: expected seconds between 0.5 and 180"):
+        watchdog_config("alert", 0.1)
+    config = tmp_path / "agent.toml"
+    config.write_text("hang_floor = 4\n")
+    args = build_parser().parse_args(["agent", "--config", str(config)])
+    assert resolve_settings(args, environ={})["hang_floor"] == 4
+    assert resolve_settings(args, environ={"TRAINWARDEN_HANG_FLOOR": "2.5"})["hang_floor"] == 2.5
+    assert resolve_settings(build_parser().parse_args(["agent", "--hang-floor", "9"]), environ={})["hang_floor"] == 9
+    config.write_text("hang_floor = \"4s\"\n")
+    with pytest.raises(ValueError, match="key 'hang_floor' must be a number"):
+        resolve_settings(args, environ={})
+    args = build_parser().parse_args(["run", "--hang-floor", "6", "--", "train.py"])
+    assert args.hang_floor == 6.0
+    with pytest.raises(ValueError, match="hang floor 900 s"):
+        RunOptions(script=["train.py"], job="j", hang_floor_s=900)
+
+
 def test_incidents_list_and_show_are_wired(capsys, tmp_path):
     store = IncidentStore(state_dir=lambda job: job_state_dir(job, tmp_path))
     ts = 1_790_000_000.0

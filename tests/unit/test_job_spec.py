@@ -234,3 +234,13 @@ def test_unverified_telemetry_streams_are_refused_unless_the_agent_is_told_to_al
     config.write_text("allow_unverified_stream = true\n")
     with pytest.raises(ValueError, match="unknown key 'allow_unverified_stream' .did you mean 'allow_unverified_"):
         resolve_settings(_agent_args("--config", str(config)), environ={})
+
+
+def test_hang_floor_reaches_the_launcher_and_a_floor_out_of_range_is_refused():
+    assert "--hang-floor" not in parse_job_spec(GOOD, "x").launcher_args()
+    args = parse_job_spec({**GOOD, "hang_floor_s": 8}, "x").launcher_args()
+    assert args[args.index("--hang-floor") + 1] == "8.0"
+    with pytest.raises(JobSpecError, match="hang_floor_s.*between 0.5 and 180, got 0.1"):
+        parse_job_spec({**GOOD, "hang_floor_s": 0.1}, "x")
+    with pytest.raises(JobSpecError, match="hang_floor_s.*must be a number"):
+        parse_job_spec({**GOOD, "hang_floor_s": "5s"}, "x")

@@ -115,7 +115,7 @@ class Sim:
 
 
 def _watchdog(sim, actions, tmp_path, **config):
-    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3), **config)
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, floor_s=5.0), **config)
     return Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock,
                     sleep=sim.clock.sleep, probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / job)
 
@@ -172,16 +172,17 @@ def test_a_hang_is_timed_from_the_last_steps_end_when_its_report_arrives_late(tm
     for _ in range(5):
         sim.run(2)
         wd.check_once()
-    sim.run(2)  # the last steps before the hang: their batch reaches the agent 1.2 s after they ended
-    sim.clock.now += 1.2
+    sim.run(2)  # the last steps before the hang: their batch reaches the agent 0.8 s after they ended
+    sim.clock.now += 0.8
     wd.check_once()
-    sim.clock.now += 3.7
+    sim.clock.now += 4.1
     wd.check_once()
     assert actions.records == []
     sim.clock.now += 0.2
     wd.check_once()
-    assert actions.records[0].kind is IncidentKind.HANG  # 5.1 s after the last step ended, not 6.3 s
-    # a wall clock stepped far ahead makes no hang of a fresh report: its age counts 2 s at most
+    assert actions.records[0].kind is IncidentKind.HANG  # 5.1 s after the last step ended, not 5.9 s
+    # a wall clock stepped far ahead makes no hang of a fresh report (on the default 2 s floor): its age counts
+    # 1 s at most
     sim2 = Sim(ranks=2)
     actions2 = Actions(answer={0, 1})
     skew = lambda: sim2.clock() + 3600.0
@@ -554,6 +555,40 @@ def test_process_io_bytes_reads_a_real_process():
     assert process_io_bytes(child.pid) is None
 
 
+def test_process_cpu_seconds_counts_the_work_of_a_waiting_process_children():
+    """A rank waiting for its DataLoader's workers uses no CPU itself; its children do, and that is work."""
+    import subprocess
+    import sys
+
+    from trainwarden.agent.watchdog.culprit import process_cpu_seconds
+
+    spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\n"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\nsys.stdin.readline()\n"
+                               f"child = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+                               "sys.stdin.readline()\nchild.wait()\n"], stdin=subprocess.PIPE)
+    try:
+        threading.Event().wait(0.3)
+        before = process_cpu_seconds(parent.pid)
+        parent.stdin.write(b"go\n")
+        parent.stdin.flush()
+        during = before
+        for _ in range(100):  # while the child spins, the parent blocks in readline()
+            threading.Event().wait(0.05)
+            during = max(during, process_cpu_seconds(parent.pid) or 0.0)
+            if during - before >= 0.4:
+                break
+        assert during - before >= 0.4
+        parent.stdin.write(b"done\n")
+        parent.stdin.flush()
+        threading.Event().wait(1.0)
+        after = process_cpu_seconds(parent.pid)  # the child ended and was reaped: its time stays counted
+        assert after is not None and after >= during - 0.05
+    finally:
+        parent.stdin.close()
+        parent.wait(10)
+    assert process_cpu_seconds(parent.pid) is None
+
+
 class FakeCoordinator:
     """Stands for the job's other nodes (agent/etcd/cluster.py HangCoordinator): ``owner`` None: this node wins
     and ``others`` are the other nodes' verdicts; else that node records the hang."""
@@ -664,3 +699,34 @@ def test_the_diagnostics_wait_ends_once_only_stopped_or_dead_ranks_are_silent(tm
         assert took >= cfg.diagnostics_wait_s
     else:
         assert took < 0.5, took
+
+
+def test_activity_is_read_only_once_a_job_stalls_and_a_computing_rank_keeps_it_alive(tmp_path):
+    """The watchdog reads the ranks' CPU and I/O only after a second without progress (a healthy job costs it
+    nothing), and a rank whose process tree keeps computing then is not hung on the short floor."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    cpu = {100: 10.0, 101: 10.0}
+    reads = []
+
+    def cpu_seconds(pid):
+        reads.append(pid)
+        return cpu[pid]
+
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, busy_s=60.0))
+    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
+                  probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / "j",
+                  cpu_seconds=cpu_seconds, io_bytes=lambda pid: 0)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    assert reads == []
+    for _ in range(20):  # 10 s: rank 0's DataLoader workers prepare the next epoch, rank 1 waits
+        sim.clock.now += 0.5
+        cpu[100] += 0.5
+        wd.check_once()
+    assert reads and actions.records == []
+    for _ in range(8):  # then nothing computes: a hang on the 2 s floor
+        sim.clock.now += 0.5
+        wd.check_once()
+    assert {(r.kind, r.id) for r in actions.records} == {(IncidentKind.HANG, actions.records[0].id)}
