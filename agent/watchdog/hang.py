@@ -38,10 +38,11 @@ optimizer. A stuck rank stops its peers at their next collective, so the count s
   ones, clamped like the step deadline. Before that, the start-up deadline.
 
 Work between steps with no collective and no step (a long evaluation on one rank while the others wait in a
-barrier, say) is told from a hang by the processes' activity: while some rank's process tree (the rank and its
-children: a DataLoader's workers preparing an epoch's first batches while the rank waits for them) keeps using
-at least ``busy_cores`` of CPU, or the rank's process reads or writes at least ``busy_io_bytes_per_s`` (a shard
-streamed from remote storage), the deadline is at least ``busy_s`` (300 s). A deadlocked or stopped rank does
+barrier, say) is told from a hang by the processes' activity: while the ranks' process trees (a rank and its
+children: a DataLoader's workers preparing an epoch's first batches while the rank waits for them) keep using
+at least ``busy_cores`` of CPU together, or their processes read or write at least ``busy_io_bytes_per_s`` (a
+shard streamed from remote storage), the deadline is at least ``busy_s`` (300 s). Together, not per rank: eight
+ranks that each get a quarter of a core on an oversubscribed host are working. A deadlocked or stopped rank does
 neither, and neither do ranks blocked in a collective, so hangs are caught as before; a rank spinning forever is
 caught after ``busy_s``. (An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
 evaluation on one rank.) The watchdog reads activity only once a job has been stalled for a second: a healthy
@@ -84,12 +85,13 @@ class HangConfig:
     """Deadline while a rank is inside a blocking checkpoint stage, counted from the stage's last I/O
     progress (a constant allowance turned every restore longer than it into an abort-restore loop)."""
     busy_s: float = 300.0
-    """Deadline while some rank's process keeps computing (at least `busy_cores` of CPU since the last check)."""
+    """Deadline while the ranks keep working (`busy_cores` of CPU or `busy_io_bytes_per_s` since the last check)."""
     busy_cores: float = 0.5
-    """CPU seconds per second a rank's process tree must use to count as computing (a blocked one uses ~0)."""
+    """CPU seconds per second the ranks' process trees must use together to count as computing (blocked ones use
+    ~0: their telemetry threads, about 0.01 each)."""
     busy_io_bytes_per_s: float = float(1 << 20)
-    """Bytes per second a rank's process must read or write to count as working (a blocked one moves only its
-    telemetry: a few kB a second)."""
+    """Bytes per second the ranks' processes must read or write together to count as working (blocked ones move
+    only their telemetry: a few kB a second each)."""
     checkpoint_io_bytes: int = 1 << 20
     """Bytes the ranks in a blocking checkpoint stage must read or write to count as progress (more than
     their own telemetry and log lines move while stuck)."""
@@ -245,24 +247,25 @@ class HangDetector:
 
     def _busy(self, state: _JobProgress, now: float, cpu: Mapping[int, float] | None,
               io: Mapping[int, int] | None) -> bool:
-        """Some rank's process tree used at least `busy_cores` of CPU, or its process moved at least
+        """The ranks' process trees used at least `busy_cores` of CPU together, or their processes moved at least
         `busy_io_bytes_per_s`, since the previous reading (a missing reading drops the baselines)."""
-        busy = self._rate(state.cpu_seen, now, cpu, self.config.busy_cores)
-        return self._rate(state.activity_io_seen, now, io, self.config.busy_io_bytes_per_s) or busy
+        busy = self._rate(state.cpu_seen, now, cpu) >= self.config.busy_cores
+        return self._rate(state.activity_io_seen, now, io) >= self.config.busy_io_bytes_per_s or busy
 
     @staticmethod
-    def _rate(seen: dict, now: float, totals: Mapping[int, float] | None, threshold: float) -> bool:
-        """Whether some rank's counter grew at least `threshold` per second since its last reading in `seen`."""
+    def _rate(seen: dict, now: float, totals: Mapping[int, float] | None) -> float:
+        """How fast the ranks' counters grew together since their last readings in `seen` (per second). Summed:
+        eight ranks that each get a quarter of a core on an oversubscribed host are working, not hung."""
         if totals is None:
             seen.clear()
-            return False
-        over = False
+            return 0.0
+        rate = 0.0
         for rank, total in totals.items():
             before = seen.get(rank)
             if before is not None and now > before[0] and total >= before[1]:
-                over = over or (total - before[1]) / (now - before[0]) >= threshold
+                rate += (total - before[1]) / (now - before[0])
             seen[rank] = (now, total)
-        return over
+        return rate
 
     def stalled_s(self, job: str) -> float:
         """Seconds since `job` last progressed, as of its last observation (0: unknown job)."""

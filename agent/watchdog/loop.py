@@ -102,8 +102,8 @@ class WatchdogActions(Protocol):
 class WatchdogConfig:
     """How the watchdog runs."""
 
-    interval_s: float = 0.5
-    """Seconds between checks."""
+    interval_s: float = 0.25
+    """Seconds between checks: what a hang's detection may lag its deadline (0.5 s until the floor went to 2 s)."""
     diagnostics_wait_s: float = 3.0
     """How long to wait for the ranks' diagnostics after a hang."""
     abort_on_hang: bool = True

@@ -378,3 +378,30 @@ def test_stalled_s_is_the_time_since_the_last_progress():
     assert det.stalled_s("j") == pytest.approx(1.25)
     _run(det, clock, {r: c + 1 for r, c in counts.items()})
     assert det.stalled_s("j") == pytest.approx(0.0)
+
+
+def test_ranks_that_each_get_a_slice_of_an_oversubscribed_host_are_working_together():
+    """Eight ranks on two cores get a quarter of a core each while another tenant takes the rest: no rank uses
+    `busy_cores` alone, together they do. Eight idle ranks (their telemetry threads) do not."""
+    clock = Clock()
+    det = HangDetector(HangConfig(busy_s=60.0), clock=clock)
+    counts = {r: 0 for r in range(8)}
+    for _ in range(10):
+        clock.now += 0.3
+        counts = {r: c + 1 for r, c in counts.items()}
+        det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False, running=True)
+    cpu = {r: 5.0 for r in range(8)}
+    for _ in range(10):  # one slow step: 10 s at 0.1 core per rank
+        clock.now += 1.0
+        cpu = {r: c + 0.1 for r, c in cpu.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, cpu_seconds=cpu)
+        assert not check.hung
+    fired = []
+    for _ in range(4):  # then a hang: 0.01 core per rank
+        clock.now += 1.0
+        cpu = {r: c + 0.01 for r, c in cpu.items()}
+        check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                            running=True, cpu_seconds=cpu)
+        fired += [check] if check.hung else []
+    assert [c.reason for c in fired] == ["steady"]
