@@ -13,12 +13,10 @@ Save (``Checkpointer.save``):
 4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_layout``),
    publishes the atomic ``latest`` pointer, calls ``on_commit(CheckpointInfo)`` and applies retention.
 
-Restore (``Checkpointer.restore``): rank 0 lists ``step-*`` newest first and weighs what the job knows of
-its own checkpoints (``resume_evidence``: the ``latest`` pointer, etcd's record through the node agent,
-set-aside directories, the worker round). A checkpoint that cannot be read (an I/O error, or a committed one
-whose ``.metadata`` is missing: a lagging filesystem) is looked at again with backoff and, if it still
-cannot be read, stops the job (``CheckpointReadError``) with nothing set aside: a read error is not
-corruption. The candidate list is broadcast; every rank tries to load the first candidate, and the ranks
+Restore (``Checkpointer.restore``): rank 0 plans (runtime/restore_plan.py: the ``step-*`` directories newest
+first, weighed against what the job knows of its own checkpoints; one that cannot be read is looked at again
+with backoff and, if it still cannot be read, stops the job with ``CheckpointReadError`` and nothing set aside:
+a read error is not corruption). The plan is broadcast; every rank tries to load the first candidate, and the ranks
 agree with an all_gather of their errors: a failure is retried (``load_attempts``) and only one that repeats,
 with bad content rather than a read error, moves every rank on to the next candidate together, while rank 0
 sets the failed one aside (``step-N.unloadable``, with QUARANTINE.json saying why). Restore never deletes,
@@ -40,10 +38,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -55,7 +51,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.runtime import resume_evidence
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.agent.proto.checkpoint_layout import (
     CheckpointError,
@@ -69,6 +64,7 @@ from trainwarden.agent.proto.checkpoint_layout import (
 )
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, write_sidecar
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
+from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.session import current as current_session
 
 __all__ = [
@@ -122,50 +118,6 @@ def _is_read_error(exc: BaseException) -> bool:
             todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
         todo.extend((e.__cause__, e.__context__))
     return False
-
-
-def _doubtful(statuses, evidence) -> list[store.CheckpointStatus]:
-    """What may be a read problem rather than a fact: unreadable checkpoints, and the committed step's
-    directory when it has no ``.metadata`` (a committed checkpoint is never an unfinished save)."""
-    committed = evidence.committed_step
-    return [s for s in statuses if s.state == store.UNREADABLE
-            or (s.state == store.UNFINISHED and committed is not None and s.step == committed)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _RestorePlan:
-    """Rank 0's decision, broadcast to every rank."""
-
-    candidates: list = field(default_factory=list)
-    """(step, path) of complete checkpoints, newest first."""
-    passed_over: list = field(default_factory=list)
-    evidence: str = ""
-    ever_committed: bool = False
-    blocked: str = ""
-    """Why the job may not resume at all (a read problem); empty otherwise."""
-    error: str = ""
-    memory_floor: int | None = None
-    """When rank 0 keeps memory snapshots: the newest step the job committed or the disk holds complete (-1:
-    none). A memory snapshot every rank has, of this step or a newer one, is restored first."""
-
-
-READ_BACKOFF_ENV = "TRAINWARDEN_CKPT_READ_BACKOFF_S"
-DEFAULT_READ_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0)
-"""30 s in all: an NFS server restart or a stale handle's remount, not an outage."""
-
-
-def _read_backoff_from_env() -> tuple[float, ...]:
-    """``TRAINWARDEN_CKPT_READ_BACKOFF_S="1,2,4"`` (seconds between looks), else ``DEFAULT_READ_BACKOFF_S``."""
-    raw = os.environ.get(READ_BACKOFF_ENV, "").strip()
-    if not raw:
-        return DEFAULT_READ_BACKOFF_S
-    try:
-        delays = tuple(float(x) for x in raw.split(","))
-    except ValueError:
-        raise ValueError(f"{READ_BACKOFF_ENV}={raw!r}: expected seconds separated by commas, e.g. 1,2,4") from None
-    if any(d < 0 for d in delays):
-        raise ValueError(f"{READ_BACKOFF_ENV}={raw!r}: delays must be >= 0")
-    return delays
 
 
 class _Writer(FileSystemWriter):
@@ -262,7 +214,7 @@ class Checkpointer:
         self._on_commit = on_commit
         self._events = session  # reports stages to the node agent; None: the process's current runtime session
         self._before_save = before_save  # e.g. the fault injector's slow_save
-        self.read_backoff_s = read_backoff_s if read_backoff_s is not None else _read_backoff_from_env()
+        self.read_backoff_s = read_backoff_s if read_backoff_s is not None else read_backoff_from_env()
         """Pauses between looks at checkpoints that cannot be read yet, before restore gives up and stops."""
         self._distributed = dist.is_available() and dist.is_initialized()
         self._owns_pg = False
@@ -632,48 +584,10 @@ class Checkpointer:
             except Exception:
                 logger.exception("on_commit callback failed for %s", path)
 
-    def _plan_restore(self) -> "_RestorePlan":
+    def _plan_restore(self) -> RestorePlan:
         """Rank 0: what to try, what was passed over, and whether the job may not resume at all."""
-        try:
-            return self._plan()
-        except OSError as exc:
-            return _RestorePlan(error=f"cannot list checkpoints in {self.directory}: {exc}; check that it exists "
-                                      "and is readable from every node (nothing was changed)")
-
-    def _plan(self) -> "_RestorePlan":
-        record = self._committed_record()
-        statuses, evidence = self._scan_with_backoff(record)
-        complete = [s for s in statuses if s.complete]
-        newest = complete[0].step if complete else -1
-        committed = evidence.committed_step if evidence.committed_step is not None else -1
-        doubtful = [s for s in _doubtful(statuses, evidence) if s.step > newest]
-        if doubtful:
-            return _RestorePlan(evidence=evidence.describe(), ever_committed=True, blocked=(
-                "checkpoints newer than any loadable one cannot be read after retrying for "
-                f"{sum(self.read_backoff_s):.0f} s: {'; '.join('; '.join(s.problems) for s in doubtful)[:2000]}. "
-                "Nothing was set aside: this is a storage problem (an I/O error, a stale handle, a permission, a "
-                "lagging or half-restored filesystem), not proof of corruption. Fix the storage, then resume the job"))
-        if committed > newest:
-            logger.warning("the job committed step %d (%s), but no directory of that step is here; resuming from "
-                           "the newest complete one (step %s)", committed, evidence.describe(), newest,
-                           extra={"event": "checkpoint_missing"})
-        passed_over = []
-        for status in statuses:
-            if status.complete or status.state == store.UNREADABLE:
-                continue
-            reason = "; ".join(status.problems)
-            logger.warning("skipping incomplete checkpoint: %s", reason,
-                           extra={"event": "checkpoint_incomplete", "step": status.step})
-            if status.state == store.UNFINISHED:  # no checkpoint: it does not count as one that failed to load
-                if status.step > max(newest, committed):  # the resumed run writes this step again
-                    self._quarantine(status.step, status.path, status.state, reason)
-                continue
-            passed_over.append(reason)
-            if status.step > newest:  # corrupt: its own bytes are wrong
-                self._quarantine(status.step, status.path, status.state, reason)
-        return _RestorePlan(candidates=[(s.step, str(s.path)) for s in complete], passed_over=passed_over,
-                            evidence=evidence.describe(), ever_committed=bool(evidence.reasons()),
-                            memory_floor=max(newest, committed) if self.memory is not None else None)
+        return plan_restore(self.directory, record=self._committed_record, read_backoff_s=self.read_backoff_s,
+                            keeps_memory=self.memory is not None, quarantine=self._quarantine)
 
     def _memory_step(self, floor: int) -> int | None:
         """Collective: the newest step every rank has a memory snapshot of, or None. A rank counts the steps its
@@ -699,21 +613,6 @@ class Checkpointer:
                 if best is not None else f"no step is in every rank's memory snapshots"
                 f"{f' (ranks {missing[:16]} have none)' if missing else ''}"))
         return best if best is not None and best >= floor else None
-
-    def _scan_with_backoff(self, record: tuple[int | None, str]):
-        """Scan; while something may be a read problem (``_doubtful``), look again after each backoff."""
-        statuses = store.scan(self.directory)
-        evidence = resume_evidence.gather(self.directory, statuses, record=record)
-        for delay in self.read_backoff_s:
-            doubtful = _doubtful(statuses, evidence)
-            if not doubtful:
-                break
-            logger.warning("checkpoints in %s cannot be read yet (%s); looking again in %.1f s", self.directory,
-                           "; ".join(p for s in doubtful for p in s.problems)[:500], delay)
-            time.sleep(delay)
-            statuses = store.scan(self.directory)
-            evidence = resume_evidence.gather(self.directory, statuses, record=record)
-        return statuses, evidence
 
     def _committed_record(self) -> tuple[int | None, str]:
         """(step, source) of etcd's record of the job's checkpoint in this directory, asked of the node agent;
