@@ -2,45 +2,69 @@
 
 A restart after a crash or a hang should lose at most the step in flight, not everything since the last disk
 checkpoint, and should not read the disk back. So after every step each rank copies what it owns of the state
-(the local shards of DTensors, its plain tensors, the small Python values) into host buffers of its own, and a
-background thread writes them as one file into the node agent's shared-memory directory
-(``MEMORY_DIR_ENV``; layout in ``agent/proto/snapshot_layout.py``). The agent owns that directory: it outlives
-the worker processes, not the agent. Each written file is reported (checkpoint stage ``snapshot``); the agent
-knows a step as snapshotted once every rank of the world size reported it, and tells the restoring rank 0
-(``Session.memory_record``). The ``Checkpointer`` uses a snapshot only when it is at least as new as every
-checkpoint the job committed to disk, and only when every rank loads its own file; otherwise the disk.
+(the local shards of DTensors, its plain tensors, the small Python values) into a file of its own in the node
+agent's shared-memory directory (``MEMORY_DIR_ENV``; layout in ``agent/proto/snapshot_layout.py``). The agent owns
+that directory: it outlives the worker processes, not the agent. Each finished file is reported (checkpoint stage
+``snapshot``); the agent knows a step as snapshotted once every rank of the world size reported it, and tells the
+restoring rank 0 (``Session.memory_record``). The ``Checkpointer`` uses a snapshot only when it is at least as new
+as every checkpoint the job committed to disk, and only when every rank loads its own file; otherwise the disk.
 
-The hot path: ``save`` never waits for a write. When the previous snapshot of this rank is still being written
-the step is skipped (counted in ``skipped``); the agent then counts the newest step every rank has. The staging
-copy is the only cost the step pays: ``state_dict()`` of each entry and a copy of each tensor into a buffer
-reused by every later snapshot (pinned and non-blocking on CUDA, with an event the writer waits on, so the
-training thread never synchronizes). A failed write (shared memory full) turns snapshots off for this rank
-with one warning; it never raises into the step.
+The files are the staging buffers. A rank keeps ``KEEP`` files, each made once for the state's tensors (their
+dtypes and shapes), its pages reserved (``posix_fallocate``) and mapped into the process for as long as the rank
+keeps it: a prefix (magic, step, where the header is), each tensor's bytes at a 64-byte aligned offset, then the
+header (a pickle of plain containers and scalars, each tensor as its index in a table of dtype, shape and offset;
+a class named in it is refused on load). A snapshot takes the rank's oldest file: it clears the magic, renames the
+file to its ``.tmp`` name (which no reader opens), copies every CPU tensor into the file's mapping with one foreach
+copy, and the background thread writes the header behind the tensors, the prefix, and renames the file to its
+step's name (a rename keeps the mapping: the same inode). Nothing is serialized and no tensor byte goes through
+``write``. The newest complete file is never touched while another is filled, so a crash or a failed copy midway
+leaves it whole (the half-filled ``.tmp`` file is removed by the rank's next worker). A state whose tensors
+changed (a new key, shape or dtype) gets a new file in place of the oldest one.
+
+Tensors on a GPU keep the path proven before the files were mapped (not measured on a GPU since): a non-blocking
+copy into pinned host buffers and an event after it on the training thread; the background thread waits for the
+event and copies the buffers into the file. A state may mix both.
+
+The hot path: ``save`` never waits for a write. When the previous snapshot of this rank is still being finished
+the step is skipped (counted in ``skipped``); the agent then counts the newest step every rank has. The step pays
+for ``state_dict()`` of each entry, the walk, a rename and the copy. Memory: a rank holds its ``KEEP`` files
+(and, for GPU tensors, one pinned copy); before the files were mapped it held one host copy of every tensor
+besides the files.
+
+Shared memory full: a mapped tmpfs page that cannot be allocated is a SIGBUS at the first touch, in the step. The
+pages of a file are reserved when it is made, so a full tmpfs is an OSError there instead, and it turns snapshots
+off for this rank with one warning, as does any failure to copy or finish a file; nothing raises into the step.
+Nothing truncates a mapped file: the agent only unlinks them, and an unlinked file's mapping stays valid.
 
 Loading (``load``): the same rank at the same world size reads its own file and copies each tensor into the
 matching tensor of the live state (``state_dict()`` gives the template: the model's parameters, an optimizer's
 freshly initialised state), then hands the filled template to ``load_state_dict``, exactly what DCP does with
-what it reads. Any mismatch (another key, shape or dtype) is an error, and the caller falls back to the disk.
+what it reads. A file that is torn, another rank's or step's, or that a writer took for a newer snapshot while it
+was read (the prefix is read again after the file) is refused with the reason, as is any mismatch (another key,
+shape or dtype), and the caller falls back to the disk.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
+import mmap
 import os
 import pickle
 import struct
 import threading
 import time
+from collections.abc import Mapping  # not typing's: isinstance() against it is several times slower
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import KEEP, rank_snapshots, snapshot_path
+from trainwarden.agent.proto.snapshot_layout import KEEP, partial_path, rank_partials, rank_snapshots, snapshot_path
 
 __all__ = ["KEEP", "MemorySnapshots", "memory_dir_from_env"]
 
@@ -54,75 +78,94 @@ def memory_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
 
 
 _CONTAINERS = (torch.Tensor, Mapping, list, tuple)
+_SCALARS = frozenset((int, float, bool, str, bytes, type(None)))
 _NOT_LEAF = object()
+_TENSOR = "__trainwarden_tensor__"  # (_TENSOR, index): a tensor in the header's body
 
 
-def _walk(value: Any, leaf: Callable[[Any, str], Any], key: str = "") -> Any:
-    """``value``'s structure (mappings as dicts, lists, tuples) with each leaf replaced by ``leaf(leaf, key)``;
-    ``leaf`` returns ``_NOT_LEAF`` for what is not one. A sequence holding no container nor tensor (Python's RNG
-    state: 625 ints) is one value, copied as a whole rather than walked."""
-    out = leaf(value, key)
+def _holds_containers(values: list | tuple) -> bool:
+    # the type lookup first: an isinstance() against an ABC costs ~10 times more, 625 times for an RNG state
+    return any(type(v) not in _SCALARS and isinstance(v, _CONTAINERS) for v in values)
+
+
+def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value``'s structure (mappings as dicts, lists, tuples) with each leaf replaced by what ``leaf`` returns for it;
+    returns ``_NOT_LEAF`` for what is not one. A sequence holding no container nor tensor (Python's RNG state: 625
+    ints) is one value, copied as a whole rather than walked."""
+    out = leaf(value)
     if out is not _NOT_LEAF:
         return out
     if isinstance(value, Mapping):
-        return {k: _walk(v, leaf, f"{key}/{k}") for k, v in value.items()}
+        return {k: _walk(v, leaf) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        if not any(isinstance(v, _CONTAINERS) for v in value):
+        if not _holds_containers(value):
             return list(value) if isinstance(value, list) else value
-        items = [_walk(v, leaf, f"{key}/{i}") for i, v in enumerate(value)]
+        items = [_walk(v, leaf) for v in value]
         return items if isinstance(value, list) else tuple(items)
     return value
 
 
-class _Staged:
-    """A state's structure with every tensor replaced by a host buffer of this rank's own part. ``stage`` walks the
-    structure and pairs each tensor with its buffer; ``copy`` then copies them all in one foreach call (per-tensor
-    dispatch, not bytes, is most of the cost for a state of many small tensors)."""
+def _copy(buffers: list[torch.Tensor], sources: list[torch.Tensor], *, non_blocking: bool) -> None:
+    """Copy each source into its buffer in one foreach call (per-tensor dispatch, not bytes, is most of the cost for
+    a state of many small tensors); one by one where that is refused (mixed devices, an older torch)."""
+    if not buffers:
+        return
+    with torch.no_grad():
+        try:
+            torch._foreach_copy_(buffers, sources, non_blocking=non_blocking)
+        except (AttributeError, RuntimeError, TypeError):
+            for buffer, source in zip(buffers, sources):
+                buffer.copy_(source, non_blocking=non_blocking)
 
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.event = None  # a CUDA event after the copies, when any tensor lives on a GPU
-        self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._cuda = False
 
-    def stage(self, value: Any, key: str) -> Any:
-        return _walk(value, self._buffer_for, key)
+def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value``'s structure with each tensor (of a DTensor its local shard) appended to ``tensors`` and replaced by
+    ``(_TENSOR, its index)``: the header's body."""
 
-    def _buffer_for(self, value: Any, key: str) -> Any:
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _NOT_LEAF
         if isinstance(value, DTensor):
             # the local shard itself (to_local() runs an autograd function per tensor: most of the walk's time)
             local = getattr(value, "_local_tensor", None)
             value = local if isinstance(local, torch.Tensor) else value.to_local()
-        if not isinstance(value, torch.Tensor):
-            return _NOT_LEAF
-        value = value.detach()
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
-            self.buffers[key] = buffer
-        self._pairs[0].append(buffer)
-        self._pairs[1].append(value)
-        self._cuda = self._cuda or value.is_cuda
-        return buffer
+        tensors.append(value)  # not detached (a tensor object per call): the copies run under no_grad
+        return (_TENSOR, len(tensors) - 1)
 
-    def copy(self) -> None:
-        """Copy every tensor staged since the last call into its buffer (non-blocking from a GPU, then an event
-        the writer waits on)."""
-        buffers, sources = self._pairs
-        self._pairs = ([], [])
-        cuda, self._cuda = self._cuda, False
-        if not buffers:
-            return
-        try:
-            torch._foreach_copy_(buffers, sources, non_blocking=cuda)
-        except (AttributeError, RuntimeError, TypeError):  # mixed devices or an older torch: one by one
-            for buffer, source in zip(buffers, sources):
-                buffer.copy_(source, non_blocking=source.is_cuda)
-        if cuda:
+    return _walk(value, leaf)
+
+
+class _HostBuffers:
+    """Pinned host buffers for the tensors that are not on the CPU (a GPU's), by their index in the snapshot's tensor
+    table: the training thread starts non-blocking copies into them and records ``event``; the writer waits for it
+    and copies the buffers into the mapped file. The training thread never synchronizes with the GPU."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.event = None
+
+    def copy(self, indexed: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """Start copying each ``(index, tensor)``; the ``(index, buffer)`` pairs to move into the file after
+        ``event``."""
+        if not indexed:
+            return []
+        pairs = []
+        for index, value in indexed:
+            buffer = self._buffers.get(index)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda)
+                self._buffers[index] = buffer
+            pairs.append((index, buffer))
+        _copy([buffer for _, buffer in pairs], [value for _, value in indexed], non_blocking=True)
+        if any(value.is_cuda for _, value in indexed):
             if self.event is None:
                 self.event = torch.cuda.Event()
             self.event.record()
+        return pairs
 
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 def _fill(template: Any, saved: Any, key: str) -> Any:
     """``template`` with every tensor's data replaced by ``saved``'s (in place) and every other value by the saved
@@ -146,16 +189,25 @@ def _fill(template: Any, saved: Any, key: str) -> Any:
     if isinstance(template, (list, tuple)) and not isinstance(saved, torch.Tensor):
         if not isinstance(saved, (list, tuple)) or len(saved) != len(template):
             raise ValueError(f"{key}: a sequence of another length in the snapshot")
-        if not any(isinstance(t, _CONTAINERS) for t in template):
+        if not _holds_containers(template):
             return saved
         filled = [_fill(t, s, f"{key}/{i}") for i, (t, s) in enumerate(zip(template, saved))]
         return filled if isinstance(template, list) else tuple(filled)
     return saved
 
 
-_MAGIC = b"TWSNAP1\n"
-_TENSOR = "__trainwarden_tensor__"
+_MAGIC = b"TWSNAP2\n"
+_PREFIX = struct.Struct("<8sQQQ")
+"""A file's first bytes: the magic, the step, the header's offset and its length. A snapshot writes them last and a
+reuse clears the magic first."""
 _ALIGN = 64
+
+Layout = list[tuple[torch.dtype, torch.Size]]
+"""The dtype and shape of each tensor of a snapshot, in the order of its tensor table: what a file is made for."""
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
 
 
 class _NoClasses(pickle.Unpickler):
@@ -165,56 +217,97 @@ class _NoClasses(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a snapshot header may not name {module}.{name}")
 
 
-def _dump(obj: Any, f) -> None:
-    """A snapshot file: magic, the header's length, the header (a pickle of ``obj`` with each tensor replaced by
-    ``(_TENSOR, index)`` and described as dtype, shape and offset), then the tensors' bytes, each 64-byte aligned.
-    About 15 times faster than ``torch.save`` for a state of many small tensors (its per-tensor records)."""
-    tensors: list[torch.Tensor] = []
+class _SnapshotFile:
+    """One of a rank's snapshot files, created once per layout and mapped for as long as the rank keeps it: the
+    prefix, each tensor's bytes at a 64-byte aligned offset (``views``: where a snapshot's tensors are copied), then
+    the header (a pickle of the body, with each tensor as ``(_TENSOR, index)``, and the tensor table), rewritten by
+    every snapshot. The mapped part's pages are reserved when the file is created, so a full tmpfs is an OSError
+    there and never a SIGBUS at a copy into the mapping."""
 
-    def strip(value: Any, key: str) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return _NOT_LEAF
-        tensors.append(value.contiguous())
-        return (_TENSOR, len(tensors) - 1)
+    def __init__(self, path: Path, layout: Layout) -> None:
+        self.path, self.layout = path, layout
+        self.table: list[tuple[str, tuple[int, ...], int, int]] = []
+        offset = _aligned(_PREFIX.size)
+        for dtype, shape in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.table.append((str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
+            offset = _aligned(offset + nbytes)
+        self.data_end = offset
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, self.data_end)
+            self._map = mmap.mmap(fd, self.data_end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._fd = fd
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.views = [base[at:at + nbytes].view(dtype).view(shape)
+                      for (dtype, shape), (_, _, at, nbytes) in zip(layout, self.table)]
 
-    body = _walk(obj, strip)
-    table, offset = [], 0
-    for t in tensors:
-        offset = -(-offset // _ALIGN) * _ALIGN
-        nbytes = t.numel() * t.element_size()
-        table.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += nbytes
-    header = pickle.dumps({"body": body, "tensors": table}, protocol=pickle.HIGHEST_PROTOCOL)
-    start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
-    f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
-    f.write(bytes(start - f.tell()))
-    for t, (_, _, at, nbytes) in zip(tensors, table):
-        if nbytes:
-            f.write(bytes(start + at - f.tell()))
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    def reuse(self, path: Path) -> None:
+        """Take the file for a new snapshot, renamed to ``path`` (its name while being written, which no reader
+        opens). The magic is cleared first: a reader that opened the file under its old name refuses what it read."""
+        self._map[:len(_MAGIC)] = bytes(len(_MAGIC))
+        os.replace(self.path, path)
+        self.path = path
+
+    def publish(self, step: int, header: bytes, path: Path) -> None:
+        """Write ``header`` behind the tensors, then the prefix, and rename the file to ``path``: a reader finds the
+        file only once it is complete."""
+        os.pwrite(self._fd, header, self.data_end)
+        os.ftruncate(self._fd, self.data_end + len(header))  # a longer header of an earlier step: its tail
+        self._map[:_PREFIX.size] = _PREFIX.pack(_MAGIC, step, self.data_end, len(header))
+        os.replace(self.path, path)
+        self.path = path
+
+    def release(self) -> None:
+        """Let go of the mapping (unmapped once no copy holds one of its views); the file stays."""
+        self.views = []
+        self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def remove(self) -> None:
+        """Release the mapping and unlink the file: its memory goes back to the tmpfs."""
+        self.release()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
 
 
 def _load(path: Path) -> Any:
-    """What ``_dump`` wrote, with tensors that own their memory; ValueError when the file is not one or is torn."""
-    data = path.read_bytes()
-    if data[:len(_MAGIC)] != _MAGIC:
+    """What a snapshot file holds, with tensors that own their memory; ValueError when the file is not one, is
+    torn, or was taken for a newer snapshot while it was read."""
+    with open(path, "rb") as f:
+        data = f.read()
+        again = os.pread(f.fileno(), _PREFIX.size, 0)  # a writer clears the magic before it touches a tensor
+    if len(data) < _PREFIX.size or not data.startswith(_MAGIC):
+        if data[:len(_MAGIC)] == bytes(len(_MAGIC)) and len(data) >= _PREFIX.size:
+            raise ValueError("being rewritten (its magic is cleared: a newer snapshot took the file)")
         raise ValueError("not a trainwarden snapshot (no magic)")
-    (length,) = struct.unpack_from("<Q", data, len(_MAGIC))
-    head = len(_MAGIC) + 8
-    header = _NoClasses(io.BytesIO(data[head:head + length])).load()
-    start = -(-(head + length) // _ALIGN) * _ALIGN
+    if again != data[:_PREFIX.size]:
+        raise ValueError("rewritten while it was read (a newer snapshot took the file)")
+    _, step, at, length = _PREFIX.unpack_from(data)
+    if at + length > len(data):
+        raise ValueError(f"torn: the header ends at {at + length}, the file at {len(data)}")
+    header = _NoClasses(io.BytesIO(data[at:at + length])).load()
+    if not isinstance(header, dict) or not isinstance(header.get("body"), dict) or header["body"].get("step") != step:
+        raise ValueError(f"torn: the header is not the one of step {step}")
     tensors = []
-    for dtype, shape, at, nbytes in header["tensors"]:
-        if start + at + nbytes > len(data):
-            raise ValueError(f"torn: a tensor's bytes end at {start + at + nbytes}, the file at {len(data)}")
+    for dtype, shape, offset, nbytes in header["tensors"]:
+        if offset + nbytes > at:
+            raise ValueError(f"torn: a tensor's bytes end at {offset + nbytes}, the header begins at {at}")
         kind = getattr(torch, dtype, None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
-        raw = bytearray(data[start + at:start + at + nbytes])
-        tensors.append(torch.frombuffer(raw, dtype=kind).reshape(shape) if nbytes else
-                       torch.empty(shape, dtype=kind))
+        tensors.append(torch.frombuffer(bytearray(data[offset:offset + nbytes]), dtype=kind).reshape(shape)
+                       if nbytes else torch.empty(shape, dtype=kind))
 
-    def fill(value: Any, key: str) -> Any:
+    def fill(value: Any) -> Any:
         if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
             return tensors[value[1]]
         return _NOT_LEAF
@@ -230,10 +323,14 @@ class MemorySnapshots:
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep = rank, world_size, max(1, keep)
         self._report = report  # (step, path, seconds) once a file is written
-        self._staged = _Staged()
+        self._files: list[_SnapshotFile] = []  # this rank's files, oldest first: a snapshot takes the first
+        self._host = _HostBuffers()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-snapshot")
         self._inflight: Future | None = None
         self._lock = threading.Lock()
+        self._partials_swept = False  # the .tmp files a dead writer of this rank left are gone
+        self._others_gone = False  # the complete files of an earlier worker of this rank are gone
+        self._closed = False
         self.enabled = True
         self.saved = 0
         self.skipped = 0
@@ -242,51 +339,91 @@ class MemorySnapshots:
         self.last_step: int | None = None
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Snapshot ``state`` after ``step``: copy it into this rank's buffers and write them in the background.
-        False when skipped (the previous write is not done, or snapshots are off). Never raises."""
-        if not self.enabled:
+        """Snapshot ``state`` after ``step``: copy it into this rank's oldest file and finish the file in the
+        background. False when skipped (the previous snapshot is not finished, or snapshots are off). Never
+        raises."""
+        if not self.enabled or self._closed:
             return False
         if self._inflight is not None and not self._inflight.done():
             self.skipped += 1
             return False
         began = time.monotonic()
+        file, doing = None, "copying the state"
         try:
-            staged = {name: self._staged.stage(entry.state_dict() if hasattr(entry, "state_dict") else entry, name)
-                      for name, entry in state.items()}
-            self._staged.copy()
+            tensors: list[torch.Tensor] = []
+            body = {name: _strip(entry.state_dict() if hasattr(entry, "state_dict") else entry, tensors)
+                    for name, entry in state.items()}
+            doing = "taking a file"
+            file = self._take(step, [(t.dtype, t.shape) for t in tensors])
+            doing = "copying the state"
+            on_cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
+            _copy([file.views[i] for i in on_cpu], [tensors[i] for i in on_cpu], non_blocking=False)
+            staged = self._host.copy([(i, t) for i, t in enumerate(tensors) if not t.is_cpu])
         except Exception as exc:
-            self._turn_off(f"copying the state for step {step} failed ({type(exc).__name__}: {exc})")
+            if file is not None:
+                self._drop(file)  # it held this rank's oldest snapshot; the newest is untouched
+            self._turn_off(f"{doing} for step {step} failed ({type(exc).__name__}: {exc})")
             return False
         self.last_stage_seconds = time.monotonic() - began
-        self._inflight = self._writer.submit(self._write, step, staged)
+        self._inflight = self._writer.submit(self._write, step, file, body, staged)
         return True
 
-    def _write(self, step: int, staged: dict) -> None:
+    def _take(self, step: int, layout: Layout) -> _SnapshotFile:
+        """The file this snapshot goes into, under its partial name: the oldest of this rank's files, or a new one
+        while it has fewer than ``keep`` or the state's tensors changed (the oldest file is removed first)."""
+        path = partial_path(self.directory, self.world_size, self.rank, step)
+        if len(self._files) >= self.keep and self._files[0].layout == layout:
+            file = self._files.pop(0)
+            try:
+                file.reuse(path)
+            except BaseException:
+                file.remove()
+                raise
+        else:
+            if len(self._files) >= self.keep:
+                self._files.pop(0).remove()  # its memory back before the new file reserves its own
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._partials_swept:
+                for leftover in rank_partials(self.directory, self.world_size, self.rank):
+                    leftover.unlink(missing_ok=True)  # a writer of this rank that died while writing
+                self._partials_swept = True
+            file = _SnapshotFile(path, layout)
+        self._files.append(file)
+        return file
+
+    def _drop(self, file: _SnapshotFile) -> None:
+        if file in self._files:
+            self._files.remove(file)
+        file.remove()
+
+    def _write(self, step: int, file: _SnapshotFile, body: dict, staged: list[tuple[int, torch.Tensor]]) -> None:
+        """Finish the file (off the training thread): the GPU's tensors into it, the header, the rename; then
+        drop an earlier worker's files beyond ``keep`` and report."""
         began = time.monotonic()
         path = snapshot_path(self.directory, self.world_size, self.rank, step)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            if self._staged.event is not None:
-                self._staged.event.synchronize()  # the copies from the GPU (off the training thread)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                _dump({"step": step, "rank": self.rank, "world_size": self.world_size, "state": staged}, f)
-            os.replace(tmp, path)
+            if staged:
+                self._host.wait()  # the copies from the GPU
+                _copy([file.views[i] for i, _ in staged], [buffer for _, buffer in staged], non_blocking=False)
+            header = pickle.dumps({"body": {"step": step, "rank": self.rank, "world_size": self.world_size,
+                                            "state": body}, "tensors": file.table}, protocol=pickle.HIGHEST_PROTOCOL)
+            file.publish(step, header, path)
         except Exception as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+            self._drop(file)
             self._turn_off(f"writing {path} failed ({type(exc).__name__}: {exc})")
             return
         self.last_write_seconds = time.monotonic() - began
         self.saved += 1
         self.last_step = step
-        for _, old in rank_snapshots(self.directory, self.world_size, self.rank)[self.keep:]:
-            try:
-                old.unlink()
-            except OSError:
-                pass
+        if not self._others_gone:  # this rank keeps `keep` files in all, its own first
+            mine = {file.path for file in self._files}
+            others = [old for _, old in rank_snapshots(self.directory, self.world_size, self.rank) if old not in mine]
+            for old in others[max(0, self.keep - len(self._files)):]:
+                try:
+                    old.unlink()
+                except OSError:
+                    pass
+            self._others_gone = len(self._files) >= self.keep
         if self._report is not None:
             try:
                 self._report(step, str(path), self.last_write_seconds)
@@ -342,5 +479,10 @@ class MemorySnapshots:
         return ""
 
     def close(self) -> None:
-        """Finish the write in flight and stop the writer thread (the files stay: the agent owns them)."""
+        """Finish the snapshot in flight, stop the writer thread and unmap the files (they stay: the agent owns
+        them)."""
+        self._closed = True
         self._writer.shutdown(wait=True)
+        for file in self._files:
+            file.release()
+        self._files = []

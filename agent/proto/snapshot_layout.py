@@ -7,7 +7,7 @@ Each rank writes its own shards of the job's state there after every step it sna
 the world size has reported it (agent ``launch/memory_tier``). Both sides read the names with this module::
 
     <memory dir>/world-8/rank-00003.step-00000017.pt      rank 3 of 8, after step 17
-    <memory dir>/world-8/rank-00003.step-00000017.pt.tmp  being written (never read)
+    <memory dir>/world-8/rank-00003.step-00000017.pt.tmp  being written (never read); its writer may have died
 
 A file holds only what its rank owns (the local shards of DTensors), so it is loadable only by the same rank at
 the same world size: a new world size starts a new ``world-N`` directory and the old one is never read.
@@ -19,13 +19,14 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["KEEP", "parse_snapshot", "rank_snapshots", "snapshot_path", "world_dir"]
+__all__ = ["KEEP", "parse_snapshot", "partial_path", "rank_partials", "rank_snapshots", "snapshot_path", "world_dir"]
 
 KEEP = 2
 """Files a rank keeps: its newest and the one before, so a step one rank skipped still leaves a step every rank has
 (the agent counts only the steps a rank still keeps)."""
 
 _NAME_RE = re.compile(r"^rank-(\d{5,})\.step-(\d{8,})\.pt$")
+_PARTIAL_SUFFIX = ".tmp"
 _WORLD_RE = re.compile(r"^world-(\d+)$")
 
 
@@ -37,6 +38,12 @@ def world_dir(root: str | os.PathLike, world_size: int) -> Path:
 def snapshot_path(root: str | os.PathLike, world_size: int, rank: int, step: int) -> Path:
     """The file of ``rank``'s snapshot after ``step``."""
     return world_dir(root, world_size) / f"rank-{int(rank):05d}.step-{int(step):08d}.pt"
+
+
+def partial_path(root: str | os.PathLike, world_size: int, rank: int, step: int) -> Path:
+    """The name of ``rank``'s snapshot of ``step`` while it is being written: no reader ever opens it."""
+    path = snapshot_path(root, world_size, rank, step)
+    return path.with_name(path.name + _PARTIAL_SUFFIX)
 
 
 def parse_snapshot(path: str | os.PathLike) -> tuple[int, int, int] | None:
@@ -60,3 +67,14 @@ def rank_snapshots(root: str | os.PathLike, world_size: int, rank: int) -> list[
         if parsed is not None and parsed[1] == rank:
             found.append((parsed[2], entry))
     return sorted(found, reverse=True)
+
+
+def rank_partials(root: str | os.PathLike, world_size: int, rank: int) -> list[Path]:
+    """``rank``'s files being written at ``world_size``, or left half written by a writer that died."""
+    try:
+        entries = list(world_dir(root, world_size).iterdir())
+    except OSError:
+        return []
+    return [entry for entry in entries if entry.name.endswith(_PARTIAL_SUFFIX)
+            and (parsed := parse_snapshot(entry.with_name(entry.name[:-len(_PARTIAL_SUFFIX)]))) is not None
+            and parsed[1] == rank]

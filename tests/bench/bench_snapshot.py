@@ -9,8 +9,9 @@ The defaults are the reference job's own model (``runtime/examples/gpt.py``: dim
 ``--width 512 --layers 8 --vocab 8192`` is a larger one. In one process, blocks of ``--block-steps`` training steps
 alternate between "snapshot after every step" (``Checkpointer.snapshot``, written to a tmpfs directory as under
 `trainwarden run`) and "no snapshot", so both see the same machine; a step's time is the slowest rank's, the
-snapshot call included and the background write overlapping the next step as it does in a job. It prints the
-median step of each, the ratio, the snapshot call's own time (the copy the step waits for) and the write's.
+snapshot call included and the background part overlapping the next step as it does in a job. It prints the
+median step of each, the ratio, the snapshot call's own time (the copy into the rank's mapped file, which the step
+waits for) and the background write's (the header and the rename: the tensors are in the file already).
 
 Then it restores the same state from the newest snapshot and from a disk checkpoint (DCP, the same
 ``Checkpointer.restore``) and prints both. The node agent is not running here: the restore's question "which
@@ -152,7 +153,7 @@ def main() -> None:
         print(f"ratio with/without = {with_s / without:.3f} (overhead {100 * (with_s / without - 1):+.1f} %)")
         print(f"snapshot call on rank 0 (the copy the step waits for): median {statistics.median(calls) * 1e3:.2f} ms; "
               f"of it TrainState.state_dict() alone (measured after it, outside the step's time) "
-              f"{statistics.median(state_dicts) * 1e3:.2f} ms; background write (last per block): median {statistics.median(writes) * 1e3:.1f} ms; "
+              f"{statistics.median(state_dicts) * 1e3:.2f} ms; background write (last per block): median {statistics.median(writes) * 1e3:.2f} ms; "
               f"skipped (a write still in flight): {skipped_all} of {len(times[True]) * world} rank-steps")
         mem, disk = (statistics.median(r[0] for r in restores[k]) for k in ("memory", "disk"))
         print(f"restore of step {last} (median of 3, alternating): from memory {mem * 1e3:.0f} ms "

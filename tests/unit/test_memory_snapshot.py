@@ -125,7 +125,7 @@ def test_a_write_that_fails_turns_snapshots_off_with_one_warning_and_never_raise
     blocker = tmp_path / "world-1"
     blocker.write_text("a file where the directory should be")  # as a full /dev/shm would fail the write
     snaps = MemorySnapshots(tmp_path, rank=0, world_size=1)
-    assert snaps.save(1, state)
+    snaps.save(1, state)  # the file is made in the call: the failure is there, never raised
     snaps.wait()
     assert not snaps.enabled and not snaps.save(2, state)
     assert [r.message for r in caplog.records if "memory snapshots are off" in r.message]
@@ -255,27 +255,29 @@ def test_a_snapshot_that_fails_to_load_falls_back_to_the_disk(tmp_path):
 def test_the_file_format_round_trips_every_dtype_and_refuses_what_is_not_a_snapshot(tmp_path):
     import pickle
 
-    from trainwarden.runtime.memory_snapshot import _MAGIC, _dump, _load
+    from trainwarden.runtime.memory_snapshot import _MAGIC, _PREFIX, _load
 
     state = {"a": torch.arange(5, dtype=torch.bfloat16), "b": torch.tensor(3.5), "c": torch.empty(0, 4),
              "d": torch.tensor([True, False]), "e": {"f": [torch.ones(2, 3, dtype=torch.int64), 7, "x", None]},
              "g": (1, (2, 3), 4.5), "h": torch.arange(12.0).reshape(3, 4).t()}  # not contiguous
-    path = tmp_path / "s.pt"
-    with open(path, "wb") as f:
-        _dump(state, f)
-    back = _load(path)
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1)
+    assert snaps.save(1, {"s": state})
+    snaps.close()
+    path = snapshot_path(tmp_path, 1, 0, 1)
+    back = _load(path)["state"]["s"]
     for key in ("a", "b", "c", "d", "h"):
         assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key]), key
     assert torch.equal(back["e"]["f"][0], state["e"]["f"][0]) and back["e"]["f"][1:] == [7, "x", None]
     assert back["g"] == (1, (2, 3), 4.5)
     back["a"] += 1  # the loaded tensors own their memory
+    assert torch.equal(_load(path)["state"]["s"]["a"], state["a"])
     torn = tmp_path / "torn.pt"
     torn.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ValueError, match="torn"):
         _load(torn)
     hostile = tmp_path / "hostile.pt"
     header = pickle.dumps({"body": os.system, "tensors": []})  # a class (a callable) in the header
-    hostile.write_bytes(_MAGIC + len(header).to_bytes(8, "little") + header)
+    hostile.write_bytes(_PREFIX.pack(_MAGIC, 0, _PREFIX.size, len(header)) + header)
     with pytest.raises(pickle.UnpicklingError):
         _load(hostile)
     (tmp_path / "other.pt").write_bytes(b"PK\x03\x04 a zip")
