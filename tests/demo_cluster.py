@@ -37,12 +37,9 @@ SHOW = re.compile(r"^trainwarden: |\[rank 0\] [\w.]+: (resumed|step \d+ loss)|^ 
 def sweep_killed_runs() -> None:
     """What the killed node's run left on this machine (its private temp directories and its memory snapshots:
     a powered-off node's would go with its reboot). Only directories whose owner process is gone are removed."""
-    from trainwarden.agent.common.scratch import sweep
-    from trainwarden.agent.launch.memory_tier import DEFAULT_ROOT, PREFIX
+    from trainwarden.agent.launch.run import sweep_killed_runs as sweep
 
-    for prefix in ("trainwarden-", "tw-warm-"):
-        sweep(prefix)
-    sweep(PREFIX, root=DEFAULT_ROOT)
+    sweep()
 
 
 def main(argv=None) -> int:

@@ -164,6 +164,17 @@ On the native round (the default) the dead-node window is the node's lease TTL, 
 rendezvous key, so N nodes make N/2 of them a second."""
 
 
+def sweep_killed_runs() -> None:
+    """Remove what runs that were killed left on this machine: their private temp directories (``trainwarden-``,
+    ``tw-warm-``) and memory snapshots (agent/launch/memory_tier.py). Only directories whose owner process is gone
+    go; each run sweeps its own kind as it starts, this is for harnesses that kill whole simulated nodes."""
+    from trainwarden.agent.launch.memory_tier import DEFAULT_ROOT, PREFIX
+
+    for prefix in ("trainwarden-", "tw-warm-"):
+        sweep(prefix)
+    sweep(PREFIX, root=DEFAULT_ROOT)
+
+
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     """Run the job to its end (or until SIGINT/SIGTERM); returns the command's exit code."""
     job = _JobRun(opts, out)

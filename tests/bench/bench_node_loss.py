@@ -152,8 +152,21 @@ def run_grow(scenario: str, bound: float, workdir: Path) -> dict:
 
 
 def run_scenario(scenario: str, bound: float, workdir: Path) -> dict:
-    if scenario.endswith("-grow"):
-        return run_grow(scenario, bound, workdir)
+    try:
+        return (run_grow if scenario.endswith("-grow") else _run_fault)(scenario, bound, workdir)
+    finally:
+        _sweep_killed_runs()
+
+
+def _sweep_killed_runs() -> None:
+    """What the bed's runs left on this machine when it tore them down (their temp directories and memory
+    snapshots in /dev/shm): only directories whose owner process is gone are removed."""
+    from trainwarden.agent.launch.run import sweep_killed_runs
+
+    sweep_killed_runs()
+
+
+def _run_fault(scenario: str, bound: float, workdir: Path) -> dict:
     fault = "partition" if "partition" in scenario else "kill"
     ckpt, state = workdir / "ckpt", workdir / "state"
     with TestBed(nodes=3, etcd_members=3 if scenario.startswith("tw-") else 0, workdir=workdir / "bed") as bed:
