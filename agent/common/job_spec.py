@@ -61,6 +61,13 @@ RENDEZVOUS_ROUNDS = ("native", "dynamic")
 HANG_FLOOR_RANGE_S = (0.5, 180.0)
 """What ``--hang-floor`` and ``hang_floor_s`` accept: at least the runtime's telemetry period (0.5 s), and not
 above the watchdog's checkpoint allowance (180 s), which a larger floor would override."""
+
+
+def hang_floor_problem(seconds: float) -> str | None:
+    """Why ``seconds`` is not a hang floor (``HANG_FLOOR_RANGE_S``), or None: the one check of the spec field, the
+    launcher's option and the agent's setting."""
+    low, high = HANG_FLOOR_RANGE_S
+    return None if low <= seconds <= high else f"must be seconds between {low:g} and {high:g}, got {seconds!r}"
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
@@ -281,9 +288,8 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("rendezvous_round", f"must be one of {', '.join(RENDEZVOUS_ROUNDS)}, got {rendezvous_round!r}")
     hang_floor = data.get("hang_floor_s")
     if hang_floor is not None:
-        low, high = HANG_FLOOR_RANGE_S
-        if not low <= hang_floor <= high:
-            raise fail("hang_floor_s", f"must be seconds between {low:g} and {high:g}, got {hang_floor!r}")
+        if (why := hang_floor_problem(hang_floor)) is not None:
+            raise fail("hang_floor_s", why)
         hang_floor = float(hang_floor)
     env = data.get("env", {})
     for key, value in env.items():

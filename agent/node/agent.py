@@ -53,7 +53,7 @@ from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 from trainwarden.agent.watchdog.hang import HangConfig
-from trainwarden.agent.common.job_spec import HANG_FLOOR_RANGE_S
+from trainwarden.agent.common.job_spec import hang_floor_problem
 from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -125,11 +125,10 @@ def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None 
                          f"to read their Flight Recorders slowly) and 30") from None
     hang = HangConfig()
     if hang_floor_s is not None:
-        low, high = HANG_FLOOR_RANGE_S
-        if not low <= hang_floor_s <= high:
-            raise ValueError(f"hang floor {hang_floor_s:g} s: expected seconds between {low:g} and {high:g} (the "
-                             f"shortest time without a step, a collective, CPU or I/O that counts as a hang; "
-                             f"default {HangConfig.floor_s:g})")
+        if (why := hang_floor_problem(hang_floor_s)) is not None:
+            raise ValueError(f"hang floor {hang_floor_s:g} s: {why.replace('must be', 'expected')} (the shortest "
+                             f"time without a step, a collective, CPU or I/O that counts as a hang; default "
+                             f"{HangConfig.floor_s:g})")
         hang = HangConfig(floor_s=hang_floor_s)
     return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None,
                           quiet_read_period_s=quiet, hang=hang)
