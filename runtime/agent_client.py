@@ -63,6 +63,8 @@ _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size
 _PATIENT_WAIT_S = 30.0
 _MAX_PACE_S = 30.0  # the longest read period an agent may ask for (the ring's coverage bounds it anyway)
 _sender = threading.local()
+STILL_REPORT_AFTER_S = 0.5
+"""The training thread is reported still once its innermost frame has not moved for this long (see `_where`)."""
 
 
 def _wait_patiently_on_the_sender_thread() -> bool:
@@ -152,7 +154,11 @@ class TelemetryClient:
         self._fr = flight_recorder
         self._reducer = CollectiveReducer()
         # collectives enqueued by the thread that runs the steps (the one constructing the client)
-        self._arrivals = ArrivalLog(threading.get_ident() if training_thread is None else training_thread)
+        self._training_thread = threading.get_ident() if training_thread is None else training_thread
+        self._arrivals = ArrivalLog(self._training_thread)
+        self._where: tuple[int, int] | None = None  # the training thread's innermost frame and instruction
+        self._where_since = 0.0  # (monotonic) since when it has been there
+        self._still_said = False  # the agent was last told the thread is still
         self._queue: deque = deque(maxlen=config.queue_size)
         self._maxlen = config.queue_size
         self.dropped = 0
@@ -355,6 +361,9 @@ class TelemetryClient:
                     stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
+        still = self._training_thread_still()
+        if still is not None:
+            messages.append(still)
         now = time.time()
         pace = self._pace_asked
         if pace != self._pace_applied:  # on the new period's grid, unless a read is planned sooner
@@ -378,6 +387,37 @@ class TelemetryClient:
             messages.append(pb.WorkerMessage(stats=pb.ClientStats(dropped=self.dropped,
                                                                   reconnects=self.reconnects)))
         return messages
+
+    def _training_thread_still(self) -> pb.WorkerMessage | None:
+        """Where the training thread is, when the agent should hear of it: every flush while its innermost frame
+        and instruction have not changed for `STILL_REPORT_AFTER_S`, with how long its oldest collective has been
+        in flight, and once when the thread moves again.
+
+        A rank of a GPU job blocked in a hung collective spins a core inside one CUDA synchronize (`loss.item()`
+        or the next copy waits for NCCL's stream), which looks like work to a CPU reading. Its Python frame does
+        not move, and its collective does not complete. One `sys._current_frames()` per flush, with no reference
+        kept to the frame (its locals would stay alive); a Flight Recorder dump only while the thread is still.
+        A loop of short native calls from one line can look still too: the collective in flight is what says
+        waiting."""
+        frame = sys._current_frames().get(self._training_thread)
+        where = None if frame is None else (id(frame), frame.f_lasti)
+        del frame
+        now = time.monotonic()
+        if where != self._where:
+            self._where, self._where_since = where, now
+        still = now - self._where_since if where is not None else 0.0
+        if still >= STILL_REPORT_AFTER_S:
+            pending = 0.0
+            if self._fr is not None and self._fr.available:
+                since = self._fr.oldest_pending_ns(self._training_thread)
+                pending = max(0.0, time.time() - since / 1e9) if since else 0.0
+            self._still_said = True
+            return pb.WorkerMessage(training_thread=pb.TrainingThread(still_seconds=still,
+                                                                      collective_pending_seconds=pending))
+        if self._still_said:
+            self._still_said = False
+            return pb.WorkerMessage(training_thread=pb.TrainingThread())
+        return None
 
     def _collectives(self) -> pb.WorkerMessage:
         fr = self._fr

@@ -251,6 +251,28 @@ class FlightRecorder:
         return new
 
 
+    def oldest_pending_ns(self, thread_id: int | None = None) -> int | None:
+        """Wall-clock enqueue time (ns) of the oldest collective in the rings that has not completed (neither
+        retired nor seen completed), of `thread_id` where an entry names its thread; None when there is none,
+        or no recorder. One dump of every ring: the training thread's sender calls it only while that thread
+        has stayed inside one call (agent_client.py)."""
+        thread = None if thread_id is None else str(thread_id)
+        oldest = None
+        for name, dump in self._recorders.items():
+            try:
+                trace = pickle.loads(dump(False))
+            except Exception:
+                continue  # read_new logs a failing recorder
+            for entry in trace.get("entries") or ():
+                created = entry.get("time_created_ns")
+                if not created or _done(entry):
+                    continue
+                if thread is not None and str(entry.get("thread_id", thread)) != thread:
+                    continue
+                oldest = int(created) if oldest is None else min(oldest, int(created))
+        return oldest
+
+
 def ring_capacity(env: "dict[str, str] | os._Environ[str]" = os.environ) -> int | None:
     """Entries the recorder keeps (TORCH_FR_BUFFER_SIZE, or its older name); None when unset or unreadable."""
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):

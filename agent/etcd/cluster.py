@@ -16,6 +16,13 @@
   synchronous job sees alike. The keys live under a short lease, so the same step hanging again after the
   restart is a new incident.
 
+* **Working elsewhere** (``HangCoordinator.set_busy``, ``busy_elsewhere``). A node sees only its own ranks' activity:
+  while rank 0 evaluates alone on one node, the ranks of every other node wait in a collective and look hung
+  there. So a node whose ranks work while the job is stalled says so in ``jobs/<job>/busy/<node>`` (put when it
+  starts, deleted when it stops, under a lease of ``BUSY_TTL_S`` kept alive meanwhile: a dead agent's beacon goes
+  by itself), and a node whose watchdog would declare a hang first reads ``jobs/<job>/busy/``: while another node
+  works, it is not a hang yet. Nothing is written while the job progresses or while no rank works (a real hang).
+
 * **Growing** (``agree_checkpoint_step``). When nodes wait to join a healthy round, every node's launcher
   pauses its restart; the first node to propose a step after which all workers checkpoint and hold wins
   ``jobs/<job>/grow/<round>`` (created only if absent), and every node reads the same step from it. The save
@@ -50,9 +57,12 @@ from trainwarden.agent.etcd.watch import KeyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
+__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "BUSY_TTL_S", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
            "read_progress"]
 
+BUSY_TTL_S = 10
+"""The lease of a node's busy beacons (kept alive every third of it while the node works): how long a node whose
+agent died can still be taken for working."""
 HANG_KEY_TTL_S = 15
 """How long a hang's election and verdicts stay: longer than the spread of the nodes' detections, shorter than
 a restart, so the same step hanging again in the next round is a new incident."""
@@ -318,9 +328,41 @@ class HangCoordinator:
         self._client, self.node, self._prefix = client, node, prefix
         self._wait, self._clock, self._sleep = verdict_wait_s, clock, sleep
         self._peers = peers or (lambda job: [n for n in read_progress(client, job, prefix=prefix) if n != node])
+        self._busy: set[str] = set()  # jobs whose busy beacon this node holds
+        self._busy_lease = None
+        self._busy_refreshed = 0.0
 
     def _key(self, job: str, key: str, *parts: str) -> str:
         return job_key(job, "hangs", key, *parts, prefix=self._prefix)
+
+    def set_busy(self, job: str, busy: bool) -> None:
+        """Say whether this node's ranks of ``job`` work while the job is stalled (module docstring): a put when
+        that starts, a lease keep-alive every third of ``BUSY_TTL_S`` while it lasts, a delete when it ends;
+        nothing when it does not change. Called on every watchdog check; raises what etcd raises."""
+        client, key = self._client, job_key(job, "busy", self.node, prefix=self._prefix)
+        if not busy:
+            if job in self._busy:
+                self._busy.discard(job)
+                with_failover(client, lambda: client.delete(key))
+            return
+        now = self._clock()
+        if self._busy_lease is not None and self._busy and now - self._busy_refreshed >= BUSY_TTL_S / 3:
+            self._busy_refreshed = now
+            if not refresh_lease(client, self._busy_lease):
+                self._busy_lease, self._busy = None, set()  # expired (etcd was away): put them again
+        if job in self._busy:
+            return
+        if self._busy_lease is None or not self._busy:
+            self._busy_lease = with_failover(client, lambda: client.lease(BUSY_TTL_S))
+            self._busy_refreshed = now
+        value = json.dumps({"node": self.node})
+        with_failover(client, lambda: client.put(key, value, lease=self._busy_lease))
+        self._busy.add(job)
+
+    def busy_elsewhere(self, job: str) -> list[str]:
+        """The job's other nodes whose ranks work while it is stalled (their busy beacons)."""
+        beacons = read_json_prefix(self._client, job_key(job, "busy", "", prefix=self._prefix))
+        return sorted(node for node in beacons if node != self.node)
 
     def coordinate(self, job: str, key: str, incident_id: str, local: Mapping[str, Any]) -> tuple[bool, dict]:
         """Share this node's verdict, then try to own the hang. Returns ``(True, verdicts by node)`` to the owner,

@@ -176,8 +176,16 @@ class ClientStats(_message.Message):
     reconnects: int
     def __init__(self, dropped: _Optional[int] = ..., reconnects: _Optional[int] = ...) -> None: ...
 
+class TrainingThread(_message.Message):
+    __slots__ = ("still_seconds", "collective_pending_seconds")
+    STILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_PENDING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    still_seconds: float
+    collective_pending_seconds: float
+    def __init__(self, still_seconds: _Optional[float] = ..., collective_pending_seconds: _Optional[float] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "step", "collectives", "checkpoint", "goodbye", "stats", "steps")
+    __slots__ = ("hello", "step", "collectives", "checkpoint", "goodbye", "stats", "steps", "training_thread")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +193,7 @@ class WorkerMessage(_message.Message):
     GOODBYE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_THREAD_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     step: Step
     collectives: Collectives
@@ -192,7 +201,8 @@ class WorkerMessage(_message.Message):
     goodbye: Goodbye
     stats: ClientStats
     steps: Steps
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., collectives: _Optional[_Union[Collectives, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., stats: _Optional[_Union[ClientStats, _Mapping]] = ..., steps: _Optional[_Union[Steps, _Mapping]] = ...) -> None: ...
+    training_thread: TrainingThread
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., collectives: _Optional[_Union[Collectives, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., stats: _Optional[_Union[ClientStats, _Mapping]] = ..., steps: _Optional[_Union[Steps, _Mapping]] = ..., training_thread: _Optional[_Union[TrainingThread, _Mapping]] = ...) -> None: ...
 
 class DumpDiagnostics(_message.Message):
     __slots__ = ("dir",)

@@ -175,6 +175,12 @@ class RankSnapshot:
     collective_gap_max_seconds: float = 0.0
     """The longest time between two consecutive collectives of the rank's current process, over its recent
     collectives (0: fewer than two seen): how long such a loop may go quiet."""
+    still_seconds: float = 0.0
+    """How long the rank's training thread has stayed inside one call, as of this snapshot (0: it moves, or
+    the worker never said): from its TrainingThread reports, aged since the last one."""
+    collective_pending_seconds: float = 0.0
+    """How long the oldest collective of that training thread has been in flight, as of this snapshot (0: none,
+    or the thread moves). Still, with a collective in flight, the rank waits: its own CPU is not work."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,6 +261,8 @@ class _RankTelemetry:
         self.last_collective_ns = 0
         self.collective_gaps: deque[int] = deque(maxlen=COLLECTIVE_GAPS_KEPT)  # ns, of the current process
         self.prev_arrival_ns = 0  # the last arrival of an unbroken stretch (0: none)
+        self.still_since = None  # (clock) since when the training thread has not moved; None: it moves
+        self.pending_since = None  # (clock) since when its oldest collective has been in flight, while still
 
     def update_compute(self) -> None:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
@@ -350,6 +358,7 @@ class JobTelemetry:
                     rank.checkpoint_stage = ""
                     rank.collective_gaps.clear()
                     rank.prev_arrival_ns = 0
+                    rank.still_since = rank.pending_since = None
                 rank.info, rank.connected, rank.last_seen = info, True, now
                 rank.streams += 1
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
@@ -569,6 +578,20 @@ class JobTelemetry:
             state.prev_dropped = dropped
             state.dropped_total += delta
 
+    def record_training_thread(self, job: str, rank: int, *, still_seconds: float,
+                               collective_pending_seconds: float) -> None:
+        """The worker's training thread has stayed inside one call for `still_seconds` (0: it moves again), with
+        its oldest collective in flight for `collective_pending_seconds` (0: none)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            now = self._clock()
+            state.still_since = now - still_seconds if still_seconds > 0 else None
+            state.pending_since = (now - collective_pending_seconds
+                                   if still_seconds > 0 and collective_pending_seconds > 0 else None)
+            state.last_seen = now
+
     def count_rejected(self, reason: str) -> None:
         """A message was refused; `reason` is one of REJECT_REASONS (others count as "invalid")."""
         with self._lock:
@@ -613,24 +636,25 @@ class JobTelemetry:
 
     def snapshot(self, job: str | None = None) -> tuple[JobSnapshot, ...]:
         with self._lock:
-            return tuple(self._job_snapshot(name, j) for name, j in sorted(self._jobs.items())
+            now = self._clock()
+            return tuple(self._job_snapshot(name, j, now) for name, j in sorted(self._jobs.items())
                          if job is None or name == job)
 
     def _rank(self, job: str, rank: int) -> _RankTelemetry | None:
         owner = self._jobs.get(job)
         return owner.ranks.get(rank) if owner is not None else None
 
-    def _job_snapshot(self, name: str, job: _JobRanks) -> JobSnapshot:
+    def _job_snapshot(self, name: str, job: _JobRanks, now: float) -> JobSnapshot:
         return JobSnapshot(
             job=name, world_size=job.world_size, mesh=dict(job.mesh),
-            ranks=tuple(self._rank_snapshot(r) for _, r in sorted(job.ranks.items())),
+            ranks=tuple(self._rank_snapshot(r, now) for _, r in sorted(job.ranks.items())),
             restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
             checkpoint_failures_total=job.checkpoint_failures,
             checkpoint_committed_unix=job.checkpoint_committed_unix, checkpoint_set_aside_total=job.checkpoint_set_aside,
         )
 
     @staticmethod
-    def _rank_snapshot(r: _RankTelemetry) -> RankSnapshot:
+    def _rank_snapshot(r: _RankTelemetry, now: float) -> RankSnapshot:
         durations = sorted(d for _, d, _ in r.recent)
         tokens_per_second = 0.0
         if len(r.recent) >= 2:
@@ -669,4 +693,6 @@ class JobTelemetry:
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS
                                      else _percentile(durations, 0.99)),
             steady_steps=len(r.steady),
+            still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
+            collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
         )

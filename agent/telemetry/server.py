@@ -405,6 +405,13 @@ class TelemetryServer:
                                  detail=c.detail[:2000])
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
+        elif kind == "training_thread":
+            t = message.training_thread
+            if not all(math.isfinite(v) and 0 <= v < 1e7 for v in (t.still_seconds, t.collective_pending_seconds)):
+                js.count_rejected("invalid")
+                return
+            js.record_training_thread(job, rank, still_seconds=t.still_seconds,
+                                      collective_pending_seconds=t.collective_pending_seconds)
         elif kind == "goodbye":
             js.goodbye(job, rank, info.pid, message.goodbye.reason)
             log.debug("job %s rank %d said goodbye: %s", job, rank, message.goodbye.reason[:200],

@@ -336,6 +336,16 @@ def process_cpu_seconds(pid: int) -> float | None:
     return total
 
 
+def process_own_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) the process itself has used, not its children's; None when
+    it cannot be read."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.Error, OSError, ValueError):
+        return None
+    return t.user + t.system
+
+
 def _cpu_with_reaped(pid: int) -> float | None:
     try:
         t = psutil.Process(pid).cpu_times()

@@ -43,10 +43,19 @@ children: a DataLoader's workers preparing an epoch's first batches while the ra
 at least ``busy_cores`` of CPU together, or their processes read or write at least ``busy_io_bytes_per_s`` (a
 shard streamed from remote storage), the deadline is at least ``busy_s`` (300 s). Together, not per rank: eight
 ranks that each get a quarter of a core on an oversubscribed host are working. A deadlocked or stopped rank does
-neither, and neither do ranks blocked in a collective, so hangs are caught as before; a rank spinning forever is
-caught after ``busy_s``. (An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
+neither, and neither do ranks blocked in a gloo collective, so hangs are caught as before; a rank spinning forever
+is caught after ``busy_s``. A rank of a GPU job blocked in a hung NCCL collective does spin a core: its training
+thread waits inside one CUDA synchronize (the default schedule spins while the host has cores to spare). Such a
+rank says so: its training thread has stayed inside one call (the same innermost Python frame and instruction)
+while a collective it enqueued has not completed (the Flight Recorder). Its own CPU is then not counted
+(``waiting_cpu_seconds``); its children's CPU and its I/O still are. Without this, every NCCL hang was held to
+``busy_s``. A rank computing alone while its peers wait has no collective in flight: it still counts. (An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
 evaluation on one rank.) The watchdog reads activity only once a job has been stalled for a second: a healthy
 job costs it nothing.
+
+A node sees only its own ranks. In a job of several nodes, the ranks of one node may work (rank 0 evaluating
+alone) while every other node's ranks wait for them: each node says while its ranks work (``HangCheck.working``,
+published by the watchdog through etcd), and a node that would declare a hang while another works ``defer``s it.
 
 After firing, a job is not judged again until it progresses or a new worker round starts (the restart
 that the abort causes), so one hang gives one incident. A job none of whose ranks is connected is not
@@ -59,9 +68,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping
 
-__all__ = ["BLOCKING_CHECKPOINT_STAGES", "HangCheck", "HangConfig", "HangDetector"]
+__all__ = ["BLOCKING_CHECKPOINT_STAGES", "WORKING_WITHIN_S", "HangCheck", "HangConfig", "HangDetector"]
 
 BLOCKING_CHECKPOINT_STAGES = frozenset({"save_start", "restore_start"})
+WORKING_WITHIN_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +145,9 @@ class HangCheck:
     """The job progressed in this observation."""
     heartbeat: str = "steps"
     """What the deadline followed: "steps", or "collectives" (a job with no step in its round)."""
+    working: bool = False
+    """The job is stalled and its ranks here worked within the last ``WORKING_WITHIN_S`` (the activity rule): what
+    a node tells the job's other nodes, whose own ranks may only be waiting for these (agent/etcd/cluster.py)."""
 
 
 @dataclass
@@ -152,7 +165,9 @@ class _JobProgress:
     io_moved: int = 0  # bytes moved since the last progress
     cpu_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, CPU seconds)
     activity_io_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, bytes moved)
-    last_busy: float = 0.0  # the last observation in which some rank was computing
+    waiting_cpu_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, own CPU s)
+    last_busy: float = 0.0  # the last observation in which some rank was computing (here, or on another node)
+    last_working: float = 0.0  # the last observation in which some rank here was computing
 
 
 class HangDetector:
@@ -168,7 +183,8 @@ class HangDetector:
                 progress_age_s: float = 0.0, collective_counts: Mapping[int, int] | None = None,
                 collective_gap_s: float = 0.0, collective_age_s: float = 0.0,
                 cpu_seconds: Mapping[int, float] | None = None,
-                io_bytes: Mapping[int, int] | None = None) -> HangCheck:
+                io_bytes: Mapping[int, int] | None = None,
+                waiting_cpu_seconds: Mapping[int, float] | None = None) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
@@ -182,7 +198,8 @@ class HangDetector:
         `collective_age_s` how long before now the newest reported one was entered; `cpu_seconds` maps rank
         to the CPU seconds its process tree has used and `io_bytes` to the bytes its process has read and
         written (ranks whose counters cannot be read are left out; None: not read this time, and the next
-        reading is a new baseline).
+        reading is a new baseline); `waiting_cpu_seconds` maps the ranks that wait inside one call (module
+        docstring) to their process's own CPU seconds, which are then not work.
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -226,8 +243,8 @@ class HangDetector:
                 timeout, reason = self.config.startup_s, "startup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
-        if self._busy(state, now, cpu_seconds, io_bytes):
-            state.last_busy = now
+        if self._busy(state, now, cpu_seconds, io_bytes, waiting_cpu_seconds):
+            state.last_busy = state.last_working = now
         stalled = now - state.last_progress
         # a rank that computes is not stalled: the deadline runs from the later of the last progress and the
         # last moment some rank computed (its first steps after the work arrive in the next batch), and a
@@ -241,15 +258,35 @@ class HangDetector:
             hung = running and state.armed and stalled >= timeout
         if hung:
             state.armed = False
+        # this node's own activity only: a deferral is not work, or two waiting nodes would hold each other back
+        working = (running and state.last_working > state.last_progress
+                   and now - state.last_working <= WORKING_WITHIN_S)
         return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
                          steps_since_start=steps, min_steps_since_start=min(done, default=0),
-                         progressed=progressed or collectives_moved, heartbeat=heartbeat)
+                         progressed=progressed or collectives_moved, heartbeat=heartbeat, working=working)
+
+    def defer(self, job: str) -> None:
+        """Another node's ranks work while this job is stalled (its ranks here wait for them): count it as work
+        seen now, and judge the job again after a whole deadline of quiet (or ``busy_s`` in all)."""
+        state = self._jobs.get(job)
+        if state is not None:
+            state.last_busy = self._clock()
+            state.armed = True
 
     def _busy(self, state: _JobProgress, now: float, cpu: Mapping[int, float] | None,
-              io: Mapping[int, int] | None) -> bool:
-        """The ranks' process trees used at least `busy_cores` of CPU together, or their processes moved at least
-        `busy_io_bytes_per_s`, since the previous reading (a missing reading drops the baselines)."""
-        busy = self._rate(state.cpu_seen, now, cpu) >= self.config.busy_cores
+              io: Mapping[int, int] | None, waiting: Mapping[int, float] | None) -> bool:
+        """The ranks' process trees used at least `busy_cores` of CPU together (less the own CPU of ranks that wait
+        inside one call), or their processes moved at least `busy_io_bytes_per_s`, since the previous reading (a
+        missing reading drops the baselines)."""
+        if cpu is None or waiting is None:
+            state.waiting_cpu_seen.clear()
+        else:  # a rank that stopped waiting starts a new baseline when it waits again
+            for rank in set(state.waiting_cpu_seen) - set(waiting):
+                del state.waiting_cpu_seen[rank]
+            for rank in set(waiting) - set(state.waiting_cpu_seen):
+                state.cpu_seen.pop(rank, None)  # and its spin since the last reading is not counted either
+        computing = self._rate(state.cpu_seen, now, cpu) - self._rate(state.waiting_cpu_seen, now, waiting or {})
+        busy = computing >= self.config.busy_cores
         return self._rate(state.activity_io_seen, now, io) >= self.config.busy_io_bytes_per_s or busy
 
     @staticmethod

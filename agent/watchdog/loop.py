@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_cpu_seconds, process_io_bytes,
+                                                process_own_cpu_seconds,
                                                process_state, read_diagnostics)
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from trainwarden.agent.etcd.cluster import merge_verdicts
@@ -65,6 +66,9 @@ REPORT_AGE_CAP_S = 1.0
 the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor (2 s), so
 that a wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
 ACTIVITY_AFTER_S = 1.0
+WAITING_AFTER_S = 0.5
+"""A rank whose training thread has stayed inside one call this long, with a collective in flight as long, waits
+(a GPU rank spins a core in a CUDA synchronize: its own CPU is not work, hang.py)."""
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
 a period later, a rate."""
@@ -141,6 +145,7 @@ class Watchdog:
                  probe: Callable[[int], str] = process_state,
                  io_bytes: Callable[[int], int | None] = process_io_bytes,
                  cpu_seconds: Callable[[int], float | None] = process_cpu_seconds,
+                 own_cpu_seconds: Callable[[int], float | None] = process_own_cpu_seconds,
                  diagnostics_dir: Callable[[str], Path] = lambda job: job_state_dir(job) / "diagnostics",
                  cluster=None) -> None:
         """``cluster``: a ``HangCoordinator`` (agent/etcd/cluster.py) for jobs of several nodes: one node records
@@ -151,6 +156,7 @@ class Watchdog:
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._io_bytes = io_bytes
         self._cpu_seconds = cpu_seconds
+        self._own_cpu_seconds = own_cpu_seconds
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
@@ -167,6 +173,8 @@ class Watchdog:
         self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
         self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
         self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
+        self._cluster_failing: set[str] = set()  # jobs whose activity could not be shared (said once)
+        self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
@@ -241,6 +249,12 @@ class Watchdog:
             self._attended.pop(job, None)
             self._paced.pop(job, None)
             self.read_pace.pop(job, None)
+            self._deferred.pop(job, None)
+            if self._cluster is not None:
+                try:
+                    self._cluster.set_busy(job, False)
+                except Exception:
+                    pass  # the beacon's lease ends it
         with self._lock:
             self._published = (checks, self._straggler.scores())
 
@@ -267,6 +281,8 @@ class Watchdog:
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective),
             **(self._activity_of(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
+        if self._cluster is not None:
+            check = self._with_other_nodes(snap.job, check)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -299,17 +315,22 @@ class Watchdog:
 
     def _activity_of(self, ranks: Sequence[RankSnapshot]) -> dict[str, dict[int, float]]:
         """CPU seconds of the ranks' process trees and bytes their processes moved, where this agent can read
-        them (a rank computing, or reading its data, is not hung)."""
-        cpu, io = {}, {}
+        them (a rank computing, or reading its data, is not hung), and the own CPU seconds of ranks whose
+        training thread waits inside one call for a collective (a CUDA synchronize spins a core: not work)."""
+        cpu, io, waiting = {}, {}, {}
         for r in ranks:
             if r.pid <= 0:
                 continue
             seconds, moved = self._cpu_seconds(r.pid), self._io_bytes(r.pid)
             if seconds is not None:
                 cpu[r.rank] = seconds
+                if min(r.still_seconds, r.collective_pending_seconds) >= WAITING_AFTER_S:
+                    own = self._own_cpu_seconds(r.pid)
+                    if own is not None:
+                        waiting[r.rank] = own
             if moved is not None:
                 io[r.rank] = moved
-        return {"cpu_seconds": cpu, "io_bytes": io}
+        return {"cpu_seconds": cpu, "io_bytes": io, "waiting_cpu_seconds": waiting}
 
     def _report_age(self, unix: float) -> float:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
@@ -405,6 +426,31 @@ class Watchdog:
             self._acting[job] = (incident, self._clock())
         else:
             self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure, now=self._wall()))
+
+    def _with_other_nodes(self, job: str, check: HangCheck) -> HangCheck:
+        """Tell the job's other nodes whether this node's ranks work while the job is stalled, and hold a hang
+        back while another node's do: the ranks here may only be waiting for them (rank 0 evaluating alone on
+        its node). When etcd cannot be asked, this node judges alone, as on one node."""
+        try:
+            self._cluster.set_busy(job, check.working)
+            elsewhere = self._cluster.busy_elsewhere(job) if check.hung else []
+        except Exception as exc:
+            if job not in self._cluster_failing:
+                self._cluster_failing.add(job)
+                log.warning("job %s: cannot share the ranks' activity with the other nodes through etcd (%s); "
+                            "judging hangs from this node's ranks alone", job, exc, extra={"job": job})
+            return check
+        self._cluster_failing.discard(job)
+        if check.progressed:
+            self._deferred.pop(job, None)
+        if not elsewhere:
+            return check
+        self._hang.defer(job)
+        if self._deferred.get(job) != elsewhere:
+            self._deferred[job] = elsewhere
+            log.info("job %s: no progress for %.1f s on this node, but the ranks of node %s are working: not a hang "
+                     "yet", job, check.stalled_s, ",".join(elsewhere), extra={"job": job})
+        return replace(check, hung=False)
 
     def _share_hang(self, snap: JobSnapshot, incident_id: str, verdict) -> dict | None:
         """Tell the job's other nodes what this node saw and learn who records the hang: the verdicts by node

@@ -110,3 +110,25 @@ def test_only_a_worker_of_the_jobs_current_round_publishes_a_checkpoint(client):
     assert commit_in_round(client, "mf", round_id(1, 0), pointer(20)) is None
     assert commit_in_round(client, "mf", round_id(0, 9), pointer(25)) is not None
     assert json.loads(client.get(key)[0])["step"] == 20
+
+
+def test_a_node_busy_beacon_is_seen_by_the_others_and_goes_when_it_stops_or_its_agent_dies(client):
+    """set_busy puts jobs/<job>/busy/<node> once, keeps its lease alive, and deletes it when the work ends; a beacon
+    whose node went silent ends with its lease (BUSY_TTL_S)."""
+    from trainwarden.agent.etcd import cluster as cluster_mod
+
+    a, b = HangCoordinator(client, "na"), HangCoordinator(client, "nb")
+    assert a.busy_elsewhere("bz") == [] and b.busy_elsewhere("bz") == []
+    for _ in range(3):
+        a.set_busy("bz", True)  # one put: the next calls change nothing
+    assert b.busy_elsewhere("bz") == ["na"] and a.busy_elsewhere("bz") == []
+    revision = client.get(cluster_mod.job_key("bz", "busy", "na"))[1].mod_revision
+    a.set_busy("bz", True)
+    assert client.get(cluster_mod.job_key("bz", "busy", "na"))[1].mod_revision == revision
+    a.set_busy("bz", False)
+    assert b.busy_elsewhere("bz") == []
+    b.set_busy("bz", True)
+    lease = b._busy_lease
+    assert a.busy_elsewhere("bz") == ["nb"]
+    lease.revoke()  # as when nb's agent dies and its lease ends
+    assert a.busy_elsewhere("bz") == []

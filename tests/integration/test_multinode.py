@@ -181,6 +181,40 @@ def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp
     assert bed.leftovers() == []
 
 
+def test_a_rank_computing_alone_on_one_node_is_not_a_hang_on_the_node_whose_ranks_wait_for_it(tmp_path):
+    """An unchanged DDP script over two nodes of one rank each: rank 0 evaluates alone for 8 s while rank 1 waits
+    in a barrier on the other node, using no CPU. That node sees no local activity, but rank 0's node says its rank
+    works (jobs/<job>/busy/<node>): no hang, no restart. Before, the waiting node aborted the job after its 2 s
+    deadline."""
+    import json
+
+    script = Path(__file__).resolve().parents[1] / "fixtures" / "unchanged" / "ddp_tutorial.py"
+    with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
+        runs = {}
+        for n in ("n0", "n1"):
+            env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / n / "state"), OMP_NUM_THREADS="1")
+            log = tmp_path / n / "run.log"
+            runs[n] = (bed.spawn(n, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                                     "--nnodes", "2", "--nproc-per-node", "1", "--node", n, "--max-restarts", "0",
+                                     "--job", "eval1", "--etcd", bed.etcd_endpoints, "--",
+                                     str(script), "--steps", "30", "--sleep", "0.05", "--busy-rank", "0",
+                                     "--busy-at", "12", "--busy-s", "8"], log=log, env=env), log)
+        for node, (proc, log) in runs.items():
+            assert proc.wait(240) == 0, f"{node}: " + log.read_text()[-4000:]
+        text = "".join(log.read_text(errors="replace") for _, log in runs.values())
+        assert "tutorial done" in text
+        assert "are working: not a hang yet" in text  # the waiting node held its hang back
+        host, port = bed.etcd_endpoints.split(",")[0].split(":")
+        dump = ("import etcd3, json\n"
+                f"c = etcd3.client(host={host!r}, port={port})\n"
+                "for v, _ in c.get_prefix('/trainwarden/v1/jobs/eval1/incidents/'):\n"
+                "    print(json.dumps(json.loads(v)))\n")
+        out = bed.run("n0", [sys.executable, "-c", dump], check=True).stdout
+        kinds = [json.loads(line)["kind"] for line in out.splitlines() if line.startswith("{")]
+        assert "hang" not in kinds and "restart" not in kinds, kinds
+    assert bed.leftovers() == []
+
+
 def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_grows_back(tmp_path):
     """n2 loses power at step 12: the survivors detect it, restore the latest checkpoint into dp 2 and go on with
     the same global batch (accumulating more micro-batches) and the same samples: the steps they replay have

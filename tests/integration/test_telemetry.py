@@ -241,6 +241,23 @@ def test_an_inconsistent_arrivals_batch_is_refused_whole_and_counted(server):
     assert rank_state(js, "arr", 0).connected                                     # the stream lives on
 
 
+@pytest.mark.timeout(30)
+def test_a_training_thread_report_is_kept_aged_and_a_malformed_one_refused(server):
+    srv, js = server
+    info = WorkerInfo(job="still", rank=0, world_size=1, pid=7)
+    js.connect(info)
+    srv._apply(info, pb.WorkerMessage(training_thread=pb.TrainingThread(still_seconds=3.0,
+                                                                        collective_pending_seconds=2.5)))
+    state = rank_state(js, "still", 0)
+    assert state.still_seconds >= 3.0 and 2.5 <= state.collective_pending_seconds < state.still_seconds
+    for bad in (float("nan"), -1.0, float("inf")):
+        srv._apply(info, pb.WorkerMessage(training_thread=pb.TrainingThread(still_seconds=bad)))
+    assert js.rejected()["invalid"] == 3 and rank_state(js, "still", 0).still_seconds >= 3.0  # kept
+    srv._apply(info, pb.WorkerMessage(training_thread=pb.TrainingThread()))  # it moves again
+    state = rank_state(js, "still", 0)
+    assert state.still_seconds == 0 and state.collective_pending_seconds == 0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("job", ["MyJob", "x" * 64, "a/b"])
 def test_a_job_name_the_state_directory_would_refuse_is_refused_at_the_door(server, job):

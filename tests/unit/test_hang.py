@@ -405,3 +405,42 @@ def test_ranks_that_each_get_a_slice_of_an_oversubscribed_host_are_working_toget
                             running=True, cpu_seconds=cpu)
         fired += [check] if check.hung else []
     assert [c.reason for c in fired] == ["steady"]
+
+
+def test_ranks_that_spin_while_they_wait_for_a_collective_are_hung_at_the_usual_deadline():
+    """Ranks of a GPU job blocked in a hung NCCL collective spin a core each inside a CUDA synchronize. Their own
+    CPU, reported as waiting, is not work: the hang is caught on the usual deadline. Counted as work (before
+    issue 26's fix), the same spin held the job to busy_s."""
+    for waiting, expected in ((True, [("steady", 2.0)]), (False, [])):
+        clock = Clock()
+        det = HangDetector(HangConfig(busy_s=60.0), clock=clock)
+        counts = _warm(det, clock)
+        own = {0: 10.0, 1: 10.0}
+        fired = []
+        for _ in range(40):  # 10 s, a reading every 0.25 s, each rank a whole core
+            clock.now += 0.25
+            own = {r: c + 0.25 for r, c in own.items()}
+            check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                                running=True, cpu_seconds=dict(own), waiting_cpu_seconds=dict(own) if waiting else {})
+            fired += [(check.reason, check.timeout_s)] if check.hung else []
+        assert fired == expected, waiting
+        if not waiting:
+            assert check.reason == "busy" and check.timeout_s == 60.0
+
+
+def test_a_waiting_rank_whose_children_compute_and_a_peer_that_computes_are_still_work():
+    """Only the waiting rank's own CPU is left out: its DataLoader workers' CPU counts, and so does a peer that
+    computes alone (it has no collective in flight, so it is not reported waiting)."""
+    for name, children, peer in (("children", 0.25, 0.0), ("peer", 0.0, 0.25)):
+        clock = Clock()
+        det = HangDetector(HangConfig(busy_s=60.0), clock=clock)
+        counts = _warm(det, clock)
+        own, tree = 10.0, {0: 10.0, 1: 10.0}
+        for _ in range(40):
+            clock.now += 0.25
+            own += 0.25
+            tree = {0: tree[0] + 0.25 + children, 1: tree[1] + peer}
+            check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
+                                running=True, cpu_seconds=dict(tree), waiting_cpu_seconds={0: own})
+            assert not check.hung, name
+        assert check.reason == "busy", name

@@ -1,5 +1,6 @@
 """Runtime side of telemetry without an agent: the no-op session, drop-oldest queueing, commands."""
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -181,3 +182,54 @@ def test_a_checkpoint_request_that_arrives_after_its_step_is_dropped(caplog):
     assert not rt.take_checkpoint_request(4)
     assert "arrived after step 4" in caplog.text
     assert not rt.take_checkpoint_request(5) and rt._hold_after is None
+
+
+def _training_thread_reports(client, seconds):
+    """The TrainingThread messages of the flushes in `seconds` (one every 0.1 s)."""
+    found = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        found += [m.training_thread for m in client._drain() if m.WhichOneof("record") == "training_thread"]
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_training_thread_inside_one_native_call_is_reported_still_with_its_collective_in_flight(tmp_path):
+    """A thread spinning a core inside one native call that released the GIL (as a CUDA synchronize does) is still;
+    the Flight Recorder's entry that never completed says how long it has waited. Once it returns to Python, one
+    report says it moves again; a thread that runs Python is never reported."""
+    import hashlib
+    import threading
+
+    stop = threading.Event()
+    native_started, native_done = threading.Event(), threading.Event()
+
+    def native():
+        native_started.set()
+        hashlib.pbkdf2_hmac("sha256", b"w", b"s", 10_000_000)  # seconds of CPU in one call, the GIL released
+        native_done.set()
+        while not stop.is_set():  # then Python again
+            sum(i * i for i in range(50))
+
+    thread = threading.Thread(target=native, daemon=True)
+    thread.start()
+    native_started.wait()
+    created = time.time_ns() - 2_000_000_000
+    entries = [{"record_id": 0, "thread_id": str(thread.ident), "time_created_ns": created, "state": "scheduled",
+                "retired": False, "profiling_name": "nccl:all_reduce"},
+               {"record_id": 1, "thread_id": "1", "time_created_ns": created - 10**10, "state": "scheduled",
+                "retired": False, "profiling_name": "nccl:all_reduce"}]  # another thread's: not this one's wait
+    fr = FlightRecorder(recorders={"nccl": lambda stacks: pickle.dumps({"entries": entries})})
+    client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock")), pb.Hello(job="j"),
+                             on_command=lambda c: None, flight_recorder=fr, training_thread=thread.ident)
+    try:
+        still = _training_thread_reports(client, 0.8)
+        assert still and still[-1].still_seconds >= 0.5
+        assert 2.0 <= still[-1].collective_pending_seconds < 10.0
+        assert native_done.wait(60)
+        after = _training_thread_reports(client, 1.0)
+        assert after[-1] == pb.TrainingThread() and all(a.still_seconds > 0 for a in after[:-1]), after
+    finally:
+        stop.set()
+        thread.join(10)

@@ -593,9 +593,22 @@ class FakeCoordinator:
     """Stands for the job's other nodes (agent/etcd/cluster.py HangCoordinator): ``owner`` None: this node wins
     and ``others`` are the other nodes' verdicts; else that node records the hang."""
 
-    def __init__(self, owner=None, others=None, fail=False):
+    def __init__(self, owner=None, others=None, fail=False, busy=()):
         self.owner, self.others, self.fail = owner, others or {}, fail
         self.calls = []
+        self.busy = list(busy)  # the other nodes whose ranks work (their busy beacons)
+        self.said: list[bool] = []  # what this node said of its own ranks, one entry per change
+
+    def set_busy(self, job, busy):
+        if self.fail:
+            raise ConnectionError("etcd unreachable")
+        if not self.said or self.said[-1] != busy:
+            self.said.append(busy)
+
+    def busy_elsewhere(self, job):
+        if self.fail:
+            raise ConnectionError("etcd unreachable")
+        return list(self.busy)
 
     def coordinate(self, job, key, incident_id, local):
         self.calls.append((job, key, local))
@@ -730,3 +743,92 @@ def test_activity_is_read_only_once_a_job_stalls_and_a_computing_rank_keeps_it_a
         sim.clock.now += 0.5
         wd.check_once()
     assert {(r.kind, r.id) for r in actions.records} == {(IncidentKind.HANG, actions.records[0].id)}
+
+
+@pytest.mark.parametrize("pending", [1.0, 0.0])
+def test_ranks_still_inside_a_call_with_a_collective_in_flight_wait_and_their_spin_is_not_work(tmp_path, pending):
+    """Both ranks spin a core with their training thread still inside one call (a CUDA synchronize). With a
+    collective in flight they wait: a hang on the floor. Without one they compute (an evaluation in one
+    native call): not hung."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    cpu = {100: 10.0, 101: 10.0}
+    cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, busy_s=60.0))
+    wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
+                  probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / "j",
+                  cpu_seconds=cpu.get, own_cpu_seconds=cpu.get, io_bytes=lambda pid: 0)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    for i in range(40):  # 10 s
+        sim.clock.now += 0.25
+        for pid in cpu:
+            cpu[pid] += 0.25
+        if i % 2 == 0:  # the workers report every 0.5 s
+            for rank in (0, 1):
+                sim.js.record_training_thread("j", rank, still_seconds=0.5 + i * 0.25,
+                                              collective_pending_seconds=pending and 0.5 + i * 0.25)
+        wd.check_once()
+        if actions.records:
+            break
+    if pending:
+        assert {(r.kind, r.id) for r in actions.records} == {(IncidentKind.HANG, actions.records[0].id)}
+        assert actions.records[0].evidence["deadline"] == "steady"
+        assert i * 0.25 < 6, "the spin of waiting ranks held the hang"
+    else:
+        assert actions.records == []
+
+
+def test_a_node_whose_ranks_wait_while_another_nodes_rank_works_holds_the_hang_back(tmp_path):
+    """Rank 0 evaluates alone on another node; this node's ranks wait in a collective (no CPU, no I/O). The other
+    node's busy beacon holds the hang back for as long as it is there; once it goes, the usual deadline applies."""
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    cluster = FakeCoordinator(busy=["n0"])
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster, cpu_seconds=lambda pid: 1.0,
+                  io_bytes=lambda pid: 0)
+    for _ in range(5):
+        sim.run(2)
+        wd.check_once()
+    for _ in range(120):  # 30 s of n0 working
+        sim.clock.now += 0.25
+        wd.check_once()
+    assert actions.records == [] and actions.aborts == [] and cluster.calls == []
+    cluster.busy = []  # n0's rank is done, and now it is the one that hangs
+    for _ in range(40):
+        sim.clock.now += 0.25
+        wd.check_once()
+    assert [r.kind for r in actions.records[:1]] == [IncidentKind.HANG] and len(actions.aborts) == 1
+    assert cluster.said == [False]  # this node's ranks never worked: it never said otherwise
+
+
+def test_a_node_whose_ranks_work_while_the_job_is_stalled_says_so_and_stops_saying_when_it_progresses(tmp_path):
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    cpu = {100: 10.0, 101: 10.0}
+    cluster = FakeCoordinator()
+    wd = Watchdog(sim.js, actions, node="n0", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster, cpu_seconds=cpu.get,
+                  io_bytes=lambda pid: 0)
+    for _ in range(5):
+        sim.run(2)
+        wd.check_once()
+    for _ in range(40):  # rank 0 evaluates alone for 10 s
+        sim.clock.now += 0.25
+        cpu[100] += 0.25
+        wd.check_once()
+    assert cluster.said == [False, True] and actions.records == []
+    sim.run(2)
+    wd.check_once()
+    assert cluster.said == [False, True, False]
+
+
+def test_when_etcd_cannot_be_asked_about_other_nodes_the_node_judges_alone(tmp_path, caplog):
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=FakeCoordinator(fail=True, busy=["n0"]))
+    _hang(sim, wd)
+    assert [i.kind for i in actions.records[:1]] == [IncidentKind.HANG] and len(actions.aborts) == 1
+    assert sum("cannot share the ranks' activity" in r.getMessage() for r in caplog.records) == 1
