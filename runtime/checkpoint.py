@@ -62,7 +62,7 @@ from trainwarden.agent.proto.checkpoint_layout import (
     find_complete,
     validate,
 )
-from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, write_sidecar
+from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.session import current as current_session
@@ -638,6 +638,9 @@ class Checkpointer:
                      no_dist=not self._distributed)
         except _SAVE_LOAD_ERRORS as exc:
             return describe(exc), _is_read_error(exc)
+        for name, value in dcp_state.items():
+            if not hasattr(value, "state_dict"):
+                put_back(state, name, value)  # DCP hands back a new list or number for a plain entry
         return "", False
 
     def _restore_rng(self, path: Path, state: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ import io
 import logging
 import random
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any, Mapping
 
 import numpy as np
@@ -107,3 +108,21 @@ class ModelState(Stateful):
 
         set_state_dict(self.model, self.optimizers, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
+
+
+def put_back(state: Mapping[str, Any], name: str, loaded: Any) -> None:
+    """Give ``state[name]``, an entry that is not Stateful, the value a restore loaded for it, keeping the object
+    the caller holds: a dict is updated and a list refilled in place, anything else (a number) is set in ``state``
+    when it can be. DCP updates a dict entry in place itself but hands back a new list or number, and the memory
+    snapshot's load builds new values; both restores use this, so a job's plain entries (an epoch, a data
+    position) come back the same from either."""
+    entry = state[name]
+    if loaded is entry:
+        return
+    if isinstance(entry, MutableMapping) and isinstance(loaded, Mapping):
+        entry.update(loaded)
+    elif isinstance(entry, list) and isinstance(loaded, (list, tuple)):
+        entry[:] = loaded
+    elif isinstance(state, MutableMapping):
+        state[name] = loaded
+

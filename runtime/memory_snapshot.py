@@ -65,6 +65,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
 from trainwarden.agent.proto.snapshot_layout import KEEP, partial_path, rank_partials, rank_snapshots, snapshot_path
+from trainwarden.runtime.checkpoint_state import put_back
 
 __all__ = ["KEEP", "MemorySnapshots", "memory_dir_from_env"]
 
@@ -467,12 +468,16 @@ class MemorySnapshots:
         if set(snapshot) != set(state):
             return f"{path} holds entries {sorted(snapshot)}, the state {sorted(state)}"
         try:
-            filled = {}
+            filled, plain = {}, {}
             for name, entry in state.items():
                 if hasattr(entry, "state_dict"):
                     filled[name] = _fill(entry.state_dict(), snapshot[name], name)
+                else:  # a plain dict, list or number: back in place, as from disk (put_back)
+                    plain[name] = _fill(entry, snapshot[name], name)
             for name, value in filled.items():
                 state[name].load_state_dict(value)
+            for name, value in plain.items():
+                put_back(state, name, value)
         except Exception as exc:
             return f"{path} does not match the state ({type(exc).__name__}: {exc})"
         self.last_step = step

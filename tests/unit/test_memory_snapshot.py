@@ -283,3 +283,37 @@ def test_the_file_format_round_trips_every_dtype_and_refuses_what_is_not_a_snaps
     (tmp_path / "other.pt").write_bytes(b"PK\x03\x04 a zip")
     with pytest.raises(ValueError, match="magic"):
         _load(tmp_path / "other.pt")
+
+
+@pytest.mark.parametrize("source", ["memory", "disk"])
+def test_a_plain_dict_or_list_entry_comes_back_from_memory_as_from_disk(tmp_path, source):
+    """Entries that are not Stateful (a dict of counters, a list, a number) come back the same from memory and from
+    disk, into the objects the job holds. The memory path skipped them in silence (the data position of a job
+    resumed from memory started over), and the disk path gave the state mapping a new list and number but left
+    the job's own list as it was."""
+    model, optimizer, state = _job()
+    ckpt = Checkpointer(tmp_path / "ckpt", session=_Agent(), memory_dir=tmp_path / "mem", read_backoff_s=())
+    extra, seen = {"epoch": 0, "position": torch.zeros(2)}, []
+    state.update(extra=extra, seen=seen, tokens=0)
+    for step in (1, 2, 3):
+        _train(model, optimizer, state, step)
+        extra["epoch"], extra["position"] = step, torch.full((2,), float(step))
+        seen.append(step)
+        state["tokens"] = 100 * step
+        assert ckpt.snapshot(step, state)
+        ckpt.memory.wait()
+        if step == 3:
+            ckpt.save(step, state)
+            ckpt.wait()
+    ckpt.close()
+    agent = _Agent(record=3, memory=[3, 2] if source == "memory" else [])
+    model, optimizer, fresh = _job(seed=3)
+    fresh_extra, fresh_seen = {"epoch": -1, "position": torch.zeros(2)}, [0, 0, 0]
+    fresh.update(extra=fresh_extra, seen=fresh_seen, tokens=0)
+    restorer = Checkpointer(tmp_path / "ckpt", session=agent, memory_dir=tmp_path / "mem", read_backoff_s=())
+    assert restorer.restore(fresh) == 3 and restorer.resumed_from_memory == (source == "memory")
+    restorer.close()
+    assert fresh["extra"] is fresh_extra and fresh_extra["epoch"] == 3
+    assert torch.equal(fresh_extra["position"], torch.full((2,), 3.0))
+    assert fresh["seen"] is fresh_seen and fresh_seen == [1, 2, 3]
+    assert fresh["tokens"] == 300
