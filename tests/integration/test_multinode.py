@@ -45,6 +45,19 @@ def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: 
     return proc, log
 
 
+def _etcd_incidents(bed: TestBed, job: str) -> list[dict]:
+    """Every version of the job's incidents in etcd, read from inside the bed (the etcd members live there)."""
+    import json
+
+    host, port = bed.etcd_endpoints.split(",")[0].split(":")
+    dump = ("import etcd3, json\n"
+            f"c = etcd3.client(host={host!r}, port={port})\n"
+            f"for v, _ in c.get_prefix('/trainwarden/v1/jobs/{job}/incidents/'):\n"
+            "    print(json.dumps(json.loads(v)))\n")
+    out = bed.run("n0", [sys.executable, "-c", dump], check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def _rank0(text: str) -> list[tuple[str, int, float]]:
     """Rank 0's story in time order, whichever node's log each line is in: ("step", n, loss) and
     ("resumed", n, 0.0). The lines' own timestamps order it (the nodes share this machine's clock)."""
@@ -153,7 +166,6 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
 def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp_path):
     """Rank 3 (on n1) blocks at step 15; every rank of both nodes stops. Both nodes' watchdogs fire; one records
     the incident, naming rank 3 on n1 from n1's Flight Recorder dumps whichever node it is."""
-    import json
 
     steps, ckpt = 40, tmp_path / "shared" / "ckpt"
     with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
@@ -166,13 +178,7 @@ def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp
                 del os.environ["TRAINWARDEN_FAULTS"]
         for node, (proc, log) in runs.items():
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
-        host, port = bed.etcd_endpoints.split(",")[0].split(":")
-        dump = ("import etcd3, json\n"
-                f"c = etcd3.client(host={host!r}, port={port})\n"
-                "for v, _ in c.get_prefix('/trainwarden/v1/jobs/mh/incidents/'):\n"
-                "    print(json.dumps(json.loads(v)))\n")
-        out = bed.run("n0", [sys.executable, "-c", dump], check=True).stdout
-        incidents = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        incidents = _etcd_incidents(bed, "mh")
         hangs = {i["id"]: i for i in incidents if i["kind"] == "hang"}  # the latest version of each
         assert len(hangs) == 1, [(i["id"], i["node"], i["state"]) for i in incidents]
         hang, = hangs.values()
@@ -186,7 +192,6 @@ def test_a_rank_computing_alone_on_one_node_is_not_a_hang_on_the_node_whose_rank
     in a barrier on the other node, using no CPU. That node sees no local activity, but rank 0's node says its rank
     works (jobs/<job>/busy/<node>): no hang, no restart. Before, the waiting node aborted the job after its 2 s
     deadline."""
-    import json
 
     script = Path(__file__).resolve().parents[1] / "fixtures" / "unchanged" / "ddp_tutorial.py"
     with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
@@ -204,13 +209,7 @@ def test_a_rank_computing_alone_on_one_node_is_not_a_hang_on_the_node_whose_rank
         text = "".join(log.read_text(errors="replace") for _, log in runs.values())
         assert "tutorial done" in text
         assert "are working: not a hang yet" in text  # the waiting node held its hang back
-        host, port = bed.etcd_endpoints.split(",")[0].split(":")
-        dump = ("import etcd3, json\n"
-                f"c = etcd3.client(host={host!r}, port={port})\n"
-                "for v, _ in c.get_prefix('/trainwarden/v1/jobs/eval1/incidents/'):\n"
-                "    print(json.dumps(json.loads(v)))\n")
-        out = bed.run("n0", [sys.executable, "-c", dump], check=True).stdout
-        kinds = [json.loads(line)["kind"] for line in out.splitlines() if line.startswith("{")]
+        kinds = [i["kind"] for i in _etcd_incidents(bed, "eval1")]
         assert "hang" not in kinds and "restart" not in kinds, kinds
     assert bed.leftovers() == []
 
