@@ -166,7 +166,6 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
 def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp_path):
     """Rank 3 (on n1) blocks at step 15; every rank of both nodes stops. Both nodes' watchdogs fire; one records
     the incident, naming rank 3 on n1 from n1's Flight Recorder dumps whichever node it is."""
-
     steps, ckpt = 40, tmp_path / "shared" / "ckpt"
     with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
         runs = {}
@@ -192,7 +191,6 @@ def test_a_rank_computing_alone_on_one_node_is_not_a_hang_on_the_node_whose_rank
     in a barrier on the other node, using no CPU. That node sees no local activity, but rank 0's node says its rank
     works (jobs/<job>/busy/<node>): no hang, no restart. Before, the waiting node aborted the job after its 2 s
     deadline."""
-
     script = Path(__file__).resolve().parents[1] / "fixtures" / "unchanged" / "ddp_tutorial.py"
     with TestBed(nodes=2, etcd_members=1, workdir=tmp_path / "bed") as bed:
         runs = {}
