@@ -66,12 +66,15 @@ REPORT_AGE_CAP_S = 1.0
 the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor (2 s), so
 that a wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
 ACTIVITY_AFTER_S = 1.0
-WAITING_AFTER_S = 0.5
-"""A rank whose training thread has stayed inside one call this long, with a collective in flight as long, waits
-(a GPU rank spins a core in a CUDA synchronize: its own CPU is not work, hang.py)."""
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
 a period later, a rate."""
+WAITING_AFTER_S = 0.5
+"""A rank whose training thread has stayed inside one call this long, with a collective in flight as long, waits
+(a GPU rank spins a core in a CUDA synchronize: its own CPU is not work, hang.py)."""
+CLUSTER_RETRY_S = 10.0
+"""After etcd failed to take or give a job's activity, this node judges the job's hangs alone for this long before
+asking again: an unreachable etcd costs each check its client's timeout, and the watchdog checks every job."""
 STALL_S = 120.0
 """An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
 diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
@@ -173,7 +176,7 @@ class Watchdog:
         self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
         self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
         self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
-        self._cluster_failing: set[str] = set()  # jobs whose activity could not be shared (said once)
+        self._cluster_failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
         self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
@@ -250,6 +253,7 @@ class Watchdog:
             self._paced.pop(job, None)
             self.read_pace.pop(job, None)
             self._deferred.pop(job, None)
+            self._cluster_failing.pop(job, None)
             if self._cluster is not None:
                 try:
                     self._cluster.set_busy(job, False)
@@ -431,16 +435,20 @@ class Watchdog:
         """Tell the job's other nodes whether this node's ranks work while the job is stalled, and hold a hang
         back while another node's do: the ranks here may only be waiting for them (rank 0 evaluating alone on
         its node). When etcd cannot be asked, this node judges alone, as on one node."""
+        if self._clock() < self._cluster_failing.get(job, float("-inf")):
+            return check
         try:
             self._cluster.set_busy(job, check.working)
             elsewhere = self._cluster.busy_elsewhere(job) if check.hung else []
         except Exception as exc:
             if job not in self._cluster_failing:
-                self._cluster_failing.add(job)
                 log.warning("job %s: cannot share the ranks' activity with the other nodes through etcd (%s); "
-                            "judging hangs from this node's ranks alone", job, exc, extra={"job": job})
+                            "judging hangs from this node's ranks alone, asking again every %.0f s", job, exc,
+                            CLUSTER_RETRY_S, extra={"job": job})
+            self._cluster_failing[job] = self._clock() + CLUSTER_RETRY_S
             return check
-        self._cluster_failing.discard(job)
+        if self._cluster_failing.pop(job, None) is not None:
+            log.info("job %s: sharing the ranks' activity with the other nodes again", job, extra={"job": job})
         if check.progressed:
             self._deferred.pop(job, None)
         if not elsewhere:

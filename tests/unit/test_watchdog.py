@@ -832,3 +832,33 @@ def test_when_etcd_cannot_be_asked_about_other_nodes_the_node_judges_alone(tmp_p
     _hang(sim, wd)
     assert [i.kind for i in actions.records[:1]] == [IncidentKind.HANG] and len(actions.aborts) == 1
     assert sum("cannot share the ranks' activity" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_unreachable_etcd_is_asked_about_a_jobs_activity_once_per_retry_period_not_every_check(tmp_path):
+    """Every call to an unreachable etcd costs the client's timeout, and the watchdog checks every job four times
+    a second: after a failure the node judges alone for CLUSTER_RETRY_S, then asks again."""
+    from trainwarden.agent.watchdog.loop import CLUSTER_RETRY_S
+
+    class Counting(FakeCoordinator):
+        asked = 0
+
+        def set_busy(self, job, busy):
+            Counting.asked += 1
+            super().set_busy(job, busy)
+
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    cluster = Counting(fail=True)
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster)
+    for _ in range(4 * int(CLUSTER_RETRY_S) * 2):  # two retry periods of checks, the job training
+        sim.run(1)
+        wd.check_once()
+    assert Counting.asked <= 3, Counting.asked
+    cluster.fail = False  # etcd is back: asked at every check again
+    sim.clock.now += CLUSTER_RETRY_S
+    before = Counting.asked
+    for _ in range(4):
+        sim.run(1)
+        wd.check_once()
+    assert Counting.asked == before + 4
