@@ -410,6 +410,9 @@ class Watchdog:
                 "last_steps": {str(r.rank): r.last_step for r in snap.ranks},
                 "checkpoint_stages": {str(r.rank): r.checkpoint_stage for r in snap.ranks},
                 "connected": {str(r.rank): r.connected for r in snap.ranks},
+                # ranks still inside one call with a collective in flight: seconds it has been in flight
+                "waiting_in_collective": {str(r.rank): round(r.collective_pending_seconds, 1) for r in snap.ranks
+                                          if min(r.still_seconds, r.collective_pending_seconds) >= WAITING_AFTER_S},
                 "diagnostics_dir": str(directory), "verdict": verdict.to_dict(),
                 **({"cluster": cluster, "summary": summary} if cluster else {})}))
         for rank in verdict.culprits:

@@ -63,3 +63,4 @@ def test_a_hang_whose_waiting_rank_spins_inside_one_call_is_caught_on_the_usual_
     evidence = hangs[0].evidence
     assert evidence["deadline"] == "steady" and evidence["timeout_seconds"] < 30, evidence
     assert 1 in hangs[0].ranks, hangs[0]  # the rank that stopped, not the one that spins waiting for it
+    assert list(evidence["waiting_in_collective"]) == ["0"], evidence  # and the incident says who waited

@@ -774,6 +774,7 @@ def test_ranks_still_inside_a_call_with_a_collective_in_flight_wait_and_their_sp
     if pending:
         assert {(r.kind, r.id) for r in actions.records} == {(IncidentKind.HANG, actions.records[0].id)}
         assert actions.records[0].evidence["deadline"] == "steady"
+        assert set(actions.records[0].evidence["waiting_in_collective"]) == {"0", "1"}
         assert i * 0.25 < 6, "the spin of waiting ranks held the hang"
     else:
         assert actions.records == []
