@@ -64,7 +64,8 @@ _PATIENT_WAIT_S = 30.0
 _MAX_PACE_S = 30.0  # the longest read period an agent may ask for (the ring's coverage bounds it anyway)
 _sender = threading.local()
 STILL_REPORT_AFTER_S = 0.5
-"""The training thread is reported still once its innermost frame has not moved for this long (see `_where`)."""
+"""The training thread is reported still once its innermost frame has not moved for this long
+(`TelemetryClient._training_thread_still`)."""
 
 
 def _wait_patiently_on_the_sender_thread() -> bool:

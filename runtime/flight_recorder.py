@@ -235,6 +235,17 @@ class FlightRecorder:
         """Retired entries not returned before, each recorder's oldest first, tagged with ``"recorder"``.
         Empty when no recorder is available. A recorder whose dump fails is skipped (and logged once)."""
         new: list[dict] = []
+        for name, trace in self._traces():
+            entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
+            for entry in entries:
+                entry["recorder"] = name
+            new.extend(self._rings[name].take(entries))
+        return new
+
+
+    def _traces(self):
+        """Each recorder's name and unpickled trace, without stack traces; a recorder whose dump fails is skipped
+        (and logged once, until it works again)."""
         for name, dump in self._recorders.items():
             try:
                 trace = pickle.loads(dump(False))
@@ -244,12 +255,7 @@ class FlightRecorder:
                     log.warning("flight recorder %s: dump failed: %s", name, exc)
                 continue
             self._failing.discard(name)
-            entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
-            for entry in entries:
-                entry["recorder"] = name
-            new.extend(self._rings[name].take(entries))
-        return new
-
+            yield name, trace
 
     def oldest_pending_ns(self, thread_id: int | None = None) -> int | None:
         """Wall-clock enqueue time (ns) of the oldest collective in the rings that has not completed (neither
@@ -258,11 +264,7 @@ class FlightRecorder:
         has stayed inside one call (agent_client.py)."""
         thread = None if thread_id is None else str(thread_id)
         oldest = None
-        for name, dump in self._recorders.items():
-            try:
-                trace = pickle.loads(dump(False))
-            except Exception:
-                continue  # read_new logs a failing recorder
+        for _, trace in self._traces():
             for entry in trace.get("entries") or ():
                 created = entry.get("time_created_ns")
                 if not created or _done(entry):

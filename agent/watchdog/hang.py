@@ -49,7 +49,8 @@ thread waits inside one CUDA synchronize (the default schedule spins while the h
 rank says so: its training thread has stayed inside one call (the same innermost Python frame and instruction)
 while a collective it enqueued has not completed (the Flight Recorder). Its own CPU is then not counted
 (``waiting_cpu_seconds``); its children's CPU and its I/O still are. Without this, every NCCL hang was held to
-``busy_s``. A rank computing alone while its peers wait has no collective in flight: it still counts. (An unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
+``busy_s``. A rank computing alone while its peers wait has no collective in flight: it still counts. (An
+unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
 evaluation on one rank.) The watchdog reads activity only once a job has been stalled for a second: a healthy
 job costs it nothing.
 
