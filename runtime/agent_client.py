@@ -66,6 +66,9 @@ _sender = threading.local()
 STILL_REPORT_AFTER_S = 0.5
 """The training thread is reported still once its innermost frame has not moved for this long
 (`TelemetryClient._training_thread_still`)."""
+STILL_REFRESH_S = 5.0
+"""While the thread stays still, the agent ages the last report itself; it hears again when the oldest collective
+in flight changes, on a new stream, and at least this often (a report lost with a stream costs no more)."""
 
 
 def _wait_patiently_on_the_sender_thread() -> bool:
@@ -160,6 +163,7 @@ class TelemetryClient:
         self._where: tuple[int, int] | None = None  # the training thread's innermost frame and instruction
         self._where_since = 0.0  # (monotonic) since when it has been there
         self._still_said = False  # the agent was last told the thread is still
+        self._still_sent: tuple[float, int] | None = None  # when (monotonic) it was told, and of which collective
         self._queue: deque = deque(maxlen=config.queue_size)
         self._maxlen = config.queue_size
         self.dropped = 0
@@ -308,6 +312,7 @@ class TelemetryClient:
         hello.CopyFrom(self._hello)
         hello.peer_token = fetch_peer_token(self.config.socket_path)  # "" if the agent has none for us
         self._pace_asked = self.config.fr_interval_s
+        self._still_sent = None  # a new stream (perhaps a restarted agent) hears where the thread is
         yield pb.WorkerMessage(hello=hello)
         while not stream_done.is_set():
             closing = self._closing.is_set()
@@ -390,16 +395,19 @@ class TelemetryClient:
         return messages
 
     def _training_thread_still(self) -> pb.WorkerMessage | None:
-        """Where the training thread is, when the agent should hear of it: every flush while its innermost frame
-        and instruction have not changed for `STILL_REPORT_AFTER_S`, with how long its oldest collective has been
-        in flight, and once when the thread moves again.
+        """Where the training thread is, when the agent should hear of it: once its innermost frame and
+        instruction have not changed for `STILL_REPORT_AFTER_S` (with how long its oldest collective has been in
+        flight), again when that collective changes or `STILL_REFRESH_S` has passed, and once when the thread
+        moves again. The agent ages a report itself, so an idle rank costs no message a flush.
 
         A rank of a GPU job blocked in a hung collective spins a core inside one CUDA synchronize (`loss.item()`
         or the next copy waits for NCCL's stream), which looks like work to a CPU reading. Its Python frame does
         not move, and its collective does not complete. One `sys._current_frames()` per flush, with no reference
         kept to the frame (its locals would stay alive); a Flight Recorder dump only while the thread is still.
-        A loop of short native calls from one line can look still too: the collective in flight is what says
-        waiting."""
+        The sample is taken when this thread gets the GIL, so a tight Python loop, which hands the GIL over at
+        the same few instructions of a frame that is freed and reallocated at the same address, can look still
+        too, and so can a loop of short native calls from one line: the collective in flight is what says
+        waiting, and it only matters while no rank of the job makes a step."""
         frame = sys._current_frames().get(self._training_thread)
         where = None if frame is None else (id(frame), frame.f_lasti)
         del frame
@@ -408,15 +416,18 @@ class TelemetryClient:
             self._where, self._where_since = where, now
         still = now - self._where_since if where is not None else 0.0
         if still >= STILL_REPORT_AFTER_S:
-            pending = 0.0
+            since = 0
             if self._fr is not None and self._fr.available:
-                since = self._fr.oldest_pending_ns(self._training_thread)
-                pending = max(0.0, time.time() - since / 1e9) if since else 0.0
-            self._still_said = True
+                since = self._fr.oldest_pending_ns(self._training_thread) or 0
+            sent = self._still_sent
+            if self._still_said and sent is not None and sent[1] == since and now - sent[0] < STILL_REFRESH_S:
+                return None
+            self._still_said, self._still_sent = True, (now, since)
+            pending = max(0.0, time.time() - since / 1e9) if since else 0.0
             return pb.WorkerMessage(training_thread=pb.TrainingThread(still_seconds=still,
                                                                       collective_pending_seconds=pending))
         if self._still_said:
-            self._still_said = False
+            self._still_said, self._still_sent = False, None
             return pb.WorkerMessage(training_thread=pb.TrainingThread())
         return None
 

@@ -197,8 +197,9 @@ def _training_thread_reports(client, seconds):
 @pytest.mark.timeout(60)
 def test_a_training_thread_inside_one_native_call_is_reported_still_with_its_collective_in_flight(tmp_path):
     """A thread spinning a core inside one native call that released the GIL (as a CUDA synchronize does) is still;
-    the Flight Recorder's entry that never completed says how long it has waited. Once it returns to Python, one
-    report says it moves again; a thread that runs Python is never reported."""
+    the Flight Recorder's entry that never completed says how long it has waited. The agent ages a report, so it
+    hears once, and again when the collective in flight changes; once the thread returns to Python, one report
+    says it moves again."""
     import hashlib
     import threading
 
@@ -224,12 +225,18 @@ def test_a_training_thread_inside_one_native_call_is_reported_still_with_its_col
     client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock")), pb.Hello(job="j"),
                              on_command=lambda c: None, flight_recorder=fr, training_thread=thread.ident)
     try:
-        still = _training_thread_reports(client, 0.8)
-        assert still and still[-1].still_seconds >= 0.5
-        assert 2.0 <= still[-1].collective_pending_seconds < 10.0
+        still = _training_thread_reports(client, 1.0)
+        assert not native_done.is_set(), "the native call ended too soon for this machine: make it longer"
+        assert len(still) == 1 and still[0].still_seconds >= 0.5, still  # once, not every flush
+        assert 2.0 <= still[0].collective_pending_seconds < 10.0
+        entries[0] = dict(entries[0], record_id=2, time_created_ns=time.time_ns())  # completed; a new one waits
+        entries.append(dict(entries[0], record_id=0, state="completed"))
+        again = _training_thread_reports(client, 0.3)
+        assert len(again) == 1 and again[0].collective_pending_seconds < 1.0, again
         assert native_done.wait(60)
         after = _training_thread_reports(client, 1.0)
-        assert after[-1] == pb.TrainingThread() and all(a.still_seconds > 0 for a in after[:-1]), after
+        # a tight Python loop can later look still again (the sample is biased to where it hands over the GIL)
+        assert after and after[0] == pb.TrainingThread(), after
     finally:
         stop.set()
         thread.join(10)
