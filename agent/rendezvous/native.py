@@ -19,7 +19,10 @@ zero-padded so text order is round order:
 **Close**: only the closer watches the round's nodes (N events); every other node watches ``close/`` alone (one
 event). The closer applies ``CloseRule``: at once when ``max_nodes`` have joined; when ``min_nodes`` have and
 every living member of the previous round is back (a restart after a loss); else when ``min_nodes`` have and
-the last call (``last_call_s``) since that moment has passed. Never while the previous round is intact (a node
+the last call (``last_call_s``) since that moment has passed. During that last call the closer asks etcd every
+``LEASE_CHECK_S`` how much of each awaited member's lease is left: a member whose lease went two keep-alive periods
+(a third of its TTL each) without renewal is taken for lost (powered off or cut off) without waiting for the
+lease to run out (``CloseRule.presume_lost``). Never while the previous round is intact (a node
 that comes after a round closed waits for the next, as with torch's wait list). The close is one transaction:
 if ``close/members`` is absent, put the membership and delete the previous round's keys (so a job keeps two
 rounds at most: the closed one and the next) — however many nodes try, exactly one close wins, and the others
@@ -54,6 +57,10 @@ from trainwarden.agent.etcd.watch import watch_registered
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rendezvous_key
 
 logger = logging.getLogger(__name__)
+
+LEASE_CHECK_S = 0.5
+"""During the last call of a round after a loss, how often the closer asks etcd how much of each awaited member's
+lease is left (``NativeRendezvous._missed_keep_alives``)."""
 
 __all__ = ["CloseRule", "NativeRendezvous", "NativeRendezvousConfig", "NativeRendezvousError",
            "NativeRendezvousTimeout", "NativeRendezvousUnavailable", "Round", "RoundWatch"]
@@ -149,6 +156,8 @@ class CloseRule:
         self.joined: dict[str, int] = {}
         """Each joined node's create revision: join order."""
         self.last_call_ends: float | None = None
+        self.presumed: set[str] = set()
+        """Members of the previous round taken for lost before their key went: their lease missed its keep-alives."""
 
     def join(self, node: str, revision: int) -> None:
         self.joined.setdefault(node, revision)
@@ -159,6 +168,20 @@ class CloseRule:
     def previous_gone(self, node: str) -> None:
         if self.previous is not None and node in self.previous:
             self.gone.add(node)
+
+    def presume_lost(self, node: str) -> None:
+        """A member of the previous round whose lease has not been renewed for two of its keep-alive periods: a
+        node powered off or cut off, whose key will go when the lease runs out. The last call does not wait for
+        it; if it was alive after all, it joins the next round and waits there, as a node that came late."""
+        if self.previous is not None and node in self.previous:
+            self.gone.add(node)
+            self.presumed.add(node)
+
+    def awaited(self) -> frozenset[str]:
+        """The previous round's members the last call is waiting for (neither back nor gone); empty outside it."""
+        if self.previous is None or self.last_call_ends is None:
+            return frozenset()
+        return frozenset(self.previous - self.gone - self.joined.keys())
 
     def decide(self, now: float) -> Decision:
         count = len(self.joined)
@@ -171,7 +194,9 @@ class CloseRule:
             self.last_call_ends = None
             return Decision(False, f"{count} of min_nodes={self.config.min_nodes} joined")
         if self.previous is not None and (self.previous - self.gone) <= self.joined.keys():
-            return Decision(True, "every living member of the previous round is back")
+            late = sorted(self.presumed - self.joined.keys())
+            return Decision(True, "every living member of the previous round is back" + (
+                f" ({', '.join(late)}: lease not renewed for two keep-alive periods, taken for lost)" if late else ""))
         if self.last_call_ends is None:
             self.last_call_ends = now + self.config.last_call_s
         if now >= self.last_call_ends:
@@ -438,6 +463,8 @@ class NativeRendezvous:
         every ``resync_s`` without an event, read the round again (see ``_await_close``)."""
         events: queue.Queue = queue.Queue()
         watches, rule = [], CloseRule(self.config)
+        leases: dict[str, int] = {}  # the previous round's members' leases: the last call checks their keep-alives
+        next_lease_check = 0.0
         round_prefix, prev_nodes = self._key(number), self._key(number - 1, "nodes") + "/" if number else None
         nodes = self._key(number, "nodes") + "/"
         try:
@@ -448,8 +475,8 @@ class NativeRendezvous:
                     rule.previous = frozenset(json.loads(value)["members"])
                     alive = self._call("read the previous round's nodes", lambda: self._client.get_prefix_response(
                         prev_nodes, keys_only=True))
-                    present = {kv.key.decode()[len(prev_nodes):] for kv in alive.kvs}
-                    for node in rule.previous - present:
+                    leases = {kv.key.decode()[len(prev_nodes):]: kv.lease for kv in alive.kvs}
+                    for node in rule.previous - leases.keys():
                         rule.previous_gone(node)
                     watches.append(self._call("watch the previous round", lambda: self._client.add_watch_prefix_callback(
                         prev_nodes, events.put, start_revision=alive.header.revision + 1)))
@@ -460,13 +487,22 @@ class NativeRendezvous:
                 round_prefix, events.put, start_revision=as_of + 1)))
             while True:
                 decision = rule.decide(self._clock())
+                if not decision.close and rule.awaited() and self._clock() >= next_lease_check:
+                    next_lease_check = self._clock() + LEASE_CHECK_S
+                    for node in sorted(rule.awaited()):
+                        if self._missed_keep_alives(number, node, leases.get(node, 0)):
+                            rule.presume_lost(node)
+                    decision = rule.decide(self._clock())
                 if decision.close:
                     for watch_id in watches:
                         self._cancel(watch_id)
                     watches = []
                     return self._write_close(number, rule.members(), decision.reason, as_of)
                 resync_at = self._clock() + self.config.resync_s
-                batch = self._next_events(events, deadline, number, min(decision.wake_at or resync_at, resync_at))
+                wake_at = min(decision.wake_at or resync_at, resync_at)
+                if rule.awaited():
+                    wake_at = min(wake_at, next_lease_check)
+                batch = self._next_events(events, deadline, number, wake_at)
                 if not batch and self._clock() >= resync_at:
                     as_of, closed = self._read_round(number, rule)
                     if closed is not None:
@@ -487,6 +523,25 @@ class NativeRendezvous:
         finally:
             for watch_id in watches:
                 self._cancel(watch_id)
+
+    def _missed_keep_alives(self, number: int, node: str, lease_id: int) -> bool:
+        """Whether ``node``'s lease (its key in the previous round) has gone unrenewed for two of its keep-alive
+        periods (a third of its TTL, as the rendezvous handler renews it): less than a third of its TTL is left.
+        A lease etcd cannot say anything about, or one granted for under 3 s (the remaining TTL is in whole
+        seconds), is not judged."""
+        ask = getattr(self._client, "get_lease_info", None)
+        if not lease_id or ask is None:
+            return False
+        try:
+            info = ask(lease_id)
+        except ETCD_CLIENT_ERRORS:
+            return False
+        granted, remaining = int(info.grantedTTL), int(info.TTL)
+        if remaining < 0 or granted < 3 or remaining * 3 >= granted:  # gone (its key's deletion says so) or alive
+            return False
+        logger.info("job %s: node %s of round %d has not renewed its lease for two keep-alive periods (%d s of "
+                    "%d s left): the round does not wait for it", self.job, node, number - 1, remaining, granted)
+        return True
 
     def _write_close(self, number: int, members: list[str], reason: str, as_of: int) -> Round:
         """The closing transaction: the membership if none is there yet (and the previous round's keys go)."""

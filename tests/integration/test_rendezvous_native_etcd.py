@@ -123,6 +123,24 @@ def test_a_lost_lease_opens_the_next_round_and_the_survivors_agree_on_it(clients
     assert list(clients[0].get_prefix(rendezvous_key(job, 0))) == []
 
 
+def test_a_member_whose_lease_stopped_being_renewed_is_not_waited_for_until_it_runs_out(clients, job):
+    """A node powered off or cut off keeps its key until its lease runs out (the TTL: 6 s in a multi-node
+    `trainwarden run`). The survivors' round no longer waits that long, nor its last call (60 s here): once the
+    lease has gone two keep-alive periods (a third of its TTL each) without renewal, the node is taken for lost."""
+    config = NativeRendezvousConfig(min_nodes=2, max_nodes=3, last_call_s=60.0, join_timeout_s=40.0)
+    leases = {"node-00": clients[0].lease(60), "node-01": clients[1].lease(60), "node-02": clients[2].lease(6)}
+    nodes = [NativeRendezvous(clients[i], job=job, node=name, lease=lease, config=config)
+             for i, (name, lease) in enumerate(leases.items())]
+    assert {r.members for r in _together(nodes)} == {("node-00", "node-01", "node-02")}
+    # node-02 never renews its lease from here on, as a node that lost its power
+    rounds = _together(nodes[:2])
+    assert {(r.number, r.members) for r in rounds} == {(1, ("node-00", "node-01"))}, rounds
+    assert rounds[0].reason == ("every living member of the previous round is back (node-02: lease not renewed "
+                                "for two keep-alive periods, taken for lost)"), rounds[0].reason
+    # the live members' leases, renewed or not, were never judged: a third of their TTL is far off
+    assert all(clients[0].get_lease_info(leases[n].id).TTL > 20 for n in ("node-00", "node-01"))
+
+
 def test_a_node_that_comes_after_the_close_waits_for_the_next_round(clients, job):
     members, _ = _nodes(clients, job, N - 1)
     rounds = _together(members)

@@ -97,6 +97,21 @@ def test_a_restart_closes_once_every_living_member_is_back_without_the_last_call
     assert rule.members() == ["a", "b"]
 
 
+def test_a_member_presumed_lost_is_not_awaited_and_the_close_says_so():
+    rule = _rule(min_nodes=2, max_nodes=3, last_call_s=60.0, previous={"a", "b", "c"})
+    rule.join("a", 20)
+    assert rule.awaited() == frozenset()  # below min_nodes: no last call yet, nobody is awaited by it
+    rule.join("b", 21)
+    assert not rule.decide(100.0).close and rule.awaited() == {"c"}
+    rule.presume_lost("x")  # not of the previous round: nothing
+    assert rule.awaited() == {"c"} and not rule.decide(100.5).close
+    rule.presume_lost("c")
+    decision = rule.decide(101.0)
+    assert decision.close and decision.reason == ("every living member of the previous round is back (c: lease "
+                                                  "not renewed for two keep-alive periods, taken for lost)")
+    assert rule.members() == ["a", "b"]
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"min_nodes": 0, "max_nodes": 1}, ">= 1"),
     ({"min_nodes": 3, "max_nodes": 2}, "MIN <= MAX"),
