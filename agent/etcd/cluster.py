@@ -364,10 +364,13 @@ class HangCoordinator:
         beacons = read_json_prefix(self._client, job_key(job, "busy", "", prefix=self._prefix))
         return sorted(node for node in beacons if node != self.node)
 
-    def coordinate(self, job: str, key: str, incident_id: str, local: Mapping[str, Any]) -> tuple[bool, dict]:
+    def coordinate(self, job: str, key: str, incident_id: str, local: Mapping[str, Any], *,
+                   on_wait: Callable[[dict[str, dict]], Any] | None = None) -> tuple[bool, dict]:
         """Share this node's verdict, then try to own the hang. Returns ``(True, verdicts by node)`` to the owner,
         once the other live nodes' verdicts are in or ``verdict_wait_s`` has passed, and ``(False, owner)`` to
-        the others (``owner``: the owner's node and incident id)."""
+        the others (``owner``: the owner's node and incident id). When the owner has to wait, ``on_wait`` is
+        called first with the verdicts in so far: a node cut off from the others never sends one, and the
+        owner's workers should not be the last to stop (the others stopped theirs at once)."""
         client = self._client
         lease = with_failover(client, lambda: client.lease(HANG_KEY_TTL_S))
         verdict = json.dumps({**local, "node": self.node}, sort_keys=True, default=str)
@@ -387,6 +390,8 @@ class HangCoordinator:
         expected = set(self._peers(job)) | {self.node}
         deadline = self._clock() + self._wait
         verdicts = self._verdicts(job, key)
+        if on_wait is not None and not expected <= set(verdicts):
+            on_wait(dict(verdicts))
         while not expected <= set(verdicts) and self._clock() < deadline:
             self._sleep(0.2)
             verdicts = self._verdicts(job, key)

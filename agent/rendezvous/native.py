@@ -539,8 +539,9 @@ class NativeRendezvous:
         granted, remaining = int(info.grantedTTL), int(info.TTL)
         if remaining < 0 or granted < 3 or remaining * 3 >= granted:  # gone (its key's deletion says so) or alive
             return False
-        logger.info("job %s: node %s of round %d has not renewed its lease for two keep-alive periods (%d s of "
-                    "%d s left): the round does not wait for it", self.job, node, number - 1, remaining, granted)
+        logger.warning("job %s: node %s of round %d has not renewed its lease for two keep-alive periods (%d s of "
+                       "%d s left): taken for lost, round %d does not wait for it", self.job, node, number - 1,
+                       remaining, granted, number)
         return True
 
     def _write_close(self, number: int, members: list[str], reason: str, as_of: int) -> Round:

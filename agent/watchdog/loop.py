@@ -393,8 +393,21 @@ class Watchdog:
         verdict = name_culprit(evidence)
         ranks = [r.rank for r in snap.ranks]
         culprits, summary, cluster = tuple(verdict.culprits) or tuple(verdict.unresponsive), verdict.summary, None
+        early: dict[str, Any] = {}  # the abort made while this node, the owner, waited for the others' verdicts
+
+        def abort_while_waiting(so_far: dict[str, dict]) -> None:
+            if not self.config.abort_on_hang:
+                return
+            _, partial = merge_verdicts(so_far) if so_far else ({}, verdict.summary)
+            try:
+                early["aborted"] = self._actions.abort(job, ranks, f"hang: no step for {check.stalled_s:.0f} s; "
+                                                                   f"{partial} (other nodes' verdicts awaited)")
+            except Exception as exc:
+                log.exception("aborting the workers of job %s failed", job, extra={"job": job})
+                early["aborted"], early["failure"] = False, repr(exc)
+
         if self._cluster is not None:
-            shared = self._share_hang(snap, incident_id, verdict)
+            shared = self._share_hang(snap, incident_id, verdict, abort_while_waiting)
             if shared is None:  # another node records this hang: abort our part of the group, nothing else
                 return self._abort_only(snap, ranks, check, verdict)
             if shared:
@@ -424,11 +437,15 @@ class Watchdog:
             outcome="waiting for the job to progress after the restart", now=self._wall()))
         reason = f"hang: no step for {check.stalled_s:.0f} s; {summary}"
         failure = "aborting the workers failed"
-        try:
-            aborted = self._actions.abort(job, ranks, reason)
-        except Exception as exc:
-            log.exception("aborting the workers of job %s failed", job, extra={"job": job})
-            aborted, failure = False, f"{failure}: {exc!r}"
+        if "aborted" in early:  # already, while the verdicts were awaited
+            aborted = early["aborted"]
+            failure = f"{failure}: {early['failure']}" if "failure" in early else failure
+        else:
+            try:
+                aborted = self._actions.abort(job, ranks, reason)
+            except Exception as exc:
+                log.exception("aborting the workers of job %s failed", job, extra={"job": job})
+                aborted, failure = False, f"{failure}: {exc!r}"
         if aborted:
             self._acting[job] = (incident, self._clock())
         else:
@@ -463,13 +480,16 @@ class Watchdog:
                      "yet", job, check.stalled_s, ",".join(elsewhere), extra={"job": job})
         return replace(check, hung=False)
 
-    def _share_hang(self, snap: JobSnapshot, incident_id: str, verdict) -> dict | None:
+    def _share_hang(self, snap: JobSnapshot, incident_id: str, verdict,
+                    on_wait: Callable[[dict[str, dict]], None]) -> dict | None:
         """Tell the job's other nodes what this node saw and learn who records the hang: the verdicts by node
-        when this node does, None when another does, {} when etcd cannot be asked (then it acts alone)."""
+        when this node does, None when another does, {} when etcd cannot be asked (then it acts alone).
+        ``on_wait``: called by the owner before it waits for verdicts that are not in yet (it aborts the workers
+        here: a partitioned node never answers, and the round after would wait for the owner's workers)."""
         key = str(max((r.last_step for r in snap.ranks), default=-1))
         local = {"verdict": verdict.to_dict(), "last_steps": {str(r.rank): r.last_step for r in snap.ranks}}
         try:
-            owns, answer = self._cluster.coordinate(snap.job, key, incident_id, local)
+            owns, answer = self._cluster.coordinate(snap.job, key, incident_id, local, on_wait=on_wait)
         except Exception as exc:
             log.warning("job %s: cannot coordinate the hang with the other nodes through etcd (%s); recording it "
                         "here", snap.job, exc, extra={"job": snap.job})

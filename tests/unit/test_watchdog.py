@@ -593,8 +593,10 @@ class FakeCoordinator:
     """Stands for the job's other nodes (agent/etcd/cluster.py HangCoordinator): ``owner`` None: this node wins
     and ``others`` are the other nodes' verdicts; else that node records the hang."""
 
-    def __init__(self, owner=None, others=None, fail=False, busy=()):
+    def __init__(self, owner=None, others=None, fail=False, busy=(), awaited=None, actions=None):
         self.owner, self.others, self.fail = owner, others or {}, fail
+        # a node whose verdict the owner waits for and never gets (cut off); `actions`: to see what the wait saw
+        self.awaited, self.actions, self.aborts_when_waited = awaited, actions, None
         self.calls = []
         self.busy = list(busy)  # the other nodes whose ranks work (their busy beacons)
         self.said: list[bool] = []  # what this node said of its own ranks, one entry per change
@@ -610,13 +612,17 @@ class FakeCoordinator:
             raise ConnectionError("etcd unreachable")
         return list(self.busy)
 
-    def coordinate(self, job, key, incident_id, local):
+    def coordinate(self, job, key, incident_id, local, *, on_wait=None):
         self.calls.append((job, key, local))
         if self.fail:
             raise ConnectionError("etcd unreachable")
         if self.owner:
             return False, {"node": self.owner, "incident": "20261123T000000000Z-abcdef"}
-        return True, {"n1": {**local, "node": "n1"}, **self.others}
+        verdicts = {"n1": {**local, "node": "n1"}, **self.others}
+        if self.awaited is not None and on_wait is not None:
+            on_wait(dict(verdicts))
+            self.aborts_when_waited = list(self.actions.aborts)  # what had been done before the wait's end
+        return True, verdicts
 
 
 def _hang(sim, wd):
@@ -657,6 +663,23 @@ def test_the_owner_names_a_culprit_on_another_node(tmp_path):
     assert "culprit rank 4 on n2" in opened.evidence["summary"]
     (_, _, reason), = actions.aborts
     assert "rank 4 on n2" in reason
+
+
+def test_the_owner_aborts_its_workers_before_it_waits_for_a_node_that_never_answers(tmp_path):
+    """A partitioned node never sends its verdict: the owner waited `verdict_wait_s` (3 s) before it aborted its
+    own workers, when the other nodes had aborted theirs at once, and the next round waited for the owner's."""
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    remote = {"n0": {"node": "n0", "verdict": {"culprits": [], "summary": "every rank is inside the same collective"}}}
+    cluster = FakeCoordinator(others=remote, awaited="n2", actions=actions)
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster)
+    _hang(sim, wd)
+    (_, ranks, reason), = cluster.aborts_when_waited  # aborted before the wait ended, and once only
+    assert ranks == [0, 1] and "other nodes' verdicts awaited" in reason and len(actions.aborts) == 1
+    opened, acting = actions.records[:2]
+    assert opened.kind is IncidentKind.HANG and set(opened.evidence["cluster"]["verdicts"]) == {"n0", "n1"}
+    assert acting.state is IncidentState.ACTING
 
 
 def test_without_etcd_the_node_records_the_hang_itself(tmp_path):
