@@ -57,7 +57,7 @@ from trainwarden.agent.etcd.watch import KeyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "BUSY_TTL_S", "HANG_KEY_TTL_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
+__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "BUSY_TTL_S", "HANG_KEY_TTL_S", "VERDICT_GRACE_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
            "read_progress"]
 
 BUSY_TTL_S = 10
@@ -66,6 +66,10 @@ agent died can still be taken for working."""
 HANG_KEY_TTL_S = 15
 """How long a hang's election and verdicts stay: longer than the spread of the nodes' detections, shorter than
 a restart, so the same step hanging again in the next round is a new incident."""
+VERDICT_GRACE_S = 1.0
+"""How long the owner of a hang waits for the other live nodes' verdicts before it has its own workers aborted
+(``HangCoordinator.coordinate``'s ``on_wait``); it goes on waiting for them up to ``verdict_wait_s`` for the
+incident. The nodes of a job judge the same last step against about the same deadline, four times a second."""
 
 
 PROGRESS_PERIOD_S = 10.0
@@ -368,9 +372,12 @@ class HangCoordinator:
                    on_wait: Callable[[dict[str, dict]], Any] | None = None) -> tuple[bool, dict]:
         """Share this node's verdict, then try to own the hang. Returns ``(True, verdicts by node)`` to the owner,
         once the other live nodes' verdicts are in or ``verdict_wait_s`` has passed, and ``(False, owner)`` to
-        the others (``owner``: the owner's node and incident id). When the owner has to wait, ``on_wait`` is
-        called first with the verdicts in so far: a node cut off from the others never sends one, and the
-        owner's workers should not be the last to stop (the others stopped theirs at once)."""
+        the others (``owner``: the owner's node and incident id). When verdicts are still missing after
+        ``VERDICT_GRACE_S``, ``on_wait`` is called with those in so far before the owner waits on: a node cut off
+        from the others never sends one, and the owner's workers should not be the last to stop (the others
+        stopped theirs at once). The grace keeps the verdicts of the nodes that saw the hang at about the same
+        time: once the owner's workers stop, the other nodes' ranks fail instead of hanging, and a node that had
+        not judged yet never names its culprit."""
         client = self._client
         lease = with_failover(client, lambda: client.lease(HANG_KEY_TTL_S))
         verdict = json.dumps({**local, "node": self.node}, sort_keys=True, default=str)
@@ -388,13 +395,16 @@ class HangCoordinator:
                 holder = {}
             return False, holder
         expected = set(self._peers(job)) | {self.node}
-        deadline = self._clock() + self._wait
+        start = self._clock()
         verdicts = self._verdicts(job, key)
-        if on_wait is not None and not expected <= set(verdicts):
-            on_wait(dict(verdicts))
-        while not expected <= set(verdicts) and self._clock() < deadline:
-            self._sleep(0.2)
-            verdicts = self._verdicts(job, key)
+        # the nodes that saw the hang with this one answer within its grace; one that has not by then may never
+        # (cut off), and the owner's workers should not stay the last ones standing
+        for until, then in ((start + min(self._wait, VERDICT_GRACE_S), on_wait), (start + self._wait, None)):
+            while not expected <= set(verdicts) and self._clock() < until:
+                self._sleep(0.2)
+                verdicts = self._verdicts(job, key)
+            if then is not None and not expected <= set(verdicts):
+                then(dict(verdicts))
         return True, verdicts
 
     def _verdicts(self, job: str, key: str) -> dict[str, dict]:
