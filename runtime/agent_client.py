@@ -420,7 +420,7 @@ class TelemetryClient:
             if self._fr is not None and self._fr.available:
                 since = self._fr.oldest_pending_ns(self._training_thread) or 0
             sent = self._still_sent
-            if self._still_said and sent is not None and sent[1] == since and now - sent[0] < STILL_REFRESH_S:
+            if sent is not None and sent[1] == since and now - sent[0] < STILL_REFRESH_S:  # the agent knows
                 return None
             self._still_said, self._still_sent = True, (now, since)
             pending = max(0.0, time.time() - since / 1e9) if since else 0.0

@@ -242,7 +242,6 @@ class FlightRecorder:
             new.extend(self._rings[name].take(entries))
         return new
 
-
     def _traces(self):
         """Each recorder's name and unpickled trace, without stack traces; a recorder whose dump fails is skipped
         (and logged once, until it works again)."""

@@ -396,16 +396,22 @@ class HangCoordinator:
             return False, holder
         expected = set(self._peers(job)) | {self.node}
         start = self._clock()
-        verdicts = self._verdicts(job, key)
         # the nodes that saw the hang with this one answer within its grace; one that has not by then may never
         # (cut off), and the owner's workers should not stay the last ones standing
-        for until, then in ((start + min(self._wait, VERDICT_GRACE_S), on_wait), (start + self._wait, None)):
-            while not expected <= set(verdicts) and self._clock() < until:
-                self._sleep(0.2)
-                verdicts = self._verdicts(job, key)
-            if then is not None and not expected <= set(verdicts):
-                then(dict(verdicts))
+        verdicts = self._verdicts_of(job, key, expected, until=start + min(self._wait, VERDICT_GRACE_S))
+        if not expected <= set(verdicts):
+            if on_wait is not None:
+                on_wait(dict(verdicts))
+            verdicts = self._verdicts_of(job, key, expected, until=start + self._wait)
         return True, verdicts
+
+    def _verdicts_of(self, job: str, key: str, expected: set[str], *, until: float) -> dict[str, dict]:
+        """The verdicts in, read again every 0.2 s until every node of ``expected`` has given one or ``until``."""
+        verdicts = self._verdicts(job, key)
+        while not expected <= set(verdicts) and self._clock() < until:
+            self._sleep(0.2)
+            verdicts = self._verdicts(job, key)
+        return verdicts
 
     def _verdicts(self, job: str, key: str) -> dict[str, dict]:
         verdicts = read_json_prefix(self._client, self._key(job, key, "verdicts", ""))

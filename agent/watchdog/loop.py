@@ -393,18 +393,13 @@ class Watchdog:
         verdict = name_culprit(evidence)
         ranks = [r.rank for r in snap.ranks]
         culprits, summary, cluster = tuple(verdict.culprits) or tuple(verdict.unresponsive), verdict.summary, None
-        early: dict[str, Any] = {}  # the abort made while this node, the owner, waited for the others' verdicts
+        early: list[tuple[bool, str]] = []  # the abort made while this node, the owner, waited for verdicts
 
         def abort_while_waiting(so_far: dict[str, dict]) -> None:
-            if not self.config.abort_on_hang:
-                return
-            _, partial = merge_verdicts(so_far) if so_far else ({}, verdict.summary)
-            try:
-                early["aborted"] = self._actions.abort(job, ranks, f"hang: no step for {check.stalled_s:.0f} s; "
-                                                                   f"{partial} (other nodes' verdicts awaited)")
-            except Exception as exc:
-                log.exception("aborting the workers of job %s failed", job, extra={"job": job})
-                early["aborted"], early["failure"] = False, repr(exc)
+            if self.config.abort_on_hang:
+                _, partial = merge_verdicts(so_far) if so_far else ({}, verdict.summary)
+                early.append(self._abort_workers(job, ranks, f"hang: no step for {check.stalled_s:.0f} s; "
+                                                             f"{partial} (other nodes' verdicts awaited)"))
 
         if self._cluster is not None:
             shared = self._share_hang(snap, incident_id, verdict, abort_while_waiting)
@@ -435,20 +430,13 @@ class Watchdog:
         incident = self._actions.record(incident.transition(
             IncidentState.ACTING, action=f"abort local workers (ranks {','.join(map(str, ranks))})",
             outcome="waiting for the job to progress after the restart", now=self._wall()))
-        reason = f"hang: no step for {check.stalled_s:.0f} s; {summary}"
-        failure = "aborting the workers failed"
-        if "aborted" in early:  # already, while the verdicts were awaited
-            aborted = early["aborted"]
-            failure = f"{failure}: {early['failure']}" if "failure" in early else failure
-        else:
-            try:
-                aborted = self._actions.abort(job, ranks, reason)
-            except Exception as exc:
-                log.exception("aborting the workers of job %s failed", job, extra={"job": job})
-                aborted, failure = False, f"{failure}: {exc!r}"
+        # already done while the verdicts were awaited, or now
+        aborted, error = early[0] if early else self._abort_workers(
+            job, ranks, f"hang: no step for {check.stalled_s:.0f} s; {summary}")
         if aborted:
             self._acting[job] = (incident, self._clock())
         else:
+            failure = "aborting the workers failed" + (f": {error}" if error else "")
             self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure, now=self._wall()))
 
     def _with_other_nodes(self, job: str, check: HangCheck) -> HangCheck:
@@ -503,12 +491,18 @@ class Watchdog:
     def _abort_only(self, snap: JobSnapshot, ranks: list[int], check: HangCheck, verdict) -> None:
         if not self.config.abort_on_hang:
             return
+        aborted, _ = self._abort_workers(snap.job, ranks, f"hang: no step for {check.stalled_s:.0f} s; recorded by "
+                                                          f"another node ({verdict.summary})")
+        if aborted:
+            self._acting[snap.job] = (None, self._clock())
+
+    def _abort_workers(self, job: str, ranks: list[int], reason: str) -> tuple[bool, str]:
+        """Have this node's workers of ``job`` aborted: (whether they were, the error if asking raised)."""
         try:
-            if self._actions.abort(snap.job, ranks, f"hang: no step for {check.stalled_s:.0f} s; recorded by "
-                                                    f"another node ({verdict.summary})"):
-                self._acting[snap.job] = (None, self._clock())
-        except Exception:
-            log.exception("aborting the workers of job %s failed", snap.job, extra={"job": snap.job})
+            return bool(self._actions.abort(job, ranks, reason)), ""
+        except Exception as exc:
+            log.exception("aborting the workers of job %s failed", job, extra={"job": job})
+            return False, repr(exc)
 
     def _collect(self, directory: Path, ranks: list[int], pids: Mapping[int, int]) -> dict[int, RankEvidence]:
         """The dumps of `ranks`, waiting up to `diagnostics_wait_s` for them; a rank whose process is stopped
