@@ -320,6 +320,8 @@ class Checkpointer:
         self.last_save_seconds = time.monotonic() - start
         self._last_saved_step = step  # every rank sees the same outcome: DCP's write phase is collective
         self.last_bytes = _own_bytes(path, self.rank)
+        # every rank: the steps it took while this write ran are not a hang's measure (agent/watchdog/hang.py)
+        self._report("written", step, seconds=self.last_save_seconds, bytes=self.last_bytes)
         if self.rank != 0:
             return None
         try:

@@ -95,11 +95,13 @@ its own exception by them (runtime/peer_failure.py), the agent a worker's error 
 PEER_FAILURE_TYPES = ("DistNetworkError", "DistBackendError", "DistStoreError")
 """torch's exception types for the same."""
 
-CHECKPOINT_STAGES = ("save_start", "staged", "committed", "restore_start", "restored", "failed", "set_aside", "held",
-                     "resume_blocked", "snapshot")
+CHECKPOINT_STAGES = ("save_start", "staged", "written", "committed", "restore_start", "restored", "failed", "set_aside",
+                     "held", "resume_blocked", "snapshot")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
 has the same names, upper-case). ``snapshot``: a rank's in-memory snapshot of a step is written (its path says
-which; agent/proto/snapshot_layout.py); it is not a stage of the disk checkpoint and does not change the rank's."""
+which; agent/proto/snapshot_layout.py); it is not a stage of the disk checkpoint and does not change the rank's.
+``written``: every rank's own part of a save is on disk (its background write ended; rank 0 then commits): the
+watchdog keeps the steps that overlapped a write out of the step time a hang's deadline follows."""
 
 # ---- diagnostics a worker writes on the agent's request -------------------------------------------------
 

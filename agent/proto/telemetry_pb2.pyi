@@ -20,6 +20,7 @@ class CheckpointStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HELD: _ClassVar[CheckpointStage]
     RESUME_BLOCKED: _ClassVar[CheckpointStage]
     SNAPSHOT: _ClassVar[CheckpointStage]
+    WRITTEN: _ClassVar[CheckpointStage]
 CHECKPOINT_STAGE_UNSPECIFIED: CheckpointStage
 SAVE_START: CheckpointStage
 STAGED: CheckpointStage
@@ -31,6 +32,7 @@ SET_ASIDE: CheckpointStage
 HELD: CheckpointStage
 RESUME_BLOCKED: CheckpointStage
 SNAPSHOT: CheckpointStage
+WRITTEN: CheckpointStage
 
 class Hello(_message.Message):
     __slots__ = ("job", "rank", "local_rank", "world_size", "mesh", "pid", "restart_count", "hostname", "peer_token", "step_source", "gpu_uuid")

@@ -154,6 +154,15 @@ class RankSnapshot:
     steady_steps: int = 0
     """Steps in that steady window (its first `STARTUP_STEPS` steps left out): under `STARTUP_STEPS`,
     `steady_step_p99_seconds` still holds the start-up steps."""
+    writing_step_p99_seconds: float = 0.0
+    """p99 of this worker's recent steps that overlapped a checkpoint write of the job's ranks here (from a save's
+    ``save_start`` to its ``written``, the step in which it ended and `STEPS_AFTER_WRITE` more): kept out of the
+    steady window, because a write sharing the host's cores and disk slows them (2-3x the reference job's steps
+    on 2 cores) and one such step would set the deadline of every hang for as long as it stays in the window."""
+    write_pending: bool = False
+    """The step this worker is in may be slowed by a checkpoint write: one is in flight on a rank of the job here,
+    one began or ended since this worker's last step, or it is within `STEPS_AFTER_WRITE` of one. The hang
+    deadline then follows the writing steps too."""
     verified: bool = False
     """The pid is the kernel's (see WorkerInfo.verified)."""
     started: float = 0.0
@@ -204,6 +213,15 @@ STARTUP_STEPS = 3
 COLLECTIVE_GAPS_KEPT = 512
 """Gaps between a rank's consecutive collectives kept for `RankSnapshot.collective_gap_max_seconds`."""
 """A worker process's first steps, left out of its steady step time (`RankSnapshot.steady_step_p99_seconds`)."""
+_WRITE_BEGINS = frozenset({"save_start", "staged"})
+_WRITE_ENDS = frozenset({"written", "committed", "failed"})
+"""Checkpoint stages that begin and end a rank's write (`RankSnapshot.writing_step_p99_seconds`). A runtime that
+never reports ``written`` (older than the stage) leaves every rank but the committing one writing: all their steps
+count as writing, and the deadline follows them all, as it did before."""
+STEPS_AFTER_WRITE = 1
+"""Steps after the one in which the job's writes here ended that still count as writing: rank 0 commits, runs its
+retention and the agent publishes the commit in that one (a new worker process's first commit slowed it 2-3x on the
+reference job, 0.36-0.61 s against 0.2 s: `tests/bench/bench_hang.py`'s logs, issue 26)."""
 
 
 def steps_from(ranks: "Iterable[RankSnapshot]") -> str:
@@ -241,6 +259,11 @@ class _RankTelemetry:
         self.recent = deque(maxlen=recent_steps)  # (start_unix, duration, tokens)
         self.process_steps = 0  # steps the current worker process reported
         self.steady = deque(maxlen=recent_steps)  # durations of its steps after the first STARTUP_STEPS
+        self.writing_steps = deque(maxlen=recent_steps)  # those of them that overlapped a checkpoint write
+        self.write_started = -1  # the newest step whose save this worker process began (save_start, staged)
+        self.write_ended = -1  # the newest step whose write ended here (written, committed, failed)
+        self.write_mark = 0  # the job's `write_events` as of this worker's last step
+        self.write_tail = 0  # steps still to count as writing after the job's writes here ended
         self.wait_by_op: dict[str, float] = {}
         self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
         self.prev_cumulative: dict[tuple[str, str], tuple[int, float]] = {}
@@ -280,6 +303,8 @@ class _JobRanks:
         self.checkpoint_set_aside = 0
         self.owner_uid: int | None = None  # the uid of the job's first verified stream (module docstring)
         self.matcher = ArrivalMatcher()
+        self.writing: set[int] = set()  # ranks here whose checkpoint write is in flight
+        self.write_events = 0  # writes begun or ended on the ranks here: a step that saw one overlapped it
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
 
 
@@ -355,6 +380,10 @@ class JobTelemetry:
                     rank.recent.clear()
                     rank.process_steps = 0
                     rank.steady.clear()
+                    rank.writing_steps.clear()
+                    rank.write_started = rank.write_ended = -1
+                    rank.write_tail = 0
+                    job.writing.discard(info.rank)  # the old process's write ended with it
                     rank.checkpoint_stage = ""
                     rank.collective_gaps.clear()
                     rank.prev_arrival_ns = 0
@@ -431,8 +460,15 @@ class JobTelemetry:
             state.last_step_end_ns = max(state.last_step_end_ns, int((float(start_unix) + duration) * 1e9))
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
             state.process_steps += 1
+            owner = self._jobs[job]
+            overlapped = bool(owner.writing) or state.write_mark != owner.write_events
+            if overlapped:
+                state.write_tail = STEPS_AFTER_WRITE
+            elif state.write_tail > 0:
+                overlapped, state.write_tail = True, state.write_tail - 1
+            state.write_mark = owner.write_events
             if state.process_steps > STARTUP_STEPS:
-                state.steady.append(duration)
+                (state.writing_steps if overlapped else state.steady).append(duration)
             if state.checkpoint_stage == "held":  # the hold ended without a restart: the rank trains again
                 state.checkpoint_stage = ""
         for listener in self._listeners:
@@ -558,6 +594,16 @@ class JobTelemetry:
                 pass
             else:
                 state.checkpoint_stage = stage
+            if stage in _WRITE_BEGINS or stage in _WRITE_ENDS:
+                if stage in _WRITE_BEGINS:
+                    state.write_started = max(state.write_started, int(step))
+                else:  # a synchronous save reports `written` before `staged`: compared by step, not by order
+                    state.write_ended = max(state.write_ended, int(step))
+                owner.write_events += 1
+                if state.write_started > state.write_ended:
+                    owner.writing.add(rank)
+                else:
+                    owner.writing.discard(rank)
             if stage == "staged":
                 state.checkpoint_stall = max(0.0, float(seconds))
             elif stage == "committed":
@@ -647,14 +693,14 @@ class JobTelemetry:
     def _job_snapshot(self, name: str, job: _JobRanks, now: float) -> JobSnapshot:
         return JobSnapshot(
             job=name, world_size=job.world_size, mesh=dict(job.mesh),
-            ranks=tuple(self._rank_snapshot(r, now) for _, r in sorted(job.ranks.items())),
+            ranks=tuple(self._rank_snapshot(r, now, job) for _, r in sorted(job.ranks.items())),
             restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
             checkpoint_failures_total=job.checkpoint_failures,
             checkpoint_committed_unix=job.checkpoint_committed_unix, checkpoint_set_aside_total=job.checkpoint_set_aside,
         )
 
     @staticmethod
-    def _rank_snapshot(r: _RankTelemetry, now: float) -> RankSnapshot:
+    def _rank_snapshot(r: _RankTelemetry, now: float, job: _JobRanks) -> RankSnapshot:
         durations = sorted(d for _, d, _ in r.recent)
         tokens_per_second = 0.0
         if len(r.recent) >= 2:
@@ -693,6 +739,8 @@ class JobTelemetry:
             steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS
                                      else _percentile(durations, 0.99)),
             steady_steps=len(r.steady),
+            writing_step_p99_seconds=_percentile(sorted(r.writing_steps), 0.99),
+            write_pending=bool(job.writing) or r.write_mark != job.write_events or r.write_tail > 0,
             still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
             collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
         )

@@ -15,6 +15,8 @@ The deadline adapts to the job:
   DataLoader workers do), reads or writes, checkpoints, or runs collectives is not hung. What is left looks
   exactly like a hang (no step, no collective, no CPU, no I/O): a script that sleeps for seconds between steps
   needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds).
+  The steps that overlapped a checkpoint's background write (slowed 2-3x by it on a busy host) are not in that
+  p99; they count only while a write may slow the step in flight (agent/watchdog/loop.py `_steady_step_p99`).
 - start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
   pids), the deadline is at least ``startup_s``. Rendezvous, process-group creation, compilation and the
   checkpoint restore all happen before the first steps, and the first steps are slow.

@@ -664,6 +664,11 @@ def _steady_step_p99(connected: Sequence[RankSnapshot]) -> float:
     """The step time the hang deadline follows: the largest steady p99 of the ranks that reported steady steps,
     or, while none has, of every rank (their start-up steps: a job whose every step is long). A stopped rank's
     telemetry stops with it, the steps of its last flush interval never arrive: stopped early in a round, it
-    has reported only its start-up steps, which must not stretch the deadline the others' steps give."""
+    has reported only its start-up steps, which must not stretch the deadline the others' steps give. Steps that
+    overlapped a checkpoint write are not in the steady window: they count only while a write may slow the step
+    in flight (`RankSnapshot.write_pending`)."""
     steady = [r.steady_step_p99_seconds for r in connected if r.steady_steps >= STARTUP_STEPS]
-    return max(steady or [r.steady_step_p99_seconds for r in connected], default=0.0)
+    p99 = max(steady or [r.steady_step_p99_seconds for r in connected], default=0.0)
+    if any(r.write_pending for r in connected):  # a checkpoint write slows the steps it overlaps: allow for them
+        p99 = max(p99, max((r.writing_step_p99_seconds for r in connected), default=0.0))
+    return p99

@@ -205,3 +205,18 @@ def test_saves_reuse_the_stagers_buffers_even_where_torch_closes_its_copier_afte
     with Checkpointer(tmp_path, keep=10, session=Events()) as ckpt:
         ckpt.restore({"box": restored, "meta": {"kind": Box}})
     assert restored.n == 2 and float(restored.w[0]) == 2.0
+
+
+def test_a_save_says_when_this_ranks_write_ended_before_it_commits(tmp_path):
+    """Every rank reports ``written`` when its own background write ends (rank 0 then commits): the watchdog
+    keeps the steps that overlapped a write out of the step time a hang's deadline follows."""
+    events = Events()
+    saved(tmp_path, [3, 6], events)
+    order = [(s[0], s[1]) for s in events.stages]
+    assert order == [("save_start", 3), ("staged", 3), ("written", 3), ("committed", 3),
+                     ("save_start", 6), ("staged", 6), ("written", 6), ("committed", 6)]
+    # a synchronous save reports its write's end first: the agent compares steps, not the order
+    sync = Events()
+    with Checkpointer(tmp_path / "sync", keep=10, session=sync, async_save=False) as ckpt:
+        ckpt.save(4, {"box": Box()})
+    assert [s[0] for s in sync.stages] == ["save_start", "written", "committed", "staged"]

@@ -65,6 +65,70 @@ def test_the_steady_step_time_leaves_out_each_processs_first_steps_once_enough_o
 
 
 @pytest.mark.timeout(10)
+def test_steps_that_overlap_a_checkpoint_write_are_kept_out_of_the_steady_step_time():
+    """The reference job's steps take 0.2-0.3 s, and 0.6-0.9 s while a background checkpoint write shares the host's
+    cores: in the steady window those set the hang deadline (5 x 0.75 s) for every hang until they left it. The
+    steps from a save's start to the step in which each rank's write ended go to their own window, and the
+    snapshot says while the step in flight may overlap a write."""
+    js = JobTelemetry(clock=FakeClock())
+    for rank in (0, 1):
+        js.connect(hello(rank=rank, pid=10 + rank))
+    index = 0
+
+    def step(duration, ranks=(0, 1)):
+        nonlocal index
+        for rank in ranks:
+            js.record_step("j", rank, index=index, start_unix=1000.0 + index, duration_seconds=duration)
+        index += 1
+
+    def ranks():
+        (job,) = js.snapshot()
+        return job.ranks
+
+    for _ in range(8):
+        step(0.3)
+    assert [r.write_pending for r in ranks()] == [False, False]
+    for rank in (0, 1):
+        js.record_checkpoint("j", rank, stage="save_start", step=8, seconds=0.0)
+        js.record_checkpoint("j", rank, stage="staged", step=8, seconds=0.05)
+    assert [r.write_pending for r in ranks()] == [True, True]
+    step(0.9)
+    step(0.8)
+    js.record_checkpoint("j", 1, stage="written", step=8, seconds=1.5)
+    assert [r.write_pending for r in ranks()] == [True, True]  # rank 0's write still runs: it slows rank 1 too
+    step(0.85)
+    js.record_checkpoint("j", 0, stage="written", step=8, seconds=1.8)
+    js.record_checkpoint("j", 0, stage="committed", step=8, seconds=0.0)
+    assert [r.write_pending for r in ranks()] == [True, True]  # the step in which it ended overlapped it
+    step(0.7)
+    assert [r.write_pending for r in ranks()] == [True, True]  # and the next: the commit, retention, publishing
+    step(0.6)
+    assert [r.write_pending for r in ranks()] == [False, False]
+    step(0.3)
+    r0, r1 = ranks()
+    assert r0.steady_step_p99_seconds == pytest.approx(0.3) and r1.steady_step_p99_seconds == pytest.approx(0.3)
+    assert r0.writing_step_p99_seconds == pytest.approx(0.9) and r0.step_p99_seconds == pytest.approx(0.9)
+
+    # a synchronous save reports its write's end before `staged`: its step order says nothing is left in flight
+    for stage in ("save_start", "written", "committed", "staged"):
+        js.record_checkpoint("j", 0, stage=stage, step=12, seconds=0.0)
+    step(1.2, ranks=(0,))
+    step(0.5, ranks=(0,))
+    step(0.3, ranks=(0,))
+    assert ranks()[0].write_pending is False and ranks()[0].steady_step_p99_seconds == pytest.approx(0.3)
+
+    # a runtime that never says `written` leaves the write in flight: all steps allow for it, as before the stage
+    js.record_checkpoint("j", 1, stage="staged", step=16, seconds=0.0)
+    for _ in range(3):
+        step(0.3, ranks=(1,))
+    assert ranks()[1].write_pending is True
+    # until its worker process is replaced: the write ended with the old process
+    js.connect(hello(rank=1, pid=21))
+    step(0.3, ranks=(1,))
+    assert ranks()[1].write_pending is False and ranks()[1].writing_step_p99_seconds == 0.0
+
+
+@pytest.mark.timeout(10)
 def test_cumulative_collectives_become_monotonic_counters_across_a_worker_restart():
     js = JobTelemetry(clock=FakeClock())
     js.connect(hello(pid=10))

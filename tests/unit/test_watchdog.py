@@ -396,6 +396,55 @@ def test_a_stopped_rank_whose_stream_was_dropped_is_still_named_stopped(tmp_path
     assert verdict["unresponsive"] == {"1": "stopped"} and verdict["summary"].startswith("rank 1 is stopped")
 
 
+def test_a_hang_after_a_checkpoint_write_is_judged_by_the_steps_the_write_did_not_slow(tmp_path):
+    """Seen in tests/bench/bench_hang.py (issue 26): the reference job's steps took 0.2-0.3 s, the two after each
+    save 0.35 and 0.61 s (the background write shares 2 cores with 8 ranks), and a hang five steps after the
+    write's commit got a 3.7 s deadline (5 x the p99 of a window that held them) instead of the 2 s floor. Those
+    steps now count only while a write may slow the step in flight."""
+
+    def write(sim, stage, step):
+        for r in range(sim.ranks):
+            sim.js.record_checkpoint("j", r, stage=stage, step=step, seconds=0.0)
+
+    def job_with_a_save(tmp, end_write):
+        sim = Sim(ranks=2)
+        actions = Actions(answer={0, 1})
+        wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(
+            startup_s=30, warmup_steps=3, floor_s=1.0)), clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
+            probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp / job)
+        wd.check_once()
+        sim.run(8)  # 0.25 s steps
+        wd.check_once()
+        write(sim, "save_start", 8)
+        write(sim, "staged", 8)
+        sim.run(2, compute={0: 0.8, 1: 0.8})  # 0.85 s steps while the write runs
+        wd.check_once()
+        if end_write:
+            write(sim, "written", 8)
+            sim.run(1, compute={0: 0.6, 1: 0.6})  # the step in which it ended
+            sim.run(3)
+            wd.check_once()
+        return sim, wd, actions
+
+    sim, wd, actions = job_with_a_save(tmp_path / "after", end_write=True)
+    sim.clock.now += 1.2
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now += 0.1
+    wd.check_once()
+    assert actions.records and actions.records[0].kind is IncidentKind.HANG
+    assert actions.records[0].evidence["timeout_seconds"] == pytest.approx(1.25)  # 5 x 0.25 s, not 5 x 0.85 s
+
+    # a hang while a write is in flight allows for the steps the write slows
+    sim, wd, actions = job_with_a_save(tmp_path / "during", end_write=False)
+    sim.clock.now += 4.2
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now += 0.1
+    wd.check_once()
+    assert actions.records and actions.records[0].evidence["timeout_seconds"] == pytest.approx(4.25)
+
+
 def test_a_rank_whose_reports_stopped_in_its_start_up_does_not_stretch_the_steady_deadline(tmp_path):
     """Seen in tests/integration/test_unchanged_scripts.py: a rank's telemetry stops with the rank, so the
     steps of its last flush interval (1.5 s) never arrive; stopped a second into training, it had reported only
