@@ -199,6 +199,10 @@ def test_a_hang_under_trainwarden_run_resumes_from_memory_to_the_same_losses(str
     found = [json.loads(p.read_text()) for p in (tmp_path / "state" / "jobs" / "hangmem" / "incidents").glob("*.json")]
     hangs = [i for i in found if i["kind"] == "hang"]
     assert [h["ranks"] for h in hangs] == [[2]], found
+    # step 8's background write ended on every rank before the deadline ran out (the write's thread is not the
+    # hung one), and each said so: the agent keeps the steps it slowed out of the steady step time
+    stages = hangs[0]["evidence"]["checkpoint_stages"]
+    assert stages == {"0": "committed", **{str(r): "written" for r in range(1, 8)}}, stages
 
 
 @pytest.mark.timeout(300)
