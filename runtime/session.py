@@ -242,10 +242,12 @@ class Session:
 
     def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0, path: str = "",
                          detail: str = "") -> None:
-        """Report a checkpoint stage (``CHECKPOINT_STAGES``: save_start, staged, committed, failed, set_aside,
-        restore_start, restored). With ``committed``, give the checkpoint's ``path``: the agent publishes it
-        as the job's latest in etcd; ``failed`` and ``set_aside`` carry a ``detail`` for their incident.
-        ``trainwarden.runtime.checkpoint.Checkpointer`` reports its own stages."""
+        """Report a checkpoint stage (``CHECKPOINT_STAGES``: save_start, staged, written, committed, failed,
+        set_aside, restore_start, restored). With ``committed``, give the checkpoint's ``path``: the agent publishes
+        it as the job's latest in etcd; ``failed`` and ``set_aside`` carry a ``detail`` for their incident. A loop
+        with its own background writes reports ``written`` on every rank when its write ends: until then the hang
+        deadline allows for the steps a write slows. ``trainwarden.runtime.checkpoint.Checkpointer`` reports its
+        own stages."""
         code = CHECKPOINT_STAGES.get(stage)
         if code is None:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
