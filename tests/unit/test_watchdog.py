@@ -426,23 +426,20 @@ def test_a_hang_after_a_checkpoint_write_is_judged_by_the_steps_the_write_did_no
             wd.check_once()
         return sim, wd, actions
 
-    sim, wd, actions = job_with_a_save(tmp_path / "after", end_write=True)
-    sim.clock.now += 1.2
-    wd.check_once()
-    assert actions.records == []
-    sim.clock.now += 0.1
-    wd.check_once()
-    assert actions.records and actions.records[0].kind is IncidentKind.HANG
-    assert actions.records[0].evidence["timeout_seconds"] == pytest.approx(1.25)  # 5 x 0.25 s, not 5 x 0.85 s
+    def deadline(tmp, end_write, quiet_s):
+        """The deadline of a hang: none within `quiet_s` of quiet, one 0.1 s later."""
+        sim, wd, actions = job_with_a_save(tmp, end_write)
+        sim.clock.now += quiet_s
+        wd.check_once()
+        assert actions.records == []
+        sim.clock.now += 0.1
+        wd.check_once()
+        assert actions.records and actions.records[0].kind is IncidentKind.HANG
+        return actions.records[0].evidence["timeout_seconds"]
 
+    assert deadline(tmp_path / "after", True, 1.2) == pytest.approx(1.25)  # 5 x 0.25 s, not 5 x 0.85 s
     # a hang while a write is in flight allows for the steps the write slows
-    sim, wd, actions = job_with_a_save(tmp_path / "during", end_write=False)
-    sim.clock.now += 4.2
-    wd.check_once()
-    assert actions.records == []
-    sim.clock.now += 0.1
-    wd.check_once()
-    assert actions.records and actions.records[0].evidence["timeout_seconds"] == pytest.approx(4.25)
+    assert deadline(tmp_path / "during", False, 4.2) == pytest.approx(4.25)
 
 
 def test_a_rank_whose_reports_stopped_in_its_start_up_does_not_stretch_the_steady_deadline(tmp_path):
