@@ -60,7 +60,7 @@ from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetec
 __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
 log = logging.getLogger(__name__)
-_POLL_S = 0.1
+_POLL_S = 0.05
 REPORT_AGE_CAP_S = 1.0
 """The longest a step's report counts as late: the runtime sends its steps every 0.5 s, so progress counts from
 the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor (2 s), so
@@ -510,9 +510,10 @@ class Watchdog:
         delayed the incident of a stopped rank by the whole wait: BENCHMARKS.md, auto-instrumentation)."""
         deadline = self._clock() + self.config.diagnostics_wait_s
         while ranks and self._clock() < deadline and not self._stop.is_set():
+            # a rank writes its stacks, then its trace, each under a temporary name renamed when complete: once
+            # the trace is there, both are whole (waiting 0.1 s more for "the last writes" cost every hang that)
             silent = [r for r in ranks if not (directory / trace_file(r)).exists()]
             if not silent or all(pids.get(r, 0) > 0 and self._probe(pids[r]) in ("stopped", "dead") for r in silent):
-                self._sleep(_POLL_S)  # let the last writes finish
                 break
             self._sleep(_POLL_S)
         return read_diagnostics(directory, ranks)

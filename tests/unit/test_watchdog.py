@@ -396,6 +396,31 @@ def test_a_stopped_rank_whose_stream_was_dropped_is_still_named_stopped(tmp_path
     assert verdict["unresponsive"] == {"1": "stopped"} and verdict["summary"].startswith("rank 1 is stopped")
 
 
+def test_the_abort_follows_the_last_ranks_diagnostics_without_a_further_wait(tmp_path):
+    """Each rank's dumps appear whole (written under a temporary name, then renamed): once every rank's trace is
+    there, the watchdog aborts. It used to sleep one more poll (0.1 s) "for the last writes" on every hang."""
+    sim = Sim(ranks=2)
+    asked_at, aborted_at = [], []
+
+    class Timed(Actions):
+        def request_diagnostics(self, job, ranks, directory):
+            asked_at.append(sim.clock.now)
+            return super().request_diagnostics(job, ranks, directory)
+
+        def abort(self, job, ranks, reason):
+            aborted_at.append(sim.clock.now)
+            return super().abort(job, ranks, reason)
+
+    actions = Timed(answer={0, 1})
+    wd = _watchdog(sim, actions, tmp_path)
+    for _ in range(5):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 5.1
+    wd.check_once()
+    assert asked_at and aborted_at == asked_at  # the dumps were there at the first look
+
+
 def test_a_hang_after_a_checkpoint_write_is_judged_by_the_steps_the_write_did_not_slow(tmp_path):
     """Seen in tests/bench/bench_hang.py (issue 26): the reference job's steps took 0.2-0.3 s, the two after each
     save 0.35 and 0.61 s (the background write shares 2 cores with 8 ranks), and a hang five steps after the
