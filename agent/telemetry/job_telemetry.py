@@ -303,9 +303,14 @@ class _JobRanks:
         self.checkpoint_set_aside = 0
         self.owner_uid: int | None = None  # the uid of the job's first verified stream (module docstring)
         self.matcher = ArrivalMatcher()
-        self.writing: set[int] = set()  # ranks here whose checkpoint write is in flight
         self.write_events = 0  # writes begun or ended on the ranks here: a step that saw one overlapped it
         self.intervals: dict[int, list[Interval]] = {}  # from measured durations
+
+    def write_overlaps(self, rank: "_RankTelemetry") -> bool:
+        """Whether `rank`'s step in flight overlaps a checkpoint write: one runs on a rank here (a save begun at a
+        newer step than its write last ended), or one began or ended since the rank's last step."""
+        return (rank.write_mark != self.write_events
+                or any(r.write_started > r.write_ended for r in self.ranks.values()))
 
 
 class TelemetryListener(Protocol):
@@ -382,8 +387,7 @@ class JobTelemetry:
                     rank.steady.clear()
                     rank.writing_steps.clear()
                     rank.write_started = rank.write_ended = -1
-                    rank.write_tail = 0
-                    job.writing.discard(info.rank)  # the old process's write ended with it
+                    rank.write_tail = 0  # the old process's write ended with it
                     rank.checkpoint_stage = ""
                     rank.collective_gaps.clear()
                     rank.prev_arrival_ns = 0
@@ -461,7 +465,7 @@ class JobTelemetry:
             state.recent.append((float(start_unix), duration, max(0, int(tokens))))
             state.process_steps += 1
             owner = self._jobs[job]
-            overlapped = bool(owner.writing) or state.write_mark != owner.write_events
+            overlapped = owner.write_overlaps(state)
             if overlapped:
                 state.write_tail = STEPS_AFTER_WRITE
             elif state.write_tail > 0:
@@ -594,16 +598,13 @@ class JobTelemetry:
                 pass
             else:
                 state.checkpoint_stage = stage
-            if stage in _WRITE_BEGINS or stage in _WRITE_ENDS:
-                if stage in _WRITE_BEGINS:
-                    state.write_started = max(state.write_started, int(step))
-                else:  # a synchronous save reports `written` before `staged`: compared by step, not by order
-                    state.write_ended = max(state.write_ended, int(step))
+            # a synchronous save reports `written` before `staged`: begun and ended are compared by step, not order
+            if stage in _WRITE_BEGINS:
+                state.write_started = max(state.write_started, int(step))
                 owner.write_events += 1
-                if state.write_started > state.write_ended:
-                    owner.writing.add(rank)
-                else:
-                    owner.writing.discard(rank)
+            elif stage in _WRITE_ENDS:
+                state.write_ended = max(state.write_ended, int(step))
+                owner.write_events += 1
             if stage == "staged":
                 state.checkpoint_stall = max(0.0, float(seconds))
             elif stage == "committed":
@@ -740,7 +741,7 @@ class JobTelemetry:
                                      else _percentile(durations, 0.99)),
             steady_steps=len(r.steady),
             writing_step_p99_seconds=_percentile(sorted(r.writing_steps), 0.99),
-            write_pending=bool(job.writing) or r.write_mark != job.write_events or r.write_tail > 0,
+            write_pending=r.write_tail > 0 or job.write_overlaps(r),
             still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
             collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
         )
