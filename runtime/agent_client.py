@@ -540,6 +540,20 @@ def ask_memory_steps(socket_path: str, job: str, world_size: int, rank: int, tim
     return [] if isinstance(reply, str) else [int(s) for s in reply.memory_steps]
 
 
+def ask_memory_held(socket_path: str, job: str, world_size: int, rank: int,
+                    timeout: float = 10.0) -> list[tuple[int, int, int]]:
+    """(world size, rank, step) of every memory snapshot file the agent owning the memory vouches for, of every
+    rank on its node; an older agent that answers only for the asking rank gives that rank's files at
+    ``world_size``. Empty when there are none or no agent answers. Once per restore, off the hot path."""
+    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size),
+                                                                      rank=int(rank), all_memory=True), timeout)
+    if isinstance(reply, str):
+        return []
+    if reply.memory_held:
+        return [(int(f.world_size), int(f.rank), int(f.step)) for f in reply.memory_held]
+    return [(int(world_size), int(rank), int(s)) for s in reply.memory_steps]
+
+
 def _arrivals_message(batch) -> pb.Arrivals:
     index: dict[str, int] = {}
     ops: dict[str, int] = {}

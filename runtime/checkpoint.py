@@ -63,6 +63,8 @@ from trainwarden.agent.proto.checkpoint_layout import (
     validate,
 )
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
+from trainwarden.agent.proto.snapshot_layout import snapshot_path
+from trainwarden.runtime.memory_reshard import Choice, SnapshotReader, choose, open_files
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.session import current as current_session
@@ -250,6 +252,7 @@ class Checkpointer:
             self.memory = MemorySnapshots(memory_dir, rank=self.rank, world_size=self.world_size,
                                           report=self._snapshot_written)
         self.resumed_from_memory = False
+        self._held: list[tuple[int, int, int]] = []  # the memory snapshot files this rank's node holds (restore)
 
     # -- save -----------------------------------------------------------------------------------------
 
@@ -450,9 +453,10 @@ class Checkpointer:
             self._block(plan.blocked, CheckpointReadError)
         passed_over = list(plan.passed_over)
         if plan.memory_floor is not None:
-            step = self._memory_step(plan.memory_floor)
-            if step is not None and self._restore_from_memory(step, state, began):
-                return step
+            choice = self._memory_choice(plan.memory_floor)
+            if choice is not None and (self._restore_from_memory(choice.step, state, began) if choice.own
+                                       else self._restore_resharded(choice, state, began)):
+                return choice.step
         for step, path in plan.candidates:
             failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
@@ -591,30 +595,89 @@ class Checkpointer:
         return plan_restore(self.directory, record=self._committed_record, read_backoff_s=self.read_backoff_s,
                             keeps_memory=self.memory is not None, quarantine=self._quarantine)
 
-    def _memory_step(self, floor: int) -> int | None:
-        """Collective: the newest step every rank has a memory snapshot of, or None. A rank counts the steps its
-        node's agent (the memory's owner) heard it report and still holds, and whose file is here: none after
-        that agent restarted, none of a rank that moved to another node. A snapshot older than ``floor`` (what
-        the disk holds or etcd says was committed) is never used."""
-        mine: list[int] = []
-        if self.memory is not None:
-            session = self._events or current_session()
-            ask = getattr(session, "memory_steps", None)
-            try:
-                vouched = ask(self.world_size) if ask is not None else []
-                mine = [s for s in vouched if self.memory.has(s)]
-            except Exception as exc:
-                logger.warning("could not ask the node agent for this rank's memory snapshots (%s)", exc)
-        everyone = self._gather(mine)
-        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
-        best = max(common, default=None)
-        if self.rank == 0 and any(everyone) and (best is None or best < floor):
-            missing = [r for r, steps in enumerate(everyone) if not steps]
+    def _memory_held(self) -> list[tuple[int, int, int]]:
+        """(world size, rank, step) of the snapshot files this rank's node agent (the memory's owner) vouches for
+        and that are here: none after that agent restarted."""
+        if self.memory is None:
+            return []
+        session = self._events or current_session()
+        try:
+            ask_all = getattr(session, "memory_held", None)
+            if ask_all is not None:
+                vouched = ask_all(self.world_size)
+            else:  # a session that answers for this rank only
+                ask = getattr(session, "memory_steps", None)
+                vouched = [(self.world_size, self.rank, s) for s in (ask(self.world_size) if ask else [])]
+        except Exception as exc:
+            logger.warning("could not ask the node agent for the memory snapshots it holds (%s)", exc)
+            return []
+        return [(w, r, s) for w, r, s in vouched
+                if snapshot_path(self.memory.directory, w, r, s).is_file()]
+
+    def _memory_choice(self, floor: int) -> Choice | None:
+        """Collective: the newest step of which the ranks' nodes hold every rank's memory snapshot (at this world
+        size or another), or None. A snapshot older than ``floor`` (what the disk holds or etcd says was
+        committed) is never used."""
+        self._held = self._memory_held()
+        everyone = self._gather(self._held)
+        choice = choose(everyone, self.world_size, floor)
+        if self.rank == 0 and choice is None and any(everyone):
+            newest = choose(everyone, self.world_size, -1)
             logger.info("restoring from disk, not memory: %s", (
-                f"the memory snapshot every rank has (step {best}) is older than the disk's (step {floor})"
-                if best is not None else f"no step is in every rank's memory snapshots"
-                f"{f' (ranks {missing[:16]} have none)' if missing else ''}"))
-        return best if best is not None and best >= floor else None
+                f"the newest memory snapshot of every rank (step {newest.step}) is older than the disk's (step "
+                f"{floor})" if newest is not None else "no step is in every rank's memory snapshots"))
+        return choice
+
+    def _restore_resharded(self, choice: Choice, state: Mapping[str, Any], began: float) -> bool:
+        """Collective: load the memory snapshots of ``choice`` through DCP (another world size, or files on other
+        nodes: runtime/memory_reshard.py); True when every rank did. Otherwise the disk's candidates follow."""
+        held = {r: snapshot_path(self.memory.directory, w, r, s) for w, r, s in self._held
+                if (w, s) == (choice.world, choice.step)} if self.memory is not None else {}
+        mapped, errors = open_files(held, choice.step, choice.world)
+        mine = {r: mapped[r].header for r, q in choice.holders.items() if q == self.rank and r in mapped}
+        missing = [r for r, q in choice.holders.items() if q == self.rank and r not in mapped]
+        gathered = self._gather((mine, {r: errors.get(r, "its file is gone") for r in missing}))
+        headers = {r: h for part, _ in gathered for r, h in part.items()}
+        failed = {r: e for _, part in gathered for r, e in part.items()}
+        error, received = "", 0
+        if not failed:
+            dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
+            try:
+                reader = SnapshotReader(headers, mapped, choice.holders, rank=self.rank, group=self._pg)
+                dcp.load(dcp_state, storage_reader=reader, process_group=self._pg, no_dist=not self._distributed)
+                received = reader.received_bytes
+                for name, value in dcp_state.items():
+                    if not hasattr(value, "state_dict"):
+                        put_back(state, name, value)
+            except _SAVE_LOAD_ERRORS as exc:
+                error = describe(exc)
+            outcomes = self._gather((error, received))
+            errors_everywhere = {r: e for r, (e, _) in enumerate(outcomes) if e}
+            received = sum(n for _, n in outcomes)
+        else:
+            errors_everywhere = {}
+        for snapshot in mapped.values():
+            snapshot.close()
+        if failed or errors_everywhere:
+            if self.rank == 0:
+                why = "; ".join([f"rank {r}'s file: {e}" for r, e in sorted(failed.items())]
+                                + [f"rank {r}: {e}" for r, e in sorted(errors_everywhere.items())])
+                logger.warning("not restoring step %d from the memory snapshots taken at world size %d (%s); "
+                               "restoring from the disk checkpoints", choice.step, choice.world, why[:1500],
+                               extra={"event": "snapshot_unusable", "step": choice.step})
+            return False
+        self._last_saved_step = None  # the disk has no checkpoint of this step: a save of it is a real one
+        self.resumed_from_memory = True
+        seconds = time.monotonic() - began
+        if self.rank == 0:
+            logger.info("resumed from the memory snapshots of step %d taken at world size %d, now %d, resharded by "
+                        "DCP, in %.3f s (%s crossed between nodes; RNG states not restored: they are per rank; "
+                        "the newest disk checkpoint is older or the same)", choice.step, choice.world,
+                        self.world_size, seconds,
+                        f"{received / 2**20:.1f} MiB" if received >= 2**20 else f"{received / 1024:.1f} KiB",
+                        extra={"event": "checkpoint_resume", "step": choice.step})
+        self._report("restored", choice.step, seconds=seconds, path=str(self.memory.directory))
+        return True
 
     def _committed_record(self) -> tuple[int | None, str]:
         """(step, source) of etcd's record of the job's checkpoint in this directory, asked of the node agent;

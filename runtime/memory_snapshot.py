@@ -42,6 +42,11 @@ freshly initialised state), then hands the filled template to ``load_state_dict`
 what it reads. A file that is torn, another rank's or step's, or that a writer took for a newer snapshot while it
 was read (the prefix is read again after the file) is refused with the reason, as is any mismatch (another key,
 shape or dtype), and the caller falls back to the disk.
+
+Another world size, or a rank whose file is on another node: when a file is made, the snapshot also records DCP's
+view of the state (``_dcp_view``: each tensor's flattened key, global size and chunk offsets; each other value's
+path), once per layout, off the per-step path. ``MappedSnapshot`` maps a complete file for
+runtime/memory_reshard.py, which hands a step's files to ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -61,13 +66,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
 from trainwarden.agent.proto.snapshot_layout import KEEP, partial_path, rank_partials, rank_snapshots, snapshot_path
 from trainwarden.runtime.checkpoint_state import put_back
 
-__all__ = ["KEEP", "MemorySnapshots", "memory_dir_from_env"]
+__all__ = ["KEEP", "MappedSnapshot", "MemorySnapshots", "memory_dir_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +126,16 @@ def _copy(buffers: list[torch.Tensor], sources: list[torch.Tensor], *, non_block
                 buffer.copy_(source, non_blocking=non_blocking)
 
 
-def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _strip(value: Any, tensors: list[torch.Tensor], originals: dict[int, int] | None = None) -> Any:
     """``value``'s structure with each tensor (of a DTensor its local shard) appended to ``tensors`` and replaced by
-    ``(_TENSOR, its index)``: the header's body."""
+    ``(_TENSOR, its index)``: the header's body. ``originals``, when given, maps each tensor object's ``id`` (the
+    DTensor, not its shard) to its index."""
 
     def leaf(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return _NOT_LEAF
+        if originals is not None:
+            originals[id(value)] = len(tensors)
         if isinstance(value, DTensor):
             # the local shard itself (to_local() runs an autograd function per tensor: most of the walk's time)
             local = getattr(value, "_local_tensor", None)
@@ -168,6 +178,27 @@ class _HostBuffers:
         if self.event is not None:
             self.event.synchronize()
 
+def _dcp_view(states: dict[str, Any], originals: dict[int, int]) -> dict | None:
+    """How DCP names and places this rank's part of ``states`` (each entry's state dict), for a restore at another
+    world size or on another node (runtime/memory_reshard.py): each tensor's flattened key, its index in the tensor
+    table, the global size and where this rank's chunk sits in it; each other value's key and path in the body.
+    None when a tensor is not one the walk saw (the snapshot then serves the same rank only)."""
+    flat, paths = flatten_state_dict(states)
+    tensors, values = [], []
+    for fqn, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            values.append((fqn, tuple(paths[fqn])))
+            continue
+        index = originals.get(id(value))
+        items = _create_write_items(fqn, value)
+        if index is None or len(items) != 1 or items[0].tensor_data is None:
+            return None
+        data = items[0].tensor_data
+        tensors.append((fqn, tuple(paths[fqn]), index, tuple(data.size), tuple(data.chunk.offsets),
+                        tuple(data.chunk.sizes)))
+    return {"tensors": tensors, "values": values}
+
+
 def _fill(template: Any, saved: Any, key: str) -> Any:
     """``template`` with every tensor's data replaced by ``saved``'s (in place) and every other value by the saved
     one; raises ValueError at the first difference in structure, shape or dtype."""
@@ -197,6 +228,7 @@ def _fill(template: Any, saved: Any, key: str) -> Any:
     return saved
 
 
+_UNSET = object()
 _MAGIC = b"TWSNAP2\n"
 _PREFIX = struct.Struct("<8sQQQ")
 """A file's first bytes: the magic, the step, the header's offset and its length. A snapshot writes them last and a
@@ -227,6 +259,8 @@ class _SnapshotFile:
 
     def __init__(self, path: Path, layout: Layout) -> None:
         self.path, self.layout = path, layout
+        self.dcp: Any = _UNSET
+        """DCP's view of the state this file was made for (``_dcp_view``); set by the snapshot that made it."""
         self.table: list[tuple[str, tuple[int, ...], int, int]] = []
         offset = _aligned(_PREFIX.size)
         for dtype, shape in layout:
@@ -316,6 +350,90 @@ def _load(path: Path) -> Any:
     return _walk(header["body"], fill)
 
 
+class MappedSnapshot:
+    """A complete snapshot file mapped read-only in effect (private, copy-on-write pages: nothing is written back), for
+    a restore at another world size or on another node (runtime/memory_reshard.py): its header and a view of each
+    tensor, no byte copied until a caller copies it. ValueError when the file is not one or is torn; ``check`` says
+    whether a writer took it since (its prefix changed)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _PREFIX.size:
+                raise ValueError(f"torn: {size} bytes")
+            self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        self._prefix = bytes(self._map[:_PREFIX.size])
+        magic, self.step, at, length = _PREFIX.unpack(self._prefix)
+        if magic != _MAGIC:
+            raise ValueError("being rewritten (its magic is cleared)" if magic == bytes(len(_MAGIC))
+                             else "not a trainwarden snapshot (no magic)")
+        if at + length > size:
+            raise ValueError(f"torn: the header ends at {at + length}, the file at {size}")
+        header = _NoClasses(io.BytesIO(self._map[at:at + length])).load()
+        if not isinstance(header, dict) or not isinstance(header.get("body"), dict) \
+                or header["body"].get("step") != self.step:
+            raise ValueError(f"torn: the header is not the one of step {self.step}")
+        self.header = header
+        self._base = torch.frombuffer(self._map, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self._at = at
+
+    def tensor(self, index: int) -> torch.Tensor:
+        """A view of the tensor at ``index`` of the table (valid while this object lives)."""
+        dtype, shape, offset, nbytes = self.header["tensors"][index]
+        kind = getattr(torch, dtype, None)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        if offset + nbytes > self._at:
+            raise ValueError(f"torn: a tensor's bytes end at {offset + nbytes}, the header begins at {self._at}")
+        if not nbytes:
+            return torch.empty(shape, dtype=kind)
+        return self._base[offset:offset + nbytes].view(kind).view(shape)
+
+    def value(self, path: tuple) -> Any:
+        """The body's value at ``path`` (DCP's object path: mapping keys as strings, sequence indices), with each
+        tensor in it read from the file (a copy)."""
+        value: Any = self.header["body"]["state"]
+        for key in path:
+            if isinstance(value, Mapping):
+                match = [k for k in value if str(k) == str(key)]
+                if len(match) != 1:
+                    raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
+                value = value[match[0]]
+            elif isinstance(value, (list, tuple)) and isinstance(key, int) and 0 <= key < len(value):
+                value = value[key]
+            else:
+                raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
+
+        def fill(item: Any) -> Any:
+            if isinstance(item, tuple) and len(item) == 2 and item[0] == _TENSOR:
+                return self.tensor(item[1]).clone()
+            return _NOT_LEAF
+
+        return _walk(value, fill)
+
+    def holds_tensor(self, path: tuple, index: int) -> bool:
+        """Whether the body has the tensor ``index`` at ``path`` (DCP's view was made for the same structure)."""
+        try:
+            value: Any = self.header["body"]["state"]
+            for key in path:
+                value = (value[[k for k in value if str(k) == str(key)][0]] if isinstance(value, Mapping)
+                         else value[key])
+        except (IndexError, KeyError, TypeError):
+            return False
+        return isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR and value[1] == index
+
+    def check(self) -> None:
+        """ValueError when a writer took the file since it was opened (its prefix changed)."""
+        with open(self.path, "rb") as f:
+            if os.pread(f.fileno(), _PREFIX.size, 0) != self._prefix:
+                raise ValueError(f"{self.path} was rewritten while it was read")
+
+    def close(self) -> None:
+        self._base = None
+        self._map = None  # unmapped once no view of it is left
+
+
 class MemorySnapshots:
     """One rank's snapshots in the agent's memory directory (see the module's docstring)."""
 
@@ -352,10 +470,13 @@ class MemorySnapshots:
         file, doing = None, "copying the state"
         try:
             tensors: list[torch.Tensor] = []
-            body = {name: _strip(entry.state_dict() if hasattr(entry, "state_dict") else entry, tensors)
-                    for name, entry in state.items()}
+            states = {name: entry.state_dict() if hasattr(entry, "state_dict") else entry
+                      for name, entry in state.items()}
+            body = {name: _strip(value, tensors) for name, value in states.items()}
             doing = "taking a file"
             file = self._take(step, [(t.dtype, t.shape) for t in tensors])
+            if file.dcp is _UNSET:  # a new file: once per layout, not per step
+                file.dcp = self._dcp_view(states)
             doing = "copying the state"
             on_cpu = [i for i, t in enumerate(tensors) if t.is_cpu]
             _copy([file.views[i] for i in on_cpu], [tensors[i] for i in on_cpu], non_blocking=False)
@@ -392,6 +513,17 @@ class MemorySnapshots:
         self._files.append(file)
         return file
 
+    def _dcp_view(self, states: dict[str, Any]) -> dict | None:
+        originals: dict[int, int] = {}
+        seen: list[torch.Tensor] = []
+        for value in states.values():
+            _strip(value, seen, originals)  # the same walk, the same order: each tensor object's index
+        try:
+            return _dcp_view(states, originals)
+        except Exception as exc:  # the snapshot still serves this rank at this world size
+            log.debug("no DCP view of rank %d's snapshot (%s: %s)", self.rank, type(exc).__name__, exc)
+            return None
+
     def _drop(self, file: _SnapshotFile) -> None:
         if file in self._files:
             self._files.remove(file)
@@ -407,7 +539,8 @@ class MemorySnapshots:
                 self._host.wait()  # the copies from the GPU
                 _copy([file.views[i] for i, _ in staged], [buffer for _, buffer in staged], non_blocking=False)
             header = pickle.dumps({"body": {"step": step, "rank": self.rank, "world_size": self.world_size,
-                                            "state": body}, "tensors": file.table}, protocol=pickle.HIGHEST_PROTOCOL)
+                                            "state": body}, "tensors": file.table, "dcp": file.dcp},
+                                  protocol=pickle.HIGHEST_PROTOCOL)
             file.publish(step, header, path)
         except Exception as exc:
             self._drop(file)

@@ -60,7 +60,7 @@ from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
                            TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
-                           ask_memory_steps)
+                           ask_memory_held, ask_memory_steps)
 from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
@@ -311,6 +311,13 @@ class Session:
         if self._client is None:
             return []
         return ask_memory_steps(self._client.config.socket_path, self.job, world_size, self.rank)
+
+    def memory_held(self, world_size: int) -> list[tuple[int, int, int]]:
+        """(world size, rank, step) of every in-memory snapshot file its node agent vouches for, of every rank on
+        this node (runtime/memory_reshard.py); empty without an agent or snapshots."""
+        if self._client is None:
+            return []
+        return ask_memory_held(self._client.config.socket_path, self.job, world_size, self.rank)
 
     def _hold(self, index: int) -> None:
         """Wait before step ``index``: the launcher restarts the workers once the checkpoint this rank just

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                 lines = logs[n].read_text(errors="replace").splitlines() if logs[n].exists() else []
                 for line in lines[seen[n]:]:
                     m = STEP.search(line)
-                    if "resumed from checkpoint" in line:
+                    if "resumed from checkpoint" in line or "resumed from the memory" in line:
                         resumed = True
                     # every 10th step, and the first one after a resume
                     if SHOW.search(line) and (not m or int(m.group(1)) % 10 == 0 or resumed):

@@ -5,8 +5,9 @@ it to the workers (``MEMORY_DIR_ENV``). Each rank writes its snapshot there afte
 (checkpoint stage ``snapshot``; runtime/memory_snapshot.py). This class hears those reports and answers the
 restoring ranks which of their snapshots it holds (the CheckpointRecord RPC's ``memory_steps``); the ranks agree on
 the newest step all of them have (runtime/checkpoint.py), so a restart after a crash or a hang resumes from the step
-before the fault, from memory. Each node's agent answers for its own ranks only: a job of several nodes needs no
-traffic between agents, and a rank that now runs on another node finds no snapshot there (the disk then).
+before the fault, from memory. Each node's agent answers for the files in its own directory only (``held``: of
+every rank on the node, for a restore into another world size or numbering, whose ranks exchange the chunks among
+themselves: runtime/memory_reshard.py); agents never talk to each other about them.
 
 What it trusts:
 
@@ -114,6 +115,16 @@ class MemoryTier:
                 return []
             return sorted(self._steps.get(rank, ()), reverse=True)
 
+    def held(self, job: str) -> list[tuple[int, int, int]]:
+        """(world size, rank, step) of every snapshot file this agent heard reported and still keeps: a restore
+        into another world size, or with the ranks numbered anew, reads them (runtime/memory_reshard.py)."""
+        if job != self.job:
+            return []
+        with self._lock:
+            if self._world is None:
+                return []
+            return [(self._world, rank, step) for rank, steps in sorted(self._steps.items()) for step in steps]
+
     def close(self) -> None:
         """Remove the directory and every snapshot in it (the run is over)."""
         shutil.rmtree(self.path, ignore_errors=True)
@@ -131,6 +142,7 @@ def start_memory_tier(job: str, agent, *, enabled: bool, cleanup, out) -> "Memor
     cleanup.callback(tier.close)
     agent.job_telemetry.add_listener(tier)
     agent.server.memory_steps = tier.steps
+    agent.server.memory_held = tier.held
     print(f"trainwarden: memory snapshots in {tier.path}: a job that checkpoints with trainwarden's Checkpointer "
           "and snapshots every step restarts from the step before a fault (--no-memory-snapshots turns this off)",
           file=out, flush=True)

@@ -9,8 +9,10 @@ the world size has reported it (agent ``launch/memory_tier``). Both sides read t
     <memory dir>/world-8/rank-00003.step-00000017.pt      rank 3 of 8, after step 17
     <memory dir>/world-8/rank-00003.step-00000017.pt.tmp  being written (never read); its writer may have died
 
-A file holds only what its rank owns (the local shards of DTensors), so it is loadable only by the same rank at
-the same world size: a new world size starts a new ``world-N`` directory and the old one is never read.
+A file holds only what its rank owns (the local shards of DTensors): the same rank at the same world size loads it
+directly; a restore into another world size (or with the ranks numbered anew) reads all of one step's files of a
+``world-N`` directory through DCP (runtime ``memory_reshard``). Snapshots of a new world size go to a new ``world-N``
+directory; the agent removes the old one once a rank reports a file of the new one.
 """
 
 from __future__ import annotations

@@ -348,27 +348,41 @@ class CommitReply(_message.Message):
     def __init__(self, allowed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointRecordRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank")
+    __slots__ = ("job", "world_size", "rank", "all_memory")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    ALL_MEMORY_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    all_memory: bool
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., all_memory: _Optional[bool] = ...) -> None: ...
+
+class MemoryFile(_message.Message):
+    __slots__ = ("world_size", "rank", "step")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    rank: int
+    step: int
+    def __init__(self, world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class CheckpointRecordReply(_message.Message):
-    __slots__ = ("known", "found", "step", "path", "source", "memory_steps")
+    __slots__ = ("known", "found", "step", "path", "source", "memory_steps", "memory_held")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HELD_FIELD_NUMBER: _ClassVar[int]
     known: bool
     found: bool
     step: int
     path: str
     source: str
     memory_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    memory_held: _containers.RepeatedCompositeFieldContainer[MemoryFile]
+    def __init__(self, known: _Optional[bool] = ..., found: _Optional[bool] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., source: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ..., memory_held: _Optional[_Iterable[_Union[MemoryFile, _Mapping]]] = ...) -> None: ...

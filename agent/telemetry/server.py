@@ -139,6 +139,9 @@ class TelemetryServer:
         self.memory_steps: Callable[[str, int, int], "list[int]"] | None = None
         """``(job, world_size, rank) -> steps`` of the rank's memory snapshots this agent holds, newest first (the
         launcher that owns the memory sets it: agent/launch/memory_tier.py); None: this agent keeps none."""
+        self.memory_held: Callable[[str], "list[tuple[int, int, int]]"] | None = None
+        """``job -> [(world_size, rank, step)]``: every memory snapshot file this agent vouches for (set with
+        ``memory_steps``)."""
 
     @property
     def address(self) -> str:
@@ -501,6 +504,9 @@ class TelemetryServer:
         if self.memory_steps is not None and request.world_size > 0:
             try:
                 reply.memory_steps.extend(self.memory_steps(request.job, request.world_size, request.rank))
+                if request.all_memory and self.memory_held is not None:
+                    reply.memory_held.extend(pb.MemoryFile(world_size=w, rank=r, step=s)
+                                             for w, r, s in self.memory_held(request.job))
             except Exception:  # a restore then reads the disk
                 log.exception("cannot tell the memory snapshots of job %s", request.job)
         return reply

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from testbed import TestBed  # noqa: E402
 
 RANK0_STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: step (\d+) loss", re.M)
-RANK0_RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint",
-                           re.M)
+RANK0_RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from "
+                           r"(?:checkpoint|the memory)", re.M)
 TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\] (Rendezvous'ing worker group|"
                        r"Rendezvous complete for workers)", re.M)
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
@@ -53,8 +53,8 @@ SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", 
              "torchrun-grow", "tw-kill-warm", "tw-partition-warm")
 """``-warm``: warm workers, the default (the survivors' restarted workers fork with torch imported); the
 others run ``trainwarden run --cold-workers``."""
-RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from checkpoint step "
-                              r"(\d+)", re.M)
+RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from "
+                              r"(?:checkpoint step|the memory snapshots? of step) (\d+)", re.M)
 
 
 def _stamp(text: str) -> float:

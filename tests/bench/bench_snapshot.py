@@ -42,11 +42,14 @@ from trainwarden.runtime.checkpoint import Checkpointer, RNGState  # noqa: E402
 class _FilesAsAgent:
     """Answers the restore's questions as the node agent would, from the snapshot files (no agent runs here)."""
 
-    def __init__(self, memory_dir: Path, world: int, rank: int) -> None:
-        self.memory_dir, self.world, self.rank = memory_dir, world, rank
+    def __init__(self, memory_dir: Path, world: int, rank: int, *, others: bool = False) -> None:
+        self.memory_dir, self.world, self.rank, self.others = memory_dir, world, rank, others
 
-    def memory_steps(self, world_size: int) -> list[int]:
-        return [step for step, _ in rank_snapshots(self.memory_dir, world_size, self.rank)]
+    def memory_held(self, world_size: int) -> list[tuple[int, int, int]]:
+        """This rank's files; with ``others``, every rank's but its own: no rank holds its own file, so the restore
+        goes through DCP and each rank's own chunks come from another rank (runtime/memory_reshard.py)."""
+        ranks = [r for r in range(self.world) if r != self.rank] if self.others else [self.rank]
+        return [(world_size, r, step) for r in ranks for step, _ in rank_snapshots(self.memory_dir, world_size, r)]
 
     def committed_record(self):
         return None, "", "none recorded"
@@ -99,12 +102,14 @@ def main() -> None:
         optim.zero_grad(set_to_none=True)
         train_state.step = index
 
-    index = 0
+    index, first_calls = 0, []
     for _ in range(3):  # warm-up: allocations, the first snapshot's buffers
         index += 1
         step(index)
-        ckpt.snapshot(index, state)
-    ckpt.memory.wait()
+        call = time.monotonic()
+        ckpt.snapshot(index, state)  # the first two make the rank's files (and record DCP's view of the state)
+        first_calls.append(max(per_rank(time.monotonic() - call)))
+        ckpt.memory.wait()
     times: dict[bool, list[float]] = {True: [], False: []}
     calls, writes, state_dicts = [], [], []
     for block in range(2 * args.blocks):
@@ -133,10 +138,11 @@ def main() -> None:
     nbytes = sum(p.stat().st_size for p in memory_dir.rglob("*.pt")) / 2  # two kept per rank
     ckpt.close()
 
-    restores: dict[str, list] = {"memory": [], "disk": []}
-    for source in ("memory", "disk") * 3:  # alternating: neither gets the first restore's one-time costs alone
-        ck = Checkpointer(disk_dir / "ckpt", memory_dir=memory_dir if source == "memory" else None,
-                          session=_FilesAsAgent(memory_dir, world, rank), read_backoff_s=())
+    restores: dict[str, list] = {"memory": [], "disk": [], "memory-dcp": []}
+    for source in ("memory", "disk", "memory-dcp") * 3:  # alternating: none gets the one-time costs alone
+        ck = Checkpointer(disk_dir / "ckpt", memory_dir=memory_dir if source != "disk" else None,
+                          session=_FilesAsAgent(memory_dir, world, rank, others=source == "memory-dcp"),
+                          read_backoff_s=())
         dist.barrier()
         began = time.monotonic()
         restored = ck.restore(state)
@@ -155,10 +161,15 @@ def main() -> None:
               f"of it TrainState.state_dict() alone (measured after it, outside the step's time) "
               f"{statistics.median(state_dicts) * 1e3:.2f} ms; background write (last per block): median {statistics.median(writes) * 1e3:.2f} ms; "
               f"skipped (a write still in flight): {skipped_all} of {len(times[True]) * world} rank-steps")
-        mem, disk = (statistics.median(r[0] for r in restores[k]) for k in ("memory", "disk"))
+        mem, disk, via_dcp = (statistics.median(r[0] for r in restores[k]) for k in ("memory", "disk", "memory-dcp"))
         print(f"restore of step {last} (median of 3, alternating): from memory {mem * 1e3:.0f} ms "
               f"{[(round(r[0] * 1e3), r[1], r[2]) for r in restores['memory']]}, from disk {disk * 1e3:.0f} ms "
               f"{[(round(r[0] * 1e3), r[1], r[2]) for r in restores['disk']]}; ratio {mem / disk:.2f}")
+        print(f"restore of step {last} from memory through DCP, every rank's chunks from another rank's file (a new "
+              f"numbering; exchanged over gloo): {via_dcp * 1e3:.0f} ms "
+              f"{[(round(r[0] * 1e3), r[1], r[2]) for r in restores['memory-dcp']]}; ratio to disk {via_dcp / disk:.2f}")
+        print(f"first snapshot calls (the first two make the files and record DCP's view; the third reuses): "
+              f"{[round(t * 1e3, 1) for t in first_calls]} ms")
         shutil.rmtree(memory_dir, ignore_errors=True)
         shutil.rmtree(disk_dir, ignore_errors=True)
     dist.barrier()

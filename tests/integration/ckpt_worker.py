@@ -5,6 +5,10 @@ Modes:
            right after each save, dump the full state that was saved to ``<dump-dir>/dump-<step>.pt``.
   restore: restore only, then dump the loaded state to ``<dump-dir>/restored.pt`` (with the step).
 
+With ``--memory-root`` each rank also snapshots its state into memory after every step (and dumps it), in the
+directory of its simulated node: ``<memory-root>/node-<n>``, ``n`` from ``--node-map`` (one node index per rank).
+A stand-in for each node's agent vouches for every complete file in its node's directory.
+
 A dump (written by rank 0) holds every parameter and optimizer state as full tensors (``full_tensor()``) and
 each rank's RNG fingerprint (the next torch / random / numpy draws), so two dumps compare exactly.
 """
@@ -24,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from trainwarden.agent.proto.snapshot_layout import parse_snapshot
 from trainwarden.runtime.checkpoint import Checkpointer, ModelState, RNGState
 
 DIM = 32
@@ -57,6 +62,26 @@ def dump(path: Path, step: int | None, model, optim) -> None:
         torch.save({"step": step, "params": params, "optim": opt_state, "rng": prints}, path)
 
 
+class NodeAgent:
+    """What a node's agent answers a restoring rank: no etcd record; every complete snapshot file in its memory
+    directory (the real agent vouches for the files its workers reported: agent/launch/memory_tier.py)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def committed_record(self):
+        return None, "", "unknown (no etcd in this test)"
+
+    def memory_held(self, world_size: int):
+        return [parsed for path in self.directory.glob("world-*/*") if (parsed := parse_snapshot(path))]
+
+    def checkpoint_event(self, stage, step, seconds=0.0, bytes=0, path="", detail=""):
+        pass
+
+    def commit_refusal(self, step, path="", bytes=0):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "restore"])
@@ -65,6 +90,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--keep", type=int, default=3)
+    ap.add_argument("--memory-root", default="")
+    ap.add_argument("--node-map", default="", help="comma-separated node index of each rank")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -76,7 +103,13 @@ def main() -> None:
     np.random.seed(300 + rank)
     state = {"train": ModelState(model, optim), "rng": RNGState()}
     dump_dir = Path(args.dump_dir)
-    ckpt = Checkpointer(args.dir, keep=args.keep)
+    if args.memory_root:
+        node = int(args.node_map.split(",")[rank]) if args.node_map else 0
+        memory = Path(args.memory_root) / f"node-{node}"
+        memory.mkdir(parents=True, exist_ok=True)
+        ckpt = Checkpointer(args.dir, keep=args.keep, memory_dir=memory, session=NodeAgent(memory))
+    else:
+        ckpt = Checkpointer(args.dir, keep=args.keep)
     start = ckpt.restore(state) or 0
     if args.mode == "restore":
         dump(dump_dir / "restored.pt", start, model, optim)
@@ -89,6 +122,11 @@ def main() -> None:
             if step % args.save_every == 0:
                 ckpt.save(step, state)
                 dump(dump_dir / f"dump-{step}.pt", step, model, optim)
+            elif args.memory_root:
+                dump(dump_dir / f"dump-{step}.pt", step, model, optim)
+            if args.memory_root:
+                assert ckpt.snapshot(step, state)
+                ckpt.memory.wait()
     ckpt.close()
     print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
     dist.destroy_process_group()

@@ -25,7 +25,8 @@ if TestBed.unavailable():
     pytest.skip(TestBed.unavailable(), allow_module_level=True)
 
 STEP_RE = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: step (\d+) loss ([\d.]+)", re.M)
-RESUMED_RE = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: resumed from checkpoint step (\d+)", re.M)
+RESUMED_RE = re.compile(r"^(\S+ \S+) \[rank 0\] [\w.]+: resumed from (?:checkpoint step|the memory snapshots? of step) (\d+)",
+                        re.M)
 
 
 def _start(bed: TestBed, tmp_path: Path, node: str, job: str, steps: int, ckpt: Path, nnodes: str = "2:3"):
