@@ -486,14 +486,19 @@ class Checkpointer:
                                "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))[:1500],
                                extra={"event": "snapshot_unusable", "step": step})
             return False
+        self._memory_resumed(step, began, lambda seconds: (
+            f"the memory snapshot of step {step} in {seconds:.3f} s (the newest disk checkpoint is older or the "
+            "same)"))
+        return True
+
+    def _memory_resumed(self, step: int, began: float, what: Callable[[float], str]) -> None:
+        """The state is the memory snapshot of ``step``: say so (``what(seconds)`` completes "resumed from")."""
         self._last_saved_step = None  # the disk has no checkpoint of this step: a save of it is a real one
         self.resumed_from_memory = True
         seconds = time.monotonic() - began
         if self.rank == 0:
-            logger.info("resumed from the memory snapshot of step %d in %.3f s (the newest disk checkpoint is "
-                        "older or the same)", step, seconds, extra={"event": "checkpoint_resume", "step": step})
+            logger.info("resumed from %s", what(seconds), extra={"event": "checkpoint_resume", "step": step})
         self._report("restored", step, seconds=seconds, path=str(self.memory.directory if self.memory else ""))
-        return True
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
         self._restore_rng(path, state)
@@ -666,17 +671,11 @@ class Checkpointer:
                                "restoring from the disk checkpoints", choice.step, choice.world, why[:1500],
                                extra={"event": "snapshot_unusable", "step": choice.step})
             return False
-        self._last_saved_step = None  # the disk has no checkpoint of this step: a save of it is a real one
-        self.resumed_from_memory = True
-        seconds = time.monotonic() - began
-        if self.rank == 0:
-            logger.info("resumed from the memory snapshots of step %d taken at world size %d, now %d, resharded by "
-                        "DCP, in %.3f s (%s crossed between nodes; RNG states not restored: they are per rank; "
-                        "the newest disk checkpoint is older or the same)", choice.step, choice.world,
-                        self.world_size, seconds,
-                        f"{received / 2**20:.1f} MiB" if received >= 2**20 else f"{received / 1024:.1f} KiB",
-                        extra={"event": "checkpoint_resume", "step": choice.step})
-        self._report("restored", choice.step, seconds=seconds, path=str(self.memory.directory))
+        crossed = f"{received / 2**20:.1f} MiB" if received >= 2**20 else f"{received / 1024:.1f} KiB"
+        self._memory_resumed(choice.step, began, lambda seconds: (
+            f"the memory snapshots of step {choice.step} taken at world size {choice.world}, now {self.world_size}, "
+            f"resharded by DCP, in {seconds:.3f} s ({crossed} crossed between nodes; RNG states not restored: they "
+            "are per rank; the newest disk checkpoint is older or the same)"))
         return True
 
     def _committed_record(self) -> tuple[int | None, str]:
