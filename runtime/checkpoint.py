@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +64,9 @@ from trainwarden.agent.proto.checkpoint_layout import (
     validate,
 )
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
-from trainwarden.agent.proto.snapshot_layout import snapshot_path
+from trainwarden.agent.proto.contract import PEER_COPY_ENV
+from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.runtime.memory_peer import PeerCopy
 from trainwarden.runtime.memory_reshard import Choice, SnapshotReader, choose, open_files
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
@@ -207,7 +210,7 @@ class Checkpointer:
                  on_commit: Callable[[CheckpointInfo], None] | None = None,
                  session=None, before_save: Callable[[int], None] | None = None,
                  read_backoff_s: tuple[float, ...] | None = None,
-                 memory_dir: str | Path | None | bool = True) -> None:
+                 memory_dir: str | Path | None | bool = True, ranks_per_node: int | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
         self.directory = Path(directory)
@@ -253,6 +256,11 @@ class Checkpointer:
                                           report=self._snapshot_written)
         self.resumed_from_memory = False
         self._held: list[tuple[int, int, int]] = []  # the memory snapshot files this rank's node holds (restore)
+        self.peer: PeerCopy | None = None
+        """Sends this rank's newest snapshot to the next node and keeps that node's copy (runtime/memory_peer.py);
+        None on one node, without memory snapshots on every rank, or with ``TRAINWARDEN_PEER_COPY=0``."""
+        if self._distributed:
+            self.peer = self._start_peer_copy(ranks_per_node)
 
     # -- save -----------------------------------------------------------------------------------------
 
@@ -301,6 +309,25 @@ class Checkpointer:
 
     def _snapshot_written(self, step: int, path: str, seconds: float) -> None:
         self._report("snapshot", step, seconds=seconds, path=path)
+
+    def _start_peer_copy(self, ranks_per_node: int | None) -> PeerCopy | None:
+        """Collective (every rank makes its Checkpointer): a PeerCopy when the job spans nodes and every rank keeps
+        memory snapshots (decided together: making its group is collective too)."""
+        if ranks_per_node is None:
+            try:
+                ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world_size)
+            except ValueError:
+                ranks_per_node = self.world_size
+        if not 0 < ranks_per_node < self.world_size or self.world_size % ranks_per_node:
+            return None  # one node (or nodes of different sizes: no next node to pair with)
+        wanted = self.memory is not None and os.environ.get(PEER_COPY_ENV, "1").strip() != "0"
+        if not all(self._gather(wanted)):
+            if self.rank == 0 and wanted:
+                logger.info("memory snapshots are not copied to other nodes: not every rank keeps them (a node "
+                            "without them, or %s=0 there); a node loss restores from disk", PEER_COPY_ENV)
+            return None
+        return PeerCopy(self.memory, rank=self.rank, world_size=self.world_size, ranks_per_node=ranks_per_node,
+                        report=self._snapshot_written)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the in-flight save (if any) is written and committed, and its ``on_commit`` and
@@ -616,8 +643,15 @@ class Checkpointer:
         except Exception as exc:
             logger.warning("could not ask the node agent for the memory snapshots it holds (%s)", exc)
             return []
-        return [(w, r, s) for w, r, s in vouched
-                if snapshot_path(self.memory.directory, w, r, s).is_file()]
+        return [(w, r, s) for w, r, s in vouched if self._memory_file(w, r, s) is not None]
+
+    def _memory_file(self, world: int, rank: int, step: int) -> Path | None:
+        """A snapshot file on this node: the rank's own, or the copy a peer node sent here."""
+        for path in (snapshot_path(self.memory.directory, world, rank, step),
+                     peer_path(self.memory.directory, world, rank, step)):
+            if path.is_file():
+                return path
+        return None
 
     def _memory_choice(self, floor: int) -> Choice | None:
         """Collective: the newest step of which the ranks' nodes hold every rank's memory snapshot (at this world
@@ -636,8 +670,8 @@ class Checkpointer:
     def _restore_resharded(self, choice: Choice, state: Mapping[str, Any], began: float) -> bool:
         """Collective: load the memory snapshots of ``choice`` through DCP (another world size, or files on other
         nodes: runtime/memory_reshard.py); True when every rank did. Otherwise the disk's candidates follow."""
-        held = {r: snapshot_path(self.memory.directory, w, r, s) for w, r, s in self._held
-                if (w, s) == (choice.world, choice.step)} if self.memory is not None else {}
+        held = {r: path for w, r, s in self._held
+                if (w, s) == (choice.world, choice.step) and (path := self._memory_file(w, r, s)) is not None}
         mapped, errors = open_files(held, choice.step, choice.world)
         mine = {r: mapped[r].header for r, q in choice.holders.items() if q == self.rank and r in mapped}
         missing = [r for r, q in choice.holders.items() if q == self.rank and r not in mapped]
@@ -752,6 +786,8 @@ class Checkpointer:
             self._closed = True
             if self.memory is not None:
                 self.memory.close()
+            if self.peer is not None:
+                self.peer.close()  # after the memory: the last snapshot is sent first
             self._committer.shutdown(wait=True)
             self._post_commit.shutdown(wait=True)
             self._stager.release()

@@ -239,7 +239,7 @@ class FlightRecorder:
             entries = sorted(trace.get("entries") or (), key=lambda e: e["record_id"])
             for entry in entries:
                 entry["recorder"] = name
-            new.extend(self._rings[name].take(entries))
+            new.extend(e for e in self._rings[name].take(entries) if not _internal(e))
         return new
 
     def _traces(self):
@@ -266,7 +266,7 @@ class FlightRecorder:
         for _, trace in self._traces():
             for entry in trace.get("entries") or ():
                 created = entry.get("time_created_ns")
-                if not created or _done(entry):
+                if not created or _done(entry) or _internal(entry):
                     continue
                 if thread is not None and str(entry.get("thread_id", thread)) != thread:
                     continue
@@ -285,6 +285,9 @@ def ring_capacity(env: "dict[str, str] | os._Environ[str]" = os.environ) -> int 
                 return None
     return None
 
+
+INTERNAL_GROUP_PREFIX = "trainwarden-"
+"""The description of every process group trainwarden makes for its own traffic (``dist.new_group(group_desc=)``)."""
 
 GRID_S = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)
 """The read periods a schedule picks from: ranks that pick the same one read at the same instants."""
@@ -394,6 +397,12 @@ def _group_name(entry: dict) -> str:
             return str(pg[1])
         return f"pg{pg[0]}" if str(pg[0]).isdigit() else str(pg[0])  # a group made outside init_process_group
     return f"pg{entry.get('pg_id', '?')}"
+
+
+def _internal(entry: dict) -> bool:
+    """An entry of trainwarden's own background traffic (the peer copy of memory snapshots: runtime/memory_peer.py),
+    never the job's collectives: left out of what is read."""
+    return _group_name(entry).startswith(INTERNAL_GROUP_PREFIX)
 
 
 def _group_id(entry: dict) -> str:

@@ -71,7 +71,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import KEEP, partial_path, rank_partials, rank_snapshots, snapshot_path
+from trainwarden.agent.proto.snapshot_layout import (KEEP, partial_path, peer_path, rank_partials, rank_snapshots,
+                                                    snapshot_path)
 from trainwarden.runtime.checkpoint_state import put_back
 
 __all__ = ["KEEP", "MappedSnapshot", "MemorySnapshots", "memory_dir_from_env"]
@@ -261,6 +262,8 @@ class _SnapshotFile:
         self.path, self.layout = path, layout
         self.dcp: Any = _UNSET
         """DCP's view of the state this file was made for (``_dcp_view``); set by the snapshot that made it."""
+        self.pinned = False
+        """Being sent to a peer node (runtime/memory_peer.py): no snapshot takes it meanwhile (it skips)."""
         self.table: list[tuple[str, tuple[int, ...], int, int]] = []
         offset = _aligned(_PREFIX.size)
         for dtype, shape in layout:
@@ -442,6 +445,8 @@ class MemorySnapshots:
         self.directory = Path(directory)
         self.rank, self.world_size, self.keep = rank, world_size, max(1, keep)
         self._report = report  # (step, path, seconds) once a file is written
+        self.on_written: Callable[[int, "_SnapshotFile"], None] | None = None
+        """Called on the writer thread with each finished file (runtime/memory_peer.py sends it to a peer node)."""
         self._files: list[_SnapshotFile] = []  # this rank's files, oldest first: a snapshot takes the first
         self._host = _HostBuffers()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-snapshot")
@@ -464,6 +469,9 @@ class MemorySnapshots:
         if not self.enabled or self._closed:
             return False
         if self._inflight is not None and not self._inflight.done():
+            self.skipped += 1
+            return False
+        if len(self._files) >= self.keep and self._files[0].pinned:  # still being sent to the peer node
             self.skipped += 1
             return False
         began = time.monotonic()
@@ -563,6 +571,11 @@ class MemorySnapshots:
                 self._report(step, str(path), self.last_write_seconds)
             except Exception:
                 log.debug("could not report the snapshot of step %d", step, exc_info=True)
+        if self.on_written is not None:
+            try:
+                self.on_written(step, file)
+            except Exception:
+                log.debug("could not hand the snapshot of step %d on", step, exc_info=True)
 
     def _turn_off(self, why: str) -> None:
         with self._lock:
@@ -588,6 +601,8 @@ class MemorySnapshots:
         ``state`` is changed when the file cannot be read or does not match; a failure while loading may leave
         part of it loaded, and the caller then loads a disk checkpoint over it)."""
         path = snapshot_path(self.directory, self.world_size, self.rank, step)
+        if not path.is_file() and peer_path(self.directory, self.world_size, self.rank, step).is_file():
+            path = peer_path(self.directory, self.world_size, self.rank, step)  # the copy a peer node sent here
         try:
             saved = _load(path)
         except FileNotFoundError:

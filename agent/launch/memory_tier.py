@@ -12,7 +12,8 @@ themselves: runtime/memory_reshard.py); agents never talk to each other about th
 What it trusts:
 
 - only reports of this run's workers (the telemetry server checks who holds each rank) naming files inside
-  its own directory, of the reporting rank;
+  its own directory: of the reporting rank, or a copy it received of a rank of another node (``world-N/peer/``,
+  runtime/memory_peer.py);
 - only what it heard in its own life: the record is in this process, and the directory is this process's
   (scratch-marked with its pid). A run that restarts (the daemon relaunching a launcher, an agent restart)
   starts with no record and removes the directories of runs that are gone, so a snapshot is never used after
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import KEEP, parse_snapshot
+from trainwarden.agent.proto.snapshot_layout import KEEP, parse_peer, parse_snapshot
 
 __all__ = ["DEFAULT_ROOT", "ROOT_ENV", "MemoryTier", "start_memory_tier"]
 
@@ -56,6 +57,7 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._world: int | None = None
         self._steps: dict[int, deque[int]] = {}  # rank -> its newest reported steps (what its files hold)
+        self._copies: dict[int, deque[int]] = {}  # a rank of another node -> the steps of its copies here
         self.reports = 0
 
     @classmethod
@@ -86,18 +88,22 @@ class MemoryTier:
                       detail: str = "", seconds: float = 0.0) -> None:
         if stage != "snapshot" or job != self.job:
             return
-        parsed = parse_snapshot(path)
-        if parsed is None or Path(path).parent.parent != self.path or parsed[1] != rank or parsed[2] != step:
-            log.warning("job %s rank %d reported a snapshot at %r, not a file of its own in %s: ignored", job, rank,
-                        path[:300], self.path)
+        parsed, copy = parse_snapshot(path), parse_peer(path)
+        if copy is not None and Path(path).parent.parent.parent == self.path and copy[2] == step and copy[1] != rank:
+            world, owner = copy[0], copy[1]  # a copy of another node's rank, received by this node's `rank`
+        elif parsed is not None and Path(path).parent.parent == self.path and parsed[1] == rank and parsed[2] == step:
+            world, owner = parsed[0], None
+        else:
+            log.warning("job %s rank %d reported a snapshot at %r, not a file of its own nor a copy it received in "
+                        "%s: ignored", job, rank, path[:300], self.path)
             return
-        world = parsed[0]
         stale = []
         with self._lock:
             if world != self._world:
                 stale = [p for p in self.path.glob("world-*") if p.name != f"world-{world}"]
-                self._world, self._steps = world, {}
-            steps = self._steps.setdefault(rank, deque(maxlen=KEEP))
+                self._world, self._steps, self._copies = world, {}, {}
+            record = self._steps if owner is None else self._copies
+            steps = record.setdefault(rank if owner is None else owner, deque(maxlen=KEEP))
             if not steps or step > steps[-1]:
                 steps.append(step)
             self.reports += 1
@@ -123,7 +129,8 @@ class MemoryTier:
         with self._lock:
             if self._world is None:
                 return []
-            return [(self._world, rank, step) for rank, steps in sorted(self._steps.items()) for step in steps]
+            return [(self._world, rank, step) for record in (self._steps, self._copies)
+                    for rank, steps in sorted(record.items()) for step in steps]
 
     def close(self) -> None:
         """Remove the directory and every snapshot in it (the run is over)."""

@@ -11,6 +11,7 @@ import re
 
 __all__ = [
     "AGENT_SOCKET_ENV", "AUTO_INSTRUMENT_ENV", "AUTO_OWNER_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "MEMORY_DIR_ENV",
+    "PEER_COPY_ENV",
     "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME",
@@ -48,6 +49,9 @@ CHECKPOINT_DIR_ENV = "TRAINWARDEN_CHECKPOINT_DIR"
 MEMORY_DIR_ENV = "TRAINWARDEN_MEMORY_DIR"
 """The node agent's shared-memory directory for the workers' per-step snapshots (agent/proto/snapshot_layout.py);
 unset: no memory snapshots."""
+PEER_COPY_ENV = "TRAINWARDEN_PEER_COPY"
+"""``0``: the workers do not copy their memory snapshots to the next node (runtime/memory_peer.py); on by default
+when the job spans nodes and every rank keeps snapshots."""
 FLIGHT_RECORDER_ENV = {
     # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read dumps
     # the whole ring, so it stays small: ~1 s of the reference job's collectives, read about once a second

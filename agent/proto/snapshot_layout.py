@@ -8,6 +8,8 @@ the world size has reported it (agent ``launch/memory_tier``). Both sides read t
 
     <memory dir>/world-8/rank-00003.step-00000017.pt      rank 3 of 8, after step 17
     <memory dir>/world-8/rank-00003.step-00000017.pt.tmp  being written (never read); its writer may have died
+    <memory dir>/world-8/peer/rank-00001.step-00000016.pt  a copy of rank 1's file, which lives on another node,
+                                                           received by a rank of this node (runtime memory_peer)
 
 A file holds only what its rank owns (the local shards of DTensors): the same rank at the same world size loads it
 directly; a restore into another world size (or with the ranks numbered anew) reads all of one step's files of a
@@ -21,7 +23,8 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["KEEP", "parse_snapshot", "partial_path", "rank_partials", "rank_snapshots", "snapshot_path", "world_dir"]
+__all__ = ["KEEP", "PEER_DIR", "parse_peer", "parse_snapshot", "partial_path", "peer_path", "peer_snapshots",
+           "rank_partials", "rank_snapshots", "snapshot_path", "world_dir"]
 
 KEEP = 2
 """Files a rank keeps: its newest and the one before, so a step one rank skipped still leaves a step every rank has
@@ -46,6 +49,36 @@ def partial_path(root: str | os.PathLike, world_size: int, rank: int, step: int)
     """The name of ``rank``'s snapshot of ``step`` while it is being written: no reader ever opens it."""
     path = snapshot_path(root, world_size, rank, step)
     return path.with_name(path.name + _PARTIAL_SUFFIX)
+
+
+PEER_DIR = "peer"
+"""The directory, inside a ``world-N`` one, of the copies of other nodes' ranks' files."""
+
+
+def peer_path(root: str | os.PathLike, world_size: int, rank: int, step: int) -> Path:
+    """Where a node keeps its copy of ``rank``'s snapshot after ``step``, when ``rank`` lives on another node."""
+    return world_dir(root, world_size) / PEER_DIR / f"rank-{int(rank):05d}.step-{int(step):08d}.pt"
+
+
+def parse_peer(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """(world size, rank, step) named by a peer copy's path; None for anything else."""
+    path = Path(path)
+    if path.parent.name != PEER_DIR:
+        return None
+    name, world = _NAME_RE.match(path.name), _WORLD_RE.match(path.parent.parent.name)
+    if name is None or world is None:
+        return None
+    return int(world.group(1)), int(name.group(1)), int(name.group(2))
+
+
+def peer_snapshots(root: str | os.PathLike, world_size: int, rank: int) -> list[tuple[int, Path]]:
+    """(step, path) of this node's complete copies of ``rank``'s files at ``world_size``, newest first."""
+    try:
+        entries = list((world_dir(root, world_size) / PEER_DIR).iterdir())
+    except OSError:
+        return []
+    found = [(parsed[2], entry) for entry in entries if (parsed := parse_peer(entry)) is not None and parsed[1] == rank]
+    return sorted(found, reverse=True)
 
 
 def parse_snapshot(path: str | os.PathLike) -> tuple[int, int, int] | None:

@@ -7,7 +7,8 @@ Modes:
 
 With ``--memory-root`` each rank also snapshots its state into memory after every step (and dumps it), in the
 directory of its simulated node: ``<memory-root>/node-<n>``, ``n`` from ``--node-map`` (one node index per rank).
-A stand-in for each node's agent vouches for every complete file in its node's directory.
+A stand-in for each node's agent vouches for every complete file in its node's directory (a rank's own, and the
+copies of other nodes' ranks it received with ``--per-node``).
 
 A dump (written by rank 0) holds every parameter and optimizer state as full tensors (``full_tensor()``) and
 each rank's RNG fingerprint (the next torch / random / numpy draws), so two dumps compare exactly.
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainwarden.agent.proto.snapshot_layout import parse_snapshot
+from trainwarden.agent.proto.snapshot_layout import parse_peer, parse_snapshot
 from trainwarden.runtime.checkpoint import Checkpointer, ModelState, RNGState
 
 DIM = 32
@@ -73,7 +74,8 @@ class NodeAgent:
         return None, "", "unknown (no etcd in this test)"
 
     def memory_held(self, world_size: int):
-        return [parsed for path in self.directory.glob("world-*/*") if (parsed := parse_snapshot(path))]
+        return [parsed for path in self.directory.glob("world-*/**/*")
+                if (parsed := parse_snapshot(path) or parse_peer(path))]
 
     def checkpoint_event(self, stage, step, seconds=0.0, bytes=0, path="", detail=""):
         pass
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=3)
     ap.add_argument("--memory-root", default="")
     ap.add_argument("--node-map", default="", help="comma-separated node index of each rank")
+    ap.add_argument("--per-node", type=int, default=None, help="ranks per simulated node (peer copies of snapshots)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -107,7 +110,8 @@ def main() -> None:
         node = int(args.node_map.split(",")[rank]) if args.node_map else 0
         memory = Path(args.memory_root) / f"node-{node}"
         memory.mkdir(parents=True, exist_ok=True)
-        ckpt = Checkpointer(args.dir, keep=args.keep, memory_dir=memory, session=NodeAgent(memory))
+        ckpt = Checkpointer(args.dir, keep=args.keep, memory_dir=memory, session=NodeAgent(memory),
+                            ranks_per_node=args.per_node)
     else:
         ckpt = Checkpointer(args.dir, keep=args.keep)
     start = ckpt.restore(state) or 0
@@ -121,12 +125,11 @@ def main() -> None:
             optim.zero_grad()
             if step % args.save_every == 0:
                 ckpt.save(step, state)
-                dump(dump_dir / f"dump-{step}.pt", step, model, optim)
-            elif args.memory_root:
-                dump(dump_dir / f"dump-{step}.pt", step, model, optim)
-            if args.memory_root:
+            if args.memory_root:  # before the dump, which draws from the generators (as the save above)
                 assert ckpt.snapshot(step, state)
                 ckpt.memory.wait()
+            if step % args.save_every == 0 or args.memory_root:
+                dump(dump_dir / f"dump-{step}.pt", step, model, optim)
     ckpt.close()
     print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
     dist.destroy_process_group()

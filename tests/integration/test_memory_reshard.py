@@ -77,3 +77,46 @@ def test_a_missing_or_torn_file_leaves_memory_for_the_disk(trained, tmp_path, pr
     assert restored["step"] == 4
     assert_same_state(load(trained / "dump-4.pt"), restored, rng=False)
     assert torn.exists()  # nothing of the memory is removed by a failed restore
+
+
+@pytest.fixture(scope="module")
+def trained_with_copies(tmp_path_factory, request):
+    from procs import ProcessGroup
+
+    base = tmp_path_factory.mktemp("memory-copies")
+    procs = ProcessGroup()
+    request.addfinalizer(procs.close)
+    log = torchrun(procs, 4, base / "train.log", "train", "--dir", str(base / "ckpt"), "--dump-dir", str(base),
+                   "--steps", "5", "--save-every", "2", "--memory-root", str(base / "mem"), "--node-map", "0,0,1,1",
+                   "--per-node", "2")
+    return base, log
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_nodes_ranks_restore_from_the_copies_the_other_node_holds(trained_with_copies, tmp_path, procs):
+    """Each rank sent its snapshots to the same local rank on the other node: with node 1's memory gone (the
+    node is lost), node 0 alone holds every old rank's step 5, and the smaller world resumes from it, not from
+    the disk's step 4."""
+    trained, train_log = trained_with_copies
+    _copy(trained, tmp_path)
+    copies = sorted(p.name for p in (tmp_path / "mem" / "node-0" / "world-4" / "peer").iterdir())
+    assert copies == ["rank-00002.step-00000004.pt", "rank-00002.step-00000005.pt", "rank-00003.step-00000004.pt",
+                      "rank-00003.step-00000005.pt"], copies  # the two newest of each source, the close drained
+    shutil.rmtree(tmp_path / "mem" / "node-1")
+    restored, log = _restore(procs, tmp_path, 2, "0,0")
+    assert restored["step"] == 5, log[-3000:]
+    assert "resumed from the memory snapshots of step 5 taken at world size 4, now 2, resharded by DCP" in log
+    assert_same_state(load(trained / "dump-5.pt"), restored, rng=False)
+    assert "stops copying" not in train_log
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_whose_own_file_is_only_a_peer_copy_loads_it_at_the_same_world(trained_with_copies, tmp_path, procs):
+    """Node 1 replaced: the four ranks again, old ranks 2 and 3 now on node 0 with the copies of their files."""
+    trained, _ = trained_with_copies
+    _copy(trained, tmp_path)
+    shutil.rmtree(tmp_path / "mem" / "node-1")
+    restored, log = _restore(procs, tmp_path, 4, "0,0,0,0")
+    assert restored["step"] == 5, log[-3000:]
+    assert "resumed from the memory snapshot of step 5 " in log  # each rank its own file (two of them copies)
+    assert_same_state(load(trained / "dump-5.pt"), restored)  # RNG states too: each rank's own file

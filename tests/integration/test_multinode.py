@@ -118,8 +118,9 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
         bed.partition("n2")
         wait_for(lambda: "fencing (stopping" in text("n2"), 60, what="n2 to fence itself")
         fenced_after = time.monotonic() - partitioned_at
-        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2, 120,
-                 what="the other nodes to resume as two")
+        # from disk every rank says the RNG states stay; from memory rank 0 says it resharded
+        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2
+                 or "taken at world size 6, now 4" in text("n0", "n1"), 120, what="the other nodes to resume as two")
         bed.heal("n2")
         wait_for(lambda: "rejoins job mp" in text("n2"), 60, what="n2 to rejoin")
         for node, (proc, log) in runs.items():
@@ -229,8 +230,9 @@ def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_g
         wait_for(lambda: max(_steps(text()) or [0]) >= 12 or any(p.poll() is not None for p, _ in runs.values()),
                  240, what="the three-node job to reach step 12")
         bed.kill("n2")
-        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2, 120,
-                 what="the other nodes to resume as two")
+        # from disk every rank says the RNG states stay; from memory rank 0 says it resharded
+        wait_for(lambda: text("n0", "n1").count("world size 6, now 4") >= 2
+                 or "taken at world size 6, now 4" in text("n0", "n1"), 120, what="the other nodes to resume as two")
         (tmp_path / "n2" / "run.log").rename(tmp_path / "n2" / "killed.log")
         runs["n2"] = _start(bed, tmp_path, "n2", "mr", steps, ckpt)
         for node, (proc, log) in runs.items():
@@ -244,11 +246,12 @@ def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_g
         # grown to three at a checkpoint, replaying nothing, when n2 came late on a loaded machine) replayed the
         # steps since its checkpoint with the three-node losses
         resumes = [i for i, e in enumerate(story) if e[0] == "resumed"]
-        shrink = next((i for i in resumes if max((n for k, n, _ in story[:i] if k == "step"), default=0) > story[i][1]),
-                      None)
+        killed = next(i for i, e in enumerate(story) if e[0] == "step" and e[1] >= 12)  # n2 died after it
+        shrink = next((i for i in resumes if i > killed), None)
         assert shrink is not None and len(resumes) >= 2, story
         end = next((i for i in resumes if i > shrink), len(story))
-        _check_continuation(story[:end], max(n for k, n, _ in story[:end] if k == "step"))
+        # from the disk's step 10 it replays steps; from memory (the copies n2's ranks sent to n0) maybe none
+        _check_continuation(story[:end], max(n for k, n, _ in story[:end] if k == "step"), require_replay=False)
         _check_continuation(story, steps, require_replay=False)
         # growing back: every worker saved after one agreed step and held there; the new round resumed from it
         assert "checkpoints after step" in text() and _lost_at_last_resume(story) == []

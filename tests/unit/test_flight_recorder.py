@@ -56,6 +56,22 @@ def test_reader_returns_each_retired_entry_once_and_counts_overwritten_ones():
 
 
 @pytest.mark.timeout(10)
+def test_trainwardens_own_background_traffic_is_never_read_as_the_jobs():
+    """The peer copy of memory snapshots (runtime/memory_peer.py) sends and receives on a group of its own; a
+    receive waiting for the next snapshot is pending for a whole step and must not count as a collective."""
+    dump = FakeDump()
+    fr = FlightRecorder(dump)
+    copy = ("7", "trainwarden-peer-copy")
+    dump.entries = [entry(0, 0), entry(1, 1, name="gloo:send", pg=copy, is_p2p=True),
+                    entry(2, 2, name="gloo:recv", pg=copy, is_p2p=True, retired=False, thread="9")]
+    assert [e["record_id"] for e in fr.read_new()] == [0]
+    assert fr.oldest_pending_ns() is None and fr.oldest_pending_ns(thread_id=9) is None
+    dump.entries[2] = entry(2, 2, name="gloo:recv", pg=copy, is_p2p=True)
+    dump.entries.append(entry(3, 3))
+    assert [e["record_id"] for e in fr.read_new()] == [3] and fr.missed == 0
+
+
+@pytest.mark.timeout(10)
 def test_absent_recorder_is_harmless():
     fr = FlightRecorder(recorders={})  # as when torch has neither _dump_fr_trace nor _dump_nccl_trace
     assert not fr.available and fr.read_new() == [] and fr.dump_raw() is None

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainwarden.agent.launch.memory_tier import MemoryTier
-from trainwarden.agent.proto.snapshot_layout import snapshot_path
+from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint import ModelState
 from trainwarden.runtime.memory_reshard import SnapshotReader, choose, metadata, open_files
 from trainwarden.runtime.memory_snapshot import MemorySnapshots
@@ -56,6 +56,40 @@ def test_the_agent_tells_every_file_it_vouches_for_on_its_node(tmp_path):
     assert sorted(tier.held("j")) == [(2, 0, 5), (2, 0, 6), (2, 1, 5)]  # KEEP: a rank's newest two
     assert tier.held("other") == []
     tier.close()
+
+
+def test_the_agent_vouches_for_the_copies_its_ranks_received_of_another_nodes_ranks(tmp_path):
+    """Ranks 0 and 1 live here; rank 0 received copies of rank 2's files, rank 1 of rank 3's (runtime/memory_peer)."""
+    tier = MemoryTier.open("j", root=tmp_path)
+    for receiver, owner, step in ((0, 2, 4), (0, 2, 5), (0, 2, 6), (1, 3, 6)):
+        tier.on_checkpoint("j", receiver, "snapshot", step, str(peer_path(tier.path, 4, owner, step)), 0)
+    tier.on_checkpoint("j", 0, "snapshot", 6, str(snapshot_path(tier.path, 4, 0, 6)), 0)
+    assert sorted(tier.held("j")) == [(4, 0, 6), (4, 2, 5), (4, 2, 6), (4, 3, 6)]
+    assert tier.steps("j", 4, 2) == []  # a copy is not the asking rank's own snapshot
+    # refused: a copy outside its directory, of the reporting rank itself, of another step than its name
+    tier.on_checkpoint("j", 1, "snapshot", 7, str(peer_path(tmp_path / "elsewhere", 4, 3, 7)), 0)
+    tier.on_checkpoint("j", 3, "snapshot", 7, str(peer_path(tier.path, 4, 3, 7)), 0)
+    tier.on_checkpoint("j", 1, "snapshot", 8, str(peer_path(tier.path, 4, 3, 7)), 0)
+    assert (4, 3, 7) not in tier.held("j")
+    tier.close()
+
+
+def test_a_file_being_sent_to_the_peer_node_is_never_taken_by_a_snapshot(tmp_path):
+    _, _, state = _job(0)
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1)
+    sent = []
+    snaps.on_written = lambda step, file: sent.append(file)
+    for step in (1, 2):
+        assert snaps.save(step, state)
+        snaps.wait()
+    sent[0].pinned = True  # step 1's file, the oldest: the sender has it
+    assert not snaps.save(3, state) and snaps.skipped == 1
+    assert snapshot_path(tmp_path, 1, 0, 1).is_file()
+    sent[0].pinned = False
+    assert snaps.save(3, state)
+    snaps.wait()
+    snaps.close()
+    assert not snapshot_path(tmp_path, 1, 0, 1).exists() and snapshot_path(tmp_path, 1, 0, 3).is_file()
 
 
 # ---- DCP reads a snapshot -------------------------------------------------------------------------------------------
