@@ -11,7 +11,9 @@ Measured from the fault, on the surviving nodes:
 * detect: the launcher on a survivor starts a new rendezvous (its workers failed, or were aborted);
 * rdzv: the new round is complete (``Rendezvous complete``);
 * restore: rank 0 restored the checkpoint ("resumed from checkpoint step");
-* step: rank 0 completed its first step in the smaller world: the recovery time.
+* step: rank 0 completed its first step in the smaller world: the recovery time;
+* lost: steps rank 0 had logged before the restore that the smaller world computes again (from the disk's
+  checkpoint, or from the memory snapshots the survivors hold, the lost node's as copies: ``source``).
 
 Scenarios: ``tw-kill`` and ``tw-partition`` run `trainwarden run` on every node against a 3-member etcd
 cluster on hosts of their own; ``torchrun-kill`` and ``torchrun-partition`` run plain torchrun with its c10d
@@ -192,10 +194,16 @@ def _run_fault(scenario: str, bound: float, workdir: Path) -> dict:
                 after = [(t, what) for t, what in torch_events if t > t0]
                 detect = min((t for t, w in after if w.startswith("Rendezvous'ing")), default=None)
                 rdzv = min((t for t, w in after if w.startswith("Rendezvous complete")), default=None)
+                at = [int(m.group(2)) for m in RANK0_RESUMED_AT.finditer(text) if _stamp(m.group(1)) == min(resumed)]
+                reached = max(int(m.group(2)) for m in RANK0_STEP.finditer(_texts(logs, logs))
+                              if _stamp(m.group(1)) < min(resumed))
                 result.update(
                     detect_s=round(detect - t0, 1) if detect else None, rdzv_s=round(rdzv - t0, 1) if rdzv else None,
                     restore_s=round(min(resumed) - t0, 1),
-                    step_s=round(min(s for s in steps if s > min(resumed)) - t0, 1))
+                    step_s=round(min(s for s in steps if s > min(resumed)) - t0, 1),
+                    # steps rank 0 had logged (any node) that the survivors compute again
+                    lost=reached - at[0] if at else None, source="memory" if "resumed from the memory snapshots of "
+                    f"step {at[0] if at else -1} taken" in text else "disk")
                 return result
             time.sleep(0.5)
         result["step_s"] = None
@@ -244,7 +252,7 @@ def main(argv=None) -> int:
             values = [r[key] for r in mine if r.get(key) is not None]
             return f"{statistics.median(values):.1f}" if len(values) == len(mine) else "-"
         line = f"{scenario:22} {len(mine):>4} {med('detect_s'):>7} {med('rdzv_s'):>6} {med('restore_s'):>8} " \
-               f"{med('step_s'):>6} {med('lost') if scenario.endswith('-grow') else '':>5}"
+               f"{med('step_s'):>6} {med('lost'):>5}"
         notes = {r["note"] for r in mine if r.get("note")}
         print(line + (f"   {'; '.join(notes)}" if notes else ""))
     return 0
