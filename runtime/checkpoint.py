@@ -37,6 +37,7 @@ Failed saves never raise into the training loop: they are logged with the path, 
 from __future__ import annotations
 
 import json
+import datetime as dt
 import logging
 import os
 import time
@@ -309,6 +310,11 @@ class Checkpointer:
 
     def _snapshot_written(self, step: int, path: str, seconds: float) -> None:
         self._report("snapshot", step, seconds=seconds, path=path)
+
+    def _peer_barrier(self) -> None:
+        """Every rank has sent its last copy (PeerCopy.close); bounded, so a rank gone costs 30 s, not a hang."""
+        if self._pg is not None and dist.get_backend(self._pg) == "gloo":
+            dist.monitored_barrier(group=self._pg, timeout=dt.timedelta(seconds=30))
 
     def _start_peer_copy(self, ranks_per_node: int | None) -> PeerCopy | None:
         """Collective (every rank makes its Checkpointer): a PeerCopy when the job spans nodes and every rank keeps
@@ -786,8 +792,8 @@ class Checkpointer:
             self._closed = True
             if self.memory is not None:
                 self.memory.close()
-            if self.peer is not None:
-                self.peer.close()  # after the memory: the last snapshot is sent first
+            if self.peer is not None:  # after the memory: its last snapshot is sent first
+                self.peer.close(barrier=self._peer_barrier)
             self._committer.shutdown(wait=True)
             self._post_commit.shutdown(wait=True)
             self._stager.release()

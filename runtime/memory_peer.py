@@ -17,15 +17,21 @@ the newest not yet sent and pins it (a pinned file is not reused: a snapshot tha
 counted, ``MemorySnapshots.skipped``), sends it from its mapping without a copy, and unpins it. The receiver
 writes each copy into a file of its own under a partial name, checks it (magic, step, rank, world size) and
 renames it; it keeps a source's two newest copies (``KEEP``). A failed send or receive (a peer gone) stops this
-rank's copying with one warning: the job is restarting by then anyway. ``close`` sends what is pending, then an
-end message, so the peer's receiver returns; a rank that dies leaves its peer's receiver blocked in a daemon
-thread until that process ends too (the restart ends it).
+rank's copying with one warning: the job is restarting by then anyway.
+
+No thread may be blocked in a gloo wait when the process ends (torch 2.13 aborts the process then: SIGABRT at
+exit). So the receiver never waits for a header: it posts the receive into a tensor filled with a value no header
+has and looks at it every 0.1 s until a header whose check agrees is there (a posted receive nobody waits for is
+harmless at exit); only the payload that follows a header is waited for. ``Checkpointer.close`` (every rank)
+sends what is pending, then passes a barrier on the Checkpointer's gloo group, so no send is in flight when the
+receivers stop; a script that never closes its Checkpointer gets the same minus the barrier at exit (``atexit``).
 
 Memory: each node holds its own ranks' files (two each) and two copies of each rank of the node before it.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import logging
 import mmap
@@ -46,7 +52,21 @@ __all__ = ["GROUP_DESC", "PeerCopy"]
 log = logging.getLogger(__name__)
 
 GROUP_DESC = INTERNAL_GROUP_PREFIX + "peer-copy"
-_DATA, _END = 1, 0
+_DATA = 1
+_POLL_S = 0.1  # how often the receiver looks for a header (a header waits at most this long)
+
+
+def _check(values) -> int:
+    kind, step, size, world = (int(v) for v in values)
+    return (kind * 1_000_003 + step * 10_007 + size * 101 + world * 7 + 0x5EED) & 0x7FFFFFFFFFFF
+
+
+def _header(kind: int, step: int, size: int, world: int) -> torch.Tensor:
+    return torch.tensor([kind, step, size, world, _check((kind, step, size, world))], dtype=torch.int64)
+
+
+def _blank_header() -> torch.Tensor:
+    return torch.full((5,), -1, dtype=torch.int64)  # the check of four -1s is not -1
 _TIMEOUT = dt.timedelta(days=7)  # a receive waits for the next snapshot, however long the steps or a hold last
 
 
@@ -65,6 +85,8 @@ class PeerCopy:
         self._pending = None  # (step, file) newest finished and not yet sent
         self._sending = False
         self._closing = False
+        self._drain = False
+        self._stopping = threading.Event()
         self.broken = ""
         self.sent = self.received = 0
         self.last_sent_step: int | None = None
@@ -74,6 +96,7 @@ class PeerCopy:
         self._receiver = threading.Thread(target=self._receive_loop, name="trainwarden-peer-receive", daemon=True)
         self._sender.start()
         self._receiver.start()
+        atexit.register(self.close)  # a script that never closes its Checkpointer: no send left in flight
 
     # -- the writer thread's hand-over ---------------------------------------------------------------------
 
@@ -95,8 +118,11 @@ class PeerCopy:
             with self._cond:
                 while self._pending is None and not self._closing:
                     self._cond.wait()
-                if self._pending is None:  # closing, nothing left
-                    break
+                if self._closing and (self._pending is None or not self._drain):
+                    if self._pending is not None:  # at exit: let go, no restart of this run will read it
+                        self._pending[1].pinned = False
+                        self._pending = None
+                    return
                 step, file = self._pending
                 self._pending = None
                 self._sending = True
@@ -111,18 +137,13 @@ class PeerCopy:
                 with self._cond:
                     self._sending = False
                     self._cond.notify_all()
-        try:
-            dist.send(torch.tensor([_END, 0, 0, 0], dtype=torch.int64), group=self._group, group_dst=self.dest)
-        except Exception as exc:
-            log.debug("could not tell rank %d that copying ends: %s", self.dest, exc)
 
     def _send(self, step: int, file) -> None:
         with open(file.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         payload = torch.frombuffer(mapped, dtype=torch.uint8)
-        dist.send(torch.tensor([_DATA, step, size, self.world_size], dtype=torch.int64), group=self._group,
-                  group_dst=self.dest)
+        dist.send(_header(_DATA, step, size, self.world_size), group=self._group, group_dst=self.dest)
         dist.send(payload, group=self._group, group_dst=self.dest)
         del payload
         self.sent += 1
@@ -131,14 +152,22 @@ class PeerCopy:
     # -- receiver ----------------------------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        while True:
-            header = torch.zeros(4, dtype=torch.int64)
+        """Wait for the source's header without a thread blocked in gloo: a receive is posted into a tensor filled
+        with a value no header has, and the thread looks at the tensor every ``_POLL_S`` until a whole header (its
+        check agrees) is there. A thread blocked in a gloo wait when the process ends aborts it; a posted receive
+        that nobody waits for does not."""
+        header = _blank_header()
+        posted = dist.irecv(header, group=self._group, group_src=self.source)
+        while not self._stopping.wait(_POLL_S):
+            values = header.tolist()
+            if values[4] != _check(values[:4]):
+                continue
             try:
-                dist.recv(header, group=self._group, group_src=self.source)
-                kind, step, size, world = (int(v) for v in header)
-                if kind == _END:
-                    return
-                self._receive(step, size, world)
+                posted.wait()  # already complete: this retires it
+                _, step, size, world = values[:4]
+                self._receive(step, size, world)  # its payload follows at once
+                header = _blank_header()
+                posted = dist.irecv(header, group=self._group, group_src=self.source)
             except Exception as exc:
                 self._fail(f"receiving rank {self.source}'s snapshot failed ({type(exc).__name__}: {exc})")
                 return
@@ -195,12 +224,24 @@ class PeerCopy:
             log.warning("rank %d: %s; the copies of memory snapshots between this node and the next stop until the "
                         "workers restart", self.rank, why, extra={"event": "peer_copy_off"})
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Send what is pending, then the end; wait for the peer's end (both threads return)."""
+    def close(self, barrier: Callable[[], None] | None = None, timeout: float = 10.0) -> None:
+        """Stop copying: send what is pending, then ``barrier`` (every rank has, so no send is left that a receiver
+        would have to take), then stop the receiver. Without a barrier (at process exit) what is pending is let go
+        and a send in flight is given ``timeout`` seconds."""
         with self._cond:
+            if self._stopping.is_set():
+                return
+            self._drain = barrier is not None  # the receivers wait for the barrier: what is pending can go
             self._closing = True
             self._cond.notify_all()
         self._sender.join(timeout)
+        if barrier is not None and not self.broken:
+            try:
+                barrier()
+            except Exception as exc:
+                log.debug("no barrier at the end of the peer copy: %s", exc)
+        self._stopping.set()
         self._receiver.join(timeout)
         if self.memory.on_written == self.offer:
             self.memory.on_written = None
+        atexit.unregister(self.close)

@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--memory-root", default="")
     ap.add_argument("--node-map", default="", help="comma-separated node index of each rank")
     ap.add_argument("--per-node", type=int, default=None, help="ranks per simulated node (peer copies of snapshots)")
+    ap.add_argument("--no-close", action="store_true", help="end without Checkpointer.close(), as a careless script")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -130,7 +131,10 @@ def main() -> None:
                 ckpt.memory.wait()
             if step % args.save_every == 0 or args.memory_root:
                 dump(dump_dir / f"dump-{step}.pt", step, model, optim)
-    ckpt.close()
+    if args.no_close:
+        ckpt.wait()  # the last save committed, then straight to the end, the peer copy still running
+    else:
+        ckpt.close()
     print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
     dist.destroy_process_group()
 

@@ -120,3 +120,14 @@ def test_a_rank_whose_own_file_is_only_a_peer_copy_loads_it_at_the_same_world(tr
     assert restored["step"] == 5, log[-3000:]
     assert "resumed from the memory snapshot of step 5 " in log  # each rank its own file (two of them copies)
     assert_same_state(load(trained / "dump-5.pt"), restored)  # RNG states too: each rank's own file
+
+
+@pytest.mark.timeout(300)
+def test_a_script_that_never_closes_its_checkpointer_still_ends_cleanly(tmp_path, procs):
+    """With the copies running, a script that destroys its process groups and ends without closing the
+    Checkpointer: no rank may be left in a gloo wait (the process would abort at exit)."""
+    log = torchrun(procs, 4, tmp_path / "train.log", "train", "--dir", str(tmp_path / "ckpt"), "--dump-dir",
+                   str(tmp_path), "--steps", "4", "--save-every", "2", "--memory-root", str(tmp_path / "mem"),
+                   "--node-map", "0,0,1,1", "--per-node", "2", "--no-close")
+    assert log.count("done mode=train") == 4 and "SIGABRT" not in log, log[-3000:]
+    assert list((tmp_path / "mem" / "node-0" / "world-4" / "peer").glob("rank-*.pt"))
