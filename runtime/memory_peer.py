@@ -92,6 +92,9 @@ class PeerCopy:
         self.last_sent_step: int | None = None
         self.last_received_step: int | None = None
         memory.on_written = self.offer
+        for leftover in (peer_path(memory.directory, world_size, self.source, 0).parent).glob(
+                f"rank-{self.source:05d}.step-*.pt.tmp"):
+            leftover.unlink(missing_ok=True)  # a receiver of this rank that died while receiving
         self._sender = threading.Thread(target=self._send_loop, name="trainwarden-peer-send", daemon=True)
         self._receiver = threading.Thread(target=self._receive_loop, name="trainwarden-peer-receive", daemon=True)
         self._sender.start()

@@ -592,10 +592,6 @@ class MemorySnapshots:
         if inflight is not None:
             inflight.result()
 
-    def has(self, step: int) -> bool:
-        """Whether this rank's file of ``step`` is here."""
-        return snapshot_path(self.directory, self.world_size, self.rank, step).is_file()
-
     def load(self, step: int, state: Mapping[str, Any]) -> str:
         """Load this rank's snapshot of ``step`` into ``state``; "" when loaded, else what failed (nothing of
         ``state`` is changed when the file cannot be read or does not match; a failure while loading may leave

@@ -5,7 +5,9 @@ Run under torchrun (8 ranks, gloo on CPU; the reference job's shape, pp2 x tp2 x
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --standalone --nproc-per-node 8 \\
         tests/bench/bench_snapshot.py --width 64 --layers 4 --vocab 256 --blocks 6 --block-steps 8
 
-The defaults are the reference job's own model (``runtime/examples/gpt.py``: dim 64, 4 layers, vocabulary 256);
+``--ranks-per-node 4`` pretends the 8 ranks are two nodes: every snapshot is also copied to the other "node"
+(runtime/memory_peer.py), so the "with snapshots" steps pay for the copies too. The defaults are the reference
+job's own model (``runtime/examples/gpt.py``: dim 64, 4 layers, vocabulary 256);
 ``--width 512 --layers 8 --vocab 8192`` is a larger one. In one process, blocks of ``--block-steps`` training steps
 alternate between "snapshot after every step" (``Checkpointer.snapshot``, written to a tmpfs directory as under
 `trainwarden run`) and "no snapshot", so both see the same machine; a step's time is the slowest rank's, the
@@ -68,6 +70,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=6, help="blocks per mode (alternating)")
     ap.add_argument("--block-steps", type=int, default=8)
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="pretend the ranks are on nodes of this many (e.g. 4): each snapshot is also copied to the "
+                         "next 'node' (runtime/memory_peer.py), and its cost is in the step times")
     ap.add_argument("--shm", default="/dev/shm", help="the tmpfs the snapshots go to (as TRAINWARDEN_MEMORY_ROOT)")
     args = ap.parse_args()
 
@@ -93,7 +98,8 @@ def main() -> None:
            if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     memory_dir, disk_dir = Path(box[0][0]), Path(box[0][1])
-    ckpt = Checkpointer(disk_dir / "ckpt", memory_dir=memory_dir, session=_FilesAsAgent(memory_dir, world, rank))
+    ckpt = Checkpointer(disk_dir / "ckpt", memory_dir=memory_dir, session=_FilesAsAgent(memory_dir, world, rank),
+                        ranks_per_node=args.ranks_per_node)
 
     def step(index: int) -> None:
         inputs, targets = data.batch(index, pm.dp_rank, 2)
@@ -135,6 +141,7 @@ def main() -> None:
     ckpt.memory._dcp_view({name: entry.state_dict() if hasattr(entry, "state_dict") else entry
                            for name, entry in state.items()})
     view_s = max(per_rank(time.monotonic() - view_began))
+    copied = (ckpt.peer.sent, ckpt.peer.received) if ckpt.peer is not None else None
     last = ckpt.memory.last_step
     skipped = ckpt.memory.skipped
     ckpt.save(last, state)  # the same step on disk, for the restore comparison
@@ -172,6 +179,9 @@ def main() -> None:
         print(f"restore of step {last} from memory through DCP, every rank's chunks from another rank's file (a new "
               f"numbering; exchanged over gloo): {via_dcp * 1e3:.0f} ms "
               f"{[(round(r[0] * 1e3), r[1], r[2]) for r in restores['memory-dcp']]}; ratio to disk {via_dcp / disk:.2f}")
+        if copied is not None:
+            print(f"peer copies (nodes of {args.ranks_per_node} ranks): rank 0 sent {copied[0]} and received "
+                  f"{copied[1]} files")
         print(f"first snapshot calls (the first two make the files and record DCP's view; the third reuses): "
               f"{[round(t * 1e3, 1) for t in first_calls]} ms; of a new file's, DCP's view of the state (state_dict() "
               f"included) {view_s * 1e3:.1f} ms")
