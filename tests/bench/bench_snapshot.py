@@ -146,7 +146,7 @@ def main() -> None:
     skipped = ckpt.memory.skipped
     ckpt.save(last, state)  # the same step on disk, for the restore comparison
     ckpt.wait()
-    nbytes = sum(p.stat().st_size for p in memory_dir.rglob("*.pt")) / 2  # two kept per rank
+    nbytes = sum(p.stat().st_size for p in memory_dir.glob("world-*/*.pt")) / 2  # two kept per rank (not the copies)
     ckpt.close()
 
     restores: dict[str, list] = {"memory": [], "disk": [], "memory-dcp": []}
