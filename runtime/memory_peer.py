@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 GROUP_DESC = INTERNAL_GROUP_PREFIX + "peer-copy"
 _DATA = 1
+_TIMEOUT = dt.timedelta(days=7)  # the group's: a payload or a send may wait out a hold of the job, never a gloo timeout
 _POLL_S = 0.1  # how often the receiver looks for a header (a header waits at most this long)
 
 
@@ -67,7 +68,6 @@ def _header(kind: int, step: int, size: int, world: int) -> torch.Tensor:
 
 def _blank_header() -> torch.Tensor:
     return torch.full((5,), -1, dtype=torch.int64)  # the check of four -1s is not -1
-_TIMEOUT = dt.timedelta(days=7)  # a receive waits for the next snapshot, however long the steps or a hold last
 
 
 class PeerCopy:
@@ -83,7 +83,6 @@ class PeerCopy:
         self._group = dist.new_group(backend="gloo", timeout=_TIMEOUT, group_desc=GROUP_DESC)
         self._cond = threading.Condition()
         self._pending = None  # (step, file) newest finished and not yet sent
-        self._sending = False
         self._closing = False
         self._drain = False
         self._stopping = threading.Event()
@@ -128,7 +127,6 @@ class PeerCopy:
                     return
                 step, file = self._pending
                 self._pending = None
-                self._sending = True
             try:
                 self._send(step, file)
             except Exception as exc:  # a peer gone: the job restarts; the step must not notice
@@ -137,9 +135,6 @@ class PeerCopy:
                 return
             finally:
                 file.pinned = False
-                with self._cond:
-                    self._sending = False
-                    self._cond.notify_all()
 
     def _send(self, step: int, file) -> None:
         with open(file.path, "rb") as f:
