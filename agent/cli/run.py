@@ -86,7 +86,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-memory-snapshots", dest="memory_snapshots", action="store_false",
                    help="keep no per-step snapshots in shared memory (by default a job that checkpoints with "
                         "trainwarden's Checkpointer and calls its snapshot() every step restarts from the step before "
-                        "a crash or a hang, from memory; one-node jobs)")
+                        "a crash or a hang, from memory; on several nodes each snapshot is also copied to the next "
+                        "node, so a node loss resumes from memory too: TRAINWARDEN_PEER_COPY=0 turns that off)")
     p.add_argument("--no-auto-instrument", action="store_true",
                    help="do not instrument the script by itself: without it, a script that never imports "
                         "trainwarden gets step times (one step per optimizer.step()), collective timing, hang and "
