@@ -1,5 +1,9 @@
 """Sharded asynchronous checkpoints with a commit protocol: ``Checkpointer``.
 
+This module is the disk side. The memory side (per-step snapshots, their copy on the next node, and a restore
+from them, tried before the disk) is the mixin in runtime/checkpoint_memory.py; what a failed DCP call says is
+runtime/checkpoint_errors.py.
+
 Save (``Checkpointer.save``):
 
 1. Wait for the previous save (one in flight at a time).
@@ -37,9 +41,7 @@ Failed saves never raise into the training loop: they are logged with the path, 
 from __future__ import annotations
 
 import json
-import datetime as dt
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,7 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
@@ -64,12 +66,9 @@ from trainwarden.agent.proto.checkpoint_layout import (
     find_complete,
     validate,
 )
+from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe, is_read_error
+from trainwarden.runtime.checkpoint_memory import MemoryRestore
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
-from trainwarden.agent.proto.contract import PEER_COPY_ENV
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
-from trainwarden.runtime.memory_peer import PeerCopy
-from trainwarden.runtime.memory_reshard import Choice, SnapshotReader, choose, open_files
-from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.session import current as current_session
 
@@ -88,43 +87,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# DCP raises CheckpointException (a BaseException) when any rank failed inside one of its collectives.
-_SAVE_LOAD_ERRORS = (Exception, CheckpointException)
-
-
-def describe(exc: BaseException) -> str:
-    """One line per distinct cause; DCP's CheckpointException carries each failed rank's exception."""
-    if isinstance(exc, CheckpointException):
-        causes = {}
-        for rank, failure in sorted(exc.failures.items()):
-            cause = failure[0] if isinstance(failure, tuple) else failure
-            causes.setdefault(_one_line(cause), []).append(rank)
-        return "; ".join(f"{text} (ranks {ranks})" for text, ranks in causes.items())[:1500]
-    return _one_line(exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:700]
-
-
-def _is_read_error(exc: BaseException) -> bool:
-    """Whether a failed load was the storage's doing (an OSError anywhere in the causes on any rank: I/O,
-    stale handle, permission, timeout, a file gone) rather than wrong content."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return True
-        if isinstance(e, CheckpointException):
-            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
-        todo.extend((e.__cause__, e.__context__))
-    return False
-
 
 class _Writer(FileSystemWriter):
     """FileSystemWriter that writes trainwarden's per-rank files before its rank enters the plan collective,
@@ -193,7 +155,7 @@ def _own_bytes(path: Path, rank: int) -> int:
     return total
 
 
-class Checkpointer:
+class Checkpointer(MemoryRestore):
     """Saves and restores sharded checkpoints under one directory. Collective: every rank constructs it,
     calls ``save``/``restore`` at the same steps and closes it.
 
@@ -248,20 +210,7 @@ class Checkpointer:
         self.last_committed: CheckpointInfo | None = None
         self.last_error: BaseException | None = None
         self.failed_saves = 0
-        if memory_dir is True:  # the node agent's, when it keeps snapshots
-            memory_dir = memory_dir_from_env()
-        self.memory: MemorySnapshots | None = None
-        """Per-step snapshots in the agent's shared memory (``snapshot``); None without a memory directory."""
-        if memory_dir:
-            self.memory = MemorySnapshots(memory_dir, rank=self.rank, world_size=self.world_size,
-                                          report=self._snapshot_written)
-        self.resumed_from_memory = False
-        self._held: list[tuple[int, int, int]] = []  # the memory snapshot files this rank's node holds (restore)
-        self.peer: PeerCopy | None = None
-        """Sends this rank's newest snapshot to the next node and keeps that node's copy (runtime/memory_peer.py);
-        None on one node, without memory snapshots on every rank, or with ``TRAINWARDEN_PEER_COPY=0``."""
-        if self._distributed:
-            self.peer = self._start_peer_copy(ranks_per_node)
+        self._init_memory(memory_dir, ranks_per_node)
 
     # -- save -----------------------------------------------------------------------------------------
 
@@ -286,7 +235,7 @@ class Checkpointer:
             response = dcp.async_save(dcp_state, storage_writer=writer, process_group=self._pg,
                                       async_checkpointer_type=AsyncCheckpointerType.THREAD,
                                       async_stager=self._stager, no_dist=not self._distributed)
-        except _SAVE_LOAD_ERRORS as exc:
+        except SAVE_LOAD_ERRORS as exc:
             self._record_failure(step, path, exc)
             return
         upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
@@ -298,42 +247,6 @@ class Checkpointer:
             self.wait()
             self.last_stall_seconds = time.monotonic() - start
         self._report("staged", step, seconds=self.last_stall_seconds)
-
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Snapshot ``state`` after ``step`` into the node agent's memory (every step: a restart after a crash or
-        a hang then resumes from here instead of the disk). Copies the state into host buffers and returns; the
-        write is in the background. False when there is no memory directory or this step was skipped (the
-        previous snapshot still being written). Never raises; disk checkpoints are unaffected."""
-        if self.memory is None or self._closed:
-            return False
-        return self.memory.save(step, state)
-
-    def _snapshot_written(self, step: int, path: str, seconds: float) -> None:
-        self._report("snapshot", step, seconds=seconds, path=path)
-
-    def _peer_barrier(self) -> None:
-        """Every rank has sent its last copy (PeerCopy.close); bounded, so a rank gone costs 30 s, not a hang."""
-        if self._pg is not None and dist.get_backend(self._pg) == "gloo":
-            dist.monitored_barrier(group=self._pg, timeout=dt.timedelta(seconds=30))
-
-    def _start_peer_copy(self, ranks_per_node: int | None) -> PeerCopy | None:
-        """Collective (every rank makes its Checkpointer): a PeerCopy when the job spans nodes and every rank keeps
-        memory snapshots (decided together: making its group is collective too)."""
-        if ranks_per_node is None:
-            try:
-                ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world_size)
-            except ValueError:
-                ranks_per_node = self.world_size
-        if not 0 < ranks_per_node < self.world_size or self.world_size % ranks_per_node:
-            return None  # one node (or nodes of different sizes: no next node to pair with)
-        wanted = self.memory is not None and os.environ.get(PEER_COPY_ENV, "1").strip() != "0"
-        if not all(self._gather(wanted)):
-            if self.rank == 0 and wanted:
-                logger.info("memory snapshots are not copied to other nodes: not every rank keeps them (a node "
-                            "without them, or %s=0 there); a node loss restores from disk", PEER_COPY_ENV)
-            return None
-        return PeerCopy(self.memory, rank=self.rank, world_size=self.world_size, ranks_per_node=ranks_per_node,
-                        report=self._snapshot_written)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the in-flight save (if any) is written and committed, and its ``on_commit`` and
@@ -350,7 +263,7 @@ class Checkpointer:
     def _finish(self, step: int, path: Path, upload: Future, start: float) -> CheckpointInfo | None:
         try:
             upload.result()
-        except _SAVE_LOAD_ERRORS as exc:
+        except SAVE_LOAD_ERRORS as exc:
             self._record_failure(step, path, exc)
             return None
         self.last_save_seconds = time.monotonic() - start
@@ -508,31 +421,6 @@ class Checkpointer:
         self._report("restored", 0, seconds=time.monotonic() - began)  # step 0: starting fresh
         return None
 
-    def _restore_from_memory(self, step: int, state: Mapping[str, Any], began: float) -> bool:
-        """Every rank loads its own memory snapshot of ``step``; True when all did. Otherwise the disk's
-        candidates follow (they load over whatever part of the snapshot was loaded)."""
-        errors = self._gather(self.memory.load(step, state) if self.memory is not None else "no memory directory")
-        failed = {r: e for r, e in enumerate(errors) if e}
-        if failed:
-            if self.rank == 0:
-                logger.warning("not restoring step %d from memory (%s); restoring from the disk checkpoints", step,
-                               "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))[:1500],
-                               extra={"event": "snapshot_unusable", "step": step})
-            return False
-        self._memory_resumed(step, began, lambda seconds: (
-            f"the memory snapshot of step {step} in {seconds:.3f} s (the newest disk checkpoint is older or the "
-            "same)"))
-        return True
-
-    def _memory_resumed(self, step: int, began: float, what: Callable[[float], str]) -> None:
-        """The state is the memory snapshot of ``step``: say so (``what(seconds)`` completes "resumed from")."""
-        self._last_saved_step = None  # the disk has no checkpoint of this step: a save of it is a real one
-        self.resumed_from_memory = True
-        seconds = time.monotonic() - began
-        if self.rank == 0:
-            logger.info("resumed from %s", what(seconds), extra={"event": "checkpoint_resume", "step": step})
-        self._report("restored", step, seconds=seconds, path=str(self.memory.directory if self.memory else ""))
-
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
         self._restore_rng(path, state)
         self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
@@ -633,91 +521,6 @@ class Checkpointer:
         return plan_restore(self.directory, record=self._committed_record, read_backoff_s=self.read_backoff_s,
                             keeps_memory=self.memory is not None, quarantine=self._quarantine)
 
-    def _memory_held(self) -> list[tuple[int, int, int]]:
-        """(world size, rank, step) of the snapshot files this rank's node agent (the memory's owner) vouches for
-        and that are here: none after that agent restarted."""
-        if self.memory is None:
-            return []
-        session = self._events or current_session()
-        try:
-            ask_all = getattr(session, "memory_held", None)
-            if ask_all is not None:
-                vouched = ask_all(self.world_size)
-            else:  # a session that answers for this rank only
-                ask = getattr(session, "memory_steps", None)
-                vouched = [(self.world_size, self.rank, s) for s in (ask(self.world_size) if ask else [])]
-        except Exception as exc:
-            logger.warning("could not ask the node agent for the memory snapshots it holds (%s)", exc)
-            return []
-        return [(w, r, s) for w, r, s in vouched if self._memory_file(w, r, s) is not None]
-
-    def _memory_file(self, world: int, rank: int, step: int) -> Path | None:
-        """A snapshot file on this node: the rank's own, or the copy a peer node sent here."""
-        for path in (snapshot_path(self.memory.directory, world, rank, step),
-                     peer_path(self.memory.directory, world, rank, step)):
-            if path.is_file():
-                return path
-        return None
-
-    def _memory_choice(self, floor: int) -> Choice | None:
-        """Collective: the newest step of which the ranks' nodes hold every rank's memory snapshot (at this world
-        size or another), or None. A snapshot older than ``floor`` (what the disk holds or etcd says was
-        committed) is never used."""
-        self._held = self._memory_held()
-        everyone = self._gather(self._held)
-        choice = choose(everyone, self.world_size, floor)
-        if self.rank == 0 and choice is None and any(everyone):
-            newest = choose(everyone, self.world_size, -1)
-            logger.info("restoring from disk, not memory: %s", (
-                f"the newest memory snapshot of every rank (step {newest.step}) is older than the disk's (step "
-                f"{floor})" if newest is not None else "no step is in every rank's memory snapshots"))
-        return choice
-
-    def _restore_resharded(self, choice: Choice, state: Mapping[str, Any], began: float) -> bool:
-        """Collective: load the memory snapshots of ``choice`` through DCP (another world size, or files on other
-        nodes: runtime/memory_reshard.py); True when every rank did. Otherwise the disk's candidates follow."""
-        held = {r: path for w, r, s in self._held
-                if (w, s) == (choice.world, choice.step) and (path := self._memory_file(w, r, s)) is not None}
-        mapped, errors = open_files(held, choice.step, choice.world)
-        mine = {r: mapped[r].header for r, q in choice.holders.items() if q == self.rank and r in mapped}
-        missing = [r for r, q in choice.holders.items() if q == self.rank and r not in mapped]
-        gathered = self._gather((mine, {r: errors.get(r, "its file is gone") for r in missing}))
-        headers = {r: h for part, _ in gathered for r, h in part.items()}
-        failed = {r: e for _, part in gathered for r, e in part.items()}
-        error, received = "", 0
-        if not failed:
-            dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
-            try:
-                reader = SnapshotReader(headers, mapped, choice.holders, rank=self.rank, group=self._pg)
-                dcp.load(dcp_state, storage_reader=reader, process_group=self._pg, no_dist=not self._distributed)
-                received = reader.received_bytes
-                for name, value in dcp_state.items():
-                    if not hasattr(value, "state_dict"):
-                        put_back(state, name, value)
-            except _SAVE_LOAD_ERRORS as exc:
-                error = describe(exc)
-            outcomes = self._gather((error, received))
-            errors_everywhere = {r: e for r, (e, _) in enumerate(outcomes) if e}
-            received = sum(n for _, n in outcomes)
-        else:
-            errors_everywhere = {}
-        for snapshot in mapped.values():
-            snapshot.close()
-        if failed or errors_everywhere:
-            if self.rank == 0:
-                why = "; ".join([f"rank {r}'s file: {e}" for r, e in sorted(failed.items())]
-                                + [f"rank {r}: {e}" for r, e in sorted(errors_everywhere.items())])
-                logger.warning("not restoring step %d from the memory snapshots taken at world size %d (%s); "
-                               "restoring from the disk checkpoints", choice.step, choice.world, why[:1500],
-                               extra={"event": "snapshot_unusable", "step": choice.step})
-            return False
-        crossed = f"{received / 2**20:.1f} MiB" if received >= 2**20 else f"{received / 1024:.1f} KiB"
-        self._memory_resumed(choice.step, began, lambda seconds: (
-            f"the memory snapshots of step {choice.step} taken at world size {choice.world}, now {self.world_size}, "
-            f"resharded by DCP, in {seconds:.3f} s ({crossed} crossed between nodes; RNG states not restored: they "
-            "are per rank; the newest disk checkpoint is older or the same)"))
-        return True
-
     def _committed_record(self) -> tuple[int | None, str]:
         """(step, source) of etcd's record of the job's checkpoint in this directory, asked of the node agent;
         (None, why) when there is none, it is unknown, or it names another directory."""
@@ -740,8 +543,8 @@ class Checkpointer:
         try:
             dcp.load(dcp_state, checkpoint_id=str(path), process_group=self._pg,
                      no_dist=not self._distributed)
-        except _SAVE_LOAD_ERRORS as exc:
-            return describe(exc), _is_read_error(exc)
+        except SAVE_LOAD_ERRORS as exc:
+            return describe(exc), is_read_error(exc)
         for name, value in dcp_state.items():
             if not hasattr(value, "state_dict"):
                 put_back(state, name, value)  # DCP hands back a new list or number for a plain entry

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from trainwarden.runtime.memory_snapshot import MappedSnapshot
+from trainwarden.runtime.memory_snapshot import MappedSnapshot, follow, holds_tensor_mark
 
 __all__ = ["Choice", "SnapshotReader", "choose"]
 
@@ -276,22 +276,10 @@ class SnapshotReader(StorageReader):
 
 def _value(header: dict, path: tuple) -> Any:
     """A value of a snapshot's body from its header alone; ValueError when it holds a tensor (in the file)."""
-    value: Any = header["body"]["state"]
-    for key in path:
-        value = value[[k for k in value if str(k) == str(key)][0]] if isinstance(value, dict) else value[key]
-    if _holds_tensor(value):
+    value = follow(header, path)
+    if holds_tensor_mark(value):
         raise ValueError(f"{'.'.join(map(str, path))} holds tensors in a snapshot file on another node")
     return value
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "__trainwarden_tensor__":
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
-    return False
 
 
 def open_files(paths: dict[int, Path], step: int, world: int) -> tuple[dict[int, MappedSnapshot], dict[int, str]]:

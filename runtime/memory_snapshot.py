@@ -353,6 +353,34 @@ def _load(path: Path) -> Any:
     return _walk(header["body"], fill)
 
 
+def follow(header: dict, path: tuple) -> Any:
+    """The value at ``path`` (DCP's object path: mapping keys as strings, sequence indices) in a snapshot header's
+    state, tensors still as their ``(_TENSOR, index)`` marks; KeyError when the body has nothing there."""
+    value: Any = header["body"]["state"]
+    for key in path:
+        if isinstance(value, Mapping):
+            match = [k for k in value if str(k) == str(key)]
+            if len(match) != 1:
+                raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
+            value = value[match[0]]
+        elif isinstance(value, (list, tuple)) and isinstance(key, int) and 0 <= key < len(value):
+            value = value[key]
+        else:
+            raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
+    return value
+
+
+def holds_tensor_mark(value: Any) -> bool:
+    """Whether a value of a header's state has a tensor in it (a ``(_TENSOR, index)`` mark)."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
+        return True
+    if isinstance(value, Mapping):
+        return any(holds_tensor_mark(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensor_mark(v) for v in value)
+    return False
+
+
 class MappedSnapshot:
     """A complete snapshot file mapped read-only in effect (private, copy-on-write pages: nothing is written back), for
     a restore at another world size or on another node (runtime/memory_reshard.py): its header and a view of each
@@ -396,33 +424,19 @@ class MappedSnapshot:
     def value(self, path: tuple) -> Any:
         """The body's value at ``path`` (DCP's object path: mapping keys as strings, sequence indices), with each
         tensor in it read from the file (a copy)."""
-        value: Any = self.header["body"]["state"]
-        for key in path:
-            if isinstance(value, Mapping):
-                match = [k for k in value if str(k) == str(key)]
-                if len(match) != 1:
-                    raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
-                value = value[match[0]]
-            elif isinstance(value, (list, tuple)) and isinstance(key, int) and 0 <= key < len(value):
-                value = value[key]
-            else:
-                raise KeyError(f"{'.'.join(map(str, path))}: no {key!r} in the snapshot")
 
         def fill(item: Any) -> Any:
             if isinstance(item, tuple) and len(item) == 2 and item[0] == _TENSOR:
                 return self.tensor(item[1]).clone()
             return _NOT_LEAF
 
-        return _walk(value, fill)
+        return _walk(follow(self.header, path), fill)
 
     def holds_tensor(self, path: tuple, index: int) -> bool:
         """Whether the body has the tensor ``index`` at ``path`` (DCP's view was made for the same structure)."""
         try:
-            value: Any = self.header["body"]["state"]
-            for key in path:
-                value = (value[[k for k in value if str(k) == str(key)][0]] if isinstance(value, Mapping)
-                         else value[key])
-        except (IndexError, KeyError, TypeError):
+            value = follow(self.header, path)
+        except KeyError:
             return False
         return isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR and value[1] == index
 

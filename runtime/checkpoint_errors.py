@@ -1,0 +1,43 @@
+"""What a failed DCP save or load says, in one line a person can read; whether it was the storage's doing."""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint import CheckpointException
+
+__all__ = ["SAVE_LOAD_ERRORS", "describe", "is_read_error"]
+
+# DCP raises CheckpointException (a BaseException) when any rank failed inside one of its collectives.
+SAVE_LOAD_ERRORS = (Exception, CheckpointException)
+
+
+def describe(exc: BaseException) -> str:
+    """One line per distinct cause; DCP's CheckpointException carries each failed rank's exception."""
+    if isinstance(exc, CheckpointException):
+        causes = {}
+        for rank, failure in sorted(exc.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            causes.setdefault(_one_line(cause), []).append(rank)
+        return "; ".join(f"{text} (ranks {ranks})" for text, ranks in causes.items())[:1500]
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:700]
+
+
+def is_read_error(exc: BaseException) -> bool:
+    """Whether a failed load was the storage's doing (an OSError anywhere in the causes on any rank: I/O,
+    stale handle, permission, timeout, a file gone) rather than wrong content."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return True
+        if isinstance(e, CheckpointException):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    return False
