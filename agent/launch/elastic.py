@@ -27,6 +27,10 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
 The supervisor decides phases, restarts and crash attribution from these and from the workers' telemetry;
 it never reads torchrun's wording (agent/launch/run.py).
 
+The agent also acts on a worker's exit the moment it happens: torch's loop polls every ``--monitor-interval``
+(0.25 s here), so a crash or an aborted round waited half of that on average before the restart began. The
+loop now only ticks, and each poll first waits, at most the interval, for the exit clock to see an exit.
+
 How the agent is substituted: ``launch_agent`` (torch.distributed.launcher.api) constructs
 ``LocalElasticAgent`` by its module-level name; ``main`` binds that one name to the subclass before handing
 over to torchrun. This is the only place trainwarden replaces anything of torch's, and the launch tests
@@ -56,6 +60,9 @@ log = logging.getLogger(__name__)
 
 EVENTS_FD_ENV = "TRAINWARDEN_LAUNCH_EVENTS_FD"
 REPLY_FD_ENV = "TRAINWARDEN_LAUNCH_REPLY_FD"
+_LOOP_TICK_S = 0.001
+"""torch's monitor loop sleeps this between polls; ``_monitor_workers`` does the waiting (for a worker's exit,
+or ``--monitor-interval`` at most)."""
 GROW_WAIT_S = 150.0
 """The longest the agent waits for the supervisor before a membership restart. Past it the group restarts
 anyway, from the latest checkpoint there is (the steps since are replayed, as torchrun would)."""
@@ -165,8 +172,10 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             return pids
 
         _asked_restart = False
+        _wait_s = 0.1
 
         def _monitor_workers(self, worker_group):
+            exits.wait_for_exit(self._wait_s)  # torch's loop only ticks (see run): a worker's exit wakes it now
             if replies is not None and replies.poll("restart", _rendezvous_round(worker_group)):  # a node left
                 result = super()._monitor_workers(worker_group)
                 if result.state == WorkerState.HEALTHY:
@@ -200,6 +209,10 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             super()._restart_workers(worker_group)
 
         def run(self, role: str = "default"):
+            # torch's loop sleeps ``monitor_interval`` between polls: on average half of it between a worker's
+            # exit and the restart. The loop ticks instead, and each poll waits up to the interval for an exit.
+            spec = self._worker_group.spec
+            self._wait_s, spec.monitor_interval = spec.monitor_interval, _LOOP_TICK_S
             result = None
             try:
                 result = super().run(role)

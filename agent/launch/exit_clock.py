@@ -5,6 +5,9 @@ cannot say which rank left first. ``ExitClock`` watches the workers' pidfds (Lin
 the launcher and stamps each exit as it happens; crash attribution (agent/incidents/first_failure.py)
 then knows the exit order even of a script that sends no telemetry and writes no error file. An exit
 it could not watch (no pidfd support, a process already gone) has no time, never a guessed one.
+
+The same wake-up tells the launcher's monitor loop that a worker exited (``wait_for_exit``), so a crash or
+an aborted round is seen the moment it happens instead of at torch's next poll (agent/launch/elastic.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ExitClock:
         self._exited: dict[int, float] = {}  # pid -> wall time
         self._wake_r, self._wake_w = os.pipe()
         self._stopped = False
+        self._an_exit = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainwarden-exit-clock", daemon=True)
         self._thread.start()
 
@@ -51,6 +55,13 @@ class ExitClock:
     def exited_at(self, pid: int) -> float | None:
         with self._lock:
             return self._exited.get(int(pid))
+
+    def wait_for_exit(self, timeout: float) -> bool:
+        """Block until a watched process exits or ``timeout`` passes; whether one exited (once per exit
+        seen: the next call waits for the next one)."""
+        seen = self._an_exit.wait(timeout)
+        self._an_exit.clear()
+        return seen
 
     def close(self) -> None:
         self._stopped = True
@@ -81,3 +92,4 @@ class ExitClock:
                 if pid is not None:
                     self._exited[pid] = now
                     os.close(fd)
+            self._an_exit.set()

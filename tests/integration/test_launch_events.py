@@ -17,12 +17,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 WORKER = Path(__file__).parent / "fail_once_worker.py"
 
 
-def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_reported(tmp_path):
+def _run_reporting(tmp_path: Path, monitor_interval: float) -> tuple[int, list[dict], str]:
     read, write = os.pipe()
     env = {**os.environ, EVENTS_FD_ENV: str(write), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "trainwarden.agent.launch.elastic", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", "--monitor-interval", "0.2", "--log-dir", str(tmp_path / "torchelastic"), str(WORKER)],
+         "--max-restarts", "1", "--monitor-interval", str(monitor_interval),
+         "--log-dir", str(tmp_path / "torchelastic"), str(WORKER)],
         env=env, pass_fds=(write,), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     os.close(write)
     try:
@@ -33,7 +34,12 @@ def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_report
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
-    assert rc == 0, proc.stderr.read().decode()[-2000:]
+    return rc, events, proc.stderr.read().decode()[-2000:]
+
+
+def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_reported(tmp_path):
+    rc, events, stderr = _run_reporting(tmp_path, 0.2)
+    assert rc == 0, stderr
     assert [e["event"] for e in events] == ["started", "failed", "restarting", "started", "finished"]
     first, failed, restarting, second, finished = events
     assert first["restart_count"] == 0 and sorted(w["global_rank"] for w in first["workers"]) == [0, 1]
@@ -44,6 +50,15 @@ def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_report
     assert second["restart_count"] == 1
     assert {w["pid"] for w in second["workers"]}.isdisjoint({w["pid"] for w in first["workers"]})
     assert finished["state"] == "SUCCEEDED"
+
+
+def test_a_workers_exit_is_acted_on_when_it_happens_not_at_the_next_poll(tmp_path):
+    # torch's loop polled every --monitor-interval: with 600 s, the failure and the end were seen only after
+    # 600 s each (this test's 120 s timeout). Now an exit wakes the agent, and the interval only bounds a wait.
+    rc, events, stderr = _run_reporting(tmp_path, 600)
+    assert rc == 0, stderr
+    assert [e["event"] for e in events] == ["started", "failed", "restarting", "started", "finished"]
+    assert events[-1]["state"] == "SUCCEEDED"
 
 
 def test_without_the_variable_it_is_plain_torchrun(tmp_path):

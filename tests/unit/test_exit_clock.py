@@ -40,3 +40,19 @@ def test_a_process_that_is_already_gone_has_no_time():
         assert clock.exited_at(p.pid) is None
     finally:
         clock.close()
+
+
+def test_an_exit_wakes_a_waiter_once():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    clock = ExitClock()
+    try:
+        clock.watch([proc.pid])
+        assert clock.wait_for_exit(0.01) is False  # nothing exited yet
+        proc.kill()
+        assert clock.wait_for_exit(60) is True  # the pytest timeout (30 s) would end a wait that missed it
+        assert clock.exited_at(proc.pid) is not None
+        assert clock.wait_for_exit(0.01) is False  # that exit was told once
+    finally:
+        clock.close()
+        proc.kill()
+        proc.wait()
