@@ -116,7 +116,7 @@ class ClientConfig:
     """How often the sender drains the queue. Every message costs the worker Python time (gRPC's stack, with
     the GIL). The hang deadline needs it this short: the agent times a hang from the step's own end, but sees
     the end only when its batch arrives, so a healthy job can look stalled for up to this period plus a step,
-    and the deadline's floor (2 s) must stay well above that. It was 1.5 s with a 5 s floor; what the shorter
+    and the deadline's floor (1.5 s) must stay well above that. It was 1.5 s with a 5 s floor; what the shorter
     period costs a step is in BENCHMARKS.md (Telemetry). Checkpoint events are sent at once."""
     fr_interval_s: float = 1.5
     """Longest period between Flight Recorder reads (how late arrivals may reach the agent) until the agent

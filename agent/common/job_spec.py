@@ -10,7 +10,7 @@ shares with it.
     straggler_policy = "alert"                  # optional: alert or exclude
     link_policy = "alert"     # optional: alert, or exclude (a node a link check names slow leaves the job)
     rendezvous_round = "native"                 # optional: native (default) or dynamic (torch's)
-    hang_floor_s = 2.0        # optional: seconds without a step, collective, CPU or I/O that count as a hang
+    hang_floor_s = 1.5        # optional: seconds without a step, collective, CPU or I/O that count as a hang
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
     auto_instrument = true    # optional: instrument the unchanged script (default true)
     tokens_per_step = 524288  # optional: tokens one step processes on one rank (tokens/s; default: steps/s)

@@ -9,12 +9,13 @@ because a job resumed from a checkpoint repeats indices it already reported.
 The deadline adapts to the job:
 
 - steady state: ``multiplier`` x the p99 of recent step times, clamped to [``floor_s``, ``ceiling_s``].
-  The defaults (5x, 2 s, 300 s) detect a hang of a job with 0.3 s steps in about 2 s (plus the watchdog's
-  period and the diagnostics wait: about 3 s to the abort), and give a job with 60 s steps 300 s. The floor is
+  The defaults (5x, 1.5 s, 300 s) detect a hang of a job with 0.3 s steps in about 1.5 s (plus the watchdog's
+  period and the diagnostics wait: about 2 s to the abort), and give a job with 60 s steps 300 s. The floor is
   short because what else stops steps for seconds is told apart below: a rank that computes (or whose
   DataLoader workers do), reads or writes, checkpoints, or runs collectives is not hung. What is left looks
   exactly like a hang (no step, no collective, no CPU, no I/O): a script that sleeps for seconds between steps
-  needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds).
+  needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds), then 2 s; at 1.5 s it no longer sets the reference
+  job's deadline (5 x its p99, about 1.5 s, does).
   The steps that overlapped a checkpoint's background write (slowed 2-3x by it on a busy host) are not in that
   p99; they count only while a write may slow the step in flight (agent/watchdog/loop.py `_steady_step_p99`).
 - start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
@@ -83,7 +84,7 @@ class HangConfig:
 
     multiplier: float = 5.0
     """Deadline = multiplier x p99 of recent step times (then clamped)."""
-    floor_s: float = 2.0
+    floor_s: float = 1.5
     """Shortest deadline in steady state (see the module docstring for why it can be short)."""
     ceiling_s: float = 300.0
     """Longest deadline in steady state."""

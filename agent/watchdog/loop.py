@@ -63,12 +63,12 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 REPORT_AGE_CAP_S = 1.0
 """The longest a step's report counts as late: the runtime sends its steps every 0.5 s, so progress counts from
-the step's own end, up to this long before its batch arrived. Well under the hang deadline's floor (2 s), so
+the step's own end, up to this long before its batch arrived. Under the hang deadline's floor (1.5 s), so
 that a wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
-ACTIVITY_AFTER_S = 1.0
+ACTIVITY_AFTER_S = 0.75
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
-a period later, a rate."""
+a period later, a rate. (1 s with the 2 s floor.)"""
 WAITING_AFTER_S = 0.5
 """A rank whose training thread has stayed inside one call this long, with a collective in flight as long, waits
 (a GPU rank spins a core in a CUDA synchronize: its own CPU is not work, hang.py)."""
@@ -110,7 +110,7 @@ class WatchdogConfig:
     """How the watchdog runs."""
 
     interval_s: float = 0.25
-    """Seconds between checks: what a hang's detection may lag its deadline (0.5 s until the floor went to 2 s)."""
+    """Seconds between checks: what a hang's detection may lag its deadline (0.5 s until the floor went from 5 s to 2 s)."""
     diagnostics_wait_s: float = 3.0
     """How long to wait for the ranks' diagnostics after a hang."""
     abort_on_hang: bool = True

@@ -1,4 +1,4 @@
-"""Soak: does the hang deadline's 2 s floor abort healthy jobs? Jobs under `trainwarden run` (defaults) while a
+"""Soak: does the hang deadline's short floor (1.5 s) abort healthy jobs? Jobs under `trainwarden run` (defaults) while a
 load generator turns on and off, counting hang incidents (there should be none: no fault is injected).
 
     python tests/bench/soak_hang_floor.py [--steps 300] [--load-period 8] [--jobs reference,ddp]
@@ -9,7 +9,7 @@ Jobs (each run once, one after the other):
              and a memory snapshot every step): slow steps after each checkpoint (its background write shares
              the cores)
   ddp        an unchanged DDP script (tests/fixtures/unchanged/ddp_tutorial.py, 2 ranks, 0.05 s steps): a short
-             step, so the 2 s floor is its deadline, far below 5x its p99
+             step, so the floor is its deadline, far below 5x its p99
   loader     the same script pausing at every 40th step for a DataLoader whose worker prepares the first batch
              for 3 s (an epoch boundary) and for a 3 s read of a file
 

@@ -51,7 +51,7 @@ class Script:
     count: int = 20
     sleep: float = 0.1
     """Seconds the script sleeps per step (batch): steps long enough to stop a rank mid-run, short enough for
-    the 2 s floor of the hang deadline."""
+    the floor of the hang deadline (1.5 s)."""
     stop_after: int = 12
     """``stop_rank`` is stopped once the script printed this step's (batch's) line: past the hang
     detector's warm-up (3 steps; 64 collectives for a job without steps) and past a flush of the stopped rank's

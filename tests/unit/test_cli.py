@@ -111,7 +111,7 @@ def test_hang_floor_is_a_setting_of_the_agent_and_an_option_of_run(tmp_path):
     from trainwarden.agent.node.agent import watchdog_config
     from trainwarden.agent.watchdog.hang import HangConfig
 
-    assert watchdog_config().hang.floor_s == HangConfig.floor_s == 2.0
+    assert watchdog_config().hang.floor_s == HangConfig.floor_s == 1.5
     assert watchdog_config("alert", 7.5).hang.floor_s == 7.5
     with pytest.raises(ValueError, match="hang floor 0.1 s: expected seconds between 0.5 and 180"):
         watchdog_config("alert", 0.1)
