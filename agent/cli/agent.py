@@ -98,7 +98,7 @@ def add_parser(sub) -> None:
                         "job's next rendezvous)")
     p.add_argument("--hang-floor", type=float, metavar="S",
                    help="shortest time without a step, a collective, CPU or I/O on any rank of a job before it "
-                        "counts as hung (default 2)")
+                        "counts as hung (default 1.5)")
     w = p.add_argument_group("Alertmanager webhook (alerts resume failed jobs; needs --etcd)")
     w.add_argument("--webhook-listen", metavar="HOST:PORT",
                    help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9480)")

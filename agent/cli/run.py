@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
                         "boundary after a checkpoint, the others go on, and cordon the node)")
     p.add_argument("--hang-floor", type=float, default=None, metavar="S",
                    help="shortest time without a step, a collective, CPU or I/O on any rank before the job counts "
-                        "as hung and is restarted (default 2; the deadline is otherwise 5x the p99 step time). "
+                        "as hung and is restarted (default 1.5; the deadline is otherwise 5x the p99 step time). "
                         "Raise it for a script that sleeps between steps")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
