@@ -112,13 +112,13 @@ class ClientConfig:
     """The agent's unix socket (TRAINWARDEN_AGENT_SOCKET)."""
     queue_size: int = 4096
     """Records kept while the agent is away; the oldest are dropped beyond this."""
-    flush_interval_s: float = 0.5
+    flush_interval_s: float = contract.FLUSH_INTERVAL_S
     """How often the sender drains the queue. Every message costs the worker Python time (gRPC's stack, with
     the GIL). The hang deadline needs it this short: the agent times a hang from the step's own end, but sees
     the end only when its batch arrives, so a healthy job can look stalled for up to this period plus a step,
     and the deadline's floor (1.5 s) must stay well above that. It was 1.5 s with a 5 s floor; what the shorter
     period costs a step is in BENCHMARKS.md (Telemetry). Checkpoint events are sent at once."""
-    fr_interval_s: float = 1.5
+    fr_interval_s: float = contract.FR_READ_INTERVAL_S
     """Longest period between Flight Recorder reads (how late arrivals may reach the agent) until the agent
     asks for another (a `ReadPace` command: it asks for a longer one while none of its detectors is near a
     decision on the job, and for this one again when one is). 2 s here would save a quarter of the reads of

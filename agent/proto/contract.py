@@ -52,6 +52,13 @@ unset: no memory snapshots."""
 PEER_COPY_ENV = "TRAINWARDEN_PEER_COPY"
 """``0``: the workers do not copy their memory snapshots to the next node (runtime/memory_peer.py); on by default
 when the job spans nodes and every rank keeps snapshots."""
+FLUSH_INTERVAL_S = 0.5
+"""How often a worker sends what it queued (the runtime's ``ClientConfig.flush_interval_s``): a step or a
+collective reaches the agent up to this late."""
+FR_READ_INTERVAL_S = 1.5
+"""The longest period between a worker's Flight Recorder reads until the agent asks for another
+(``ClientConfig.fr_interval_s``): collectives are reported only by those reads, so a job whose only heartbeat is
+its collectives is heard from this rarely (plus the flush) however often it runs them."""
 FLIGHT_RECORDER_ENV = {
     # keep a ring buffer of the last collectives in every process group (gloo and NCCL); every read dumps
     # the whole ring, so it stays small: ~1 s of the reference job's collectives, read about once a second

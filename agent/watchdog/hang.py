@@ -38,7 +38,10 @@ optimizer. A stuck rank stops its peers at their next collective, so the count s
 - A job that reports no step in its round ("collectives only": a script with no optimizer, auto-instrumented)
   gets the deadline from its collectives once ``warmup_collectives`` of them completed since the round
   started: ``multiplier`` x the longest gap between two consecutive collectives of a rank in its recent
-  ones, clamped like the step deadline. Before that, the start-up deadline.
+  ones, clamped like the step deadline, plus how late they can be reported (``collective_report_s``: a rank
+  reports its collectives only when it reads its Flight Recorder, every 1.5 s or at the slower pace the agent
+  asked for, and sends them at its next flush, 0.5 s: a healthy job's collectives can go unheard for 2 s, 3.5 s
+  at the slow pace). Before that, the start-up deadline.
 
 Work between steps with no collective and no step (a long evaluation on one rank while the others wait in a
 barrier, say) is told from a hang by the processes' activity: while the ranks' process trees (a rank and its
@@ -186,6 +189,7 @@ class HangDetector:
                 in_checkpoint: bool, running: bool, checkpoint_io: Mapping[int, int] | None = None,
                 progress_age_s: float = 0.0, collective_counts: Mapping[int, int] | None = None,
                 collective_gap_s: float = 0.0, collective_age_s: float = 0.0,
+                collective_report_s: float = 0.0,
                 cpu_seconds: Mapping[int, float] | None = None,
                 io_bytes: Mapping[int, int] | None = None,
                 waiting_cpu_seconds: Mapping[int, float] | None = None) -> HangCheck:
@@ -199,7 +203,9 @@ class HangDetector:
         counts from when it happened, not from when its batch arrived (the caller bounds it).
         `collective_counts` maps rank to its cumulative count of collectives (module docstring),
         `collective_gap_s` is the longest recent gap between a rank's consecutive collectives and
-        `collective_age_s` how long before now the newest reported one was entered; `cpu_seconds` maps rank
+        `collective_age_s` how long before now the newest reported one was entered, `collective_report_s` the
+        longest a rank's collectives may go unreported however often it runs them (its read period plus the
+        flush: added to the collectives deadline); `cpu_seconds` maps rank
         to the CPU seconds its process tree has used and `io_bytes` to the bytes its process has read and
         written (ranks whose counters cannot be read are left out; None: not read this time, and the next
         reading is a new baseline); `waiting_cpu_seconds` maps the ranks that wait inside one call (module
@@ -239,8 +245,10 @@ class HangDetector:
         collectives = max((state.collective_counts[r] - state.collective_baseline[r]
                            for r in state.collective_counts), default=0)
         heartbeat = "collectives" if steps == 0 and collectives >= self.config.warmup_collectives else "steps"
-        if heartbeat == "collectives":
-            timeout, reason = self.config.steady_timeout(collective_gap_s), "collectives"
+        if heartbeat == "collectives":  # heard from once a read: the deadline counts from when they can arrive
+            timeout = min(self.config.ceiling_s,
+                          self.config.steady_timeout(collective_gap_s) + max(0.0, collective_report_s))
+            reason = "collectives"
         else:
             timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
             if steps < self.config.warmup_steps and self.config.startup_s > timeout:

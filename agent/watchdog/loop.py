@@ -51,7 +51,7 @@ from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, n
 from trainwarden.agent.telemetry.job_telemetry import STARTUP_STEPS, JobSnapshot, RankSnapshot
 from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
-from trainwarden.agent.proto.contract import trace_file
+from trainwarden.agent.proto.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
@@ -176,6 +176,7 @@ class Watchdog:
         self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
         self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
         self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
+        self._slow_pace_until: dict[str, float] = {}  # job -> until when a read at the slow pace may be pending
         self._cluster_failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
         self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
@@ -252,6 +253,7 @@ class Watchdog:
             self._attended.pop(job, None)
             self._paced.pop(job, None)
             self.read_pace.pop(job, None)
+            self._slow_pace_until.pop(job, None)
             self._deferred.pop(job, None)
             self._cluster_failing.pop(job, None)
             if self._cluster is not None:
@@ -284,6 +286,7 @@ class Watchdog:
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective),
+            collective_report_s=self._collective_report_s(snap.job),
             **(self._activity_of(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if self._cluster is not None:
             check = self._with_other_nodes(snap.job, check)
@@ -340,6 +343,15 @@ class Watchdog:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
         return min(REPORT_AGE_CAP_S, max(0.0, self._wall() - unix)) if unix else 0.0
 
+    def _collective_report_s(self, job: str) -> float:
+        """The longest a rank's collectives may go unreported: its read period (its own, or the slower one asked
+        for, which holds for one more of its periods after the pace is shortened: the read it had scheduled is
+        still to come) plus a flush."""
+        period = max(FR_READ_INTERVAL_S, self.read_pace.get(job, 0.0))
+        if self._clock() < self._slow_pace_until.get(job, 0.0):
+            period = max(period, self.config.quiet_read_period_s)
+        return period + FLUSH_INTERVAL_S
+
     def _pace_reads(self, snap: JobSnapshot) -> None:
         """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
         a decision, and at their own pace as soon as it is (`quiet_read_period_s`). A worker starts every
@@ -352,6 +364,8 @@ class Watchdog:
             self._attended[snap.job] = now
         quiet = now - self._attended.setdefault(snap.job, now) >= self.config.quiet_after_s
         want = quiet_period if quiet else 0.0
+        if self.read_pace.get(snap.job, 0.0) > want:
+            self._slow_pace_until[snap.job] = now + quiet_period
         self.read_pace[snap.job] = want
         told = self._paced.setdefault(snap.job, {})
         streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}

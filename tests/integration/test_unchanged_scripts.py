@@ -233,3 +233,17 @@ def test_unchanged_script_trains_the_same_and_a_stopped_rank_is_named_and_recove
     assert cut > script.stop_after, lines
     assert lines[:cut] == expected[:cut] and lines[cut:] == expected, text[-4000:]
     assert_steps_counted(script, text)
+
+
+@pytest.mark.timeout(200)
+def test_a_collectives_only_job_is_not_taken_for_hung_between_its_reads(procs, tmp_path):
+    """An evaluation loop that all-reduces every 0.03 s, run for longer than the agent's quiet period (10 s: its
+    ranks are then asked to read their Flight Recorders every 3 s). Its collectives are heard once a read, so
+    before the collectives deadline allowed for that period the job was aborted as hung every few seconds, at
+    the 2 s floor as at 1.5 s, and with its restarts spent it failed."""
+    launcher = start_trainwarden(procs, tmp_path, "long_eval",
+                                 [str(FIXTURES / "eval_allreduce.py"), "--batches", "600", "--sleep", "0.03"])
+    rc, text = wait(launcher, procs, 180)
+    assert rc == 0, text[-4000:]
+    assert "eval done" in text and incidents(tmp_path, "long_eval") == [], text[-4000:]
+    assert summary_steps(text).startswith("none (collectives only"), text[-3000:]

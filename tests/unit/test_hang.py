@@ -237,10 +237,10 @@ def test_without_io_counters_the_allowance_is_the_plain_deadline():
 # ---- collectives as the heartbeat ----------------------------------------------------------------------
 
 
-def _observe_collectives(det, counts, *, steps=None, gap=0.1, age=0.0):
+def _observe_collectives(det, counts, *, steps=None, gap=0.1, age=0.0, report=0.0):
     return det.observe("j", round_id=("r", 1), step_counts=steps or {0: 0, 1: 0}, step_p99_s=0.0,
                        in_checkpoint=False, running=True, collective_counts=counts, collective_gap_s=gap,
-                       collective_age_s=age)
+                       collective_age_s=age, collective_report_s=report)
 
 
 def test_a_loop_without_steps_gets_its_deadline_from_its_collectives_after_their_warm_up():
@@ -290,6 +290,33 @@ def test_collectives_keep_a_job_with_steps_alive_between_steps_and_keep_the_step
     check = det.observe("j", round_id=("r", 1), step_counts=counts, step_p99_s=0.3, in_checkpoint=False,
                         running=True, collective_counts=coll, collective_gap_s=0.2)
     assert check.hung
+
+
+def test_collectives_heard_once_a_read_do_not_make_a_healthy_job_look_hung():
+    """An evaluation loop all-reduces every 0.03 s, but each rank reports its collectives only when it reads its
+    Flight Recorder (every 1.5 s, or 3 s at the slow pace) and sends them at its next flush (0.5 s). Without the
+    reporting period in its deadline (max(1.5 s floor, 5 x 0.03 s)) such a job was aborted as hung every few
+    seconds; a real stall is still caught, the period later."""
+    for report, period in ((2.0, 2.0), (3.5, 3.5)):
+        clock = Clock()
+        det = HangDetector(HangConfig(warmup_collectives=64), clock=clock)
+        counts = {0: 0, 1: 0}
+        _observe_collectives(det, counts, gap=0.03, report=report)
+        fired = []
+        for _ in range(12):  # every `period` s a read's batch arrives; the agent checks every 0.25 s
+            for _ in range(int(period / 0.25) - 1):
+                clock.now += 0.25
+                fired += [_observe_collectives(det, counts, gap=0.03, report=report).hung]
+            clock.now += 0.25
+            counts = {r: c + int(period / 0.03) for r, c in counts.items()}
+            check = _observe_collectives(det, counts, gap=0.03, age=0.1, report=report)
+            fired.append(check.hung)
+        assert check.heartbeat == "collectives" and check.timeout_s == pytest.approx(1.5 + report)
+        assert not any(fired), (report, fired)
+        assert _observe_collectives(det, counts, gap=0.03).timeout_s == 1.5  # without: the floor alone
+        clock.now += 1.5 + report  # the collectives stop
+        check = _observe_collectives(det, counts, gap=0.03, report=report)
+        assert check.hung and check.stalled_s == pytest.approx(1.5 + report + 0.1)
 
 
 def test_a_collective_reported_late_counts_from_when_it_was_entered():
