@@ -388,8 +388,7 @@ class Watchdog:
         directory = Path(self._diagnostics_dir(job)) / incident_id
         connected = [r.rank for r in snap.ranks if r.connected]
         log.error("job %s hung: no %s for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
-                  "collective" if check.heartbeat == "collectives" else "step or collective", check.stalled_s,
-                  check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
+                  _silent(check), check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
         try:
             directory.mkdir(parents=True, exist_ok=True)
             reached = list(self._actions.request_diagnostics(job, connected, directory))
@@ -412,8 +411,8 @@ class Watchdog:
         def abort_while_waiting(so_far: dict[str, dict]) -> None:
             if self.config.abort_on_hang:
                 _, partial = merge_verdicts(so_far) if so_far else ({}, verdict.summary)
-                early.append(self._abort_workers(job, ranks, f"hang: no step for {check.stalled_s:.0f} s; "
-                                                             f"{partial} (other nodes' verdicts awaited)"))
+                early.append(self._abort_workers(job, ranks, f"{_hang_words(check)}; {partial} (other nodes' verdicts "
+                                                             "awaited)"))
 
         if self._cluster is not None:
             shared = self._share_hang(snap, incident_id, verdict, abort_while_waiting)
@@ -446,7 +445,7 @@ class Watchdog:
             outcome="waiting for the job to progress after the restart", now=self._wall()))
         # already done while the verdicts were awaited, or now
         aborted, error = early[0] if early else self._abort_workers(
-            job, ranks, f"hang: no step for {check.stalled_s:.0f} s; {summary}")
+            job, ranks, f"{_hang_words(check)}; {summary}")
         if aborted:
             self._acting[job] = (incident, self._clock())
         else:
@@ -505,8 +504,8 @@ class Watchdog:
     def _abort_only(self, snap: JobSnapshot, ranks: list[int], check: HangCheck, verdict) -> None:
         if not self.config.abort_on_hang:
             return
-        aborted, _ = self._abort_workers(snap.job, ranks, f"hang: no step for {check.stalled_s:.0f} s; recorded by "
-                                                          f"another node ({verdict.summary})")
+        aborted, _ = self._abort_workers(snap.job, ranks, f"{_hang_words(check)}; recorded by another node "
+                                                          f"({verdict.summary})")
         if aborted:
             self._acting[snap.job] = (None, self._clock())
 
@@ -673,6 +672,16 @@ def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
         return {r.rank: 0 for r in snap.ranks}
     per_stage = snap.world_size // pp
     return {r.rank: r.rank // per_stage for r in snap.ranks}
+
+
+def _silent(check: HangCheck) -> str:
+    """What stopped coming: a job without steps is judged by its collectives."""
+    return "collective" if check.heartbeat == "collectives" else "step or collective"
+
+
+def _hang_words(check: HangCheck) -> str:
+    """The start of a hang's abort reason, which the workers log ("aborted by the trainwarden agent: ...")."""
+    return f"hang: no {_silent(check)} for {check.stalled_s:.1f} s"
 
 
 def _steady_step_p99(connected: Sequence[RankSnapshot]) -> float:

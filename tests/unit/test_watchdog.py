@@ -147,6 +147,7 @@ def test_hang_names_culprit_records_aborts_and_resolves_after_restart(tmp_path):
     assert acting.id == opened.id and acting.state is IncidentState.ACTING
     (_, aborted, reason), = actions.aborts
     assert aborted == [0, 1, 2, 3] and "rank 1 never entered all_reduce #10" in reason
+    assert reason.startswith("hang: no step or collective for 5.") and " s; " in reason  # not rounded to 5 s
     assert "hung" in _flags(sim)[1]
     # torchrun restarts the workers; nothing fires again while they start, then they progress
     for r in range(4):
