@@ -14,8 +14,8 @@ The deadline adapts to the job:
   short because what else stops steps for seconds is told apart below: a rank that computes (or whose
   DataLoader workers do), reads or writes, checkpoints, or runs collectives is not hung. What is left looks
   exactly like a hang (no step, no collective, no CPU, no I/O): a script that sleeps for seconds between steps
-  needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds), then 2 s; at 1.5 s it no longer sets the reference
-  job's deadline (5 x its p99, about 1.5 s, does).
+  needs a longer floor (`trainwarden run --hang-floor`). It was 5 s until issue 26 (recovery in seconds), then
+  2 s; at 1.5 s it no longer sets the reference job's deadline (5 x its p99, about 1.5 s, does).
   The steps that overlapped a checkpoint's background write (slowed 2-3x by it on a busy host) are not in that
   p99; they count only while a write may slow the step in flight (agent/watchdog/loop.py `_steady_step_p99`).
 - start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
@@ -57,7 +57,7 @@ while a collective it enqueued has not completed (the Flight Recorder). Its own 
 (``waiting_cpu_seconds``); its children's CPU and its I/O still are. Without this, every NCCL hang was held to
 ``busy_s``. A rank computing alone while its peers wait has no collective in flight: it still counts. (An
 unchanged script, auto-instrumented, was otherwise aborted in the middle of an 8 s
-evaluation on one rank.) The watchdog reads activity only once a job has been stalled for a second: a healthy
+evaluation on one rank.) The watchdog reads activity only once a job has been stalled for 0.75 s: a healthy
 job costs it nothing.
 
 A node sees only its own ranks. In a job of several nodes, the ranks of one node may work (rank 0 evaluating
