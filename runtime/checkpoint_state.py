@@ -91,16 +91,20 @@ def load_sidecar(path: Path, entries: Mapping[str, RNGState]) -> bool:
 
 class ModelState(Stateful):
     """Model and optimizer(s) as one DCP Stateful, through torch's distributed state-dict API (works for
-    FSDP2/DTensor-sharded and plain modules; DCP reshards on load)."""
+    FSDP2/DTensor-sharded and plain modules; DCP reshards on load). ``state_dict()`` is ``get_state_dict``'s
+    result, the parameter names worked out once (runtime/state_dict_reader.py): a snapshot asks every step."""
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | list | None = None) -> None:
         self.model = model
         self.optimizers = optimizers if optimizers is not None else []
+        self._reader = None
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        if self._reader is None:  # imported here: this module is loaded by processes that never read a model
+            from trainwarden.runtime.state_dict_reader import StateDictReader
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+            self._reader = StateDictReader(self.model, self.optimizers)
+        model_sd, optim_sd = self._reader.read()
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
@@ -53,6 +53,7 @@ from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
 from trainwarden.runtime.timings import PhaseTimings
+from trainwarden.runtime.state_dict_reader import StateDictReader
 
 _IMPORTED_AT = time.time()
 """When this module's imports (torch among them) were done: the restart benchmark's "torch imported" mark."""
@@ -203,9 +204,10 @@ class TrainState(Stateful):
         self.model = model
         self.optimizer = optimizer
         self.step = 0
+        self._reader = StateDictReader(model, optimizer, options=_SD_OPTIONS)
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
+        model_sd, optim_sd = self._reader.read()  # get_state_dict's, the names worked out once
         return {"model": model_sd, "optim": optim_sd, "step": self.step, "data_position": self.step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
