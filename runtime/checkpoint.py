@@ -479,14 +479,16 @@ class Checkpointer(MemoryRestore):
                 by_error.setdefault(e, []).append(r)
             detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
             if attempt < attempts:
-                logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s", path,
-                               attempt, attempts, detail, delay * attempt)
+                if self.rank == 0:  # every rank gathered the same results: one of them says it
+                    logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s",
+                                   path, attempt, attempts, detail, delay * attempt)
                 self._barrier()
                 time.sleep(delay * attempt)
-        logger.error("checkpoint %s failed to load on all %d attempts (%s)%s", path, attempts, detail,
-                     " (a read error: the storage, not the checkpoint)" if read_error else
-                     ". If the model or optimizer definition changed since it was saved, that is the cause.",
-                     extra={"event": "checkpoint_unloadable"})
+        if self.rank == 0:
+            logger.error("checkpoint %s failed to load on all %d attempts (%s)%s", path, attempts, detail,
+                         " (a read error: the storage, not the checkpoint)" if read_error else
+                         ". If the model or optimizer definition changed since it was saved, that is the cause.",
+                         extra={"event": "checkpoint_unloadable"})
         return detail, read_error
 
     def _quarantine(self, step: int, path: Path, state: str, reason: str) -> None:

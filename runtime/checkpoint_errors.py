@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch.distributed.checkpoint import CheckpointException
 
 __all__ = ["SAVE_LOAD_ERRORS", "describe", "is_read_error"]
@@ -21,8 +23,19 @@ def describe(exc: BaseException) -> str:
     return _one_line(exc)
 
 
+# torch.load(weights_only=True) wraps what went wrong in a paragraph of advice about trusting the file; for a
+# checkpoint whose bytes are damaged that advice (load it with weights_only=False) is wrong. Keep what went wrong.
+_WEIGHTS_ONLY = re.compile(r"Weights only load failed\..*?WeightsUnpickler error: (?P<what>.*?)"
+                           r"(?: Check the documentation of torch\.load.*)?$")
+
+
 def _one_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:700]
+    text = " ".join(str(exc).split())
+    weights_only = _WEIGHTS_ONLY.match(text)
+    if weights_only:
+        text = (f"a pickled entry could not be read ({weights_only['what']}): its bytes are not a checkpoint's "
+                "tensors, numbers or strings")
+    return f"{type(exc).__name__}: {text}"[:700]
 
 
 def is_read_error(exc: BaseException) -> bool:

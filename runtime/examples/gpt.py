@@ -333,8 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, device, timings=timings)
     except FaultSpecError as exc:
         _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
-    except CheckpointUnloadableError as exc:
-        _exit_now(EXIT_NO_CHECKPOINT, str(exc))
+    except CheckpointUnloadableError as exc:  # rank 0's Checkpointer logged why and what to do: one line here
+        _exit_now(EXIT_NO_CHECKPOINT, f"stopping (exit {EXIT_NO_CHECKPOINT}): the job has checkpoints it could not "
+                  "load, and it does not start over by itself; rank 0's error says why and what to do",
+                  reason=str(exc))
     except Exception as exc:
         lost = peer_failure(exc)
         if lost:  # the echo of another rank's failure: one line, the failed rank has the traceback

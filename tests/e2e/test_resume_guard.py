@@ -45,6 +45,9 @@ def test_damaged_checkpoints_stop_the_job_without_a_restart_and_are_kept(tmp_pat
     assert rc == 7, log[-4000:]  # EXIT_RESUME_BLOCKED, not 0 after training from step 1
     assert "step 1 loss" not in log and "restarting the worker group" not in log, log[-4000:]
     assert "the job stopped rather than start over" in log and "no restart was spent" in log
+    stops = [line for line in log.splitlines() if "[rank " in line and "runtime.examples.gpt" in line]
+    assert len(stops) == 2 and all("rank 0's error says why" in line and len(line) < 300 for line in stops), \
+        stops  # rank 0's Checkpointer says why, once; each rank adds one short line that it stops
     left = sorted(p.name for p in ckpt.iterdir())
     if damage == "metadata_gone":  # a read problem: nothing set aside, nothing deleted
         assert left == ["latest", "step-00000004", "step-00000008"], left

@@ -117,6 +117,9 @@ def test_corrupt_truncated_and_unloadable_checkpoints_fall_back(trained, tmp_pat
     assert restored["step"] == 4, log[-3000:]
     assert_same_state(load(root / "dump-4.pt"), restored)
     assert "step-00000010 failed to load" in log and "step-00000008 failed to load" in log
+    for step in (8, 10):  # every rank gathered the same failures: rank 0 says it, once per attempt
+        assert log.count(f"step-{step:08d} failed to load on all") == 1, log[-3000:]
+        assert log.count(f"step-{step:08d} failed to load (attempt 1 ") == 1, log[-3000:]
     assert "skipping incomplete checkpoint" in log and "step-00000006: truncated data file __1_0.distcp" in log
     assert log.count("restored checkpoint step 4") == 2  # both ranks, the same checkpoint
     for step in (8, 10):  # kept for inspection, out of the step-* namespace

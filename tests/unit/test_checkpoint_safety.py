@@ -220,3 +220,18 @@ def test_a_save_says_when_this_ranks_write_ended_before_it_commits(tmp_path):
     with Checkpointer(tmp_path / "sync", keep=10, session=sync, async_save=False) as ckpt:
         ckpt.save(4, {"box": Box()})
     assert [s[0] for s in sync.stages] == ["save_start", "written", "committed", "staged"]
+
+
+def test_damaged_pickled_bytes_are_described_by_what_failed_not_by_torchs_advice_to_trust_the_file():
+    import io
+    import pickle
+
+    from trainwarden.runtime.checkpoint_errors import describe
+
+    with pytest.raises(pickle.UnpicklingError) as err:  # the damage DCP meets in a .distcp's pickled entry
+        torch.load(io.BytesIO(b"\xff" * 64), weights_only=True)
+    assert "weights_only" in str(err.value) and len(str(err.value)) > 500  # torch's paragraph
+    said = describe(err.value)
+    assert said.startswith("UnpicklingError: a pickled entry could not be read (") and len(said) < 200, said
+    assert "weights_only" not in said and "trusted source" not in said
+    assert describe(ValueError("size mismatch")) == "ValueError: size mismatch"
