@@ -124,8 +124,8 @@ class _Layout:
             for group in osd[_PARAM_GROUPS]:
                 group[_PARAMS] = [names[number] for number in group[_PARAMS]]
                 groups.append(group)
-        optim_sd: dict[str, Any] = {_STATE: state, _PARAM_GROUPS: groups}
-        if options.flatten_optimizer_state_dict:
+        optim_sd: dict[str, Any] = {_STATE: state, _PARAM_GROUPS: groups} if optimizers else {}
+        if optimizers and options.flatten_optimizer_state_dict:
             optim_sd = _flatten(optim_sd)
         return model_sd, optim_sd
 

@@ -116,6 +116,14 @@ def test_tied_weights_and_several_optimizers_read_as_torch_reads_them():
     assert "tied.weight" in reader.read()[0]
 
 
+@pytest.mark.parametrize("options", [None, FLAT], ids=["nested", "flattened"])
+def test_a_model_without_optimizers_reads_as_torch_reads_it(options):
+    reader = StateDictReader(_model(), [], options=options)
+    for _ in range(2):
+        _assert_as_torch_gives(reader, options)
+    assert reader.fast_reads == 1 and reader.read()[1] == {}
+
+
 def test_options_it_does_not_serve_always_ask_get_state_dict():
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
