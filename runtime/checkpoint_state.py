@@ -100,7 +100,7 @@ class ModelState(Stateful):
         self._reader = None
 
     def state_dict(self) -> dict[str, Any]:
-        if self._reader is None:  # imported here: this module is loaded by processes that never read a model
+        if self._reader is None:  # imported on first use, as get_state_dict was: it imports torch's FSDP modules
             from trainwarden.runtime.state_dict_reader import StateDictReader
 
             self._reader = StateDictReader(self.model, self.optimizers)

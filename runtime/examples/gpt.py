@@ -52,8 +52,8 @@ from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
-from trainwarden.runtime.timings import PhaseTimings
 from trainwarden.runtime.state_dict_reader import StateDictReader
+from trainwarden.runtime.timings import PhaseTimings
 
 _IMPORTED_AT = time.time()
 """When this module's imports (torch among them) were done: the restart benchmark's "torch imported" mark."""
