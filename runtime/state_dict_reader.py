@@ -11,12 +11,14 @@ so) and compares them, key by key, value by value (a tensor: its type, shape, dt
 agree does it keep the short way; otherwise it asks ``get_state_dict`` for good and says so once in the log.
 
 The short way is taken only while what the names were worked out from is unchanged, checked on every call:
-the model's state-dict keys, its parameter objects and each optimizer's, and an optimizer that already has state
-(``get_state_dict`` creates the state of an optimizer that has none, with a zero-lr step). Anything else goes to
-``get_state_dict`` and the comparison is made again. Options it does not serve (full or CPU-offloaded state dicts,
-frozen parameters left out) and modules wrapped by FSDP1, DDP or ``torch.compile`` (their keys are not the names:
-the comparison fails) always go to ``get_state_dict``. No private torch helper is used: a torch whose format
-differs fails the comparison and gets the slow way, not a wrong one.
+the model's state-dict keys, its parameter objects and each optimizer's. An optimizer with no state and no
+gradients goes to ``get_state_dict`` too, which makes its state with a zero-lr step, unless that step was seen to
+leave it without state (SGD without momentum). Anything else goes to
+``get_state_dict`` and the comparison is made again. The keys of a model wrapped by DDP or ``torch.compile`` lose
+the wrapper's ``module.`` or ``_orig_mod.`` as torch's names do. Options it does not serve (full or CPU-offloaded
+state dicts, frozen parameters left out) and models whose keys are not their names in another way (FSDP1, an
+activation-checkpoint wrapper: the comparison fails) always go to ``get_state_dict``. No private torch helper is
+used: a torch whose format differs fails the comparison and gets the slow way, not a wrong one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["StateDictReader"]
 
@@ -70,10 +73,10 @@ class StateDictReader:
         if layout is None:
             return self._give_up("a parameter's name is not a key of the model's state dict")
         fast = layout.read(self.model, self.optimizers, self.options)
-        if fast is None:  # an optimizer with no state yet (it had gradients, so get_state_dict made none): next call
-            return None
+        if fast is None:  # right after get_state_dict: an optimizer of a parameter the model does not name
+            return self._give_up("an optimizer holds a parameter the model does not name")
         difference = _difference((model_sd, optim_sd), fast)
-        if difference is not None:  # keys that are not the names (DDP, compile, FSDP1), or a torch of another format
+        if difference is not None:  # keys that are not the names (FSDP1, a checkpoint wrapper), or a torch of another format
             return self._give_up(difference)
         self._layout = layout
         return None
@@ -86,9 +89,11 @@ class StateDictReader:
 class _Layout:
     """The model's state-dict keys and parameters, and each optimizer's parameter names by number, as learnt."""
 
-    def __init__(self, keys: tuple[str, ...], params: list[torch.Tensor],
-                 optim_params: list[list[torch.Tensor]], names: dict[int, str]) -> None:
-        self.keys, self.params, self.optim_params, self.names = keys, params, optim_params, names
+    def __init__(self, keys: tuple[str, ...], renames: list[tuple[str, str]], params: list[torch.Tensor],
+                 optim_params: list[list[torch.Tensor]], names: dict[int, str], stateless: list[bool]) -> None:
+        self.keys, self.renames, self.params, self.optim_params, self.names = keys, renames, params, optim_params, names
+        self.stateless = stateless
+        """Per optimizer: get_state_dict's zero-lr step just ran and left it without state (SGD without momentum)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> _Layout | None:
@@ -96,22 +101,27 @@ class _Layout:
         named = list(model.named_parameters())
         if any(name not in keys for name, _ in named):
             return None
+        renames = [(key, name) for key in keys if (name := _name(model, key)) != key]
         optim_params = [list(itertools.chain.from_iterable(g[_PARAMS] for g in o.param_groups)) for o in optimizers]
-        names = {id(p): name for name, p in named}
-        return cls(keys, [p for _, p in named], optim_params, names)
+        names = {id(p): _name(model, key) for key, p in named}
+        stateless = [not o.state and not _has_grad(params) for o, params in zip(optimizers, optim_params)]
+        return cls(keys, renames, [p for _, p in named], optim_params, names, stateless)
 
     def read(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
              options: StateDictOptions) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The two dicts the short way, or None when something they were learnt from has changed."""
         if not _same(self.params, (p for _, p in model.named_parameters())):
             return None
-        for optimizer, params in zip(optimizers, self.optim_params):
-            if not optimizer.state or not _same(params, itertools.chain.from_iterable(
-                    g[_PARAMS] for g in optimizer.param_groups)):
+        for optimizer, params, stateless in zip(optimizers, self.optim_params, self.stateless):
+            if not _same(params, itertools.chain.from_iterable(g[_PARAMS] for g in optimizer.param_groups)):
                 return None
+            if not optimizer.state and not stateless and not _has_grad(params):
+                return None  # get_state_dict would make its state with a zero-lr step: let it
         model_sd = model.state_dict()
         if tuple(model_sd.keys()) != self.keys:
             return None
+        for key, name in self.renames:  # in key order, to the end: the order get_state_dict leaves them in
+            model_sd[name] = model_sd.pop(key)
         state: dict[Any, Any] = {}
         groups: list[dict[str, Any]] = []
         for optimizer, params in zip(optimizers, self.optim_params):
@@ -128,6 +138,23 @@ class _Layout:
         if optimizers and options.flatten_optimizer_state_dict:
             optim_sd = _flatten(optim_sd)
         return model_sd, optim_sd
+
+
+def _name(model: torch.nn.Module, key: str) -> str:
+    """The name ``get_state_dict`` gives a state-dict key: without the ``module.`` of a DDP wrapper and the
+    ``_orig_mod.`` of ``torch.compile``'s (the comparison with torch's own result checks it)."""
+    parts, kept, at = key.split("."), [], model
+    for part in parts:
+        wrapper = (part == "module" and isinstance(at, DistributedDataParallel)) or (
+            part == "_orig_mod" and type(at).__name__ == "OptimizedModule")
+        if not wrapper:
+            kept.append(part)
+        at = getattr(at, part, None) if isinstance(at, torch.nn.Module) else None
+    return ".".join(kept)
+
+
+def _has_grad(params: list[torch.Tensor]) -> bool:
+    return any(p.grad is not None for p in params)
 
 
 def _same(learnt: list[torch.Tensor], now: Iterable[torch.Tensor]) -> bool:

@@ -75,6 +75,31 @@ def test_an_optimizer_with_no_state_gets_it_as_from_get_state_dict_then_the_shor
     assert reader.fast_reads == 1
 
 
+def test_an_optimizer_that_keeps_no_state_takes_the_short_way_too():
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # no momentum: no state, ever
+    reader = StateDictReader(model, optimizer, options=FLAT)
+    for _ in range(3):
+        _train(model, optimizer)  # gradients set to None after each step
+        _assert_as_torch_gives(reader, FLAT)
+    assert not optimizer.state and reader.fast_reads == 2
+
+
+def test_gradients_before_the_first_step_are_read_as_torch_reads_them():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 6)).pow(2).sum().backward()  # gradients, no state: get_state_dict makes none
+    reader = StateDictReader(model, optimizer, options=FLAT)
+    for _ in range(2):
+        _assert_as_torch_gives(reader, FLAT)
+    assert not optimizer.state and reader.fast_reads == 1
+    optimizer.zero_grad(set_to_none=True)  # now get_state_dict makes the state: the reader lets it
+    _assert_as_torch_gives(reader, FLAT)
+    assert optimizer.state and reader.fast_reads == 1
+    _assert_as_torch_gives(reader, FLAT)
+    assert reader.fast_reads == 2
+
+
 def test_a_new_parameter_or_a_replaced_one_goes_back_to_get_state_dict_and_learns_again():
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -144,10 +169,51 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_ddp_model_whose_keys_are_not_its_names_asks_get_state_dict_every_time(one_rank_group, caplog):
+def test_a_ddp_model_reads_as_torch_reads_it_without_the_wrappers_prefix(one_rank_group):
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer)
+    for options in (None, FLAT):
+        reader = StateDictReader(model, optimizer, options=options)
+        for _ in range(3):
+            _assert_as_torch_gives(reader, options)
+        assert reader.fast_reads == 2
+    assert "module.0.weight" in model.state_dict() and "0.weight" in reader.read()[0]
+    assert "state.0.weight.exp_avg" in reader.read()[1]
+
+
+def test_a_compiled_model_reads_as_torch_reads_it_without_orig_mod():
+    model = torch.compile(_model())  # never called: nothing is compiled, the wrapper is what matters here
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    reader = StateDictReader(model, optimizer, options=FLAT)
+    for _ in range(2):
+        _assert_as_torch_gives(reader, FLAT)
+    assert reader.fast_reads == 1
+    assert "_orig_mod.0.weight" in model.state_dict() and "0.weight" in reader.read()[0]
+
+
+def test_a_child_module_called_module_keeps_its_name():
+    model = torch.nn.Module()
+    model.module = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.module(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    reader = StateDictReader(model, optimizer)
+    for _ in range(2):
+        _assert_as_torch_gives(reader)
+    assert reader.fast_reads == 1 and "module.0.weight" in reader.read()[0]
+
+
+def test_a_model_whose_keys_are_not_its_names_asks_get_state_dict_every_time(caplog):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _model()
+    model[0] = checkpoint_wrapper(model[0])  # parameters named ..._checkpoint_wrapped_module..., keys without it
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optimizer)
     reader = StateDictReader(model, optimizer)
@@ -156,7 +222,6 @@ def test_a_ddp_model_whose_keys_are_not_its_names_asks_get_state_dict_every_time
             _assert_as_torch_gives(reader)
     assert reader.fast_reads == 0
     assert sum("from get_state_dict on every call" in r.getMessage() for r in caplog.records) == 1
-    assert "module.0.weight" in model.state_dict() and "0.weight" in reader.read()[0]
 
 
 def test_fsdp2_dtensor_shards_read_as_torch_reads_them(one_rank_group):
