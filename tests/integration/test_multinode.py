@@ -64,7 +64,11 @@ def _rank0(text: str) -> list[tuple[str, int, float]]:
     ("resumed", n, 0.0). The lines' own timestamps order it (the nodes share this machine's clock)."""
     events = [(m.group(1), m.start(), "step", int(m.group(2)), float(m.group(3))) for m in STEP_RE.finditer(text)]
     events += [(m.group(1), m.start(), "resumed", int(m.group(2)), 0.0) for m in RESUMED_RE.finditer(text)]
-    return [e[2:] for e in sorted(events)]
+    story: list[tuple[str, int, float]] = []
+    for event in sorted(events):  # a resume from memory is said twice (the Checkpointer, then the job): once here
+        if not (event[2] == "resumed" and story and story[-1] == event[2:]):
+            story.append(event[2:])
+    return story
 
 
 def _lost_at_last_resume(story: list[tuple[str, int, float]]) -> list[int]:
