@@ -92,6 +92,11 @@ _NOT_LEAF = object()
 _TENSOR = "__trainwarden_tensor__"  # (_TENSOR, index): a tensor in the header's body
 
 
+def _mark_index(value: Any) -> int | None:
+    """The tensor index of a ``(_TENSOR, index)`` mark in a header's body; None for anything else."""
+    return value[1] if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR else None
+
+
 def _holds_containers(values: list | tuple) -> bool:
     # the type lookup first: an isinstance() against an ABC costs ~10 times more, 625 times for an RNG state
     return any(type(v) not in _SCALARS and isinstance(v, _CONTAINERS) for v in values)
@@ -346,9 +351,8 @@ def _load(path: Path) -> Any:
                        if nbytes else torch.empty(shape, dtype=kind))
 
     def fill(value: Any) -> Any:
-        if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
-            return tensors[value[1]]
-        return _NOT_LEAF
+        index = _mark_index(value)
+        return _NOT_LEAF if index is None else tensors[index]
 
     return _walk(header["body"], fill)
 
@@ -372,13 +376,17 @@ def follow(header: dict, path: tuple) -> Any:
 
 def holds_tensor_mark(value: Any) -> bool:
     """Whether a value of a header's state has a tensor in it (a ``(_TENSOR, index)`` mark)."""
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR:
-        return True
-    if isinstance(value, Mapping):
-        return any(holds_tensor_mark(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_tensor_mark(v) for v in value)
-    return False
+    marks: list[int] = []
+
+    def seen(item: Any) -> Any:
+        index = _mark_index(item)
+        if index is None:
+            return _NOT_LEAF
+        marks.append(index)
+        return item
+
+    _walk(value, seen)
+    return bool(marks)
 
 
 class MappedSnapshot:
@@ -426,9 +434,8 @@ class MappedSnapshot:
         tensor in it read from the file (a copy)."""
 
         def fill(item: Any) -> Any:
-            if isinstance(item, tuple) and len(item) == 2 and item[0] == _TENSOR:
-                return self.tensor(item[1]).clone()
-            return _NOT_LEAF
+            index = _mark_index(item)
+            return _NOT_LEAF if index is None else self.tensor(index).clone()
 
         return _walk(follow(self.header, path), fill)
 
@@ -438,7 +445,7 @@ class MappedSnapshot:
             value = follow(self.header, path)
         except KeyError:
             return False
-        return isinstance(value, tuple) and len(value) == 2 and value[0] == _TENSOR and value[1] == index
+        return _mark_index(value) == index
 
     def check(self) -> None:
         """ValueError when a writer took the file since it was opened (its prefix changed)."""
