@@ -376,17 +376,13 @@ def follow(header: dict, path: tuple) -> Any:
 
 def holds_tensor_mark(value: Any) -> bool:
     """Whether a value of a header's state has a tensor in it (a ``(_TENSOR, index)`` mark)."""
-    marks: list[int] = []
-
-    def seen(item: Any) -> Any:
-        index = _mark_index(item)
-        if index is None:
-            return _NOT_LEAF
-        marks.append(index)
-        return item
-
-    _walk(value, seen)
-    return bool(marks)
+    if _mark_index(value) is not None:
+        return True
+    if isinstance(value, Mapping):
+        return any(holds_tensor_mark(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensor_mark(v) for v in value)
+    return False
 
 
 class MappedSnapshot:
