@@ -71,12 +71,9 @@ class StateDictReader:
     def _learn(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         layout = _Layout.of(self.model, self.optimizers)
         if layout is None:
-            return self._give_up("a parameter's name is not a key of the model's state dict")
-        fast = layout.read(self.model, self.optimizers, self.options)
-        if fast is None:  # right after get_state_dict: an optimizer of a parameter the model does not name
-            return self._give_up("an optimizer holds a parameter the model does not name")
-        difference = _difference((model_sd, optim_sd), fast)
-        if difference is not None:  # keys that are not the names (FSDP1, a checkpoint wrapper), or a torch of another format
+            return self._give_up("a parameter is not named by the model's state dict")
+        difference = _difference((model_sd, optim_sd), layout.read(self.model, self.optimizers, self.options))
+        if difference is not None:  # keys that are not the names (FSDP1, a checkpoint wrapper), or another format
             return self._give_up(difference)
         self._layout = layout
         return None
@@ -87,25 +84,30 @@ class StateDictReader:
 
 
 class _Layout:
-    """The model's state-dict keys and parameters, and each optimizer's parameter names by number, as learnt."""
+    """The model's state-dict keys and parameters, and each optimizer's parameters and their names, as learnt."""
 
     def __init__(self, keys: tuple[str, ...], renames: list[tuple[str, str]], params: list[torch.Tensor],
-                 optim_params: list[list[torch.Tensor]], names: dict[int, str], stateless: list[bool]) -> None:
-        self.keys, self.renames, self.params, self.optim_params, self.names = keys, renames, params, optim_params, names
+                 optim_params: list[list[torch.Tensor]], optim_names: list[list[str]], stateless: list[bool]) -> None:
+        self.keys, self.renames, self.params = keys, renames, params
+        self.optim_params, self.optim_names = optim_params, optim_names
         self.stateless = stateless
         """Per optimizer: get_state_dict's zero-lr step just ran and left it without state (SGD without momentum)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> _Layout | None:
+        """Learnt right after a ``get_state_dict`` call; None when a parameter is not among the model's keys."""
         keys = tuple(model.state_dict().keys())
         named = list(model.named_parameters())
-        if any(name not in keys for name, _ in named):
+        if any(key not in keys for key, _ in named):
             return None
         renames = [(key, name) for key in keys if (name := _name(model, key)) != key]
-        optim_params = [list(itertools.chain.from_iterable(g[_PARAMS] for g in o.param_groups)) for o in optimizers]
         names = {id(p): _name(model, key) for key, p in named}
+        optim_params = [list(itertools.chain.from_iterable(g[_PARAMS] for g in o.param_groups)) for o in optimizers]
+        if any(id(p) not in names for params in optim_params for p in params):  # torch itself fails on these
+            return None
+        optim_names = [[names[id(p)] for p in params] for params in optim_params]
         stateless = [not o.state and not _has_grad(params) for o, params in zip(optimizers, optim_params)]
-        return cls(keys, renames, [p for _, p in named], optim_params, names, stateless)
+        return cls(keys, renames, [p for _, p in named], optim_params, optim_names, stateless)
 
     def read(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
              options: StateDictOptions) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -124,11 +126,8 @@ class _Layout:
             model_sd[name] = model_sd.pop(key)
         state: dict[Any, Any] = {}
         groups: list[dict[str, Any]] = []
-        for optimizer, params in zip(optimizers, self.optim_params):
+        for optimizer, names in zip(optimizers, self.optim_names):
             osd = optimizer.state_dict()
-            names = [self.names.get(id(p)) for p in params]
-            if None in names:  # an optimizer of a parameter the model does not have
-                return None
             for number, entry in osd[_STATE].items():
                 state[names[number]] = entry
             for group in osd[_PARAM_GROUPS]:
