@@ -11,7 +11,10 @@ tensor-parallel peers are adjacent ranks, then data-parallel replicas, then pipe
 3. shards every block, then the whole stage, with FSDP2 ``fully_shard`` over the ``dp`` mesh (tensor
    parallel parameters become 2-D DTensors: sharded on dp and tp);
 4. wraps the stage in ``torch.distributed.pipelining.PipelineStage`` and drives it with ``Schedule1F1B``
-   over ``micro_batches`` micro-batches, the loss computed on the last stage.
+   over ``micro_batches`` micro-batches, the loss computed on the last stage. Given the micro-batch size,
+   each stage is told the shapes it receives and sends (:func:`stage_shapes`), so the first step does not
+   infer them by running a forward and trading them stage to stage: a restarted job trains again ~0.1 s
+   sooner (BENCHMARKS.md, issue 26).
 
 A degree of 1 skips its layer entirely (no pipeline schedule for ``pp == 1``, no FSDP for ``dp == 1``, no
 tensor parallelism for ``tp == 1``); parameter names are the same in every layout, so a checkpoint from one
@@ -35,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from trainwarden.runtime.model import ModelConfig, Transformer, build_model, split_for_stage
 
 __all__ = ["MeshConfig", "MeshError", "ParallelModel", "pick_device", "backend_for", "build_mesh",
-           "apply_tensor_parallel", "apply_fsdp", "lm_loss", "build_parallel_model"]
+           "apply_tensor_parallel", "apply_fsdp", "lm_loss", "stage_shapes", "build_parallel_model"]
 
 
 class MeshError(ValueError):
@@ -127,10 +130,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def stage_shapes(model: Transformer, micro_batch: int) -> dict[str, torch.Tensor]:
+    """``PipelineStage``'s ``input_args`` and ``output_args`` for this stage of ``model``: meta tensors of what
+    one micro-batch of ``micro_batch`` sequences looks like coming in (token ids on the first stage, hidden
+    states after it) and going out (hidden states, logits from the last stage). Plain tensors: the tensor
+    parallel layers hand back local outputs, so no DTensor crosses a stage boundary."""
+    cfg = model.cfg
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    hidden = torch.empty((micro_batch, cfg.seq, cfg.dim), dtype=dtype, device="meta", requires_grad=True)
+    tokens = torch.empty((micro_batch, cfg.seq), dtype=torch.long, device="meta")
+    logits = torch.empty((micro_batch, cfg.seq, cfg.vocab), dtype=dtype, device="meta", requires_grad=True)
+    return {"input_args": tokens if model.tok_embeddings is not None else hidden,
+            "output_args": logits if model.output is not None else hidden}
+
+
 class ParallelModel:
     """This rank's part of the 3-D parallel model and how to run one training step through it."""
 
-    def __init__(self, model: Transformer, mesh: DeviceMesh, cfg: MeshConfig, device: torch.device) -> None:
+    def __init__(self, model: Transformer, mesh: DeviceMesh, cfg: MeshConfig, device: torch.device, *,
+                 micro_batch: int | None = None) -> None:
+        """``micro_batch``: sequences per pipeline micro-batch, if every step's is the same: the stage is built
+        with its shapes (:func:`stage_shapes`) instead of inferring them on the first step. None: inferred."""
         self.model = model
         self.mesh = mesh
         self.cfg = cfg
@@ -143,8 +163,10 @@ class ParallelModel:
         self._schedule = None
         self.accumulate = 1
         """Without a pipeline: micro-batches this rank's slice is split into, their gradients accumulated."""
+        self.micro_batch = micro_batch if cfg.pp > 1 else None
         if cfg.pp > 1:
-            stage = PipelineStage(model, self.pp_rank, cfg.pp, device, group=mesh["pp"].get_group())
+            shapes = stage_shapes(model, micro_batch) if micro_batch else {}
+            stage = PipelineStage(model, self.pp_rank, cfg.pp, device, group=mesh["pp"].get_group(), **shapes)
             self._schedule = Schedule1F1B(stage, n_microbatches=cfg.micro_batches, loss_fn=lm_loss)
 
     @property
@@ -158,6 +180,10 @@ class ParallelModel:
         Returns the loss averaged over the global batch (all data-parallel ranks) on last-stage ranks,
         ``None`` elsewhere. The optimizer step is the caller's.
         """
+        if self.micro_batch and len(inputs) != self.micro_batch * self.cfg.micro_batches:
+            raise ValueError(f"this rank's batch has {len(inputs)} sequences, but its pipeline stage was built for "
+                             f"{self.cfg.micro_batches} micro-batches of {self.micro_batch}; build the model with "
+                             "micro_batch=None to let the stages infer their shapes from each step")
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self._schedule is None and self.accumulate > 1:  # each part weighted by its share of the slice
             loss = torch.zeros((), device=self.device)
@@ -187,8 +213,9 @@ class ParallelModel:
 
 
 def build_parallel_model(model_cfg: ModelConfig, mesh_cfg: MeshConfig, mesh: DeviceMesh,
-                         device: torch.device, *, seed: int) -> ParallelModel:
-    """Build the full model from ``seed``, keep this rank's stage, apply TP and FSDP, move to ``device``."""
+                         device: torch.device, *, seed: int, micro_batch: int | None = None) -> ParallelModel:
+    """Build the full model from ``seed``, keep this rank's stage, apply TP and FSDP, move to ``device``.
+    ``micro_batch``: sequences per pipeline micro-batch when it never changes (see :class:`ParallelModel`)."""
     pp_rank = mesh["pp"].get_local_rank()
     model = split_for_stage(build_model(model_cfg, seed=seed), pp_rank, mesh_cfg.pp)
     model.to(device)
@@ -197,4 +224,4 @@ def build_parallel_model(model_cfg: ModelConfig, mesh_cfg: MeshConfig, mesh: Dev
     if mesh_cfg.dp > 1:
         # with a pipeline, every micro-batch's backward needs the parameters again: keep them gathered
         apply_fsdp(model, mesh["dp"], reshard_after_forward=mesh_cfg.pp == 1)
-    return ParallelModel(model, mesh, mesh_cfg, device)
+    return ParallelModel(model, mesh, mesh_cfg, device, micro_batch=micro_batch)

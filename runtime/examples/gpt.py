@@ -103,6 +103,9 @@ class TrainConfig:
     after a fault resumes from the newest snapshot when it is newer than the disk's checkpoint."""
     allow_fresh_start: bool = False
     """Train from step 1 even when checkpoints exist but none loads (otherwise the run stops and says so)."""
+    infer_pipeline_shapes: bool = False
+    """Let the pipeline stages infer what they send and receive on the first step (torch's default) instead of
+    being built with the micro-batch's shapes."""
     micro_batch_size: int = 0
     """Sequences per micro-batch on a data-parallel rank (0: ``mesh.micro_batches`` fixed instead). Fixed, the
     micro-batch count follows the world: when data parallelism shrinks after a node loss, each rank takes
@@ -155,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
              "a restart after a crash or a hang resumes from the step before it, from memory. Only under "
              "`trainwarden run` (it owns the memory)")
     add("--log-every", type=int, default=1)
+    add("--infer-pipeline-shapes", action="store_true",
+        help="let the pipeline stages infer their input and output shapes on the first step, as torch does "
+             "by default (default: built with the micro-batch's shapes, which saves that step ~0.1 s here)")
     add("--allow-fresh-start", action="store_true",
         help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
     return p
@@ -176,7 +182,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         micro_batch_size=a.micro_batch_size,
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start,
-        snapshot_every=a.snapshot_every)
+        snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes)
 
 
 def _fitting_dp(tp: int, pp: int) -> int:
@@ -228,7 +234,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     mesh = build_mesh(cfg.mesh, device)
     timings.mark("mesh_up")
     torch.manual_seed(cfg.seed)
-    pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed)
+    micro_batch = None if cfg.infer_pipeline_shapes else cfg.batch // (cfg.mesh.dp * cfg.mesh.micro_batches)
+    pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed, micro_batch=micro_batch)
     if cfg.micro_batch_size and cfg.mesh.pp == 1:  # the pipeline schedule runs its own micro-batches
         pm.accumulate = cfg.mesh.micro_batches
     optimizer = torch.optim.AdamW(pm.model.parameters(), lr=cfg.lr_at(1), weight_decay=0.01)
@@ -257,6 +264,10 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     if dist.get_rank() == 0:
         log.info("model: %d parameters in its matmuls, %d tokens per step (for the MFU: trainwarden run "
                  "--model-params %d)", cfg.model.matmul_params, tokens_per_step, cfg.model.matmul_params)
+        if cfg.mesh.pp > 1:
+            log.info("pipeline: %d stages, %d micro-batches a step; %s", cfg.mesh.pp, cfg.mesh.micro_batches,
+                     f"stages built with their shapes ({micro_batch} sequences a micro-batch)" if micro_batch
+                     else "stages infer their shapes on the first step")
     loss_value = math.nan
     last_seconds: float | None = None
     # this rank's share of the tokens: the job's throughput is the sum over ranks

@@ -222,3 +222,17 @@ def test_gradient_accumulation_keeps_the_global_batch_when_data_parallelism_shri
     bad = run_gpt(module_procs, tmp_path / "bad.log", nproc=1, args=[*common[:-2], "--micro-batch-size", "3",
                                                                        "--steps", "2"], timeout=100)
     assert bad.returncode != 0 and "--micro-batch-size 3 must be positive and divide" in bad.log, bad.describe()
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_stages_built_with_their_shapes_train_as_inferred_ones(module_procs, tmp_path):
+    """Four stages (a first, two middle and a last): built with the micro-batch's shapes (the default) and left
+    to infer them on the first step (torch's default), the losses are the same at every step."""
+    common = ["--dp", "1", "--tp", "1", "--pp", "4", "--micro-batches", "4", "--steps", "5"]
+    given = run_gpt(module_procs, tmp_path / "given.log", nproc=4, args=common)
+    inferred = run_gpt(module_procs, tmp_path / "inferred.log", nproc=4, args=[*common, "--infer-pipeline-shapes"])
+    for run in (given, inferred):
+        assert run.returncode == 0 and sorted(run.losses) == list(range(1, 6)), run.describe()
+    assert "stages built with their shapes (2 sequences a micro-batch)" in given.log, given.describe()
+    assert "stages infer their shapes on the first step" in inferred.log, inferred.describe()
+    assert given.losses == inferred.losses

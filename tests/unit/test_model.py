@@ -7,7 +7,7 @@ from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.examples.gpt import parse_args
 from trainwarden.runtime.model import (ModelConfig, ModelConfigError, build_model, split_for_stage,
                                        stage_layer_ids)
-from trainwarden.runtime.parallel import MeshConfig, MeshError, lm_loss
+from trainwarden.runtime.parallel import MeshConfig, MeshError, ParallelModel, lm_loss, stage_shapes
 
 CFG = ModelConfig(vocab=32, dim=16, heads=4, layers=4, seq=12)
 
@@ -68,6 +68,28 @@ def test_stages_chained_equal_full_model():
         for stage in range(2):
             x = split_for_stage(build_model(CFG, seed=1), stage, 2)(x)
     assert torch.allclose(x, expected, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_stage_shapes_are_what_each_stage_receives_and_sends():
+    """What the pipeline stages are told they receive and send is what they do (first, middle, last of 3)."""
+    tokens = torch.randint(0, CFG.vocab, (3, CFG.seq))
+    x = tokens
+    for index in range(3):
+        stage = split_for_stage(build_model(CFG, seed=1), index, 3)
+        shapes = stage_shapes(stage, micro_batch=3)
+        y = stage(x)
+        for meta, real in ((shapes["input_args"], x), (shapes["output_args"], y)):
+            assert meta.device.type == "meta" and (meta.shape, meta.dtype) == (real.shape, real.dtype), index
+        assert shapes["input_args"].requires_grad == (index > 0)  # a later stage sends its input's gradient back
+        x = y
+
+
+def test_a_batch_the_pipeline_was_not_built_for_is_refused_by_name():
+    pm = ParallelModel.__new__(ParallelModel)  # the check comes before any communication
+    pm.micro_batch, pm.cfg = 2, MeshConfig(pp=2, micro_batches=2)
+    with pytest.raises(ValueError, match="has 6 sequences, but its pipeline stage was built for 2 micro-batches of 2"):
+        pm.train_step(torch.zeros(6, CFG.seq, dtype=torch.long), torch.zeros(6, CFG.seq, dtype=torch.long))
 
 
 def test_stage_layer_ids_balanced_and_validated():
