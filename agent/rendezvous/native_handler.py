@@ -10,8 +10,13 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   a dead node: 5 s × 3 by default) and refreshed on a thread of its own every third of it; a lease that etcd
   let expire (etcd away longer than the TTL) is replaced by a new one before the next round;
 * ``next_rendezvous`` is ``next_round`` plus torch's bootstrap: the round's c10d store is ``Etcd3Store`` under
-  ``rdzv/<run_id>/store/native/<round>/`` and rank 0 publishes a free port there (``RendezvousStoreInfo``), as the
-  dynamic handler does with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the agent's store is never shared;
+  ``rdzv/<run_id>/store/native/<round>/``, and the agent of rank 0 starts the workers' TCPStore server for the
+  round itself and publishes its port there (``RendezvousStoreInfo``; ``use_agent_store`` is True, so every
+  worker connects as a client). A new server every round, so no worker ever finds a dead round's keys (what
+  torch's dynamic handler risks with its one shared store, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``); the server
+  of the round before is stopped when the next one starts. Not worker rank 0's server, as torch's bootstrap
+  has it otherwise: the other workers that dialled before rank 0 listened backed off, and the process group
+  came up 0.1-0.5 s later in about a third of the starts and restarts (BENCHMARKS.md, issue 26);
 * ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
   instead of when a collective fails. torchrun asks every monitor interval (4 times a second under
@@ -36,7 +41,7 @@ import itertools
 import threading
 import time
 
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -89,6 +94,7 @@ class NativeRendezvousHandler(RendezvousHandler):
         """The round this node's workers belong to (the same on every node): fencing, leaves and growth key on it."""
         self._waiting, self._waiting_at = 0, None  # the next round's joins, counted at most every WAITING_POLL_S
         self._short, self._counted_at = False, None  # the round's keys fewer than its members, as last counted
+        self._workers_store: TCPStore | None = None  # on rank 0's node: the round's server for the workers
         self._stop = threading.Event()
         self._keeper = threading.Thread(target=self._keep_alive, name="trainwarden-rdzv-lease", daemon=True)
         self._keeper.start()
@@ -100,7 +106,8 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return False
+        """True: the workers' TCPStore is the one this agent (on rank 0's node) hosts for the round."""
+        return True
 
     def get_run_id(self) -> str:
         return self._run_id
@@ -127,8 +134,18 @@ class NativeRendezvousHandler(RendezvousHandler):
         logger.info("node %s joined round %d of %r as rank %d of %d", self.node, round_.number, self._run_id,
                     round_.rank, round_.world_size)
         store = PrefixStore(f"native/{round_.number}", self._store)
-        info = RendezvousStoreInfo.build(round_.rank, store, local_addr=self._local_addr)
+        self._stop_workers_store()
+        if round_.rank == 0:
+            self._workers_store = TCPStore(self._local_addr or socket.getfqdn(), 0, is_master=True,
+                                           wait_for_workers=False)
+        port = self._workers_store.port if self._workers_store is not None else None
+        info = RendezvousStoreInfo.build(round_.rank, store, local_addr=self._local_addr, server_port=port)
         return RendezvousInfo(store, round_.rank, round_.world_size, info)
+
+    def _stop_workers_store(self) -> None:
+        """Stop the workers' TCPStore server of the round before (its workers are gone: torch's agent asks
+        for a new round only after it stopped them)."""
+        self._workers_store = None  # the server stops with its last reference
 
     def is_closed(self) -> bool:
         value, _ = self._etcd("read whether the rendezvous is closed", lambda: self._client.get(self._closed_key))
@@ -166,6 +183,7 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._stop.set()
+        self._stop_workers_store()
         try:
             if self._watch is not None:
                 self._watch.cancel()

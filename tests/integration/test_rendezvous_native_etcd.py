@@ -217,6 +217,39 @@ def test_the_handler_forms_a_world_and_a_lost_node_makes_the_survivors_regroup(e
     assert handlers[0].is_closed()
 
 
+@pytest.mark.timeout(90)
+def test_rank_0s_agent_hosts_a_new_workers_store_every_round(etcd, job):
+    """The workers' TCPStore is up before any worker dials it (no connection refused, no back-off), and a
+    round's store is not the one before: the old server is stopped, its keys gone with it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    def client(info):
+        return TCPStore(info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port,
+                        is_master=False, timeout=timedelta(seconds=5))
+
+    handlers = _handlers(etcd, job, 2)
+    try:
+        assert all(h.use_agent_store for h in handlers)  # so torch's workers connect as clients, rank 0 too
+        first = _in_threads([h.next_rendezvous for h in handlers])
+        assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in first}) == 1
+        worker = client(first[0])
+        worker.set("from-round-1", "x")
+        assert client(first[1]).get("from-round-1") == b"x"
+        hosts = [h for h, i in zip(handlers, first) if i.rank == 0]
+        assert len(hosts) == 1 and hosts[0]._workers_store.port == first[0].bootstrap_store_info.master_port
+        second = _in_threads([h.next_rendezvous for h in handlers])  # a restart: the agents ask again
+        assert second[0].bootstrap_store_info.master_port != first[0].bootstrap_store_info.master_port
+        assert not client(second[0]).check(["from-round-1"])
+        with pytest.raises(Exception):  # the first round's server is gone
+            client(first[0])
+    finally:
+        for h in handlers:
+            h.shutdown()
+    assert all(h._workers_store is None for h in handlers)
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
     import os
