@@ -16,7 +16,7 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   torch's dynamic handler risks with its one shared store, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``); the server
   of the round before is stopped when the next one starts. Not worker rank 0's server, as torch's bootstrap
   has it otherwise: the other workers that dialled before rank 0 listened backed off, and the process group
-  came up 0.1-0.5 s later in about a third of the starts and restarts (BENCHMARKS.md, issue 26);
+  came up 0.1-0.7 s late in about half the starts and restarts (BENCHMARKS.md, issue 26);
 * ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
   instead of when a collective fails. torchrun asks every monitor interval (4 times a second under
