@@ -68,6 +68,7 @@ from trainwarden.agent.proto.checkpoint_layout import (
 )
 from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe, is_read_error
 from trainwarden.runtime.checkpoint_memory import MemoryRestore
+from trainwarden.runtime.metadata_reader import AllowListReader
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.session import current as current_session
@@ -543,7 +544,7 @@ class Checkpointer(MemoryRestore):
         """("", False) when loaded; else (what failed, whether it was a read error)."""
         dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
         try:
-            dcp.load(dcp_state, checkpoint_id=str(path), process_group=self._pg,
+            dcp.load(dcp_state, storage_reader=AllowListReader(path), process_group=self._pg,
                      no_dist=not self._distributed)
         except SAVE_LOAD_ERRORS as exc:
             return describe(exc), is_read_error(exc)

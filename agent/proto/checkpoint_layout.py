@@ -37,17 +37,25 @@ never a torn one. Retention (``choose_deletions``) is a pure function so its rul
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.proto.metadata_unpickler import (
+    MAX_METADATA_BYTES,
+    MetadataRefused,
+    NotARegularFile,
+    load_metadata,
+    read_regular,
+)
 
 from typing import Iterable, Sequence
 
@@ -108,6 +116,10 @@ elsewhere or later); a checkpoint whose own bytes are wrong (garbage metadata, m
 
 # errors that say "this process cannot read it", not "the bytes are bad"
 _UNREADABLE_ERRORS = (OSError, ImportError, AttributeError)
+_SMALL_FILE_BYTES = 1 << 20
+"""Most bytes read of a manifest, pointer or set-aside note (each a few hundred bytes)."""
+_MAX_WORLD = 1 << 20
+"""Most ranks whose sidecars a manifest can make ``classify`` look for."""
 
 
 class CheckpointError(Exception):
@@ -194,15 +206,32 @@ def rng_sidecar_name(rank: int) -> str:
 
 def _referenced_sizes(metadata) -> dict[str, int]:
     """File -> bytes the metadata says it must hold. Reads DCP's per-item storage info (relative_path,
-    offset, length) by attribute: the class is private to torch, its fields are the documented format."""
+    offset, length) by attribute: the class is private to torch, its fields are the documented format. A name
+    that is not a plain file name in the checkpoint directory (DCP's writer writes ``__<rank>_<n>.distcp``) is
+    refused, so metadata a job's user wrote cannot make a reader stat paths outside its checkpoint."""
     need: dict[str, int] = {}
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         raise ValueError("metadata has no storage_data map")
     for info in storage.values():
         rel, off, length = info.relative_path, int(info.offset), int(info.length)
+        if not isinstance(rel, str) or rel in ("", ".", "..") or "/" in rel or "\0" in rel:
+            raise ValueError(f"metadata references {rel!r}, which is not a file name in the checkpoint directory")
         need[rel] = max(need.get(rel, 0), off + length)
     return need
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of checkpoint directory ``path``, opened without following a link or blocking."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def classify(path: str | os.PathLike) -> tuple[str, list[str]]:
@@ -210,31 +239,58 @@ def classify(path: str | os.PathLike) -> tuple[str, list[str]]:
 
     Cheap: reads ``.metadata`` and the manifest, stats the data files, never reads tensor data. A complete
     checkpoint can still fail to load (bytes corrupted in place); ``Checkpointer.restore`` handles that.
+    Safe on a directory someone else wrote (root runs it through ``trainwarden checkpoints`` and ``report``):
+    the directory and its files are opened without following links or blocking, ``.metadata`` is read up to
+    ``MAX_METADATA_BYTES`` and unpickled with the allow-list of ``metadata_unpickler``; metadata that names any
+    other class is ``unreadable``, naming it, and nothing it names runs.
     """
     path = Path(path)
     try:
-        if not path.is_dir():
-            return CORRUPT, [f"{path} is not a directory"]
-        meta_path = path / METADATA_NAME
-        if not meta_path.exists():
-            if (path / COMMIT_MARKER).exists():
-                return UNREADABLE, [f"{path}: its {METADATA_NAME} is missing, but it was committed ({COMMIT_MARKER} "
-                                    "is there): the filesystem may be lagging or damaged"]
-            return UNFINISHED, [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes "
-                                "it last)"]
+        dir_fd = _open_dir(path)
     except OSError as exc:
+        if exc.errno == errno.ELOOP or path.is_symlink():  # O_DIRECTORY on a link fails with ENOTDIR
+            return UNREADABLE, [f"{path} is a symbolic link: a checkpoint is read only from a directory of its own, "
+                                "never through a link; replace the link with the directory"]
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+            return CORRUPT, [f"{path} is not a directory"]
         return UNREADABLE, [f"{path}: cannot be read ({exc})"]
     try:
-        with open(meta_path, "rb") as f:
-            metadata = pickle.load(f)
+        return _classify_open(path, dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _classify_open(path: Path, dir_fd: int) -> tuple[str, list[str]]:
+    try:
+        data = read_regular(METADATA_NAME, MAX_METADATA_BYTES, dir_fd=dir_fd)
+    except FileNotFoundError:
+        try:
+            committed = _exists(COMMIT_MARKER, dir_fd)
+        except OSError as exc:
+            return UNREADABLE, [f"{path}: cannot be read ({exc})"]
+        if committed:
+            return UNREADABLE, [f"{path}: its {METADATA_NAME} is missing, but it was committed ({COMMIT_MARKER} "
+                                "is there): the filesystem may be lagging or damaged"]
+        return UNFINISHED, [f"{path}: no {METADATA_NAME} (the save did not finish; DCP's coordinator writes "
+                            "it last)"]
+    except NotARegularFile as exc:
+        return UNREADABLE, [f"{path}: unreadable: {exc}"]
+    except OSError as exc:
+        return UNREADABLE, [f"{path}: cannot read {METADATA_NAME} here ({type(exc).__name__}: {exc}); the "
+                            "checkpoint may be intact (an I/O or permission error)"]
+    try:
+        metadata = load_metadata(data)
         need = _referenced_sizes(metadata)
+    except MetadataRefused as exc:
+        return UNREADABLE, [f"{path}: unreadable: {exc} (it may hold code to run; remove the directory, or "
+                            "check the class and add it to metadata_unpickler.ALLOWED_GLOBALS)"]
     except _UNREADABLE_ERRORS as exc:
         return UNREADABLE, [f"{path}: cannot read {METADATA_NAME} here ({type(exc).__name__}: {exc}); the "
                             "checkpoint may be intact (an I/O or permission error, or another torch version)"]
     except Exception as exc:  # pickle raises many types on garbage
         return CORRUPT, [f"{path}: unreadable {METADATA_NAME} ({type(exc).__name__}: {exc})"]
     try:
-        problems = _file_problems(path, need)
+        problems = _file_problems(path, need, dir_fd)
     except OSError as exc:
         return UNREADABLE, [f"{path}: cannot stat its data files ({exc})"]
     return (CORRUPT if problems else COMPLETE), problems
@@ -245,44 +301,55 @@ def validate(path: str | os.PathLike) -> list[str]:
     return classify(path)[1]
 
 
-def _file_problems(path: Path, need: dict[str, int]) -> list[str]:
+def _file_problems(path: Path, need: dict[str, int], dir_fd: int) -> list[str]:
     problems = []
     for rel, size in sorted(need.items()):
         try:
-            have = (path / rel).stat().st_size
+            st = os.stat(rel, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             problems.append(f"{path}: missing data file {rel} (referenced by {METADATA_NAME})")
             continue
-        if have < size:
-            problems.append(f"{path}: truncated data file {rel}: {have} bytes, metadata references {size}")
-    problems.extend(_manifest_problems(path))
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{path}: data file {rel} is not a regular file ({stat.filemode(st.st_mode)})")
+        elif st.st_size < size:
+            problems.append(f"{path}: truncated data file {rel}: {st.st_size} bytes, metadata references {size}")
+    problems.extend(_manifest_problems(path, dir_fd))
     return problems
 
 
-def read_manifest(path: Path) -> dict | None:
-    """The manifest of checkpoint ``path``; None when absent (e.g. a plain DCP checkpoint)."""
+def read_manifest(path: Path, *, dir_fd: int | None = None) -> dict | None:
+    """The manifest of checkpoint ``path`` (or of the directory open as ``dir_fd``); None when absent (e.g. a
+    plain DCP checkpoint). Read as ``read_regular`` reads: never through a link, never blocking, bounded."""
     try:
-        text = (path / MANIFEST_NAME).read_text()
+        text = read_regular(MANIFEST_NAME if dir_fd is not None else path / MANIFEST_NAME, _SMALL_FILE_BYTES,
+                            dir_fd=dir_fd).decode()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc})") from None
     raw = json.loads(text)
     if not isinstance(raw, dict) or not isinstance(raw.get("world_size"), int):
         raise ValueError("manifest is not a JSON object with an integer world_size")
     return raw
 
 
-def _manifest_problems(path: Path) -> list[str]:
+def _manifest_problems(path: Path, dir_fd: int) -> list[str]:
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, dir_fd=dir_fd)
     except (OSError, ValueError) as exc:
         return [f"{path}: unreadable {MANIFEST_NAME} ({exc})"]
     if manifest is None or not manifest.get("rng_keys"):
         return []
     problems = []
-    for rank in range(manifest["world_size"]):
-        sidecar = path / rng_sidecar_name(rank)
-        if not sidecar.exists() or sidecar.stat().st_size == 0:
-            problems.append(f"{path}: missing or empty RNG sidecar {sidecar.name} "
+    for rank in range(min(manifest["world_size"], _MAX_WORLD)):
+        name = rng_sidecar_name(rank)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            empty = not stat.S_ISREG(st.st_mode) or st.st_size == 0
+        except FileNotFoundError:
+            empty = True
+        if empty:
+            problems.append(f"{path}: missing or empty RNG sidecar {name} "
                             f"(saved world size {manifest['world_size']})")
     return problems
 
@@ -336,7 +403,7 @@ def read_latest(directory: str | os.PathLike) -> CheckpointInfo | None:
     the pointer is a convenience for readers outside the job)."""
     pointer = Path(directory) / POINTER_NAME
     try:
-        return CheckpointInfo.from_json(pointer.read_text())
+        return CheckpointInfo.from_json(read_regular(pointer, _SMALL_FILE_BYTES).decode())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -436,7 +503,7 @@ def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
             continue
         reason, when = "", None
         try:
-            note = json.loads((entry / QUARANTINE_NOTE).read_text())
+            note = json.loads(read_regular(entry / QUARANTINE_NOTE, _SMALL_FILE_BYTES))
             reason, when = str(note.get("reason", "")), float(note.get("time") or 0) or None
         except (OSError, ValueError, TypeError, AttributeError):
             pass

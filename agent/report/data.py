@@ -14,6 +14,7 @@ minimum, median and maximum across ranks per step instead of one trace per rank.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,8 +230,10 @@ def checkpoint_rows(directory: Path) -> list[CheckpointRow]:
 
 
 def _size(path: Path) -> int | None:
+    """Bytes of the regular files in ``path``; links are not followed (the tree is the job user's)."""
     try:
-        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        sizes = (p.stat(follow_symlinks=False) for p in path.iterdir())
+        return sum(st.st_size for st in sizes if stat.S_ISREG(st.st_mode))
     except OSError:
         return None
 

@@ -94,7 +94,7 @@ def test_a_transient_load_error_is_retried_not_quarantined(tmp_path, monkeypatch
     real_load, calls = dcp.load, []
 
     def flaky_load(*args, **kwargs):
-        calls.append(kwargs.get("checkpoint_id"))
+        calls.append(str(kwargs["storage_reader"].checkpoint_id))
         if len(calls) == 1:
             raise OSError("Input/output error (a flaky NFS read)")
         return real_load(*args, **kwargs)
