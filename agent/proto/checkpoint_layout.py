@@ -49,13 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.proto.metadata_unpickler import (
-    MAX_METADATA_BYTES,
-    MetadataRefused,
-    NotARegularFile,
-    load_metadata,
-    read_regular,
-)
+from trainwarden.agent.proto.metadata_unpickler import MAX_METADATA_BYTES, MetadataRefused, load_metadata
+from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
 
 from typing import Iterable, Sequence
 

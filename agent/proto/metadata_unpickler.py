@@ -13,21 +13,16 @@ The list was taken from real checkpoints (the reference GPT's and the test helpe
 torch's ``torch/distributed/checkpoint/metadata.py``; a checkpoint written by a newer torch that names a class not
 listed here is reported as unreadable, naming the class, which is the cue to add it after checking it runs nothing.
 
-``read_regular`` opens the files root reads in a job's tree with ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is
-refused, a FIFO never blocks), checks that what it opened is a regular file, and reads at most a bound, so a file
-a job's user planted can neither point root at another file nor stall or exhaust it. Nothing here imports torch:
-the allowed torch modules are imported when a checkpoint names them, as ``pickle`` itself would.
+The bytes come from ``regular_file.read_regular`` (no link followed, no FIFO blocking, bounded). Nothing here
+imports torch: the allowed torch modules are imported when a checkpoint names them, as ``pickle`` itself would.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import pickle
-import stat
 
-__all__ = ["ALLOWED_GLOBALS", "MAX_METADATA_BYTES", "MetadataRefused", "MetadataUnpickler", "NotARegularFile",
-           "load_metadata", "read_regular"]
+__all__ = ["ALLOWED_GLOBALS", "MAX_METADATA_BYTES", "MetadataRefused", "MetadataUnpickler", "load_metadata"]
 
 MAX_METADATA_BYTES = 512 * 1024 * 1024
 """Largest ``.metadata`` read. Its size grows with parameters x chunks (about 300 bytes per chunk): a model of
@@ -76,11 +71,6 @@ class MetadataRefused(pickle.UnpicklingError):
                          "it was not unpickled")
 
 
-class NotARegularFile(OSError):
-    """A file root was to read in a job's tree is a symbolic link, a FIFO, a device or a directory, or is larger
-    than the bound: it is not read. Retrying does not help; the job's user put it there."""
-
-
 class MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose ``find_class`` admits only ``ALLOWED_GLOBALS`` (see the module's docstring)."""
 
@@ -91,39 +81,6 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("the metadata holds a persistent id, which a checkpoint's metadata never does")
-
-
-def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None) -> bytes:
-    """The bytes of ``path`` (relative to ``dir_fd`` when given), opened with ``O_NOFOLLOW | O_NONBLOCK``; raises
-    ``NotARegularFile`` when it is a symbolic link or not a regular file or holds more than ``limit`` bytes,
-    ``FileNotFoundError`` when absent, another ``OSError`` when it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == 40:  # ELOOP: the last component is a symbolic link
-            raise NotARegularFile(f"{path} is a symbolic link; trainwarden reads only regular files in a "
-                                  "checkpoint") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotARegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}); a checkpoint "
-                                  "holds regular files only")
-        if st.st_size > limit:
-            raise NotARegularFile(f"{path} holds {st.st_size} bytes, more than the {limit} read at most")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        if len(data) > limit:
-            raise NotARegularFile(f"{path} grew past the {limit} bytes read at most while being read")
-        return data
-    finally:
-        os.close(fd)
 
 
 def load_metadata(data: bytes):

@@ -38,6 +38,7 @@ from typing import Iterable, Mapping
 import psutil
 
 from trainwarden.agent.proto.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
+from trainwarden.agent.proto.regular_file import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def read_diagnostics(directory: str | Path, ranks: Iterable[int], *,
             if size > max_trace_bytes:
                 log.warning("not reading %s: %d bytes, over the %d-byte limit", fr_path, size, max_trace_bytes)
                 raise ValueError("dump too large")
-            trace = _NoGlobals(io.BytesIO(fr_path.read_bytes())).load()
+            trace = _NoGlobals(io.BytesIO(read_regular(fr_path, max_trace_bytes))).load()  # no link, no FIFO
             positions = positions_from_trace(trace) if isinstance(trace, dict) else {}
             fr_ok = True
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError):

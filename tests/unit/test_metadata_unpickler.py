@@ -15,13 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto.metadata_unpickler import (
-    ALLOWED_GLOBALS,
-    MetadataRefused,
-    NotARegularFile,
-    load_metadata,
-    read_regular,
-)
+from trainwarden.agent.proto.metadata_unpickler import ALLOWED_GLOBALS, MetadataRefused, load_metadata
+from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
 from trainwarden.runtime.metadata_reader import AllowListReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,3 +128,17 @@ def test_the_workers_restore_reads_metadata_through_the_allow_list(tmp_path):
     with pytest.raises(CheckpointException, match=r"the metadata names posix\.system"):  # DCP's BaseException
         dcp.load(state, storage_reader=AllowListReader(path), no_dist=True)
     assert not marker.exists()
+
+
+def test_a_flight_recorder_dump_that_is_a_link_or_a_fifo_is_not_read(tmp_path):
+    from trainwarden.agent.proto.contract import stacks_file, trace_file
+    from trainwarden.agent.watchdog.culprit import read_diagnostics
+
+    elsewhere = tmp_path / "elsewhere.fr"
+    elsewhere.write_bytes(pickle.dumps({"entries": []}))
+    (tmp_path / trace_file(0)).symlink_to(elsewhere)
+    os.mkfifo(tmp_path / trace_file(1))
+    for rank in (0, 1):
+        (tmp_path / stacks_file(rank)).write_text("")
+    found = read_diagnostics(tmp_path, [0, 1])
+    assert not found[0].recorded and not found[1].recorded
