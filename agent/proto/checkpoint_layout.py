@@ -484,6 +484,18 @@ class SetAside:
         return any((self.path / name).exists() for name in (METADATA_NAME, COMMIT_MARKER))
 
 
+def _set_aside_note(entry: Path) -> tuple[str, float | None]:
+    """(reason, time) from ``entry``'s QUARANTINE.json; ("", None) when missing or unreadable. Never read through
+    a link: the directory is the job user's."""
+    if entry.is_symlink():
+        return "a symbolic link, not a set-aside directory: its note was not read", None
+    try:
+        note = json.loads(read_regular(entry / QUARANTINE_NOTE, _SMALL_FILE_BYTES))
+        return str(note.get("reason", "")), float(note.get("time") or 0) or None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return "", None
+
+
 def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
     """Every set-aside directory under ``directory``, newest step first, with the reason it was set aside."""
     directory = Path(directory)
@@ -496,12 +508,7 @@ def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
         match = _ASIDE_RE.match(entry.name)
         if not match or not entry.is_dir():
             continue
-        reason, when = "", None
-        try:
-            note = json.loads(read_regular(entry / QUARANTINE_NOTE, _SMALL_FILE_BYTES))
-            reason, when = str(note.get("reason", "")), float(note.get("time") or 0) or None
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass
+        reason, when = _set_aside_note(entry)
         found.append(SetAside(step=int(match.group(1)), state=match.group(2), path=entry, reason=reason, time=when))
     return sorted(found, key=lambda a: (a.step, a.path.name), reverse=True)
 
