@@ -70,6 +70,7 @@ from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe, is
 from trainwarden.runtime.checkpoint_memory import MemoryRestore
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
+from trainwarden.runtime.save_failures import SaveFailures
 from trainwarden.runtime.session import current as current_session
 
 __all__ = [
@@ -210,6 +211,7 @@ class Checkpointer(MemoryRestore):
         self.last_committed: CheckpointInfo | None = None
         self.last_error: BaseException | None = None
         self.failed_saves = 0
+        self._save_failures = SaveFailures(self.directory, rank=self.rank)
         self._init_memory(memory_dir, ranks_per_node)
 
     # -- save -----------------------------------------------------------------------------------------
@@ -296,6 +298,7 @@ class Checkpointer(MemoryRestore):
         store.mark_committed(path, step)  # from here on this directory is never an "unfinished save"
         store.write_latest(self.directory, info)
         self.last_committed = info
+        self._save_failures.committed(step)
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
                     info.bytes, self.last_stall_seconds, self.last_save_seconds,
                     extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
@@ -352,11 +355,8 @@ class Checkpointer(MemoryRestore):
                            "committed checkpoint is unchanged", step, path, lost,
                            extra={"event": "checkpoint_failed", "step": step})
             return
-        logger.error("checkpoint save of step %d to %s failed: %s. Training continues; the latest "
-                     "committed checkpoint is unchanged. Check free space and permissions of %s.", step, path,
-                     describe(exc), self.directory,
-                     extra={"event": "checkpoint_failed", "step": step})
-        self._report("failed", step, path=str(path), detail=describe(exc))  # counted, and an incident
+        if self._save_failures.failed(step, path, describe(exc), exc):  # said once a streak (save_failures.py)
+            self._report("failed", step, path=str(path), detail=describe(exc))  # counted, and an incident
 
     def _report(self, stage: str, step: int, *, seconds: float = 0.0, bytes: int = 0, path: str = "",
                 detail: str = "") -> None:
