@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.proto import checkpoint_sums
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.agent.proto.checkpoint_layout import (
     CheckpointError,
@@ -71,6 +72,8 @@ from trainwarden.runtime.checkpoint_memory import MemoryRestore
 from trainwarden.runtime.metadata_reader import AllowListReader
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
+from trainwarden.runtime.checkpoint_sums import HashingFileSystem
+from trainwarden.runtime.save_failures import SaveFailures
 from trainwarden.runtime.session import current as current_session
 
 __all__ = [
@@ -97,6 +100,16 @@ class _Writer(FileSystemWriter):
         super().__init__(path, sync_files=True)
         self._tw_dir = Path(path)
         self._tw_step, self._tw_world, self._tw_rng, self._tw_rank = step, world_size, rng, rank
+        self._tw_sums: dict[str, dict] = {}
+        self.fs = HashingFileSystem(self._tw_sums)  # each data file hashed as it is written (checkpoint_sums.py)
+
+    def write_data(self, plan, planner):
+        """DCP's write, then this rank's sums (``.sums-rank-R.json``): before the gather of write results, so
+        before rank 0 writes ``.metadata``."""
+        written = super().write_data(plan, planner)
+        record = {"algorithm": checkpoint_sums.ALGORITHM, "rank": self._tw_rank, "files": dict(self._tw_sums)}
+        store.atomic_write(self._tw_dir / checkpoint_sums.sidecar_name(self._tw_rank), json.dumps(record).encode())
+        return written
 
     def prepare_local_plan(self, plan):
         if self._tw_rank == 0:
@@ -211,6 +224,7 @@ class Checkpointer(MemoryRestore):
         self.last_committed: CheckpointInfo | None = None
         self.last_error: BaseException | None = None
         self.failed_saves = 0
+        self._save_failures = SaveFailures(self.directory, rank=self.rank)
         self._init_memory(memory_dir, ranks_per_node)
 
     # -- save -----------------------------------------------------------------------------------------
@@ -294,9 +308,11 @@ class Checkpointer(MemoryRestore):
                          "unchanged.", step, refusal, target, extra={"event": "checkpoint_fenced", "step": step})
             self._report("failed", step, path=str(target), detail=f"fenced: {refusal}"[:1000])
             return None
-        store.mark_committed(path, step)  # from here on this directory is never an "unfinished save"
+        # from here on this directory is never an "unfinished save"; the marker records every file's sum
+        store.mark_committed(path, step, sums=checkpoint_sums.merge_sidecars(path))
         store.write_latest(self.directory, info)
         self.last_committed = info
+        self._save_failures.committed(step)
         logger.info("checkpoint step %d committed: %s (%d bytes, %.3fs stall, %.3fs total)", step, path,
                     info.bytes, self.last_stall_seconds, self.last_save_seconds,
                     extra={"event": "checkpoint_commit", "step": step, "bytes": info.bytes})
@@ -353,11 +369,8 @@ class Checkpointer(MemoryRestore):
                            "committed checkpoint is unchanged", step, path, lost,
                            extra={"event": "checkpoint_failed", "step": step})
             return
-        logger.error("checkpoint save of step %d to %s failed: %s. Training continues; the latest "
-                     "committed checkpoint is unchanged. Check free space and permissions of %s.", step, path,
-                     describe(exc), self.directory,
-                     extra={"event": "checkpoint_failed", "step": step})
-        self._report("failed", step, path=str(path), detail=describe(exc))  # counted, and an incident
+        if self._save_failures.failed(step, path, describe(exc), exc):  # said once a streak (save_failures.py)
+            self._report("failed", step, path=str(path), detail=describe(exc))  # counted, and an incident
 
     def _report(self, stage: str, step: int, *, seconds: float = 0.0, bytes: int = 0, path: str = "",
                 detail: str = "") -> None:
@@ -405,6 +418,14 @@ class Checkpointer(MemoryRestore):
                                        else self._restore_resharded(choice, state, began)):
                 return choice.step
         for step, path in plan.candidates:
+            wrong = self._verify_sums(Path(path))
+            if wrong:  # bytes changed since they were written: never trained on; the one before is tried
+                reason = f"{len(wrong)} file(s) do not match the sums recorded at commit: " + "; ".join(wrong[:4])
+                passed_over.append(f"{path}: corrupt ({reason})")
+                if self.rank == 0:
+                    self._quarantine(step, Path(path), store.CORRUPT, reason)
+                self._barrier()
+                continue
             failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
                 self._resumed(step, Path(path), state, began)
@@ -421,6 +442,21 @@ class Checkpointer(MemoryRestore):
                           allow_fresh_start=allow_fresh_start)
         self._report("restored", 0, seconds=time.monotonic() - began)  # step 0: starting fresh
         return None
+
+    def _verify_sums(self, path: Path) -> list[str]:
+        """The files of ``path`` whose bytes differ from the sums in its commit marker, checked by every rank for
+        its share of the files and gathered, so every rank decides the same; [] when none is recorded."""
+        try:
+            sums = checkpoint_sums.recorded_sums(path)
+            share = sorted(sums)[self.rank::self.world_size] if sums else []
+            began = time.monotonic()
+            wrong = [str(m) for m in checkpoint_sums.verify(path, share, sums=sums)] if share else []
+            if share:
+                logger.debug("verified %d file(s) of %s in %.3fs", len(share), path, time.monotonic() - began)
+        except OSError as exc:  # the storage's failure, not proof of corruption: the load meets it and says so
+            logger.warning("could not verify the sums of %s: %s; loading it unverified", path, exc)
+            wrong = []
+        return sorted({w for found in self._gather(wrong) for w in found})
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
         self._restore_rng(path, state)

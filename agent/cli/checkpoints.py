@@ -3,8 +3,9 @@
 Lists a job's checkpoint directory as an operator needs it at 3 AM: what is committed (complete, and which
 one the ``latest`` pointer names), what restore or a fenced commit set aside and why (from each directory's
 QUARANTINE.json), and what is in flight or unfinished. ``restore-aside`` puts a set-aside checkpoint back
-once the storage is fixed; it must be complete again (``--force`` to put it back anyway). Works on plain
-directories (agent/proto/checkpoint_layout.py), without an agent, etcd or torch.
+once the storage is fixed; it must be complete again (``--force`` to put it back anyway). ``--verify`` reads
+every committed checkpoint's files against the sums recorded at commit (agent/proto/checkpoint_sums.py) and exits
+8 when one differs. Works on plain directories (agent/proto/checkpoint_layout.py), without an agent, etcd or torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.paths import job_checkpoint_dir
 from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.proto import checkpoint_sums
 
 __all__ = ["add_parser", "checkpoint_rows", "format_rows"]
 
@@ -78,6 +80,8 @@ def add_parser(sub) -> None:
     p.add_argument("--state-home", metavar="DIR", help="root of job state directories "
                    "(default $TRAINWARDEN_STATE_HOME or ~/.local/state/trainwarden)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true", help="read every committed checkpoint's files and check them "
+                   "against the sums recorded at commit; exit 8 when one differs")
     p.set_defaults(func=_cmd_list)
     actions = p.add_subparsers(dest="checkpoints_action", metavar="restore-aside NAME")
     back = actions.add_parser("restore-aside", help="put a set-aside checkpoint back as step-N")
@@ -98,6 +102,7 @@ def _cmd_list(args, out: TextIO = sys.stdout) -> int:
         return exit_codes.EXIT_USAGE
     try:
         rows = checkpoint_rows(directory)
+        corrupt = _verify_rows(directory, rows) if getattr(args, "verify", False) else 0
     except OSError as exc:
         print(f"trainwarden: cannot read {directory}: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE
@@ -107,7 +112,34 @@ def _cmd_list(args, out: TextIO = sys.stdout) -> int:
         print(f"{directory}: no checkpoints", file=out)
     else:
         print(f"{directory}\n{format_rows(rows)}", file=out)
+    if corrupt:
+        print(f"trainwarden: {corrupt} committed checkpoint(s) differ from the sums recorded at commit: the job's "
+              "next restore sets them aside and uses the newest good one", file=sys.stderr)
+        return exit_codes.EXIT_CHECKPOINT_CORRUPT
     return exit_codes.EXIT_OK
+
+
+def _verify_rows(directory: Path, rows: list[dict]) -> int:
+    """Check each committed row's files against its recorded sums (``verified`` in the row); how many differ."""
+    corrupt = 0
+    for row in rows:
+        if row["state"] != "committed":
+            continue
+        path = directory / row["name"]
+        sums = checkpoint_sums.recorded_sums(path)
+        if not sums:
+            row["verified"] = "unverified (no sums recorded at commit)"
+            continue
+        wrong = checkpoint_sums.verify(path, sums=sums)
+        if wrong:
+            corrupt += 1
+            row["state"] = "CORRUPT"
+            row["verified"] = "; ".join(str(m) for m in wrong)
+            row["detail"] = " ".join(filter(None, [row["verified"], row["detail"]]))
+        else:
+            row["verified"] = f"ok ({len(sums)} files, {checkpoint_sums.ALGORITHM})"
+            row["detail"] = " ".join(filter(None, [row["detail"], f"verified: {row['verified']}"]))
+    return corrupt
 
 
 def _cmd_restore_aside(args, out: TextIO = sys.stdout) -> int:

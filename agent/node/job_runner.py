@@ -486,14 +486,15 @@ class JobRunner:
         state = job_state_dir(view.name, self._home)
         state.mkdir(parents=True, exist_ok=True)
         with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640), "ab") as log:
-            if "user" in identity:  # the job's state directory and its log are its user's
+            if identity.switches:  # the job's state directory and its log are its user's
                 job_user.hand_over(state, user)
                 job_user.hand_over(log_path, user)
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
                       f"generation {view.generation} as {user}\n".encode())
             log.flush()
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, close_fds=True, **identity)
+            # no user=/group=/preexec_fn: the Popen is a vfork, never a fork of this process's gRPC threads
+            proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=identity.env)
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:

@@ -7,9 +7,12 @@ daemon with neither a spec ``user`` nor a ``job_user`` refuses the job, as it re
 can only start processes as itself, so that is its default and anything else is refused. A refusal is the daemon's
 usual one (agent/node/job_refusal.py): a phase and one incident that say why.
 
-The launcher is started with the user's uid, gid and groups (``subprocess.Popen``'s ``user``/``group``/
-``extra_groups``: leaving uid 0 clears every capability) and sets no-new-privileges itself before anything else runs
-(``no_new_privileges``, `trainwarden run --managed`). Its state directory and log become the user's
+The launcher is started with the user's uid, gid and groups, switched after exec by a few lines of Python run with
+``-I -S`` (``launch_identity``; leaving uid 0 clears every capability), and sets no-new-privileges itself before
+anything else runs (``no_new_privileges``, `trainwarden run --managed`). Not ``subprocess.Popen``'s
+``user``/``group``/``extra_groups``: with them CPython cannot use ``vfork`` and forks the daemon, gRPC's threads and
+all, and a forked copy of a process with live gRPC threads can abort in gRPC's poller before it execs (issue 45: 1 of
+60 launches). Without them the daemon's Popen is a ``vfork``: nothing of the daemon runs in the child before exec. Its state directory and log become the user's
 (``hand_over``); ``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
 """
 
@@ -21,12 +24,13 @@ import logging
 import os
 import pwd
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobUser", "JobUserRefused", "hand_over", "launch_identity", "no_new_privileges", "readable_by",
+__all__ = ["JobUser", "JobUserRefused", "LaunchIdentity", "hand_over", "launch_identity", "no_new_privileges", "readable_by",
            "resolve_job_user", "writable_by"]
 
 
@@ -135,14 +139,42 @@ def hand_over(path: str | os.PathLike, user: JobUser) -> None:
                 continue
 
 
-def launch_identity(user: JobUser, environ: dict[str, str]) -> dict:
-    """``subprocess.Popen`` keyword arguments that start a process as ``user`` with ``environ`` (nothing to change
-    when that is who this process is already): its uid, gid and groups, HOME/USER/LOGNAME, and none of the
+@dataclass(frozen=True)
+class LaunchIdentity:
+    """How to start a command as a job's user: ``argv(cmd)`` is what to run, ``env`` its environment."""
+
+    env: dict[str, str]
+    prefix: tuple[str, ...] = ()  # the identity switch to exec first; () when the command runs as this process
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        return [*self.prefix, *cmd]
+
+    @property
+    def switches(self) -> bool:
+        return bool(self.prefix)
+
+
+# Run by the daemon's own interpreter with -I -S (no site, no environment variables, nothing of the job's): set the
+# groups, then the gid, then the uid (in that order: after the uid nothing else may be changed), then exec the command.
+# Any failure raises before the exec, so the command never runs with an identity half switched.
+_SWITCH = ("import os, sys\n"
+           "uid, gid = int(sys.argv[1]), int(sys.argv[2])\n"
+           "os.setgroups([int(g) for g in sys.argv[3].split(',') if g])\n"
+           "os.setresgid(gid, gid, gid)\n"
+           "os.setresuid(uid, uid, uid)\n"
+           "os.execvp(sys.argv[4], sys.argv[4:])\n")
+
+
+def launch_identity(user: JobUser, environ: dict[str, str], *, python: str | None = None) -> LaunchIdentity:
+    """How to start a process as ``user`` with ``environ`` (nothing to switch when that is who this process is
+    already): its uid, gid and groups switched after exec (module docstring), HOME/USER/LOGNAME, and none of the
     service manager's variables (a job has no business notifying systemd as the agent)."""
     env = {k: v for k, v in environ.items() if k not in _SERVICE_ENV}
     if user.uid == os.geteuid():
-        return {"env": env}
-    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups), "env": {**env, **user.env()}}
+        return LaunchIdentity(env=env)
+    groups = ",".join(str(g) for g in user.groups)
+    prefix = (python or sys.executable, "-I", "-S", "-c", _SWITCH, str(user.uid), str(user.gid), groups)
+    return LaunchIdentity(env={**env, **user.env()}, prefix=prefix)
 
 
 _SERVICE_ENV = frozenset({"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",

@@ -513,9 +513,11 @@ def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
     return sorted(found, key=lambda a: (a.step, a.path.name), reverse=True)
 
 
-def mark_committed(path: Path, step: int) -> None:
-    """Write the commit marker into checkpoint ``path`` (after it validated, before the pointer names it)."""
-    atomic_write(path / COMMIT_MARKER, (json.dumps({"step": step, "time": time.time()}) + "\n").encode())
+def mark_committed(path: Path, step: int, *, sums: dict | None = None) -> None:
+    """Write the commit marker into checkpoint ``path`` (after it validated, before the pointer names it), with
+    the sums of its files where they were recorded (agent/proto/checkpoint_sums.py)."""
+    record = {"step": step, "time": time.time(), **({"sums": sums} if sums else {})}
+    atomic_write(path / COMMIT_MARKER, (json.dumps(record) + "\n").encode())
 
 
 def restore_aside(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, str]:

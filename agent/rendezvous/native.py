@@ -74,6 +74,10 @@ class NativeRendezvousUnavailable(NativeRendezvousError, ConnectionError):
     """etcd did not answer. Retryable once etcd is back."""
 
 
+_REJOIN = object()
+"""Put into a waiting round's event queue by ``lease_renewed``: join again with the new lease."""
+
+
 class _TooLate(Exception):
     """This node joined a round that closed without it: on to the next."""
 
@@ -272,6 +276,17 @@ class NativeRendezvous:
         self.last: Round | None = None
         """The last round this node was a member of."""
         self._watch: RoundWatch | None = None
+        self._wake: queue.Queue | None = None  # the events of the round this node waits in (``lease_renewed``)
+        self._closing = False  # whether this node is the round's closer while it waits
+
+    def lease_renewed(self, lease: Any) -> None:
+        """The caller's lease lapsed and it granted ``lease``: this node's joins go with it from now on, and a
+        node waiting in a round joins it again at once (its key went with the old lease; without it a round that
+        needs this node would wait for it until the join timeout). Safe from another thread."""
+        self._lease = lease
+        wake = self._wake
+        if wake is not None:
+            wake.put(_REJOIN)
 
     # -- the public surface ------------------------------------------------------------------------------
 
@@ -399,12 +414,28 @@ class NativeRendezvous:
         closer = self.node if inner.succeeded else inner.responses[0].response_range.kvs[0].value.decode()
         return responses[0].response_put.header.revision, closer
 
+    def _rejoin(self, number: int) -> None:
+        """Put this node's key (and, as the closer, ``close/by``) back into open round ``number`` with the new
+        lease (``lease_renewed``). A round that closed meanwhile is left alone: its members' event says the rest."""
+        tx = self._client.transactions
+        members, by = self._key(number, "close", "members"), self._key(number, "close", "by")
+        value = json.dumps({"node": self.node, "joined_at": self._wall(), "rejoined": True})
+        again = [tx.put(self._key(number, "nodes", self.node), value, self._lease)]
+        if self._closing:
+            again.append(tx.txn([tx.version(by) == 0], [tx.put(by, self.node, self._lease)], []))
+        ok, _ = self._call("join the round again", lambda: self._client.transaction(
+            compare=[tx.version(members) == 0], success=again, failure=[]))
+        if ok:
+            logger.warning("job %s: node %s's lease lapsed while it waited in round %d; it joined again with a "
+                           "new lease", self.job, self.node, number)
+
     def _await_close(self, number: int, revision: int, deadline: float) -> Round:
         """Wait on ``close/`` for the membership; take the closer's part over if its lease ends first.
 
         Every ``resync_s`` without an event, read ``close/`` instead: a watch that lost its events (a stream
         that broke, or a client bug) costs a few seconds, never the round."""
         events: queue.Queue = queue.Queue()
+        self._wake, self._closing = events, False
         close_prefix = self._key(number, "close") + "/"
         watch_id = self._call("watch the round's close", lambda: self._client.add_watch_prefix_callback(
             close_prefix, events.put, start_revision=revision + 1))
@@ -430,6 +461,7 @@ class NativeRendezvous:
                         watch_id = None
                         return self._close(number, deadline)
         finally:
+            self._wake = None
             if watch_id is not None:
                 self._cancel(watch_id)
 
@@ -462,6 +494,7 @@ class NativeRendezvous:
         """The closer: watch the round's keys (and the previous round's nodes) until ``CloseRule`` closes it;
         every ``resync_s`` without an event, read the round again (see ``_await_close``)."""
         events: queue.Queue = queue.Queue()
+        self._wake, self._closing = events, True
         watches, rule = [], CloseRule(self.config)
         leases: dict[str, int] = {}  # the previous round's members' leases: the last call checks their keep-alives
         next_lease_check = 0.0
@@ -521,6 +554,7 @@ class NativeRendezvous:
                     elif key == round_prefix + "close/members" and isinstance(event, PutEvent):
                         return self._parse_members(number, event.value)  # closed by a closer that took over
         finally:
+            self._wake = None
             for watch_id in watches:
                 self._cancel(watch_id)
 
@@ -587,6 +621,9 @@ class NativeRendezvous:
         try:
             response = events.get(timeout=max(0.0, min(deadline, wake_at or deadline) - now))
         except queue.Empty:
+            return []
+        if response is _REJOIN:
+            self._rejoin(number)
             return []
         if isinstance(response, BaseException):
             raise NativeRendezvousUnavailable(

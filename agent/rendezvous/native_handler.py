@@ -8,7 +8,9 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   of the process), and ranks follow the sorted ids;
 * its lease is granted here with a TTL of ``keep_alive_interval × keep_alive_max_attempt`` (torch's rule for
   a dead node: 5 s × 3 by default) and refreshed on a thread of its own every third of it; a lease that etcd
-  let expire (etcd away longer than the TTL) is replaced by a new one before the next round;
+  let expire (etcd away or the node starved longer than the TTL) is replaced there at once, and a node waiting in
+  a round joins it again with the new one (``NativeRendezvous.lease_renewed``: before, a round that needed it
+  waited until the join timeout, issue 45);
 * ``next_rendezvous`` is ``next_round`` plus torch's bootstrap: the round's c10d store is ``Etcd3Store`` under
   ``rdzv/<run_id>/store/native/<round>/``, and the agent of rank 0 starts the workers' TCPStore server for the
   round itself and publishes its port there (``RendezvousStoreInfo``; ``use_agent_store`` is True, so every
@@ -217,8 +219,11 @@ class NativeRendezvousHandler(RendezvousHandler):
         while not self._stop.wait(max(0.5, self._ttl / 3)):
             try:
                 if not refresh_lease(self._client, self._lease):
-                    logger.warning("node %s: its rendezvous lease expired; a new one is granted at the next round",
-                                   self.node)
+                    # granted here, at once: a node waiting in a round joins it again with the new lease
+                    # (NativeRendezvous.lease_renewed); a member's lost key has ended its round regardless
+                    self._lease = self._client.lease(self._ttl)
+                    self._rdzv.lease_renewed(self._lease)
+                    logger.warning("node %s: its rendezvous lease expired; granted a new one", self.node)
             except Exception as exc:  # noqa: BLE001 - the loop outlives one bad refresh (etcd away)
                 logger.warning("node %s: could not refresh its rendezvous lease: %s", self.node,
                                describe_etcd_error(exc))

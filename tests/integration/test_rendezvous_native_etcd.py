@@ -186,7 +186,8 @@ def _handlers(etcd, run_id, n, **conf):
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     params = dict(backend="etcd3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=2, max_nodes=n,
-                  local_addr="127.0.0.1", round="native", join_timeout="40", last_call_timeout="30", **conf)
+                  local_addr="127.0.0.1", round="native", join_timeout="40", last_call_timeout="30")
+    params.update(conf)
     return [get_rendezvous_handler(RendezvousParameters(**params)) for _ in range(n)]
 
 
@@ -215,6 +216,36 @@ def test_the_handler_forms_a_world_and_a_lost_node_makes_the_survivors_regroup(e
         for h in handlers:
             h.shutdown()
     assert handlers[0].is_closed()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_whose_lease_lapsed_while_it_waited_joins_the_round_again_at_once(etcd, job):
+    """Issue 45: a node whose lease lapsed while it waited in a round lost its key with it and was not
+    re-registered, so a round that needed it waited until the join timeout (at 1,000 nodes, never closed)."""
+    handlers = _handlers(etcd, job, 2, join_timeout="20", keep_alive_interval="1", keep_alive_max_attempt="3")
+    first, second = handlers
+    try:
+        results: list = []
+        waiting = threading.Thread(target=lambda: results.append(first.next_rendezvous()), daemon=True)
+        waiting.start()
+        joined = first._rdzv._key(0, "nodes") + "/"
+        for _ in range(500):  # first waits in round 0
+            if first._client.get_prefix_response(joined, keys_only=True).kvs:
+                break
+            threading.Event().wait(0.02)
+        lapsed = first._lease.id
+        first._client.revoke_lease(lapsed)  # as etcd does to a lease that was not renewed in time
+        for _ in range(500):  # the keeper sees it within a third of the TTL and grants a new one
+            if first._lease.id != lapsed:
+                break
+            threading.Event().wait(0.02)
+        # before the fix this waited for a node whose key had gone, and timed out after join_timeout (20 s)
+        info = second.next_rendezvous()
+        waiting.join(30)
+        assert results and sorted([results[0].world_size, info.world_size]) == [2, 2]
+    finally:
+        for h in handlers:
+            h.shutdown()
 
 
 @pytest.mark.timeout(90)

@@ -78,10 +78,48 @@ def test_hand_over_changes_the_tree_and_never_follows_a_link(tmp_path):
 def test_launching_as_another_user_sets_its_identity_and_drops_the_service_variables():
     env = {"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "1", "HOME": "/root"}
     same = launch_identity(JobUser("me", os.geteuid(), os.getegid(), (), os.environ.get("HOME", "/")), env)
-    assert same == {"env": {"PATH": "/usr/bin", "HOME": "/root"}}
+    assert same.env == {"PATH": "/usr/bin", "HOME": "/root"} and not same.switches
+    assert same.argv(["x", "y"]) == ["x", "y"]
     other = launch_identity(NOBODY if os.geteuid() != 65534 else JobUser("root", 0, 0, (0,), "/root"), env)
-    assert other["user"] != os.geteuid() and "NOTIFY_SOCKET" not in other["env"]
-    assert set(other) == {"user", "group", "extra_groups", "env"} and other["env"]["USER"] in ("nobody", "root")
+    assert other.switches and "NOTIFY_SOCKET" not in other.env and other.env["USER"] in ("nobody", "root")
+    assert other.argv(["x"])[-1] == "x"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
+def test_the_switched_launch_is_a_vfork_and_runs_with_the_users_uid_gid_and_groups(monkeypatch):
+    """Issue 45: Popen(user=..., group=..., extra_groups=...) cannot vfork, so the root daemon forked itself, gRPC's
+    threads and all, and 1 launch in 60 aborted in gRPC's poller before exec. The identity is switched after exec."""
+    calls = []
+    real = subprocess._fork_exec
+
+    def recording(*args):
+        # (..., process_group, gid, extra_groups, uid, umask, preexec_fn, allow_vfork)
+        calls.append(args[-6:-3] + args[-2:])
+        return real(*args)
+
+    monkeypatch.setattr(subprocess, "_fork_exec", recording)
+    user = JobUser("nobody", 65534, 65534, (65534, 4242), "/nonexistent")
+    identity = launch_identity(user, {"PATH": os.environ.get("PATH", "/usr/bin")})
+    # the launcher is started by an absolute path of an interpreter every user may run
+    proc = subprocess.Popen(identity.argv(["/bin/cat", "/proc/self/status"]), stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=identity.env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert calls and all(c == (None, None, None, None, True) for c in calls), calls  # nothing that forbids vfork
+    status = {line.split(":")[0]: line.split()[1:] for line in out.splitlines()}
+    assert status["Uid"] == ["65534"] * 4 and status["Gid"] == ["65534"] * 4
+    assert sorted(status["Groups"]) == ["4242", "65534"]
+    assert status["CapEff"] == ["0000000000000000"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
+def test_an_identity_that_cannot_be_taken_never_runs_the_command(tmp_path):
+    marker = tmp_path / "ran"
+    user = JobUser("nobody", 65534, 65534, (-5,), "/nonexistent")  # an impossible group: setgroups fails
+    identity = launch_identity(user, {"PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(identity.argv(["touch", str(marker)]), capture_output=True, text=True, timeout=60,
+                          env=identity.env)
+    assert proc.returncode != 0 and not marker.exists()
 
 
 def test_no_new_privileges_is_set_in_the_process_that_asks():
