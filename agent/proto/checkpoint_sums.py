@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import xxhash
+
+from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
 
 __all__ = ["ALGORITHM", "Mismatch", "hasher", "file_sum", "merge_sidecars", "recorded_sums", "sidecar_name",
            "verify"]
@@ -30,6 +33,8 @@ __all__ = ["ALGORITHM", "Mismatch", "hasher", "file_sum", "merge_sidecars", "rec
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 << 20
 _SIDECAR_PREFIX = ".sums-rank-"
+_MARKER_BYTES = 64 << 20
+"""Most bytes of a commit marker read (about 100 bytes per recorded file)."""
 
 
 def hasher():
@@ -41,10 +46,13 @@ def sidecar_name(rank: int) -> str:
 
 
 def file_sum(path: Path) -> tuple[str, int]:
-    """The file's sum and size, read in chunks (no symlink followed)."""
+    """The file's sum and size, read in chunks (no symlink followed, never blocking on a FIFO: root reads these
+    with ``trainwarden checkpoints --verify``); ``NotARegularFile`` when it is not a regular file."""
     h, size = hasher(), 0
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(f"{path} is not a regular file; only regular files of a checkpoint are read")
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -77,7 +85,7 @@ def recorded_sums(path: Path) -> dict[str, dict] | None:
     from trainwarden.agent.proto.checkpoint_layout import COMMIT_MARKER
 
     try:
-        raw = json.loads((path / COMMIT_MARKER).read_text())
+        raw = json.loads(read_regular(path / COMMIT_MARKER, _MARKER_BYTES))
         sums = raw.get("sums")
         if not isinstance(sums, dict) or sums.get("algorithm") != ALGORITHM:
             return None
@@ -109,6 +117,11 @@ def verify(path: Path, files: Iterable[str] | None = None, *, sums: dict[str, di
     wrong = []
     for name in (sorted(sums) if files is None else files):
         entry = sums[name]
+        if name in ("", ".", "..") or "/" in name or "\0" in name:  # the marker is the job user's to write
+            wrong.append(Mismatch(file=name, rank=int(entry.get("rank", -1)), expected=str(entry.get("sum")),
+                                  found="not a file name in the checkpoint directory: not read",
+                                  bytes=int(entry.get("bytes", 0))))
+            continue
         try:
             found, size = file_sum(path / name)
             if size != entry["bytes"]:

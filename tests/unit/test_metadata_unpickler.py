@@ -142,3 +142,22 @@ def test_a_flight_recorder_dump_that_is_a_link_or_a_fifo_is_not_read(tmp_path):
         (tmp_path / stacks_file(rank)).write_text("")
     found = read_diagnostics(tmp_path, [0, 1])
     assert not found[0].recorded and not found[1].recorded
+
+
+def test_verify_reads_only_the_checkpoints_own_regular_files(tmp_path):
+    """``trainwarden checkpoints --verify`` (root) hashes the files the commit marker names: the marker is the job
+    user's, so a path out of the directory is not read, and a FIFO neither blocks nor is hashed."""
+    import json
+
+    from trainwarden.agent.proto import checkpoint_sums
+
+    path = make_checkpoint(tmp_path, 3)
+    sums = {name: {"sum": "0", "bytes": 1, "rank": 0} for name in ("/dev/zero", "../../etc/shadow")}
+    (path / store.COMMIT_MARKER).write_text(json.dumps({"step": 3, "sums": {"algorithm": checkpoint_sums.ALGORITHM,
+                                                                           "files": sums}}))
+    wrong = checkpoint_sums.verify(path)
+    assert sorted(m.file for m in wrong) == sorted(sums)
+    assert all(m.found == "not a file name in the checkpoint directory: not read" for m in wrong)
+    os.mkfifo(path / "pipe")
+    with pytest.raises(NotARegularFile, match="not a regular file"):
+        checkpoint_sums.verify(path, sums={"pipe": {"sum": "0", "bytes": 1, "rank": 0}})
