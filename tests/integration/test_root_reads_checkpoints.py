@@ -5,7 +5,8 @@ The job's user (``nobody``, a real second uid) owns its state directory and name
 command. An operator runs the real CLI as root, as docs/OPERATIONS.md says to: ``trainwarden checkpoints --job J``
 and ``trainwarden report --job J``. Before the allow-list unpickler the command ran as uid 0 (the marker file held
 ``0``); now nothing runs, the planted step is listed as unreadable naming the class, and a real checkpoint in the
-same directory is still complete.
+same directory is still complete. The real checkpoint's commit marker, also nobody's, lists ``/dev/zero`` among its
+files: ``checkpoints --verify`` read it without end as root; now that name is reported and not read.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from job_users import unavailable, shared_dir
+from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_history import JobHistory
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD, job_state_dir
 from trainwarden.agent.proto import checkpoint_layout as store
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 if unavailable():
     pytest.skip(unavailable(), allow_module_level=True)
@@ -60,7 +62,8 @@ def _chown_tree(top: Path) -> None:
 @pytest.fixture
 def planted(tmp_path):
     """(state home, marker): job ``planted`` of user nobody, its checkpoint directory of its own choosing with a
-    real checkpoint at step 4 and, written by nobody, a pickle that runs ``id -u > marker`` at step 8."""
+    real checkpoint at step 4 whose commit marker (nobody's) lists ``/dev/zero`` among its files and, written by
+    nobody, a pickle that runs ``id -u > marker`` at step 8."""
     shared = shared_dir("tw-unpickle-")
     try:
         home, ckpt, marker = shared / "state", shared / "user-ckpt", shared / "ran-as"
@@ -79,6 +82,8 @@ def planted(tmp_path):
         payload = pickle.dumps({"storage_data": {}, "evil": RunsACommand(f"id -u > {marker}")})
         _as_nobody('echo "$1" > "$2/checkpoint_dir" && mkdir "$1/step-00000008" && cat > "$1/step-00000008/.metadata"',
                    str(ckpt), str(state), data=payload)
+        endless = {"step": 4, "sums": {"algorithm": "xxh3_64", "files": {"/dev/zero": {"sum": "0", "bytes": 1}}}}
+        _as_nobody('cat > "$1/step-00000004/COMMITTED"', str(ckpt), data=json.dumps(endless).encode())
         assert (state / CHECKPOINT_DIR_RECORD).stat().st_uid == NOBODY_UID
         assert (ckpt / "step-00000008" / ".metadata").stat().st_uid == NOBODY_UID
         yield home, marker
@@ -89,7 +94,7 @@ def planted(tmp_path):
 def _cli(*args: str) -> subprocess.CompletedProcess:
     assert os.geteuid() == 0
     return subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=60)
 
 
 def test_root_trainwarden_checkpoints_runs_nothing_of_a_planted_pickle(planted):
@@ -112,3 +117,15 @@ def test_root_trainwarden_report_runs_nothing_of_a_planted_pickle(planted):
     table = page.read_text().split("<h2>Checkpoints</h2>")[1]
     assert "<td class=n>8</td><td>unreadable</td>" in table and "names posix.system" in table
     assert "<td class=n>4</td><td>complete</td>" in table
+
+
+def test_root_trainwarden_checkpoints_verify_reads_only_the_checkpoints_files(planted):
+    """``--verify`` hashes the files a commit marker lists; the marker is nobody's and names /dev/zero (before:
+    root read it without end)."""
+    home, marker = planted
+    done = _cli("checkpoints", "--job", JOB, "--state-home", str(home), "--json", "--verify")
+    assert done.returncode == exit_codes.EXIT_CHECKPOINT_CORRUPT, done.stderr
+    rows = {r["step"]: r for r in json.loads(done.stdout)["checkpoints"]}
+    assert rows[4]["state"] == "CORRUPT" and "/dev/zero" in rows[4]["verified"]
+    assert "not a file name in the checkpoint directory: not read" in rows[4]["verified"]
+    assert rows[8]["state"] == "unreadable" and not marker.exists()
