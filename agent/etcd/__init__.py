@@ -2,8 +2,9 @@
 
 ``client`` opens every etcd client trainwarden uses (one ``EtcdConfig`` with the endpoints and the TLS/auth
 settings); ``keys`` builds every key under ``/trainwarden/v1``; ``embedded`` runs the single-member etcd that
-``trainwarden run`` starts when no ``--etcd`` is given; ``job_records`` reads and writes a job's spec, state
-and checkpoint pointer. It imports ``common`` and ``proto`` only.
+``trainwarden run`` starts when no ``--etcd`` is given (``embedded_auth``: its root password); ``job_credentials``
+makes an etcd user confined to one job's keys; ``job_records`` reads and writes a job's spec, state and checkpoint
+pointer. It imports ``common`` and ``proto`` only.
 """
 
 from trainwarden.agent.etcd.client import (EtcdAccessDenied, EtcdConfig, EtcdError, EtcdUnavailable, open_etcd,

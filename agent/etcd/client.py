@@ -297,13 +297,17 @@ def open_etcd(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
                               f"{describe_etcd_error(exc)}") from exc
     for endpoint in ordered[1:]:
         client.endpoints[endpoint.netloc] = endpoint
+    if creds is None:  # gRPC refuses call credentials on a plaintext channel; the token goes in the metadata anyway
+        client.call_credentials = None
     return client
 
 
-def open_client(host: str, port: int, *, timeout: float, connect_timeout: float = 2.0) -> etcd3.MultiEndpointEtcd3Client:
+def open_client(host: str, port: int, *, timeout: float, connect_timeout: float = 2.0, user: str | None = None,
+                password: str | None = None) -> etcd3.MultiEndpointEtcd3Client:
     """A plain-http client for one ``host:port`` (the embedded etcd's probe); see ``open_etcd``."""
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return open_etcd(EtcdConfig(endpoints=(netloc,), timeout=timeout, connect_timeout=connect_timeout))
+    return open_etcd(EtcdConfig(endpoints=(netloc,), timeout=timeout, connect_timeout=connect_timeout, user=user,
+                                password=password))
 
 
 def is_auth_error(exc: BaseException) -> bool:

@@ -313,10 +313,13 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         endpoint, security = self.opts.etcd, self.opts.etcd_security
         if endpoint is None and security.given:
             raise _Abandon(exit_codes.EXIT_USAGE, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
-                           "(or TRAINWARDEN_ETCD_*) apply to an etcd named with --etcd; the embedded one listens on "
-                           "loopback without TLS or auth")
+                           "(or TRAINWARDEN_ETCD_*) apply to an etcd named with --etcd; the embedded one makes its "
+                           "own password")
         if endpoint is None:
-            etcd = EmbeddedEtcd(data_dir=self.embedded_etcd_dir, log_path=self.logs / "etcd.log")
+            # its port is in every process's /proc/PID/cmdline: it requires a password only this user can read
+            auth_dir = scratch_dir("trainwarden-etcd-")
+            cleanup.callback(shutil.rmtree, auth_dir, True)  # after etcd.stop (registered below)
+            etcd = EmbeddedEtcd(data_dir=self.embedded_etcd_dir, log_path=self.logs / "etcd.log", auth_dir=auth_dir)
             cleanup.callback(shutil.rmtree, self.embedded_etcd_dir, True)  # after etcd.stop (registered below)
             try:
                 etcd.start()
@@ -324,8 +327,9 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
             cleanup.callback(etcd.stop)
             self.run_record.set("etcd", etcd.pid)
-            endpoint = etcd.endpoint
-            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid})", file=self.out, flush=True)
+            endpoint, security = etcd.endpoint, etcd.security
+            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid}; user {security.user}, password in "
+                  f"{security.password_file})", file=self.out, flush=True)
         try:
             members = tuple(e.strip() for e in endpoint.split(",") if e.strip())
             config = security.config(members, timeout=5.0, connect_timeout=2.0)

@@ -18,7 +18,8 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   torch's dynamic handler risks with its one shared store, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``); the server
   of the round before is stopped when the next one starts. Not worker rank 0's server, as torch's bootstrap
   has it otherwise: the other workers that dialled before rank 0 listened backed off, and the process group
-  came up 0.1-0.7 s late in about half the starts and restarts (BENCHMARKS.md, issue 26);
+  came up 0.1-0.7 s late in about half the starts and restarts (BENCHMARKS.md, issue 26). The server listens on
+  the node's ``local_addr`` only (loopback in a one-node `trainwarden run`): agent/rendezvous/workers_store.py;
 * ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
   instead of when a collective fails. torchrun asks every monitor interval (4 times a second under
@@ -56,6 +57,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, refresh_lease, with_failover
 from trainwarden.agent.etcd.keys import rdzv_key
+from trainwarden.agent.rendezvous import workers_store
 from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousConfig, NativeRendezvousError,
                                                  NativeRendezvousTimeout, RoundWatch)
 
@@ -137,9 +139,10 @@ class NativeRendezvousHandler(RendezvousHandler):
                     round_.rank, round_.world_size)
         store = PrefixStore(f"native/{round_.number}", self._store)
         self._stop_workers_store()
-        if round_.rank == 0:
-            self._workers_store = TCPStore(self._local_addr or socket.getfqdn(), 0, is_master=True,
-                                           wait_for_workers=False)
+        if round_.rank == 0 and self._local_addr:  # on the job's address only: agent/rendezvous/workers_store.py
+            self._workers_store = workers_store.serve(self._local_addr)
+        elif round_.rank == 0:  # plain torchrun without --local-addr: torch's default, every interface
+            self._workers_store = TCPStore(socket.getfqdn(), 0, is_master=True, wait_for_workers=False)
         port = self._workers_store.port if self._workers_store is not None else None
         info = RendezvousStoreInfo.build(round_.rank, store, local_addr=self._local_addr, server_port=port)
         return RendezvousInfo(store, round_.rank, round_.world_size, info)

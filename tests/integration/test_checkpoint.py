@@ -98,6 +98,34 @@ def test_round_trip_restores_model_optimizer_and_rng(trained, tmp_path, procs):
     assert_same_state(load(root / "dump-8.pt"), restored)
 
 
+def _forget_sums(path: Path) -> None:
+    marker = path / "COMMITTED"
+    record = json.loads(marker.read_text())
+    record.pop("sums", None)
+    marker.write_text(json.dumps(record))
+
+
+@pytest.mark.timeout(200)
+def test_a_flipped_byte_in_one_ranks_shard_is_found_by_its_sum_and_the_one_before_loads(trained, tmp_path,
+                                                                                        procs):
+    """Issue 48: a byte flipped in rank 1's shard of the newest checkpoint loaded without a word before (a
+    corrupted weight trained on). The sums recorded at commit find it on two real ranks: set aside as
+    ``corrupt`` naming the file, the rank that wrote it and both sums; step 6 loads."""
+    root, _ = trained
+    ckpt = copy_ckpt(root, tmp_path)
+    shard = ckpt / "step-00000008" / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    log = torchrun(procs, 2, tmp_path / "restore.log", "restore", "--dir", str(ckpt), "--dump-dir", str(tmp_path))
+    restored = load(tmp_path / "restored.pt")
+    assert restored["step"] == 6, log[-3000:]
+    assert_same_state(load(root / "dump-6.pt"), restored)
+    note = json.loads((ckpt / "step-00000008.corrupt" / "QUARANTINE.json").read_text())
+    assert "__1_0.distcp (written by rank 1)" in note["reason"] and "recorded" in note["reason"], note
+    assert log.count("restored checkpoint step 6") == 2
+
+
 @pytest.mark.timeout(200)
 def test_corrupt_truncated_and_unloadable_checkpoints_fall_back(trained, tmp_path, procs):
     """Newest first: 10 does not fit the model (fails on every rank), 8 has rank 1's shard overwritten with
@@ -110,6 +138,7 @@ def test_corrupt_truncated_and_unloadable_checkpoints_fall_back(trained, tmp_pat
     dcp.save({"unrelated": torch.zeros(3)}, checkpoint_id=str(ckpt / "step-00000010"), no_dist=True)
     garbage = ckpt / "step-00000008" / "__1_0.distcp"
     garbage.write_bytes(b"\xff" * garbage.stat().st_size)
+    _forget_sums(ckpt / "step-00000008")  # as written before checksums: the load itself must catch it
     shard = ckpt / "step-00000006" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     log = torchrun(procs, 2, tmp_path / "restore.log", "restore", "--dir", str(ckpt), "--dump-dir", str(tmp_path))

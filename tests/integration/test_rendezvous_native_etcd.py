@@ -281,6 +281,27 @@ def test_rank_0s_agent_hosts_a_new_workers_store_every_round(etcd, job):
     assert all(h._workers_store is None for h in handlers)
 
 
+@pytest.mark.timeout(90)
+def test_the_workers_store_listens_on_the_nodes_address_only(etcd, job):
+    """Issue 44, item 6: torch's TCPStore server listened on every interface whatever host it was given; a client
+    on another address of the host read and wrote the workers' keys. Now only ``local_addr`` (here loopback) serves."""
+    import host_address
+
+    if host_address.unavailable():
+        pytest.skip(host_address.unavailable())
+    handlers = _handlers(etcd, job, 2)
+    try:
+        infos = _in_threads([h.next_rendezvous for h in handlers])
+        port = infos[0].bootstrap_store_info.master_port
+        assert infos[0].bootstrap_store_info.master_addr == "127.0.0.1"
+        assert host_address.connects("127.0.0.1", port)  # the workers reach it
+        with host_address.other_address() as other:
+            assert not host_address.connects(other, port), f"the workers' store answers on {other}:{port}"
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_agents_train_on_the_native_round(etcd, procs, tmp_path, job):
     import os

@@ -1,0 +1,78 @@
+"""An etcd user confined to one job's keys (issue 44, item 8): the building block of the launchers' credential.
+
+A daemon-run launcher held the agents' certificate, so any job's user could write ``jobs/`` (submit as anyone) and
+every other job's rendezvous. ``grant_job_user`` makes an etcd user and a role of the same name for one job and
+generation, whose permissions are the job's keys only (agent/etcd/keys.py):
+
+* readwrite on ``rdzv/<job>/`` (its rendezvous: torch's state, the c10d store, the native rounds, ``closed``);
+* readwrite on ``jobs/<job>/`` except ``jobs/<job>/spec``, which it may read only: the spec names the user the daemon
+  starts the job as, so a launcher that rewrote it would choose who its next generation runs as.
+
+``revoke_job_user`` deletes both. The caller needs etcd's root role (user and role administration). Not yet wired
+into the node daemon (docs/SECURITY.md, "etcd: who may write which keys", says what that needs).
+"""
+
+from __future__ import annotations
+
+from etcd3 import etcdrpc
+from etcd3.etcdrpc import auth_pb2
+
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key, rdzv_key
+
+__all__ = ["JOB_USER_PREFIX", "grant_job_user", "job_permissions", "job_user_name", "revoke_job_user"]
+
+JOB_USER_PREFIX = "trainwarden-job-"
+
+
+def job_user_name(job: str, generation: int) -> str:
+    """The etcd user (and role) of one generation of ``job``."""
+    return f"{JOB_USER_PREFIX}{job}-{generation}"
+
+
+def _prefix_end(key: str) -> str:
+    """The end of the key range of every key starting with ``key`` (its last byte plus one; ``key`` ends in '/')."""
+    return key[:-1] + chr(ord(key[-1]) + 1)
+
+
+def job_permissions(job: str, *, prefix: str = DEFAULT_PREFIX) -> list[auth_pb2.Permission]:
+    """The key ranges of ``job``'s role (module docstring)."""
+    rdzv, jobs, spec = rdzv_key(job, prefix=prefix) + "/", job_key(job, prefix=prefix) + "/", job_key(
+        job, "spec", prefix=prefix)
+    rw, read = auth_pb2.Permission.READWRITE, auth_pb2.Permission.READ
+    return [
+        auth_pb2.Permission(permType=rw, key=rdzv.encode(), range_end=_prefix_end(rdzv).encode()),
+        auth_pb2.Permission(permType=rw, key=jobs.encode(), range_end=spec.encode()),
+        auth_pb2.Permission(permType=rw, key=(spec + "\0").encode(), range_end=_prefix_end(jobs).encode()),
+        auth_pb2.Permission(permType=read, key=spec.encode()),
+    ]
+
+
+def _call(client, method: str, request):
+    return getattr(client.authstub, method)(request, client.timeout, credentials=client.call_credentials,
+                                            metadata=client.metadata)
+
+
+def grant_job_user(client, job: str, generation: int, password: str, *, prefix: str = DEFAULT_PREFIX) -> str:
+    """Make the user and role of ``job``'s ``generation`` with ``password``; the user's name. ``client`` holds etcd's
+    root role. Raises the etcd3/gRPC error when one exists already (revoke it first)."""
+    name = job_user_name(job, generation)
+    _call(client, "RoleAdd", etcdrpc.AuthRoleAddRequest(name=name))
+    for perm in job_permissions(job, prefix=prefix):
+        _call(client, "RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=name, perm=perm))
+    _call(client, "UserAdd", etcdrpc.AuthUserAddRequest(name=name, password=password))
+    _call(client, "UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=name, role=name))
+    return name
+
+
+def revoke_job_user(client, job: str, generation: int) -> None:
+    """Delete the user and role of ``job``'s ``generation`` (what is already gone is skipped)."""
+    import grpc
+
+    name = job_user_name(job, generation)
+    for method, request in (("UserDelete", etcdrpc.AuthUserDeleteRequest(name=name)),
+                            ("RoleDelete", etcdrpc.AuthRoleDeleteRequest(role=name))):
+        try:
+            _call(client, method, request)
+        except grpc.RpcError as exc:
+            if "not found" not in (exc.details() or ""):
+                raise
