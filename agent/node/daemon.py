@@ -25,6 +25,7 @@ health service, and only it, on TCP (agent/telemetry/health_endpoint.py).
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -159,6 +160,10 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
             pass
     config = options.agent
+    if config.records_home is None:  # root's records about jobs stay out of the trees their users own (issue 44)
+        from trainwarden.agent.common.paths import records_home
+
+        config = dataclasses.replace(config, records_home=records_home(config.state_home))
     client, writer = None, None
     if options.etcd:
         try:
