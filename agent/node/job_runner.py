@@ -484,17 +484,30 @@ class JobRunner:
         log_path = self._dir / "logs" / f"{view.name}.log"
         identity = job_user.launch_identity(user, dict(os.environ))
         state = job_state_dir(view.name, self._home)
-        state.mkdir(parents=True, exist_ok=True)
+        if identity.switches and (why := job_user.state_dir_problem(state, user)) is not None:
+            self._refuse(view, why)
+            return
         with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640), "ab") as log:
-            if identity.switches:  # the job's state directory and its log are its user's
-                job_user.hand_over(state, user)
-                job_user.hand_over(log_path, user)
+            try:
+                state.mkdir(parents=True, exist_ok=True)
+                if identity.switches:  # the job's state directory and its log are its user's
+                    job_user.hand_over(state, user, under=self._home)
+                    if os.fstat(log.fileno()).st_nlink == 1:
+                        os.fchown(log.fileno(), user.uid, user.gid)
+            except OSError as exc:  # a refusal, never an exception every round (issue 44)
+                self._refuse(view, f"its state directory cannot be given to {user}: {exc.strerror or exc}")
+                return
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
                       f"generation {view.generation} as {user}\n".encode())
             log.flush()
             # no user=/group=/preexec_fn: the Popen is a vfork, never a fork of this process's gRPC threads
-            proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=identity.env)
+            try:
+                proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                        env=identity.env)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL the spec should not hold
+                self._refuse(view, f"its launcher cannot be started: {exc}")
+                return
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:

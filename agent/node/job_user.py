@@ -28,10 +28,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainwarden.agent.common.untrusted_fs import open_dir
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobUser", "JobUserRefused", "LaunchIdentity", "hand_over", "launch_identity", "no_new_privileges", "readable_by",
-           "resolve_job_user", "writable_by"]
+__all__ = ["HandOverError", "JobUser", "JobUserRefused", "LaunchIdentity", "ROOT_MADE", "hand_over", "launch_identity",
+           "no_new_privileges", "readable_by", "resolve_job_user", "state_dir_problem", "writable_by"]
 
 
 class JobUserRefused(ValueError):
@@ -123,20 +125,90 @@ def readable_by(path: str | os.PathLike, user: JobUser) -> bool:
         return False
 
 
-def hand_over(path: str | os.PathLike, user: JobUser) -> None:
-    """Make ``path`` (a file, or a directory and everything under it) ``user``'s. Links are changed, never followed,
-    and the walk goes by directory descriptors (``os.fwalk``): a job that swaps a directory of its own for a link
-    while this runs cannot make root give it some other file."""
-    path = Path(path)
-    os.chown(path, user.uid, user.gid, follow_symlinks=False)
-    if path.is_symlink() or not path.is_dir():
+def state_dir_problem(state: str | os.PathLike, user: JobUser) -> str | None:
+    """Why job state directory ``state`` may not become ``user``'s (None: it may): it exists and belongs to another
+    user (a job name reused by someone else would inherit that run's state and checkpoints). Root's own (a
+    directory root made, older releases' records) is handed over."""
+    try:
+        owner = os.lstat(state).st_uid
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"its state directory {state} cannot be looked at: {exc.strerror or exc}"
+    if owner in (user.uid, os.geteuid()):
+        return None
+    try:
+        name = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        name = "an unknown user"
+    return (f"its state directory {state} belongs to {name} (uid {owner}), not to {user}: a job name reused by "
+            f"another user would inherit that run's state and checkpoints; an operator removes it (`rm -r {state}`) "
+            f"or gives it to the new user (`chown -R {user.name}: {state}`), then `trainwarden resume` the job")
+
+
+ROOT_MADE = ("incidents", "diagnostics", "exclusions")
+"""The directories root itself made inside a job's state directory before its records moved out of it (issue 44):
+handed over with it, so that the job's own launcher may write there."""
+
+
+class HandOverError(OSError):
+    """The state directory cannot be given to the job's user safely (a link, not a directory, a failed chown): the
+    job is refused with this message."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+def hand_over(path: str | os.PathLike, user: JobUser, *, under: str | os.PathLike | None = None) -> None:
+    """Make job state directory ``path`` ``user``'s: the directory itself and what root made in it (``ROOT_MADE``
+    and the regular files and directories root owns directly inside those), nothing the user made. Everything is
+    reached by descriptor (``openat`` with ``O_NOFOLLOW|O_DIRECTORY|O_NONBLOCK`` from ``under``, a directory of
+    root's own, agent/common/untrusted_fs.py) and changed with ``fchown`` on that descriptor: a link is never
+    followed, a FIFO or a device never opened for long (nor blocks), a file with a second hard link (it may be
+    someone else's) is left alone, and a directory swapped for something else meanwhile is skipped.
+    ``HandOverError`` when ``path`` itself cannot be opened so or changed."""
+    try:
+        fd = open_dir(path, under=under)
+    except OSError as exc:
+        raise HandOverError(exc.errno, f"cannot open the state directory {path} without following a link "
+                                       f"({exc.strerror or exc}); remove it (or make it a directory) and resume the "
+                                       "job") from None
+    try:
+        try:
+            os.fchown(fd, user.uid, user.gid)
+        except OSError as exc:
+            raise HandOverError(exc.errno, f"cannot give {path} to {user}: {exc.strerror or exc}") from None
+        for name in ROOT_MADE:
+            _hand_over_entry(fd, name, user, depth=2)
+    finally:
+        os.close(fd)
+
+
+def _hand_over_entry(parent: int, name: str, user: JobUser, *, depth: int) -> None:
+    """``fchown`` entry ``name`` of directory descriptor ``parent`` to ``user`` if root made it (a regular file
+    with one link, or a directory, owned by this process's uid), and ``depth - 1`` levels of what root made in it."""
+    try:
+        before = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
         return
-    for _root, dirs, files, dir_fd in os.fwalk(path, follow_symlinks=False):
-        for name in dirs + files:
-            try:
-                os.chown(name, user.uid, user.gid, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+    is_dir = stat.S_ISDIR(before.st_mode)
+    if before.st_uid != os.geteuid() or not (is_dir or (stat.S_ISREG(before.st_mode) and before.st_nlink == 1)):
+        return  # the user's, a link, a special file, or a file someone else may hold a link to
+    try:
+        fd = os.open(name, _DIR_FLAGS if is_dir else _FILE_FLAGS, dir_fd=parent)
+    except OSError:  # swapped for a link or something else since the stat
+        return
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) or (not is_dir and st.st_nlink != 1):
+            return
+        os.fchown(fd, user.uid, user.gid)
+        if is_dir and depth > 1:
+            for entry in os.listdir(fd):
+                _hand_over_entry(fd, entry, user, depth=depth - 1)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

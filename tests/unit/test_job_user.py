@@ -71,7 +71,7 @@ def test_hand_over_changes_the_tree_and_never_follows_a_link(tmp_path):
     hand_over(job, NOBODY)
     for path in (job, job / "incidents", job / "incidents" / "a.json"):
         assert path.stat().st_uid == 65534, path
-    assert os.lstat(job / "link").st_uid == 65534  # the link itself
+    assert os.lstat(job / "link").st_uid == 0  # the user's content (here a link) is not touched (issue 44)
     assert outside.stat().st_uid == 0 and tmp_path.stat().st_uid == 0  # never what it points at
 
 
