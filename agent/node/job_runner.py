@@ -123,10 +123,12 @@ class JobRunner:
                  health: Callable[[], tuple[str, ...]] | None = None,
                  record: Callable[[Incident], Incident] | None = None,
                  clock: Callable[[], float] = time.monotonic, default_user: str | None = None,
-                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None) -> None:
+                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None,
+                 job_users: dict | None = None) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
         ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
-        heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py);
+        heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py), and
+        ``job_users`` who may (``resolve_job_user``'s ``users``, ``groups``, ``privileged_groups``);
         ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read.
         ``lineage``: the daemon's ``AgentActions``; each launcher is registered there, so that only its own
         processes may stream to the daemon's socket as its job (``register_launcher``/``forget_launcher``)."""
@@ -139,6 +141,7 @@ class JobRunner:
         self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
         self._lineage = lineage
+        self._who = dict(job_users or {})
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
@@ -283,7 +286,8 @@ class JobRunner:
     def _user_for(self, view: JobView, spec) -> job_user.JobUser | None:
         """Who runs ``spec`` on this node; None, after refusing the job, when no one may."""
         try:
-            user = job_user.resolve_job_user(spec.user, default=self._default_user, allow_root=self._allow_root)
+            user = job_user.resolve_job_user(spec.user, default=self._default_user, allow_root=self._allow_root,
+                                             **self._who)
         except job_user.JobUserRefused as exc:
             self._refuse(view, str(exc))
             return None

@@ -7,19 +7,26 @@ daemon with neither a spec ``user`` nor a ``job_user`` refuses the job, as it re
 can only start processes as itself, so that is its default and anything else is refused. A refusal is the daemon's
 usual one (agent/node/job_refusal.py): a phase and one incident that say why.
 
+**Who may be named** (issue 44). When the agent's ``job_users`` or ``job_groups`` are set, only those users and
+members of those groups run jobs; by default no member of a ``privileged_groups`` group (docker, disk, lxd, sudo,
+wheel, adm, root: as good as root) does unless ``job_users`` names it. A job whose state directory exists and belongs
+to another user is refused (``state_dir_problem``) until an operator removes or reassigns it.
+
 The launcher is started with the user's uid, gid and groups, switched after exec by a few lines of Python run with
 ``-I -S`` (``launch_identity``; leaving uid 0 clears every capability), and sets no-new-privileges itself before
 anything else runs (``no_new_privileges``, `trainwarden run --managed`). Not ``subprocess.Popen``'s
 ``user``/``group``/``extra_groups``: with them CPython cannot use ``vfork`` and forks the daemon, gRPC's threads and
 all, and a forked copy of a process with live gRPC threads can abort in gRPC's poller before it execs (issue 45: 1 of
 60 launches). Without them the daemon's Popen is a ``vfork``: nothing of the daemon runs in the child before exec. Its state directory and log become the user's
-(``hand_over``); ``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
+(``hand_over``: only what root made, by descriptor, never following a link; a failure refuses the job);
+``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import grp
 import logging
 import os
 import pwd
@@ -32,8 +39,9 @@ from trainwarden.agent.common.untrusted_fs import open_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HandOverError", "JobUser", "JobUserRefused", "LaunchIdentity", "ROOT_MADE", "hand_over", "launch_identity",
-           "no_new_privileges", "readable_by", "resolve_job_user", "state_dir_problem", "writable_by"]
+__all__ = ["HandOverError", "JobUser", "JobUserRefused", "LaunchIdentity", "PRIVILEGED_GROUPS", "ROOT_MADE",
+           "hand_over", "launch_identity", "names", "no_new_privileges", "readable_by", "resolve_job_user",
+           "state_dir_problem", "writable_by"]
 
 
 class JobUserRefused(ValueError):
@@ -56,9 +64,54 @@ class JobUser:
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
 
 
+PRIVILEGED_GROUPS = ("docker", "disk", "lxd", "sudo", "wheel", "adm", "root")
+"""Groups whose members are as good as root on most hosts (the docker socket, raw disks, lxd, sudo, logs): by
+default no job runs as a member (the agent's ``privileged_groups``)."""
+
+
+def names(text: str | None) -> tuple[str, ...]:
+    """A comma-separated setting (``job_users = "alice,bob"``) as a tuple of names."""
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
+
+
 def resolve_job_user(wanted: str | int | None, *, default: str | None, allow_root: bool,
-                     agent_uid: int | None = None) -> JobUser:
-    """The user to start a job as (module docstring); ``JobUserRefused`` otherwise."""
+                     agent_uid: int | None = None, users: tuple[str, ...] = (), groups: tuple[str, ...] = (),
+                     privileged_groups: tuple[str, ...] = PRIVILEGED_GROUPS) -> JobUser:
+    """The user to start a job as (module docstring); ``JobUserRefused`` otherwise. ``users``, ``groups``: when
+    either is given, only those users (names or uids) and the members of those groups may run jobs here; a member
+    of ``privileged_groups`` only when ``users`` names it."""
+    agent_uid = os.geteuid() if agent_uid is None else agent_uid
+    user = _resolve(wanted, default=default, allow_root=allow_root, agent_uid=agent_uid)
+    if user.uid == 0 or agent_uid != 0:  # allow_root_jobs said so; an agent that is not root runs jobs as itself
+        return user
+    listed = user.name in users or str(user.uid) in users
+    if (users or groups) and not listed and not set(user.groups) & _gids(groups):
+        raise JobUserRefused(f"{user} is not allowed to run jobs on this node: the agent's job_users "
+                             f"({', '.join(users) or 'none'}) and job_groups ({', '.join(groups) or 'none'}) name "
+                             "neither it nor a group of it; add it to job_users (or its group to job_groups) in the "
+                             "agent config, or submit the job with another user")
+    for group in privileged_groups:
+        gid = _gid(group)
+        if gid is not None and gid in user.groups and not listed:
+            raise JobUserRefused(f"{user} is a member of group {group!r}, which is as good as root on this node: "
+                                 "name the user in job_users in the agent config if it may run jobs anyway (or "
+                                 f"take {group!r} out of privileged_groups), or submit the job with another user")
+    return user
+
+
+def _gid(group: str) -> int | None:
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+def _gids(groups: tuple[str, ...]) -> set[int]:
+    return {gid for gid in map(_gid, groups) if gid is not None}
+
+
+def _resolve(wanted: str | int | None, *, default: str | None, allow_root: bool,
+             agent_uid: int | None = None) -> JobUser:
     agent_uid = os.geteuid() if agent_uid is None else agent_uid
     if wanted is None:
         wanted = default
