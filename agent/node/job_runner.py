@@ -275,13 +275,14 @@ class JobRunner:
         if cordoned:
             logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
             return
-        problems = node_problems(spec)
+        user = self._user_for(view, spec)
+        if user is None:
+            return
+        problems = node_problems(spec, user=user, python=self._python)  # as the user sees the node (issue 44)
         if problems:
             self._refuse(view, "; ".join(problems))
             return
-        user = self._user_for(view, spec)
-        if user is not None:
-            self._launch(view, spec, user)
+        self._launch(view, spec, user)
 
     def _user_for(self, view: JobView, spec) -> job_user.JobUser | None:
         """Who runs ``spec`` on this node; None, after refusing the job, when no one may."""
