@@ -5,7 +5,6 @@ that dropped to ``nobody`` (in a mount namespace where the interpreter is reacha
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
