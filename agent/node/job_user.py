@@ -180,16 +180,26 @@ def readable_by(path: str | os.PathLike, user: JobUser) -> bool:
 
 def state_dir_problem(state: str | os.PathLike, user: JobUser) -> str | None:
     """Why job state directory ``state`` may not become ``user``'s (None: it may): it exists and belongs to another
-    user (a job name reused by someone else would inherit that run's state and checkpoints). Root's own (a
-    directory root made, older releases' records) is handed over."""
+    user (a job name reused by someone else would inherit that run's state and checkpoints). One of this process's
+    own (root's) holding nothing but ``ROOT_MADE`` (the daemon made it, or an older release kept its records there)
+    is handed over; one holding more (a run as root) is another user's."""
     try:
-        owner = os.lstat(state).st_uid
+        st = os.lstat(state)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"its state directory {state} cannot be looked at: {exc.strerror or exc}"
-    if owner in (user.uid, os.geteuid()):
+    owner = st.st_uid
+    if owner == user.uid:
         return None
+    if owner == os.geteuid():
+        if not stat.S_ISDIR(st.st_mode):
+            return None  # a link or a special file: ``hand_over`` refuses it, saying so
+        try:
+            if set(os.listdir(state)) <= set(ROOT_MADE):
+                return None
+        except OSError:
+            pass
     try:
         name = pwd.getpwuid(owner).pw_name
     except KeyError:

@@ -90,6 +90,11 @@ def test_a_state_directory_of_another_user_is_refused_with_the_path_and_the_comm
     state.mkdir(parents=True)
     assert state_dir_problem(tmp_path / "jobs" / "absent", NOBODY) is None
     assert state_dir_problem(state, NOBODY) is None  # root's own (the daemon made it): handed over
+    (state / "incidents").mkdir()
+    assert state_dir_problem(state, NOBODY) is None  # with an older release's records in it, too
+    (state / "checkpoints").mkdir()
+    assert "belongs to root (uid 0)" in state_dir_problem(state, NOBODY)  # a run as root left its state there
+    (state / "checkpoints").rmdir()
     os.chown(state, 12345, 12345)
     why = state_dir_problem(state, NOBODY)
     assert why is not None and str(state) in why and "uid 12345" in why
