@@ -73,11 +73,11 @@ filesystem is the slow case)."""
 
 
 def _problems_as(spec: JobSpec, user: JobUser, *, python: str, cwd: str | os.PathLike | None) -> list[str]:
-    identity = launch_identity(user, dict(os.environ))
+    identity = launch_identity(user, dict(os.environ), python=python)
     request = json.dumps({"spec": spec.to_json(), "cwd": str(cwd) if cwd is not None else None})
-    try:
-        done = subprocess.run([python, "-c", _CHILD], input=request, capture_output=True, text=True,
-                              timeout=PREFLIGHT_TIMEOUT_S, close_fds=True, **identity)
+    try:  # switched after exec, as the launcher is: the daemon's Popen stays a vfork (job_user.launch_identity)
+        done = subprocess.run(identity.argv([python, "-c", _CHILD]), input=request, capture_output=True, text=True,
+                              timeout=PREFLIGHT_TIMEOUT_S, close_fds=True, env=identity.env)
         if done.returncode == 0:
             problems = json.loads(done.stdout)
             if isinstance(problems, list) and all(isinstance(p, str) for p in problems):
