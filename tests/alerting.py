@@ -164,7 +164,7 @@ class AlertingBed:
 
     def incidents(self, job: str, kind: str) -> list[dict]:
         found = []
-        for path in sorted((self.home / "jobs" / job / "incidents").glob("*.json")):
+        for path in sorted((self.home / "daemon" / "records" / job / "incidents").glob("*.json")):  # the daemon's
             data = json.loads(path.read_text())
             if data["kind"] == kind:
                 found.append(data)

@@ -46,6 +46,9 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "insecure_etcd": (bool, False),
     "job_user": (str, None),
     "allow_root_jobs": (bool, False),
+    "job_users": (str, None),
+    "job_groups": (str, None),
+    "privileged_groups": (str, "docker,disk,lxd,sudo,wheel,adm,root"),
 }
 """Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
 
@@ -89,6 +92,13 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-root-jobs", action="store_true", default=None,
                    help="let a submitted job run as root (its `user`, or --job-user); default: refused, since anyone "
                         "who can write the jobs/ keys in etcd would run code as root on this node")
+    p.add_argument("--job-users", metavar="USER,...",
+                   help="only these users (names or uids, separated by commas) and the members of --job-groups may "
+                        "run submitted jobs here (default: any user but root and members of --privileged-groups)")
+    p.add_argument("--job-groups", metavar="GROUP,...", help="members of these groups may run submitted jobs here")
+    p.add_argument("--privileged-groups", metavar="GROUP,...",
+                   help="a member of these groups runs no job here unless --job-users names it (default "
+                        "docker,disk,lxd,sudo,wheel,adm,root: as good as root)")
     p.add_argument("--allow-unverified-streams", action="store_true", default=None,
                    help="accept telemetry streams without peer credentials (workers that cannot fetch a token from "
                         "SOCKET.cred, e.g. an older runtime): they stream, are never signalled, and may not take a "
@@ -211,15 +221,18 @@ def _cmd_agent(args) -> int:
                                     tls_cert=Path(s["webhook_tls_cert"]) if s["webhook_tls_cert"] else None,
                                     tls_key=Path(s["webhook_tls_key"]) if s["webhook_tls_key"] else None,
                                     max_body=s["webhook_max_body"], resumes_per_hour=s["resumes_per_hour"])
+        from trainwarden.agent.node.job_user import JobUserRefused, names, resolve_job_user
+        who = {"users": names(s["job_users"]), "groups": names(s["job_groups"]),
+               "privileged_groups": names(s["privileged_groups"])}
         if s["job_user"] is not None:  # a job_user that cannot be used stops the agent, not each job
-            from trainwarden.agent.node.job_user import JobUserRefused, resolve_job_user
             try:
-                resolve_job_user(None, default=s["job_user"], allow_root=s["allow_root_jobs"])
+                resolve_job_user(None, default=s["job_user"], allow_root=s["allow_root_jobs"], **who)
             except JobUserRefused as exc:
                 raise ValueError(f"job_user {s['job_user']!r} cannot run jobs: {exc}") from None
         options = DaemonOptions(agent=config, etcd=s["etcd"], etcd_security=security, run_jobs=s["run_jobs"],
                                 local_addr=s["local_addr"], webhook=webhook, job_user=s["job_user"],
-                                allow_root_jobs=s["allow_root_jobs"])
+                                allow_root_jobs=s["allow_root_jobs"], job_users=who["users"],
+                                job_groups=who["groups"], privileged_groups=who["privileged_groups"])
     except ValueError as exc:
         print(f"trainwarden agent: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -274,10 +274,11 @@ def _cmd_status(args) -> int:
 
 def goodput_line(path: Path) -> str | None:
     """``goodput 91.2% of 65.3s (...)`` from the ledger a run of the job keeps in its state directory."""
+    from trainwarden.agent.common.untrusted_fs import read_small_text  # the job's file; root may be the reader
     from trainwarden.agent.launch.goodput import Goodput
 
     try:
-        return "goodput " + Goodput.from_json(json.loads(path.read_text())).describe()
+        return "goodput " + Goodput.from_json(json.loads(read_small_text(path, 1 << 20, under=path.parent.parent))).describe()
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:

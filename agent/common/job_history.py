@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from trainwarden.agent.common.untrusted_fs import read_small_text
 from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,18 @@ class History:
         return not self.step and not self.events
 
 
+_STEPS_LIMIT = 512 << 20
+_EVENTS_LIMIT = 64 << 20
+
+
 def read_history(directory: str | Path) -> History:
-    """Read ``<state dir>/history`` (module docstring); a missing directory is an empty history."""
+    """Read ``<state dir>/history`` (module docstring); a missing directory is an empty history. The job's user
+    writes it and root may read it (`trainwarden report`): no link is followed, no FIFO blocks, a file is read only up
+    to a bound (agent/common/untrusted_fs.py)."""
     directory = Path(directory)
     h = History()
     try:
-        text = (directory / "steps.csv").read_text(encoding="utf-8", errors="replace")
+        text = read_small_text(directory / "steps.csv", _STEPS_LIMIT, under=directory.parent)
     except OSError:
         text = ""
     for row in csv.reader(io.StringIO(text)):
@@ -173,7 +180,7 @@ def read_history(directory: str | Path) -> History:
         h.end.append(end)
         h.duration.append(duration)
     try:
-        lines = (directory / "events.jsonl").read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_small_text(directory / "events.jsonl", _EVENTS_LIMIT, under=directory.parent).splitlines()
     except OSError:
         lines = []
     for line in lines:
@@ -185,7 +192,7 @@ def read_history(directory: str | Path) -> History:
         except ValueError:
             h.skipped_lines += 1
     try:
-        h.goodput = json.loads((directory / "goodput.json").read_text())
+        h.goodput = json.loads(read_small_text(directory / "goodput.json", 1 << 20, under=directory.parent))
     except (OSError, ValueError):
         h.goodput = None
     return h

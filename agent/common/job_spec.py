@@ -51,9 +51,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["JOB_ENV_ALLOWED", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
+__all__ = ["BOUNDS", "JOB_ENV_ALLOWED", "MAX_STRING", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
            "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem",
-           "unknown_key_message"]
+           "string_problem", "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
 LINK_POLICIES = ("alert", "exclude")
@@ -68,6 +68,28 @@ def hang_floor_problem(seconds: float) -> str | None:
     launcher's option and the agent's setting."""
     low, high = HANG_FLOOR_RANGE_S
     return None if low <= seconds <= high else f"must be seconds between {low:g} and {high:g}, got {seconds!r}"
+
+BOUNDS = {"nproc_per_node": 1024, "max_restarts": 1000, "nnodes": 100_000, "tokens_per_step": 2**40,
+          "command": 4096, "env": 1024, "nodes": 100_000}
+"""The largest value a spec may give each of these fields (for lists and tables, the most entries): past them a
+number is a typo or an attack (``nproc_per_node = 1e9`` would have the launcher start a billion workers), never a job.
+``hang_floor_s`` has its own range (``HANG_FLOOR_RANGE_S``)."""
+MAX_STRING = 64 * 1024
+"""The longest string a spec may hold (an argument, an env value, a path)."""
+
+
+def string_problem(value: str) -> str | None:
+    """Why ``value`` may not be a string in a spec (a control character, NUL included, or past ``MAX_STRING``), or
+    None. A NUL cannot reach ``execve`` at all (the launch would fail on every node, every round); a newline or an
+    escape sequence forges log lines and terminal output."""
+    if len(value) > MAX_STRING:
+        return f"is {len(value)} characters long; at most {MAX_STRING} are accepted"
+    for index, char in enumerate(value):
+        if ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F:
+            return f"holds the control character {char!r} at position {index}; remove it"
+    return None
+
+
 SUBMISSION_KEYS = ("managed", "submitted_by", "submitted_at")
 """What `submit` adds to the spec's fields in ``jobs/<job>/spec`` (agent/etcd/jobs.py); not part of the spec."""
 
@@ -256,6 +278,14 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     def fail(key: str, why: str) -> JobSpecError:
         return JobSpecError(f"{source}: field {key!r} {why}")
 
+    for key, value in data.items():
+        _check_strings(key, value, fail)
+        bound = BOUNDS.get(key)
+        if bound is not None and isinstance(value, (list, dict)) and len(value) > bound:
+            raise fail(key, f"has {len(value)} entries; at most {bound} are accepted")
+        if bound is not None and isinstance(value, int) and value > bound:
+            raise fail(key, f"must be at most {bound}, got {value}")
+
     try:
         name = validate_job_name(data["name"])
     except ValueError as exc:
@@ -268,9 +298,11 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("command", "names no module after \"-m\"")
     nnodes = str(data.get("nnodes", "1"))
     try:
-        parse_nnodes(nnodes)
+        most = parse_nnodes(nnodes)[1]
     except ValueError as exc:
         raise fail("nnodes", f"{nnodes!r}: {exc}") from None
+    if most > BOUNDS["nnodes"]:
+        raise fail("nnodes", f"{nnodes!r}: at most {BOUNDS['nnodes']} nodes are accepted")
     nproc = data.get("nproc_per_node", 1)
     if nproc < 1:
         raise fail("nproc_per_node", f"must be at least 1, got {nproc}")
@@ -334,6 +366,22 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True), rendezvous_round=rendezvous_round,
                    hang_floor_s=hang_floor, auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
+
+
+def _check_strings(key: str, value: Any, fail) -> None:
+    """``string_problem`` of every string in field ``key`` (a list's entries, a table's keys and values)."""
+    if isinstance(value, str):
+        if (why := string_problem(value)) is not None:
+            raise fail(key, why)
+    elif isinstance(value, list):
+        for index, entry in enumerate(value):
+            if isinstance(entry, str) and (why := string_problem(entry)) is not None:
+                raise fail(key, f"entry {index} {why}")
+    elif isinstance(value, dict):
+        for name, entry in value.items():
+            for what, text in (("name", name), ("value", entry)):
+                if isinstance(text, str) and (why := string_problem(text)) is not None:
+                    raise fail(key, f"entry {name!r}: its {what} {why}")
 
 
 def dumps(spec: JobSpec) -> str:

@@ -41,7 +41,7 @@ from trainwarden.agent.incidents import IncidentCollector, IncidentStore
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.common.heartbeat import Heartbeat
-from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.common.paths import job_state_dir, validate_job_name
 from trainwarden.agent.etcd.job_records import JobRecords
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.checkpoint_incidents import CheckpointIncidents
@@ -81,6 +81,10 @@ class AgentConfig:
     (Kubernetes' ``grpc`` probes); 0 picks a free one; None, the default, serves none."""
     state_home: Path | None = None
     """Root of job state directories (incidents, diagnostics)."""
+    records_home: Path | None = None
+    """Where this agent records incidents and diagnostics about a job: ``<records_home>/<job>/``, directories of its
+    own outside the job's state directory (the node daemon, root: ``<state home>/daemon/records``); None: the job's
+    state directory (a launcher, which runs as the job's user)."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Hang and straggler policy."""
     gpu_health: bool = True
@@ -140,7 +144,9 @@ class NodeAgent:
         None keeps everything on local disk. ``cluster``: the watchdog's ``HangCoordinator`` for a job of
         several nodes (agent/etcd/cluster.py)."""
         self.config = config
-        state_dir = lambda job: job_state_dir(job, config.state_home)  # noqa: E731
+        records = config.records_home
+        state_dir = ((lambda job: Path(records) / validate_job_name(job)) if records is not None  # noqa: E731
+                     else (lambda job: job_state_dir(job, config.state_home)))
         # committed checkpoints are published to etcd from one thread of their own, never from the telemetry
         # reader that heard of them
         self.etcd = etcd
@@ -152,7 +158,8 @@ class NodeAgent:
             self.server.checkpoint_record = JobRecords(etcd.client).get_checkpoint
         self.incident_counts = IncidentCollector(
             node=config.node, jobs=lambda: [job.job for job in self.job_telemetry.snapshot()])
-        self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts)
+        self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts,
+                                       readable=records is not None)
         self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
         self.server.stream_guard = self.actions.stream_refusal  # a launcher's job: only its processes stream for it

@@ -25,6 +25,7 @@ health service, and only it, on TCP (agent/telemetry/health_endpoint.py).
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -43,6 +44,7 @@ from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import check_agent, recorded_metrics_url
+from trainwarden.agent.node.job_user import PRIVILEGED_GROUPS
 from trainwarden.agent.node.liveness import KeepAlive
 from trainwarden.agent.node.webhook import WebhookConfig
 
@@ -71,6 +73,12 @@ class DaemonOptions:
     """Who a submitted job whose spec names no ``user`` runs as (agent/node/job_user.py)."""
     allow_root_jobs: bool = False
     """Whether a submitted job may run as root (its ``user``, or ``job_user``)."""
+    job_users: tuple[str, ...] = ()
+    """With ``job_groups``: who may run submitted jobs here (empty, both: anyone but root and the privileged)."""
+    job_groups: tuple[str, ...] = ()
+    """Groups whose members may run submitted jobs here."""
+    privileged_groups: tuple[str, ...] = PRIVILEGED_GROUPS
+    """A member of these runs no job here unless ``job_users`` names it (agent/node/job_user.py)."""
 
     def __post_init__(self) -> None:
         if self.webhook is not None and self.etcd is None:
@@ -115,6 +123,8 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      health=(lambda: gpus.unhealthy_reasons(agent.job_telemetry.ranks_on_gpus))
                      if gpus is not None else None, record=agent.incidents.record,
                      default_user=options.job_user, allow_root_jobs=options.allow_root_jobs, lineage=agent.actions,
+                     job_users={"users": options.job_users, "groups": options.job_groups,
+                                "privileged_groups": options.privileged_groups},
                      etcd_files=tuple(path for path in (sec.ca_cert, sec.cert_cert, sec.cert_key, sec.password_file)
                                       if path))
 
@@ -159,6 +169,10 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
             pass
     config = options.agent
+    if config.records_home is None:  # root's records about jobs stay out of the trees their users own (issue 44)
+        from trainwarden.agent.common.paths import records_home
+
+        config = dataclasses.replace(config, records_home=records_home(config.state_home))
     client, writer = None, None
     if options.etcd:
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.common.untrusted_fs import read_small_text
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SERVICE_NAME, STATUS_METHOD
 
@@ -46,9 +47,9 @@ def resolve_socket(explicit: str | os.PathLike | None = None, job: str | None = 
     if env.get(SOCKET_ENV):
         return Path(env[SOCKET_ENV])
     if job:
-        record = job_state_dir(job, state_home) / AGENT_SOCKET_RECORD
-        try:
-            recorded = record.read_text().strip()
+        state = job_state_dir(job, state_home)
+        try:  # the job's user writes it, root may read it: no link followed, no FIFO, a bound (untrusted_fs)
+            recorded = read_small_text(state / AGENT_SOCKET_RECORD, 4096, under=state.parent).strip()
         except OSError:
             recorded = ""
         if recorded and os.path.exists(recorded):

@@ -4,7 +4,8 @@ Two kinds of refusal reach the job runner (agent/node/job_runner.py):
 
 * the spec in etcd does not parse (``JobSpecError``: the same validation `submit` runs, agent/common/job_spec.py;
   a hand-edited record, or a field this release does not know);
-* this node cannot run it (``node_problems``): the script or the ``-m`` package is missing here, the fault spec
+* this node cannot run it (``node_problems``, checked as the job's user): the script or the ``-m`` package is
+  missing here (or that user cannot see it), the fault spec
   does not parse (agent/common/preflight.py, what the launcher would stop on with exit 6), or the checkpoint
   directory is missing and so is its parent (a shared filesystem that is not mounted here: starting the job
   would write its checkpoints to the node's own disk and start it over from step 1).
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,15 +34,22 @@ from trainwarden.agent.common.job_spec import JobSpec
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.etcd.jobs import JobControl, JobView
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.node.job_user import JobUser, launch_identity
 from trainwarden.agent.proto.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobRefusals", "node_problems"]
+__all__ = ["JobRefusals", "PREFLIGHT_TIMEOUT_S", "node_problems"]
 
 
-def node_problems(spec: JobSpec, *, cwd: str | os.PathLike | None = None) -> list[str]:
-    """Why this node cannot start ``spec``'s launcher (empty: it can). ``cwd``: where the launcher would run."""
+def node_problems(spec: JobSpec, *, cwd: str | os.PathLike | None = None, user: JobUser | None = None,
+                  python: str = sys.executable) -> list[str]:
+    """Why this node cannot start ``spec``'s launcher (empty: it can). ``cwd``: where the launcher would run.
+    ``user``: who it runs as; when that is not this process's user the checks run in a child started as ``user``
+    (with ``python``), so that they see what the job will see and a refusal does not tell the submitter whether a
+    path only root may see exists (issue 44)."""
+    if user is not None and user.uid != os.geteuid():
+        return _problems_as(spec, user, python=python, cwd=cwd)
     problems = preflight(spec.command, {**os.environ, **spec.env}, cwd=cwd)
     if spec.checkpoint_dir:
         path = Path(cwd or ".") / spec.checkpoint_dir
@@ -50,6 +60,33 @@ def node_problems(spec: JobSpec, *, cwd: str | os.PathLike | None = None) -> lis
                             f"{str(path.parent)!r}; mount the shared filesystem (or create the parent) and resume "
                             "the job")
     return problems
+
+
+_CHILD = ("import json, sys\n"
+          "from trainwarden.agent.common.job_spec import JobSpec\n"
+          "from trainwarden.agent.node.job_refusal import node_problems\n"
+          "request = json.loads(sys.stdin.read())\n"
+          "print(json.dumps(node_problems(JobSpec.from_json(request['spec'], 'preflight'), cwd=request['cwd'])))\n")
+PREFLIGHT_TIMEOUT_S = 60.0
+"""How long the checks run as the job's user may take (a Python start and a few stats; a hung network
+filesystem is the slow case)."""
+
+
+def _problems_as(spec: JobSpec, user: JobUser, *, python: str, cwd: str | os.PathLike | None) -> list[str]:
+    identity = launch_identity(user, dict(os.environ), python=python)
+    request = json.dumps({"spec": spec.to_json(), "cwd": str(cwd) if cwd is not None else None})
+    try:  # switched after exec, as the launcher is: the daemon's Popen stays a vfork (job_user.launch_identity)
+        done = subprocess.run(identity.argv([python, "-c", _CHILD]), input=request, capture_output=True, text=True,
+                              timeout=PREFLIGHT_TIMEOUT_S, close_fds=True, env=identity.env)
+        if done.returncode == 0:
+            problems = json.loads(done.stdout)
+            if isinstance(problems, list) and all(isinstance(p, str) for p in problems):
+                return problems
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        why = str(exc)
+    return [f"the checks before the launch could not run as {user} ({why[:300]}): make {python} runnable by that "
+            "user, or submit the job with a user that can run it"]
 
 
 class JobRefusals:

@@ -123,10 +123,12 @@ class JobRunner:
                  health: Callable[[], tuple[str, ...]] | None = None,
                  record: Callable[[Incident], Incident] | None = None,
                  clock: Callable[[], float] = time.monotonic, default_user: str | None = None,
-                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None) -> None:
+                 allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None,
+                 job_users: dict | None = None) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
         ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
-        heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py);
+        heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py), and
+        ``job_users`` who may (``resolve_job_user``'s ``users``, ``groups``, ``privileged_groups``);
         ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read.
         ``lineage``: the daemon's ``AgentActions``; each launcher is registered there, so that only its own
         processes may stream to the daemon's socket as its job (``register_launcher``/``forget_launcher``)."""
@@ -139,6 +141,7 @@ class JobRunner:
         self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
         self._lineage = lineage
+        self._who = dict(job_users or {})
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
@@ -272,18 +275,20 @@ class JobRunner:
         if cordoned:
             logger.info("job %s wants this node, but it is cordoned: not starting it", view.name)
             return
-        problems = node_problems(spec)
+        user = self._user_for(view, spec)
+        if user is None:
+            return
+        problems = node_problems(spec, user=user, python=self._python)  # as the user sees the node (issue 44)
         if problems:
             self._refuse(view, "; ".join(problems))
             return
-        user = self._user_for(view, spec)
-        if user is not None:
-            self._launch(view, spec, user)
+        self._launch(view, spec, user)
 
     def _user_for(self, view: JobView, spec) -> job_user.JobUser | None:
         """Who runs ``spec`` on this node; None, after refusing the job, when no one may."""
         try:
-            user = job_user.resolve_job_user(spec.user, default=self._default_user, allow_root=self._allow_root)
+            user = job_user.resolve_job_user(spec.user, default=self._default_user, allow_root=self._allow_root,
+                                             **self._who)
         except job_user.JobUserRefused as exc:
             self._refuse(view, str(exc))
             return None
@@ -484,17 +489,30 @@ class JobRunner:
         log_path = self._dir / "logs" / f"{view.name}.log"
         identity = job_user.launch_identity(user, dict(os.environ))
         state = job_state_dir(view.name, self._home)
-        state.mkdir(parents=True, exist_ok=True)
+        if identity.switches and (why := job_user.state_dir_problem(state, user)) is not None:
+            self._refuse(view, why)
+            return
         with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640), "ab") as log:
-            if identity.switches:  # the job's state directory and its log are its user's
-                job_user.hand_over(state, user)
-                job_user.hand_over(log_path, user)
+            try:
+                state.mkdir(parents=True, exist_ok=True)
+                if identity.switches:  # the job's state directory and its log are its user's
+                    job_user.hand_over(state, user, under=self._home)
+                    if os.fstat(log.fileno()).st_nlink == 1:
+                        os.fchown(log.fileno(), user.uid, user.gid)
+            except OSError as exc:  # a refusal, never an exception every round (issue 44)
+                self._refuse(view, f"its state directory cannot be given to {user}: {exc.strerror or exc}")
+                return
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
                       f"generation {view.generation} as {user}\n".encode())
             log.flush()
             # no user=/group=/preexec_fn: the Popen is a vfork, never a fork of this process's gRPC threads
-            proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=identity.env)
+            try:
+                proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                        env=identity.env)
+            except (OSError, ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL the spec should not hold
+                self._refuse(view, f"its launcher cannot be started: {exc}")
+                return
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:

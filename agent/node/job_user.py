@@ -7,19 +7,26 @@ daemon with neither a spec ``user`` nor a ``job_user`` refuses the job, as it re
 can only start processes as itself, so that is its default and anything else is refused. A refusal is the daemon's
 usual one (agent/node/job_refusal.py): a phase and one incident that say why.
 
+**Who may be named** (issue 44). When the agent's ``job_users`` or ``job_groups`` are set, only those users and
+members of those groups run jobs; by default no member of a ``privileged_groups`` group (docker, disk, lxd, sudo,
+wheel, adm, root: as good as root) does unless ``job_users`` names it. A job whose state directory exists and belongs
+to another user is refused (``state_dir_problem``) until an operator removes or reassigns it.
+
 The launcher is started with the user's uid, gid and groups, switched after exec by a few lines of Python run with
 ``-I -S`` (``launch_identity``; leaving uid 0 clears every capability), and sets no-new-privileges itself before
 anything else runs (``no_new_privileges``, `trainwarden run --managed`). Not ``subprocess.Popen``'s
 ``user``/``group``/``extra_groups``: with them CPython cannot use ``vfork`` and forks the daemon, gRPC's threads and
 all, and a forked copy of a process with live gRPC threads can abort in gRPC's poller before it execs (issue 45: 1 of
 60 launches). Without them the daemon's Popen is a ``vfork``: nothing of the daemon runs in the child before exec. Its state directory and log become the user's
-(``hand_over``); ``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
+(``hand_over``: only what root made, by descriptor, never following a link; a failure refuses the job);
+``writable_by`` says whether the user may write the job's checkpoint directory before it starts.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import grp
 import logging
 import os
 import pwd
@@ -28,10 +35,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainwarden.agent.common.untrusted_fs import open_dir
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["JobUser", "JobUserRefused", "LaunchIdentity", "hand_over", "launch_identity", "no_new_privileges", "readable_by",
-           "resolve_job_user", "writable_by"]
+__all__ = ["HandOverError", "JobUser", "JobUserRefused", "LaunchIdentity", "PRIVILEGED_GROUPS", "ROOT_MADE",
+           "hand_over", "launch_identity", "names", "no_new_privileges", "readable_by", "resolve_job_user",
+           "state_dir_problem", "writable_by"]
 
 
 class JobUserRefused(ValueError):
@@ -54,9 +64,54 @@ class JobUser:
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
 
 
+PRIVILEGED_GROUPS = ("docker", "disk", "lxd", "sudo", "wheel", "adm", "root")
+"""Groups whose members are as good as root on most hosts (the docker socket, raw disks, lxd, sudo, logs): by
+default no job runs as a member (the agent's ``privileged_groups``)."""
+
+
+def names(text: str | None) -> tuple[str, ...]:
+    """A comma-separated setting (``job_users = "alice,bob"``) as a tuple of names."""
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
+
+
 def resolve_job_user(wanted: str | int | None, *, default: str | None, allow_root: bool,
-                     agent_uid: int | None = None) -> JobUser:
-    """The user to start a job as (module docstring); ``JobUserRefused`` otherwise."""
+                     agent_uid: int | None = None, users: tuple[str, ...] = (), groups: tuple[str, ...] = (),
+                     privileged_groups: tuple[str, ...] = PRIVILEGED_GROUPS) -> JobUser:
+    """The user to start a job as (module docstring); ``JobUserRefused`` otherwise. ``users``, ``groups``: when
+    either is given, only those users (names or uids) and the members of those groups may run jobs here; a member
+    of ``privileged_groups`` only when ``users`` names it."""
+    agent_uid = os.geteuid() if agent_uid is None else agent_uid
+    user = _resolve(wanted, default=default, allow_root=allow_root, agent_uid=agent_uid)
+    if user.uid == 0 or agent_uid != 0:  # allow_root_jobs said so; an agent that is not root runs jobs as itself
+        return user
+    listed = user.name in users or str(user.uid) in users
+    if (users or groups) and not listed and not set(user.groups) & _gids(groups):
+        raise JobUserRefused(f"{user} is not allowed to run jobs on this node: the agent's job_users "
+                             f"({', '.join(users) or 'none'}) and job_groups ({', '.join(groups) or 'none'}) name "
+                             "neither it nor a group of it; add it to job_users (or its group to job_groups) in the "
+                             "agent config, or submit the job with another user")
+    for group in privileged_groups:
+        gid = _gid(group)
+        if gid is not None and gid in user.groups and not listed:
+            raise JobUserRefused(f"{user} is a member of group {group!r}, which is as good as root on this node: "
+                                 "name the user in job_users in the agent config if it may run jobs anyway (or "
+                                 f"take {group!r} out of privileged_groups), or submit the job with another user")
+    return user
+
+
+def _gid(group: str) -> int | None:
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+def _gids(groups: tuple[str, ...]) -> set[int]:
+    return {gid for gid in map(_gid, groups) if gid is not None}
+
+
+def _resolve(wanted: str | int | None, *, default: str | None, allow_root: bool,
+             agent_uid: int | None = None) -> JobUser:
     agent_uid = os.geteuid() if agent_uid is None else agent_uid
     if wanted is None:
         wanted = default
@@ -123,20 +178,100 @@ def readable_by(path: str | os.PathLike, user: JobUser) -> bool:
         return False
 
 
-def hand_over(path: str | os.PathLike, user: JobUser) -> None:
-    """Make ``path`` (a file, or a directory and everything under it) ``user``'s. Links are changed, never followed,
-    and the walk goes by directory descriptors (``os.fwalk``): a job that swaps a directory of its own for a link
-    while this runs cannot make root give it some other file."""
-    path = Path(path)
-    os.chown(path, user.uid, user.gid, follow_symlinks=False)
-    if path.is_symlink() or not path.is_dir():
+def state_dir_problem(state: str | os.PathLike, user: JobUser) -> str | None:
+    """Why job state directory ``state`` may not become ``user``'s (None: it may): it exists and belongs to another
+    user (a job name reused by someone else would inherit that run's state and checkpoints). One of this process's
+    own (root's) holding nothing but ``ROOT_MADE`` (the daemon made it, or an older release kept its records there)
+    is handed over; one holding more (a run as root) is another user's."""
+    try:
+        st = os.lstat(state)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"its state directory {state} cannot be looked at: {exc.strerror or exc}"
+    owner = st.st_uid
+    if owner == user.uid:
+        return None
+    if owner == os.geteuid():
+        if not stat.S_ISDIR(st.st_mode):
+            return None  # a link or a special file: ``hand_over`` refuses it, saying so
+        try:
+            if set(os.listdir(state)) <= set(ROOT_MADE):
+                return None
+        except OSError:
+            pass
+    try:
+        name = pwd.getpwuid(owner).pw_name
+    except KeyError:
+        name = "an unknown user"
+    return (f"its state directory {state} belongs to {name} (uid {owner}), not to {user}: a job name reused by "
+            f"another user would inherit that run's state and checkpoints; an operator removes it (`rm -r {state}`) "
+            f"or gives it to the new user (`chown -R {user.name}: {state}`), then `trainwarden resume` the job")
+
+
+ROOT_MADE = ("incidents", "diagnostics", "exclusions")
+"""The directories root itself made inside a job's state directory before its records moved out of it (issue 44):
+handed over with it, so that the job's own launcher may write there."""
+
+
+class HandOverError(OSError):
+    """The state directory cannot be given to the job's user safely (a link, not a directory, a failed chown): the
+    job is refused with this message."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+def hand_over(path: str | os.PathLike, user: JobUser, *, under: str | os.PathLike | None = None) -> None:
+    """Make job state directory ``path`` ``user``'s: the directory itself and what root made in it (``ROOT_MADE``
+    and the regular files and directories root owns directly inside those), nothing the user made. Everything is
+    reached by descriptor (``openat`` with ``O_NOFOLLOW|O_DIRECTORY|O_NONBLOCK`` from ``under``, a directory of
+    root's own, agent/common/untrusted_fs.py) and changed with ``fchown`` on that descriptor: a link is never
+    followed, a FIFO or a device never opened for long (nor blocks), a file with a second hard link (it may be
+    someone else's) is left alone, and a directory swapped for something else meanwhile is skipped.
+    ``HandOverError`` when ``path`` itself cannot be opened so or changed."""
+    try:
+        fd = open_dir(path, under=under)
+    except OSError as exc:
+        raise HandOverError(exc.errno, f"cannot open the state directory {path} without following a link "
+                                       f"({exc.strerror or exc}); remove it (or make it a directory) and resume the "
+                                       "job") from None
+    try:
+        try:
+            os.fchown(fd, user.uid, user.gid)
+        except OSError as exc:
+            raise HandOverError(exc.errno, f"cannot give {path} to {user}: {exc.strerror or exc}") from None
+        for name in ROOT_MADE:
+            _hand_over_entry(fd, name, user, depth=2)
+    finally:
+        os.close(fd)
+
+
+def _hand_over_entry(parent: int, name: str, user: JobUser, *, depth: int) -> None:
+    """``fchown`` entry ``name`` of directory descriptor ``parent`` to ``user`` if root made it (a regular file
+    with one link, or a directory, owned by this process's uid), and ``depth - 1`` levels of what root made in it."""
+    try:
+        before = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:
         return
-    for _root, dirs, files, dir_fd in os.fwalk(path, follow_symlinks=False):
-        for name in dirs + files:
-            try:
-                os.chown(name, user.uid, user.gid, dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+    is_dir = stat.S_ISDIR(before.st_mode)
+    if before.st_uid != os.geteuid() or not (is_dir or (stat.S_ISREG(before.st_mode) and before.st_nlink == 1)):
+        return  # the user's, a link, a special file, or a file someone else may hold a link to
+    try:
+        fd = os.open(name, _DIR_FLAGS if is_dir else _FILE_FLAGS, dir_fd=parent)
+    except OSError:  # swapped for a link or something else since the stat
+        return
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino) or (not is_dir and st.st_nlink != 1):
+            return
+        os.fchown(fd, user.uid, user.gid)
+        if is_dir and depth > 1:
+            for entry in os.listdir(fd):
+                _hand_over_entry(fd, entry, user, depth=depth - 1)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

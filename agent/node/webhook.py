@@ -14,7 +14,8 @@ Each alert of an accepted request then gets one ``Decision`` (``AlertResumer.dec
 
 * ``ignored``: a resolved alert, or one whose rule does not ask for a resume (the label
   ``trainwarden_action="resume"``, which the rule ``TrainwardenJobFailed`` carries);
-* ``rejected``: no ``job`` label, a job etcd does not have, one started by hand, one whose spec says
+* ``rejected``: no ``job`` or no ``generation`` label (only the generation an alert names is resumed), a job etcd
+  does not have, one started by hand, one whose spec says
   ``auto_resume = false``, or one that is not failed (a stopped job stays stopped: an operator stopped it);
 * ``duplicate``: that generation was resumed already (Alertmanager repeats notifications, and a fleet may post to
   several daemons: the resume is one etcd transaction per (job, generation), ``JobControl.resume_once``);
@@ -207,11 +208,13 @@ class AlertResumer:
             validate_job_name(job)
         except ValueError as exc:
             return Decision("rejected", f"job label {job!r} is not a job name: {exc}")
-        asked: int | None = None
-        if "generation" in labels:
-            if not labels["generation"].isdigit():
-                return Decision("rejected", f"generation label {labels['generation']!r} is not a number", job)
-            asked = int(labels["generation"])
+        if "generation" not in labels:  # a replayed alert would resume whatever generation failed since (issue 44)
+            return Decision("rejected", "the alert has no generation label, so it cannot say which failure it is "
+                                        "about; the rule TrainwardenJobFailed carries it (trainwarden_job_phase's "
+                                        "generation): keep it in the rule and in Alertmanager's group_by", job)
+        if not labels["generation"].isdigit():
+            return Decision("rejected", f"generation label {labels['generation']!r} is not a number", job)
+        asked = int(labels["generation"])
         view = self._control.job(job)
         if view is None:
             return Decision("rejected", "etcd has no such job", job)
@@ -219,7 +222,7 @@ class AlertResumer:
             return Decision("rejected", "the job was started by hand with `trainwarden run`, not submitted", job)
         if not view.job_spec().auto_resume:
             return Decision("rejected", "its spec says auto_resume = false", job, view.generation)
-        generation = view.generation if asked is None else asked
+        generation = asked
         done = {int(r.get("generation", -1)): r for r in self._control.auto_resumes(job)}
         if generation in done:
             return Decision("duplicate", f"generation {generation} was resumed already, as generation "

@@ -14,10 +14,13 @@ from pathlib import Path
 __all__ = ["atomic_write"]
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> None:
+    """``mode``: the file's permissions (default 0600, ``mkstemp``'s)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -214,7 +214,7 @@ def test_stop_resume_relaunch_cordon_drain_and_the_requests_that_do_not_fit(daem
     goodput = job["goodput"]
     assert goodput is not None and goodput["productive_s"] > 0 and goodput["badput_s"]["stopped"] > 0, goodput
     assert time.time() - uncordoned - 30 < goodput["wall_s"] < time.time() - uncordoned, goodput
-    incidents = list((daemons.home("n0") / "jobs" / "long" / "incidents").glob("*.json"))
+    incidents = list((daemons.home("n0") / "daemon" / "records" / "long" / "incidents").glob("*.json"))
     cordoned = [json.loads(p.read_text()) for p in incidents if json.loads(p.read_text())["kind"] == "cordoned"]
     assert cordoned and cordoned[0]["evidence"]["reason"] == "kernel upgrade" and cordoned[0]["evidence"]["drain"]
 

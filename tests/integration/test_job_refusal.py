@@ -71,7 +71,7 @@ def _rounds(etcd_client, node: str, n: int) -> None:
 
 def _incidents(etcd_client, home: Path, job: str) -> tuple[list[dict], list[dict]]:
     """The job's incidents in the node's state home and in etcd."""
-    local = [json.loads(p.read_text()) for p in (home / "jobs" / job / "incidents").glob("*.json")]
+    local = [json.loads(p.read_text()) for p in (home / "daemon" / "records" / job / "incidents").glob("*.json")]
     remote = [json.loads(v) for v, _ in etcd_client.get_prefix(f"{PREFIX}/jobs/{job}/incidents/")]
     return local, remote
 

@@ -135,6 +135,6 @@ def test_root_and_a_job_with_no_user_are_refused_with_the_reason(daemons, shared
     assert "would run as root" in json.dumps(jobs["asroot"]) and "allow_root_jobs" in json.dumps(jobs["asroot"])
     assert "names no user" in json.dumps(jobs["nouser"]) and "job_user" in json.dumps(jobs["nouser"])
     for name in ("asroot", "nouser"):
-        incidents = list((shared / "n0" / "jobs" / name / "incidents").glob("*.json"))
+        incidents = list((shared / "n0" / "daemon" / "records" / name / "incidents").glob("*.json"))
         assert [json.loads(p.read_text())["kind"] for p in incidents] == ["job_refused"], incidents
         assert "this must not run" not in daemons.job_log("n0", name)

@@ -71,7 +71,7 @@ def test_hand_over_changes_the_tree_and_never_follows_a_link(tmp_path):
     hand_over(job, NOBODY)
     for path in (job, job / "incidents", job / "incidents" / "a.json"):
         assert path.stat().st_uid == 65534, path
-    assert os.lstat(job / "link").st_uid == 65534  # the link itself
+    assert os.lstat(job / "link").st_uid == 0  # the user's content (here a link) is not touched (issue 44)
     assert outside.stat().st_uid == 0 and tmp_path.stat().st_uid == 0  # never what it points at
 
 
@@ -127,3 +127,26 @@ def test_no_new_privileges_is_set_in_the_process_that_asks():
             "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+
+
+@needs_root
+def test_a_member_of_a_privileged_group_is_refused_unless_named_and_the_allow_list_holds():
+    """issue 44 item 8: a user in `disk` (as good as root) is refused by default; the refusal names the group and
+    the setting that allows it. A real account and group, made for the test and removed after."""
+    group, name = "twdisk44", "twjob44"
+    subprocess.run(["groupadd", "-f", group], check=True)
+    subprocess.run(["useradd", "-M", "-N", "-s", "/usr/sbin/nologin", "-G", f"disk,{group}", name], check=True)
+    try:
+        with pytest.raises(JobUserRefused, match=r"member of group 'disk'.*job_users.*privileged_groups"):
+            resolve_job_user(name, default=None, allow_root=False, agent_uid=0)
+        assert resolve_job_user(name, default=None, allow_root=False, agent_uid=0, users=(name,)).name == name
+        assert resolve_job_user(name, default=None, allow_root=False, agent_uid=0,
+                                privileged_groups=("docker",)).name == name
+        with pytest.raises(JobUserRefused, match=r"not allowed to run jobs.*job_users"):
+            resolve_job_user("nobody", default=None, allow_root=False, agent_uid=0, groups=(group,))
+        assert resolve_job_user(name, default=None, allow_root=False, agent_uid=0, groups=(group,),
+                                privileged_groups=()).name == name
+        assert resolve_job_user("nobody", default=None, allow_root=False, agent_uid=0).uid == 65534
+    finally:
+        subprocess.run(["userdel", name], check=False)
+        subprocess.run(["groupdel", group], check=False)

@@ -87,6 +87,15 @@ def test_a_failed_job_is_resumed_once_per_generation(control, resumer):
     assert resumer.counts["accepted"] == 1 and resumer.counts["duplicate"] == 1
 
 
+def test_an_alert_without_a_generation_is_refused_and_resumes_nothing(control, resumer):
+    """issue 44 item 9: a replayed alert without a generation resumed whatever generation failed at the time."""
+    control.add("gpt", "failed", 3)
+    decision = resumer.decide(_alert(generation=None))
+    assert decision.decision == "rejected" and "no generation label" in decision.reason
+    assert control.views["gpt"].state == {"phase": "failed", "generation": 3} and not control.resumes
+    assert resumer.decide(_alert(generation=3)).decision == "accepted"
+
+
 def test_resumes_are_throttled_per_job_per_hour(control, resumer):
     control.add("gpt", "failed", 1)
     assert resumer.decide(_alert(generation=1)).decision == "accepted"
