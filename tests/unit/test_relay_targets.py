@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from trainwarden.agent.metrics import build_registry
-from trainwarden.agent.metrics.launcher_fetch import TargetRefused, fetch_metrics, launcher_target, read_record
+from trainwarden.agent.metrics.launcher_fetch import DEFAULT_MAX_BODY_BYTES, TargetRefused, fetch_metrics, launcher_target, read_record
 from trainwarden.agent.metrics.relay import LauncherRelay
 from trainwarden.agent.node.daemon import _relay
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD
@@ -160,21 +160,23 @@ def test_a_record_that_is_a_link_or_a_fifo_is_refused_without_blocking(tmp_path,
     assert read_record(tmp_path / "jobs" / "none", AGENT_METRICS_RECORD) is None
 
 
+@pytest.mark.timeout(20)
 def test_a_target_that_streams_forever_is_cut_at_the_bound(target):
     endless = target("stream")
-    relay = LauncherRelay(lambda: {"a": endless.url}, node="n1", max_body_bytes=256 * 1024, timeout_s=30.0)
+    relay = LauncherRelay(lambda: {"a": endless.url}, node="n1")  # the defaults: 8 MiB, 3 s in all
     before = threading.active_count()
     text = scrape(relay)
     assert 'trainwarden_job_metrics_up{job="a",node="n1"} 0.0' in text
     assert endless.closed_by_client.wait(10)  # the daemon hung up, having read about the bound
-    assert endless.sent < 256 * 1024 + 64 * 1024 + 8 * 1024 * 1024  # what fits in the socket buffers beyond it
+    assert endless.sent < 2 * DEFAULT_MAX_BODY_BYTES  # the bound, and what fits in the socket buffers beyond it
     assert threading.active_count() <= before + 1  # the target's own answering thread may still be ending
 
 
+@pytest.mark.timeout(20)
 @pytest.mark.parametrize("mode", ["silent", "dribble"])
 def test_a_target_that_never_answers_whole_costs_the_timeout_and_no_thread(target, mode):
     stuck = target(mode)
-    relay = LauncherRelay(lambda: {"a": stuck.url}, node="n1", timeout_s=1.0, io_timeout_s=0.5)
+    relay = LauncherRelay(lambda: {"a": stuck.url}, node="n1")  # the defaults: 1 s a read, 3 s in all
     baseline = {t.ident for t in threading.enumerate()}
     text = scrape(relay)  # returns: the deadline, not the target, ends the fetch
     assert 'trainwarden_job_metrics_up{job="a",node="n1"} 0.0' in text
