@@ -24,7 +24,6 @@ import re
 import socket
 import stat
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_RECORD_BYTES", "TargetRefused", "fetch_metrics", "launcher_target",
