@@ -269,7 +269,10 @@ class TelemetryClient:
                 stream_done = threading.Event()
                 denied = False
                 try:
-                    self._call = stream(self._requests(stream_done), wait_for_ready=False)
+                    token = fetch_peer_token(cfg.socket_path)  # "" if the agent has none for us
+                    # in the metadata too: the agent knows the stream's uid before any message (its per-uid cap)
+                    self._call = stream(self._requests(stream_done, token), wait_for_ready=False,
+                                        metadata=((contract.PEER_TOKEN_METADATA, token),) if token else None)
                     for command in self._call:
                         self._handle(command)
                 except grpc.RpcError as exc:
@@ -307,10 +310,10 @@ class TelemetryClient:
         except Exception:
             log.exception("handling agent command %s failed", command.WhichOneof("command"))
 
-    def _requests(self, stream_done: threading.Event) -> Iterator[pb.WorkerMessage]:
+    def _requests(self, stream_done: threading.Event, token: str) -> Iterator[pb.WorkerMessage]:
         hello = pb.Hello()
         hello.CopyFrom(self._hello)
-        hello.peer_token = fetch_peer_token(self.config.socket_path)  # "" if the agent has none for us
+        hello.peer_token = token
         self._pace_asked = self.config.fr_interval_s
         self._still_sent = None  # a new stream (perhaps a restarted agent) hears where the thread is
         yield pb.WorkerMessage(hello=hello)

@@ -43,6 +43,8 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "webhook_max_body": (int, 256 * 1024),
     "resumes_per_hour": (int, 3),
     "allow_unverified_streams": (bool, False),
+    "telemetry_hello_timeout_s": (float, 5.0),
+    "telemetry_max_streams_per_uid": (int, 64),
     "insecure_etcd": (bool, False),
     "job_user": (str, None),
     "allow_root_jobs": (bool, False),
@@ -103,6 +105,10 @@ def add_parser(sub) -> None:
                    help="accept telemetry streams without peer credentials (workers that cannot fetch a token from "
                         "SOCKET.cred, e.g. an older runtime): they stream, are never signalled, and may not take a "
                         "rank of a job whose workers are verified (default: refused; docs/SECURITY.md)")
+    p.add_argument("--telemetry-hello-timeout-s", type=float, default=None, metavar="S",
+                   help="close a telemetry stream that sends no Hello within S seconds (default 5)")
+    p.add_argument("--telemetry-max-streams-per-uid", type=int, default=None, metavar="N",
+                   help="telemetry streams one uid may hold at once; more are refused (default 64)")
     p.add_argument("--straggler-policy", choices=["alert", "exclude"],
                    help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
                         "job's next rendezvous)")
@@ -206,6 +212,8 @@ def _cmd_agent(args) -> int:
         config = AgentConfig(socket_path=socket_path.absolute(), metrics_host=s["metrics_host"],
                              metrics_port=s["metrics_port"], health_host=s["health_host"],
                              health_port=s["health_port"], allow_unverified_streams=s["allow_unverified_streams"],
+                             telemetry_hello_timeout_s=s["telemetry_hello_timeout_s"],
+                             telemetry_max_streams_per_uid=s["telemetry_max_streams_per_uid"],
                              state_home=Path(s["state_home"]) if s["state_home"] else None,
                              watchdog=watchdog_config(s["straggler_policy"], s["hang_floor"]),
                              **({"node": s["node"]} if s["node"] else {}))

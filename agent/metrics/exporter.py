@@ -8,9 +8,11 @@ with ``MetricsExporter``. Collectors yield metric families at scrape time from s
 up to date, so a scrape is cheap and never blocks on a device. There is no global registry: tests and the
 all-in-one ``trainwarden run`` each build their own, so nothing leaks between them.
 
-``MetricsExporter`` wraps prometheus_client's ``start_http_server``, which returns the server and its
-thread: the exporter keeps both, so ``stop()`` shuts the server down, closes the socket and joins the
-thread. Port 0 picks a free port (``.port`` then tells which).
+``MetricsExporter`` serves prometheus_client's ``MetricsHandler`` on a ``BoundedHTTPServer``
+(agent/common/bounded_http.py): at most ``max_threads`` scrapes are served at once, a connection that says
+nothing for ``idle_timeout_s`` is closed without ever holding a thread, so idle connections from anyone who
+reaches the port cost the daemon no threads. The exporter keeps the server and its thread, so ``stop()`` shuts
+the server down, closes the socket and joins the thread. Port 0 picks a free port (``.port`` then tells which).
 
 Default port: ``DEFAULT_METRICS_PORT = 9478``. Prometheus's wiki of default exporter ports has handed
 out all of 9100-9999, so no number there is unclaimed; 9478 keeps clear of what runs on a GPU training
@@ -30,11 +32,13 @@ import threading
 import time
 from typing import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from trainwarden.agent import __version__
+from trainwarden.agent.common.bounded_http import BoundedHTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +125,15 @@ def build_registry(collectors: Iterable[Collector]) -> CollectorRegistry:
 class MetricsExporter:
     """Serves ``registry`` on ``http://host:port/metrics`` from a daemon thread until ``stop()``."""
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = DEFAULT_METRICS_PORT) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = DEFAULT_METRICS_PORT, *,
+                 max_threads: int = 8, idle_timeout_s: float = 5.0, request_timeout_s: float = 10.0) -> None:
+        """``max_threads``: scrapes served at once; ``idle_timeout_s``: how long a connection may say nothing;
+        ``request_timeout_s``: how long a read or write of one request may wait (agent/common/bounded_http.py)."""
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be 0..65535 (0 picks a free one), got {port!r}")
+        self._limits = {"max_threads": max_threads, "idle_timeout_s": idle_timeout_s,
+                        "request_timeout_s": request_timeout_s}
+        BoundedHTTPServer.check_limits(**self._limits)
         self._registry = registry
         self._host = host
         self._requested_port = port
@@ -147,9 +157,8 @@ class MetricsExporter:
         if self._server is not None:
             raise ExporterError(f"metrics exporter already serving {self.url}")
         try:
-            self._server, self._thread = start_http_server(
-                self._requested_port, addr=self._host, registry=self._registry
-            )
+            server = BoundedHTTPServer((self._host, self._requested_port), MetricsHandler.factory(self._registry),
+                                       name="trainwarden-metrics", **self._limits)
         except OSError as err:
             hint = (
                 "another process holds it: stop it or choose another metrics port"
@@ -158,6 +167,9 @@ class MetricsExporter:
             )
             where = f"{self._host}:{self._requested_port}"
             raise ExporterError(f"cannot serve metrics on {where}: {err.strerror}; {hint}") from err
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="trainwarden-metrics", daemon=True)
+        self._thread.start()
         logger.info("serving Prometheus metrics on %s", self.url)
         return self
 

@@ -21,40 +21,52 @@ ServiceMonitor) keeps working and sees the node's jobs without a change; launche
 ephemeral ports to open in a firewall or a NetworkPolicy); and an SD URL per node has no place in a Kubernetes
 setup whose nodes come and go. The cost is that the node's ``up`` no longer says that every job answered: the
 gauge above does.
+
+The URL comes from a file the job's user writes, and the daemon is root: the relay fetches only
+``http://127.0.0.1:<port>/metrics`` (or ``[::1]``), with a raw GET bounded in time and size, and reads the record
+without following links or blocking on special files (agent/metrics/launcher_fetch.py). A job whose record is
+anything else is skipped (``up`` 0) with one warning naming what is wrong.
 """
 
 from __future__ import annotations
 
 import logging
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Mapping
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainwarden.agent.metrics.launcher_fetch import DEFAULT_MAX_BODY_BYTES, TargetRefused, fetch_metrics, \
+    launcher_target
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["LauncherRelay", "http_get"]
+__all__ = ["LauncherRelay"]
 
 Fetch = Callable[[str, float], str]
-
-
-def http_get(url: str, timeout_s: float) -> str:
-    """The body of ``url`` (Prometheus's text format: no Accept header asks for OpenMetrics)."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return response.read().decode("utf-8")
+"""``(url, deadline_s) -> body``; raises when the launcher does not answer in time."""
 
 
 class LauncherRelay:
     """Yields, at scrape time, the job series of every launcher ``targets()`` names (module docstring)."""
 
-    def __init__(self, targets: Callable[[], Mapping[str, str]], *, node: str, fetch: Fetch = http_get,
-                 timeout_s: float = 3.0) -> None:
-        """``targets()``: job name -> that job's launcher metrics URL ("" while it serves none yet), for the jobs
-        running on this node now."""
+    def __init__(self, targets: Callable[[], Mapping[str, "str | TargetRefused"]], *, node: str,
+                 fetch: Fetch | None = None, timeout_s: float = 3.0, io_timeout_s: float = 1.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        """``targets()``: job name -> that job's launcher metrics URL ("" while it serves none yet), or the
+        ``TargetRefused`` its record earned, for the jobs running on this node now. ``timeout_s``: a fetch's whole
+        deadline; ``io_timeout_s``: its connect and each read; ``max_body_bytes``: the most of a body read."""
+        if not 0 < io_timeout_s <= timeout_s:
+            raise ValueError(f"io_timeout_s must be in (0, timeout_s={timeout_s}], got {io_timeout_s}")
+        if max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {max_body_bytes}")
+        if fetch is None:
+            def fetch(url: str, deadline_s: float) -> str:
+                return fetch_metrics(url, io_timeout_s, deadline_s=deadline_s, max_bytes=max_body_bytes)
         self._targets, self._node, self._fetch, self._timeout = targets, node, fetch, timeout_s
         self._failing: set[str] = set()  # jobs whose last fetch failed (logged once per outage)
+        self._refused: dict[str, str] = {}  # job -> why its target is refused (logged once per reason)
 
     def collect(self) -> Iterator[Metric]:
         targets = dict(self._targets())
@@ -76,6 +88,17 @@ class LauncherRelay:
         job, url = target
         if not url:
             return None
+        try:
+            if isinstance(url, TargetRefused):
+                raise url
+            launcher_target(url)
+        except TargetRefused as exc:
+            if self._refused.get(job) != str(exc):
+                logger.warning("job %s: its recorded metrics target is refused and not fetched: %s; its series are "
+                               "missing from the node's endpoint until its launcher records an allowed URL", job, exc)
+            self._refused[job] = str(exc)
+            return None
+        self._refused.pop(job, None)
         try:
             body = self._fetch(url, self._timeout)
         except Exception as exc:  # refused, timed out, reset: this scrape goes on without the job's series

@@ -94,6 +94,11 @@ class AgentConfig:
     allow_unverified_streams: bool = False
     """Accept telemetry streams without peer credentials (never signalled; agent/telemetry/server.py); by default
     a Hello without a token from ``<socket>.cred`` is refused."""
+    telemetry_hello_timeout_s: float = 5.0
+    """Seconds a new telemetry stream may stay silent before its Hello; then it is closed
+    (agent/telemetry/admission.py)."""
+    telemetry_max_streams_per_uid: int = 64
+    """Telemetry streams one uid may hold at once (streams without a peer token count as one more uid)."""
 
     def __post_init__(self) -> None:
         if len(str(self.socket_path)) > 102:  # the peer-credential socket beside it adds ".cred"
@@ -103,6 +108,11 @@ class AgentConfig:
             raise ValueError(f"metrics port {self.metrics_port} is not a TCP port")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health port {self.health_port} is not a TCP port")
+        if not self.telemetry_hello_timeout_s > 0:
+            raise ValueError(f"telemetry_hello_timeout_s must be positive, got {self.telemetry_hello_timeout_s}")
+        if self.telemetry_max_streams_per_uid < 1:
+            raise ValueError("telemetry_max_streams_per_uid must be at least 1, got "
+                             f"{self.telemetry_max_streams_per_uid}")
 
 
 QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
@@ -153,7 +163,9 @@ class NodeAgent:
         self.publisher = CheckpointPublisher(JobRecords(None, writer=etcd)) if etcd is not None else None
         self.job_telemetry = JobTelemetry(listeners=[self.publisher] if self.publisher else [])
         self.server = TelemetryServer(config.socket_path, self.job_telemetry, node=config.node,
-                                      allow_unverified=config.allow_unverified_streams)
+                                      allow_unverified=config.allow_unverified_streams,
+                                      hello_timeout_s=config.telemetry_hello_timeout_s,
+                                      max_streams_per_uid=config.telemetry_max_streams_per_uid)
         if etcd is not None:  # a restore asks what etcd says the job committed before it may start over
             self.server.checkpoint_record = JobRecords(etcd.client).get_checkpoint
         self.incident_counts = IncidentCollector(

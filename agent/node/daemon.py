@@ -43,7 +43,7 @@ from trainwarden.agent.common.signals import ExternalStop, StopOnSignals
 from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
-from trainwarden.agent.node.endpoints import check_agent, recorded_metrics_url
+from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, check_agent
 from trainwarden.agent.node.job_user import PRIVILEGED_GROUPS
 from trainwarden.agent.node.liveness import KeepAlive
 from trainwarden.agent.node.webhook import WebhookConfig
@@ -131,13 +131,20 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
 
 def _relay(runner, config: AgentConfig):
     """The series of the jobs this daemon runs, relayed from their launchers (agent/metrics/relay.py)."""
-    from trainwarden.agent.common.paths import default_state_home
+    from trainwarden.agent.common.paths import default_state_home, job_state_dir
+    from trainwarden.agent.metrics.launcher_fetch import TargetRefused, read_record
     from trainwarden.agent.metrics.relay import LauncherRelay
 
     home = config.state_home or default_state_home()
 
-    def targets() -> dict[str, str]:
-        return {job: recorded_metrics_url(job, state_home=home) or "" for job in runner.launchers()}
+    def target(job: str) -> "str | TargetRefused":
+        try:  # a file of the job's user: no link followed, no FIFO blocked on (agent/metrics/launcher_fetch.py)
+            return read_record(job_state_dir(job, home), AGENT_METRICS_RECORD) or ""
+        except TargetRefused as exc:
+            return exc
+
+    def targets() -> dict[str, "str | TargetRefused"]:
+        return {job: target(job) for job in runner.launchers()}
 
     return LauncherRelay(targets, node=config.node)
 

@@ -40,12 +40,13 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from trainwarden.agent.common.bounded_http import BoundedHTTPServer
 from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.proto.contract import validate_job_name
 from trainwarden.agent.etcd.jobs import JobConflict, JobControl
@@ -271,7 +272,7 @@ class AlertmanagerWebhook:
         self._requests: dict[int, int] = {}
         self._last_log: dict[int, float] = {}
         self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedHTTPServer | None = None
         self._tls: ssl.SSLContext | None = None
         self._thread: threading.Thread | None = None
 
@@ -285,12 +286,13 @@ class AlertmanagerWebhook:
     def start(self) -> "AlertmanagerWebhook":
         """Bind and serve on a thread; ``OSError`` when the address cannot be bound."""
         host, port = self.config.address
-        server_class = _V6Server if ":" in host else _Server
         if self.config.tls_cert is not None:
             self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self._tls.minimum_version = ssl.TLSVersion.TLSv1_2
             self._tls.load_cert_chain(self.config.tls_cert, self.config.tls_key)
-        self._server = server_class((host, port), _handler(self))
+        # bounded threads, idle connections closed after 5 s without one of their own (agent/common/bounded_http.py)
+        self._server = _Server((host, port), _handler(self), max_threads=8, idle_timeout_s=5.0,
+                               request_timeout_s=10.0, name="trainwarden-webhook")
         self._thread = threading.Thread(target=self._server.serve_forever, name="trainwarden-webhook", daemon=True)
         self._thread.start()
         logger.info("Alertmanager webhook serving on %s (resumes at most %d per job per hour)", self.url,
@@ -353,21 +355,13 @@ def _stat(path: Path) -> tuple[float, int] | None:
     return st.st_mtime, st.st_size
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class _Server(BoundedHTTPServer):
 
     def handle_error(self, request, client_address) -> None:
         """A client that hangs up or fails the TLS handshake: one debug line, not a traceback on stderr."""
         import sys
 
         logger.debug("webhook: request from %s failed: %s", client_address[0], sys.exc_info()[1])
-
-
-class _V6Server(_Server):
-    import socket as _socket
-
-    address_family = _socket.AF_INET6
 
 
 def _handler(webhook: AlertmanagerWebhook) -> type[BaseHTTPRequestHandler]:

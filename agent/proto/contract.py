@@ -14,7 +14,7 @@ __all__ = [
     "PEER_COPY_ENV",
     "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
-    "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "SERVICE_NAME",
+    "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "PEER_TOKEN_METADATA", "SERVICE_NAME",
     "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
@@ -28,6 +28,11 @@ STATUS_METHOD = f"/{SERVICE_NAME}/Status"
 COMMIT_METHOD = f"/{SERVICE_NAME}/Commit"
 CHECKPOINT_RECORD_METHOD = f"/{SERVICE_NAME}/CheckpointRecord"
 
+
+
+PEER_TOKEN_METADATA = "trainwarden-peer-token"
+"""The gRPC metadata key a worker's stream carries its peer token in, so that the agent knows the stream's uid before
+any message (its per-uid limit); the Hello carries the same token for agents that predate it."""
 
 
 def peer_credential_socket(telemetry_socket: str) -> str:

@@ -59,7 +59,7 @@ __all__ = [
 # Step-duration histogram buckets (seconds): from fast CPU test steps to multi-minute pipeline steps.
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Bounded `reason` label values for trainwarden_telemetry_rejected_total.
-REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid", "unverified", "identity")
+REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid", "unverified", "identity", "limit")
 """``unverified``: a Hello or Commit without peer credentials where they are required; ``identity``: a stream or
 Commit refused for who the kernel says it is (another uid than the job's, not the rank's stream)."""
 MAX_COLLECTIVE_KEYS = 64

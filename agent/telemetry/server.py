@@ -7,8 +7,11 @@ collective, checkpoint and statistics records; the agent sends commands back (`s
 Design:
 
 - Sync grpc server. A stream occupies one pool thread (the response generator, which waits on the
-  stream's command queue) plus one reader thread of ours that feeds `JobTelemetry`. `max_streams` bounds both;
-  calls beyond it are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing forever.
+  stream's command queue) plus one reader thread of ours that feeds `JobTelemetry`. `max_streams` bounds both,
+  and `max_streams_per_uid` what one uid may hold; a stream that sends no Hello within `hello_timeout_s` is
+  cancelled (agent/telemetry/admission.py). A stream beyond a cap is refused at once with RESOURCE_EXHAUSTED and
+  the cap named; the pool keeps `_RESERVED_THREADS` beyond `max_streams`, so the health check, `Status` and
+  `Commit` are answered however many streams are open.
 - Bad input never raises through gRPC's machinery. Our request deserializer returns a `_Rejected` marker
   instead of raising (gRPC would otherwise abort with INTERNAL and nothing would be counted); messages over
   `max_message_bytes` get the same treatment. The stream is then ended with INVALID_ARGUMENT or
@@ -52,17 +55,23 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from trainwarden.agent.telemetry.admission import UNIDENTIFIED, HelloDeadlines, StreamAdmission
 from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
 from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import JOB_NAME_RE, SERVICE_NAME
+from trainwarden.agent.proto.contract import JOB_NAME_RE, PEER_TOKEN_METADATA, SERVICE_NAME
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
+__all__ = ["DEFAULT_HELLO_TIMEOUT_S", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_STREAMS_PER_UID", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024
+DEFAULT_HELLO_TIMEOUT_S = 5.0
+DEFAULT_MAX_STREAMS_PER_UID = 64
+_RESERVED_THREADS = 16
+"""Pool threads beyond ``max_streams``: streams never hold them, so unary calls (health, Status, Commit) and the
+refusals of streams past a cap always find one."""
 _TRANSPORT_LIMIT_FLOOR = 4 * 1024 * 1024
 _MAX_UNIX_PATH = 102  # 107 bytes, less the '.cred' of the peer-credential socket beside it
 _STAGE_NAMES = {getattr(pb, s.upper()): s for s in CHECKPOINT_STAGES}
@@ -102,9 +111,12 @@ class TelemetryServer:
     def __init__(self, socket_path: str | os.PathLike, job_telemetry: JobTelemetry, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_streams: int = 256,
                  node: str | None = None, command_queue_size: int = 16, allow_unverified: bool = False,
+                 hello_timeout_s: float = DEFAULT_HELLO_TIMEOUT_S,
+                 max_streams_per_uid: int = DEFAULT_MAX_STREAMS_PER_UID,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``allow_unverified``: accept streams (and Commit requests) without peer credentials, marked unverified
-        and never signalled (module docstring); off by default: such a Hello is refused."""
+        and never signalled (module docstring); off by default: such a Hello is refused. ``hello_timeout_s``: how
+        long a new stream may stay silent; ``max_streams_per_uid``: the streams one uid may hold at once."""
         path = Path(socket_path).absolute()
         if len(os.fsencode(str(path))) > _MAX_UNIX_PATH:
             raise TelemetryServerError(
@@ -115,6 +127,9 @@ class TelemetryServer:
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self.socket_path = path
+        self._admission = StreamAdmission(max_streams=max_streams, max_per_uid=max_streams_per_uid)
+        self._hello_deadlines = HelloDeadlines(hello_timeout_s, clock=clock,
+                                               on_expired=lambda: job_telemetry.count_rejected("no_hello"))
         self._job_telemetry = job_telemetry
         self._max_message_bytes = max_message_bytes
         self._max_streams = max_streams
@@ -162,8 +177,9 @@ class TelemetryServer:
         _remove_stale_socket(self.socket_path)
         transport_limit = max(_TRANSPORT_LIMIT_FLOOR, 4 * self._max_message_bytes)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_streams + 8, thread_name_prefix="telemetry"),
-            maximum_concurrent_rpcs=self._max_streams + 8,
+            futures.ThreadPoolExecutor(max_workers=self._max_streams + _RESERVED_THREADS,
+                                       thread_name_prefix="telemetry"),
+            maximum_concurrent_rpcs=self._max_streams + 4 * _RESERVED_THREADS,
             options=[("grpc.max_receive_message_length", transport_limit),
                      ("grpc.max_send_message_length", transport_limit)],
         )
@@ -192,6 +208,7 @@ class TelemetryServer:
             os.umask(old)
         self._credentials = PeerCredentialServer(self.socket_path)
         self._credentials.start()
+        self._hello_deadlines.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._stopping.clear()
@@ -210,6 +227,7 @@ class TelemetryServer:
         for handle in handles:
             _offer(handle.commands, _End())
         server.stop(grace).wait()
+        self._hello_deadlines.stop()
         if self._credentials is not None:
             self._credentials.stop()
         try:
@@ -255,11 +273,42 @@ class TelemetryServer:
     def _cred_path(self) -> str:
         return str(self._credentials.path) if self._credentials is not None else f"{self.socket_path}.cred"
 
+    def open_streams(self) -> dict:
+        """uid (or "unidentified") -> telemetry streams open now, Hello or not."""
+        return self._admission.open_streams()
+
     def _stream(self, request_iterator, context):
+        """Admit the stream under the caps, then serve it (``_serve_stream``); its count ends with it."""
+        token = dict(context.invocation_metadata() or ()).get(PEER_TOKEN_METADATA, "")
+        cred = None
+        if token:
+            cred = self._credentials.take(token) if self._credentials else None
+            if cred is None:
+                self._reject(context, _Rejected("invalid", "unknown, used or expired peer token in the stream's "
+                                                "metadata: fetch a new one from the agent's .cred socket per stream"))
+        counted = [cred.uid if cred is not None else UNIDENTIFIED]
+        refusal = self._admission.admit(counted[0])
+        if refusal is not None:
+            self._job_telemetry.count_rejected("limit")
+            log.warning("telemetry stream refused: %s", refusal, extra={"reason": "limit"})
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         try:
-            first = next(request_iterator, None)
+            yield from self._serve_stream(request_iterator, context, token, cred, counted)
+        finally:
+            self._admission.release(counted[0])
+
+    def _first_message(self, request_iterator, context):
+        """The stream's first message, or None when it ended (or sent nothing within the Hello deadline)."""
+        self._hello_deadlines.expect(context, context.cancel)
+        try:
+            return next(request_iterator, None)
         except grpc.RpcError:
-            return
+            return None
+        finally:
+            self._hello_deadlines.arrived(context)
+
+    def _serve_stream(self, request_iterator, context, token: str, cred, counted: list):
+        first = self._first_message(request_iterator, context)
         if first is None:
             return
         if isinstance(first, _Rejected):
@@ -273,12 +322,22 @@ class TelemetryServer:
         if info is None:
             self._reject(context, _Rejected("invalid", f"invalid Hello: {first.hello}".replace("\n", " ")))
         if first.hello.peer_token:
-            cred = self._credentials.take(first.hello.peer_token) if self._credentials else None
+            if cred is None or first.hello.peer_token != token:  # the metadata's token stands for the Hello's
+                cred = self._credentials.take(first.hello.peer_token) if self._credentials else None
             if cred is None:
                 self._reject(context, _Rejected("invalid", "unknown, used or expired peer token: fetch a new one "
                                                 "from the agent's .cred socket for every stream"))
             # the kernel's pid (the agent's pid namespace), not the claim: a container states its own
             info = dataclasses.replace(info, pid=cred.pid, verified=True, started=cred.started, uid=cred.uid)
+            refusal = self._admission.move(counted[0], cred.uid)
+            if refusal is not None:
+                self._job_telemetry.count_rejected("limit")
+                log.warning("telemetry stream refused: %s", refusal, extra={"job": info.job, "rank": info.rank})
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            counted[0] = cred.uid
+        elif cred is not None:
+            self._reject(context, _Rejected("invalid", "the Hello carries no peer token but the stream's metadata "
+                                            "does: send the same token in both"))
         elif not self._allow_unverified:
             self._reject(context, _Rejected("unverified", _UNVERIFIED.format(what="a Hello", path=self._cred_path())),
                          grpc.StatusCode.UNAUTHENTICATED)

@@ -338,3 +338,42 @@ def test_a_gpu_fault_drains_its_node_and_a_straggler_exclusion_takes_another_out
     finally:
         runner.stop()
         gpus.stop()
+
+
+RECORD_PLANTER = """
+import os, pathlib, time
+state = pathlib.Path(os.environ["TRAINWARDEN_STATE_DIR"])
+while True:  # the launcher records its own URL at start; the job's code replaces it, as its user may
+    (state / "agent.metrics.url").write_text("file://SECRET_PATH\\n")
+    time.sleep(0.5)
+"""
+
+
+def test_a_job_that_records_a_file_url_gets_nothing_read_by_the_daemon(daemons, tmp_path, etcd_server):
+    """Issue 44, item 3, against a real daemon: the job's code points the daemon's relay at a file; the daemon
+    refuses the record (one log line saying why) and neither its log nor its scrape holds the file's content."""
+    import urllib.request
+
+    etcd = etcd_server.endpoint
+    secret = tmp_path / "secret"
+    secret.write_text("root-only-secret-5be1\n")
+    secret.chmod(0o600)
+    script = tmp_path / "planter.py"
+    script.write_text(RECORD_PLANTER.replace("SECRET_PATH", str(secret)))
+    daemons.start("n0")
+    metrics = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", daemons.log("n0")).group(1)
+    spec = _spec(tmp_path / "rl.toml", "rl", 1, tmp_path / "ckpt", nodes=["n0"], nproc_per_node=1,
+                 command=[str(script)])
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+
+    def scrape() -> str:
+        return urllib.request.urlopen(metrics, timeout=30).read().decode()
+
+    wait_for(lambda: scrape() and "recorded metrics target is refused" in daemons.log("n0"), 180, interval=1.0,
+             what="the daemon to refuse the planted record")
+    text = scrape()
+    assert 'trainwarden_job_metrics_up{job="rl",node="n0"} 0.0' in text
+    assert "scheme is 'file'" in daemons.log("n0")
+    assert "root-only-secret-5be1" not in text + daemons.log("n0")
+    assert _cli("stop", "rl", etcd=etcd).returncode == 0
+    wait_for(lambda: _jobs(etcd)["rl"]["phase"] == "stopped", 90, what="the job to stop")
