@@ -67,10 +67,18 @@ def resolve_metrics_url(explicit: str | None = None, job: str | None = None, *,
 
 
 def recorded_metrics_url(job: str, *, state_home: str | os.PathLike | None = None) -> str | None:
-    """The metrics URL the running `trainwarden run` of ``job`` recorded in its state directory, or None."""
+    """The metrics URL the running `trainwarden run` of ``job`` recorded in its state directory, or None. The
+    file is the job user's: read without following a link or blocking on a FIFO, and only a launcher's own
+    ``http://127.0.0.1:PORT/metrics`` is returned (agent/metrics/launcher_fetch.py), so root's `top --job J`
+    fetches nothing else a job names."""
+    from trainwarden.agent.metrics.launcher_fetch import TargetRefused, launcher_target, read_record
+
     try:
-        return (job_state_dir(job, state_home) / AGENT_METRICS_RECORD).read_text().strip() or None
-    except (OSError, ValueError):
+        url = read_record(job_state_dir(job, state_home), AGENT_METRICS_RECORD)
+        if url:
+            launcher_target(url)
+        return url or None
+    except (TargetRefused, OSError, ValueError):
         return None
 
 

@@ -191,3 +191,24 @@ def test_top_exits_5_when_no_agent_at_start_and_keeps_going_when_it_goes_away(tm
                      sleep=lambda s: None)
     first, second = out.getvalue().split("trainwarden top")[1:]
     assert rc == 0 and "job demo" in first and "agent unreachable, retrying" in second and "job demo" not in second
+
+
+def test_a_recorded_metrics_url_other_than_a_launchers_own_is_not_used(tmp_path):
+    """Issue 44, item 3: `top --job J` run by root fetched whatever URL the job's user wrote in its record."""
+    import os
+
+    from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, DEFAULT_METRICS_URL, resolve_metrics_url
+
+    secret = tmp_path / "secret"
+    secret.write_text("root-only\n")
+    record = tmp_path / "jobs" / "demo" / AGENT_METRICS_RECORD
+    record.parent.mkdir(parents=True)
+    for planted in (f"file://{secret}", "http://10.1.2.3:80/metrics", "http://127.0.0.1:40123/admin"):
+        record.write_text(planted + "\n")
+        assert resolve_metrics_url(None, "demo", state_home=tmp_path) == DEFAULT_METRICS_URL, planted
+    record.unlink()
+    os.symlink(secret, record)  # a link to a file of root's: not followed
+    assert resolve_metrics_url(None, "demo", state_home=tmp_path) == DEFAULT_METRICS_URL
+    record.unlink()
+    os.mkfifo(record)  # a FIFO: not waited on
+    assert resolve_metrics_url(None, "demo", state_home=tmp_path) == DEFAULT_METRICS_URL
