@@ -28,7 +28,13 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 stop = sys.argv[1]
 t = torch.ones(4)
-while not os.path.exists(stop):
+while True:
+    # every rank stops at the same iteration: a rank that saw the file first and left would fail the others'
+    # all_reduce, and their restart would wait for a round the finished ranks never join (a CI failure)
+    seen = torch.tensor([1.0 if os.path.exists(stop) else 0.0])
+    dist.all_reduce(seen)
+    if seen.item() > 0:
+        break
     dist.all_reduce(t)
     time.sleep(0.2)
 dist.destroy_process_group()

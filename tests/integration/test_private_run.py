@@ -33,7 +33,11 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
     step = 0
-    while not os.path.exists(os.environ["STOP_FILE"]):
+    while True:
+        seen = torch.tensor([1.0 if os.path.exists(os.environ["STOP_FILE"]) else 0.0])
+        dist.all_reduce(seen)  # every rank stops at the same iteration
+        if seen.item() > 0:
+            break
         x = torch.ones(2)
         dist.all_reduce(x)
         step += 1
