@@ -138,7 +138,7 @@ def _verify_rows(directory: Path, rows: list[dict]) -> int:
             row["detail"] = " ".join(filter(None, [row["verified"], row["detail"]]))
         else:
             row["verified"] = f"ok ({len(sums)} files, {checkpoint_sums.ALGORITHM})"
-            row["detail"] = " ".join(filter(None, [row["detail"], f"verified: {row['verified']}"]))
+            row["detail"] = "; ".join(filter(None, [row["detail"], f"verified: {row['verified']}"]))
     return corrupt
 
 
