@@ -6,7 +6,7 @@ import re
 
 from torch.distributed.checkpoint import CheckpointException
 
-__all__ = ["SAVE_LOAD_ERRORS", "describe", "is_read_error"]
+__all__ = ["SAVE_LOAD_ERRORS", "causes", "describe", "is_read_error"]
 
 # DCP raises CheckpointException (a BaseException) when any rank failed inside one of its collectives.
 SAVE_LOAD_ERRORS = (Exception, CheckpointException)
@@ -38,9 +38,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:700]
 
 
-def is_read_error(exc: BaseException) -> bool:
-    """Whether a failed load was the storage's doing (an OSError anywhere in the causes on any rank: I/O,
-    stale handle, permission, timeout, a file gone) rather than wrong content."""
+def causes(exc: BaseException):
+    """``exc`` and every exception it carries, each once: its cause and context, and each rank's failure in
+    DCP's gathered ``CheckpointException``."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -48,9 +48,13 @@ def is_read_error(exc: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError):
-            return True
+        yield e
         if isinstance(e, CheckpointException):
             todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
         todo.extend((e.__cause__, e.__context__))
-    return False
+
+
+def is_read_error(exc: BaseException) -> bool:
+    """Whether a failed load was the storage's doing (an OSError anywhere in the causes on any rank: I/O,
+    stale handle, permission, timeout, a file gone) rather than wrong content."""
+    return any(isinstance(e, OSError) for e in causes(exc))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.runtime.checkpoint_errors import causes
 
 logger = logging.getLogger("trainwarden.runtime.checkpoint")
 
@@ -35,19 +36,9 @@ _SPACE = {errno.ENOSPC: "the checkpoint directory's file system is full (ENOSPC)
 
 def space_error(exc: BaseException) -> str | None:
     """What ran out, when ``exc`` (or any exception it carries: DCP gathers each rank's) is a full disk or quota."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in causes(exc):
         if isinstance(e, OSError) and e.errno in _SPACE:
             return _SPACE[e.errno]
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [e.__cause__, e.__context__]
     return None
 
 
