@@ -72,7 +72,7 @@ from trainwarden.runtime.checkpoint_memory import MemoryRestore
 from trainwarden.runtime.metadata_reader import AllowListReader
 from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
 from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
-from trainwarden.runtime.checkpoint_sums import HashingFileSystem
+from trainwarden.runtime.checkpoint_sums import HashingFileSystem, verify_share
 from trainwarden.runtime.save_failures import SaveFailures
 from trainwarden.runtime.session import current as current_session
 
@@ -446,16 +446,7 @@ class Checkpointer(MemoryRestore):
     def _verify_sums(self, path: Path) -> list[str]:
         """The files of ``path`` whose bytes differ from the sums in its commit marker, checked by every rank for
         its share of the files and gathered, so every rank decides the same; [] when none is recorded."""
-        try:
-            sums = checkpoint_sums.recorded_sums(path)
-            share = sorted(sums)[self.rank::self.world_size] if sums else []
-            began = time.monotonic()
-            wrong = [str(m) for m in checkpoint_sums.verify(path, share, sums=sums)] if share else []
-            if share:
-                logger.debug("verified %d file(s) of %s in %.3fs", len(share), path, time.monotonic() - began)
-        except OSError as exc:  # the storage's failure, not proof of corruption: the load meets it and says so
-            logger.warning("could not verify the sums of %s: %s; loading it unverified", path, exc)
-            wrong = []
+        wrong = verify_share(path, self.rank, self.world_size)
         return sorted({w for found in self._gather(wrong) for w in found})
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:

@@ -9,6 +9,7 @@ from the file once closed, so a sum is never wrong, only slower.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainwarden.agent.proto import checkpoint_sums
 
-__all__ = ["HashingFileSystem"]
+logger = logging.getLogger("trainwarden.runtime.checkpoint")
+
+__all__ = ["HashingFileSystem", "verify_share"]
 
 
 _OVERLAP_BYTES = 1 << 20  # a write this large is hashed on another thread while it is written (both drop the GIL)
@@ -113,3 +116,18 @@ class HashingFileSystem(FileSystem):
             entry = {"sum": digest, "bytes": size}
         with self._lock:
             self.sums[path.name] = entry
+
+
+def verify_share(path: Path, rank: int, world_size: int) -> list[str]:
+    """This rank's share of the files of checkpoint ``path`` whose bytes differ from the sums in its commit marker
+    (the caller gathers every rank's); [] when none is recorded, or when a file cannot be read: that is the
+    storage's failure, not proof of corruption, and the load meets it and says so."""
+    try:
+        sums = checkpoint_sums.recorded_sums(path)
+        share = sorted(sums)[rank::world_size] if sums else []
+        if not share:
+            return []
+        return [str(m) for m in checkpoint_sums.verify(path, share, sums=sums)]
+    except OSError as exc:
+        logger.warning("could not verify the sums of %s: %s; loading it unverified", path, exc)
+        return []
