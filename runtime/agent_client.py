@@ -58,6 +58,8 @@ HELLO_RECORD = "hello"
 """Tag of a queued Hello update: (HELLO_RECORD,); the sender sends the client's current Hello."""
 CHECKPOINT_RECORD = "checkpoint"
 """Tag of a queued checkpoint event: (CHECKPOINT_RECORD, stage enum, step, seconds, bytes, path, detail)."""
+NUMERIC_RECORD = "numeric"
+"""Tag of a queued numeric event: (NUMERIC_RECORD, kind, step, first rank, action, detail)."""
 _ESTABLISHED_AFTER_S = 1.0
 _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
 _PATIENT_WAIT_S = 30.0
@@ -368,6 +370,13 @@ class TelemetryClient:
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(checkpoint=pb.Checkpoint(
                     stage=stage, step=step, seconds=seconds, bytes=nbytes, path=path, detail=detail)))
+            elif kind == NUMERIC_RECORD:
+                _, what, step, first_rank, action, detail = item
+                if steps.steps:
+                    messages.append(pb.WorkerMessage(steps=steps))
+                    steps = pb.Steps()
+                messages.append(pb.WorkerMessage(numeric=pb.Numeric(
+                    kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
         still = self._training_thread_still()

@@ -19,6 +19,10 @@ Kinds (all checked at step boundaries, before the step's first collective):
            is a sleep, not busy work, so on a CPU-only machine it slows this rank without stealing cores
            from its peers.
 ``exception`` raises ``InjectedFault`` at the start of ``step`` (a Python error in user code).
+``nan``    the rank's loss of ``step`` is not a number (the training loop asks ``take_poison()`` and multiplies
+           its loss by NaN; the reference job poisons its gradients instead on a rank that computes no loss, a
+           pipeline stage before the last): what an overflow or a bad batch does, for the numeric guard
+           (runtime/numeric.py) to catch.
 ``slow_save`` the checkpoint save after ``step`` blocks the step for ``seconds`` more (checked by
            ``before_save``; slow storage or a stuck staging copy, which the watchdog must not take for
            a hang).
@@ -81,6 +85,7 @@ class FaultInjector:
         self._sleep = sleep
         self._block = block or (lambda: threading.Event().wait())  # forever: only a signal ends it
         self._injected = 0.0  # seconds of delay injected at the last step boundary
+        self._poison = False  # a `nan` fault fired at this step's boundary: the loop poisons the step's loss
         if self._faults:
             logger.warning("rank %d: fault injection armed: %s", rank,
                            "; ".join(f.describe() for f in self._faults))
@@ -113,6 +118,11 @@ class FaultInjector:
                     self._injected += delay
             elif fault.kind != "slow_save" and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
+
+    def take_poison(self) -> bool:
+        """True once after a ``nan`` fault fired at the last step boundary: poison this step's loss."""
+        poison, self._poison = self._poison, False
+        return poison
 
     def before_save(self, step: int) -> None:
         """Call when the checkpoint save of ``step`` starts: a due ``slow_save`` blocks here."""
@@ -149,5 +159,7 @@ class FaultInjector:
             self._kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "hang":
             self._block()
+        elif fault.kind == "nan":
+            self._poison = True
         elif fault.kind == "exception":
             raise InjectedFault(f"injected fault {fault.describe()} at step {step}")

@@ -164,22 +164,47 @@ class ParallelModel:
         self.accumulate = 1
         """Without a pipeline: micro-batches this rank's slice is split into, their gradients accumulated."""
         self.micro_batch = micro_batch if cfg.pp > 1 else None
+        self.local_loss: torch.Tensor | None = None
+        """This rank's own loss of the last step, before the mean over data-parallel ranks (last stage only): the
+        numeric guard names the rank whose own loss was not finite (runtime/numeric.py)."""
+        self._poison = False
         if cfg.pp > 1:
             shapes = stage_shapes(model, micro_batch) if micro_batch else {}
             stage = PipelineStage(model, self.pp_rank, cfg.pp, device, group=mesh["pp"].get_group(), **shapes)
-            self._schedule = Schedule1F1B(stage, n_microbatches=cfg.micro_batches, loss_fn=lm_loss)
+            self._schedule = Schedule1F1B(stage, n_microbatches=cfg.micro_batches, loss_fn=self._loss)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(logits, targets)
+        return loss * float("nan") if self._poison else loss
 
     @property
     def is_reporter(self) -> bool:
         """True on the one rank that prints progress: first dp and tp rank of the last stage."""
         return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, poison: bool = False) -> torch.Tensor | None:
         """Forward and backward for this rank's data slice; gradients are left in ``.grad``.
 
         Returns the loss averaged over the global batch (all data-parallel ranks) on last-stage ranks,
-        ``None`` elsewhere. The optimizer step is the caller's.
+        ``None`` elsewhere. The optimizer step is the caller's. ``poison`` (the ``nan`` fault): this rank's loss
+        is NaN, or on a stage before the last, which computes none, its gradients are.
         """
+        self._poison = poison
+        try:
+            loss = self._forward_backward(inputs, targets)
+        finally:
+            self._poison = False
+        self.local_loss = loss
+        if poison and loss is None:
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            getattr(grad, "to_local", lambda: grad)().view(-1)[0] = float("nan")
+        if loss is not None and self.cfg.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
+            loss = loss / self.cfg.dp
+        return loss
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         if self.micro_batch and len(inputs) != self.micro_batch * self.cfg.micro_batches:
             raise ValueError(f"this rank's batch has {len(inputs)} sequences, but its pipeline stage was built for "
                              f"{self.cfg.micro_batches} micro-batches of {self.micro_batch}; build the model with "
@@ -188,11 +213,11 @@ class ParallelModel:
         if self._schedule is None and self.accumulate > 1:  # each part weighted by its share of the slice
             loss = torch.zeros((), device=self.device)
             for part_in, part_t in zip(inputs.chunk(self.accumulate), targets.chunk(self.accumulate)):
-                part = lm_loss(self.model(part_in), part_t) * (len(part_in) / len(inputs))
+                part = self._loss(self.model(part_in), part_t) * (len(part_in) / len(inputs))
                 part.backward()
                 loss += part.detach()
         elif self._schedule is None:
-            loss = lm_loss(self.model(inputs), targets)
+            loss = self._loss(self.model(inputs), targets)
             loss.backward()
             loss = loss.detach()
         else:
@@ -206,9 +231,6 @@ class ParallelModel:
             if not self.is_last_stage:
                 return None
             loss = torch.stack([part.detach() for part in losses]).mean()
-        if self.cfg.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
-            loss = loss / self.cfg.dp
         return loss
 
 

@@ -51,14 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, stacks_file, trace_file,
-                                             validate_job_name)
+from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, NUMERIC_KINDS, stacks_file,
+                                             trace_file, validate_job_name)
 
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_parent
 
 from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
-from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, STEP_RECORD, ClientConfig,
+from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, NUMERIC_RECORD, STEP_RECORD, ClientConfig,
                            TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
                            ask_memory_held, ask_memory_steps)
 from trainwarden.agent.proto import telemetry_pb2 as _pb
@@ -253,6 +253,16 @@ class Session:
             raise ValueError(f"unknown checkpoint stage {stage!r}; use one of {sorted(CHECKPOINT_STAGES)}")
         if self._client is not None:
             self._client.record_soon((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
+                                      str(detail)[:2000]))
+
+    def numeric_event(self, kind: str, step: int, *, first_rank: int, action: str, detail: str = "") -> None:
+        """Report a numeric event (``NUMERIC_KINDS``: ``nan``, ``loss_spike``) of ``step``, first seen on
+        ``first_rank`` (-1: on every rank, where it arose unknown), and what the job did (``rolled_back``, ``stopped``, ``alerted``): the agent records one
+        ``numeric`` incident. ``trainwarden.runtime.numeric.NumericGuard`` reports its own."""
+        if kind not in NUMERIC_KINDS:
+            raise ValueError(f"unknown numeric event {kind!r}; use one of {NUMERIC_KINDS}")
+        if self._client is not None:
+            self._client.record_soon((NUMERIC_RECORD, kind, int(step), int(first_rank), str(action)[:64],
                                       str(detail)[:2000]))
 
     def poll_command(self) -> Command | None:

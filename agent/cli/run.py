@@ -8,6 +8,7 @@ import time
 
 from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.proto.contract import NUMERIC_POLICIES
 
 __all__ = ["add_parser"]
 
@@ -66,6 +67,12 @@ def add_parser(sub) -> None:
                    help="on a communication regression whose link check names this node's link slow: alert "
                         "(incident with the link check's report; default) or exclude (also leave the job at a step "
                         "boundary after a checkpoint, the others go on, and cordon the node)")
+    p.add_argument("--numeric-policy", choices=list(NUMERIC_POLICIES), default="rollback",
+                   help="on a step whose loss or gradients are not finite (NaN, Inf), as the workers' numeric guard "
+                        "sees it (the reference job's; runtime/numeric.py for your own loop): rollback (default: every "
+                        "rank skips the step's update and its batch, training goes on; NaN again within 10 steps "
+                        "stops the job), stop (the job stops with the evidence, no restart), or alert (an incident "
+                        "only)")
     p.add_argument("--hang-floor", type=float, default=None, metavar="S",
                    help="shortest time without a step, a collective, CPU or I/O on any rank before the job counts "
                         "as hung and is restarted (default 1.5; the deadline is otherwise 5x the p99 step time). "
@@ -156,6 +163,7 @@ def _cmd_run(args) -> int:
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                           straggler_policy=args.straggler_policy, link_policy=args.link_policy, hang_floor_s=args.hang_floor,
+                          numeric_policy=args.numeric_policy,
                           extra_env=extra_env, managed=args.managed,
                           warm_workers=args.warm_workers, memory_snapshots=args.memory_snapshots,
                           rendezvous_round=args.rendezvous_round,

@@ -7,7 +7,7 @@ from trainwarden.agent.proto.contract import EXIT_ABORTED  # the workers' code, 
 
 __all__ = [
     "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_RESUME_BLOCKED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE", "EXIT_CONFIG",
-    "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_CHECKPOINT_CORRUPT",
+    "EXIT_ABORTED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_CHECKPOINT_CORRUPT", "EXIT_NUMERIC_STOP",
 ]
 
 EXIT_OK = 0
@@ -29,6 +29,10 @@ start over, and spent no restart. Fix the storage or put a checkpoint back (`tra
 then resume; `--allow-fresh-start` (the reference job's) starts over on purpose."""
 EXIT_CHECKPOINT_CORRUPT = 8
 """`trainwarden checkpoints --verify`: a committed checkpoint's bytes differ from the sums recorded at commit."""
+EXIT_NUMERIC_STOP = 9
+"""The job stopped on non-finite values (NaN, Inf) in its loss or gradients: ``--numeric-policy stop``, or
+non-finite again soon after a rollback. No restart was spent: a restart would compute them again. The numeric
+incident names the step and the first rank."""
 EXIT_AGENT_UNAVAILABLE = 5
 """No node agent answers on the socket (`trainwarden status/top`, `agent --check`): start one, or retry."""
 EXIT_INTERRUPTED = 130

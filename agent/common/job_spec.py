@@ -9,6 +9,7 @@ shares with it.
     max_restarts = 3          # optional: worker-group restarts before the job fails
     straggler_policy = "alert"                  # optional: alert or exclude
     link_policy = "alert"     # optional: alert, or exclude (a node a link check names slow leaves the job)
+    numeric_policy = "rollback"                 # optional: rollback, stop or alert (a NaN loss or gradient)
     rendezvous_round = "native"                 # optional: native (default) or dynamic (torch's)
     hang_floor_s = 1.5        # optional: seconds without a step, collective, CPU or I/O that count as a hang
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]      # optional: the nodes that may run it (default: any)
@@ -44,7 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, JOB_ENV, validate_job_name, validate_node_name
+from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, JOB_ENV, NUMERIC_POLICIES, validate_job_name,
+                                              validate_node_name)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,6 +156,9 @@ class JobSpec:
     straggler_policy: str = "alert"
     link_policy: str = "alert"
     """``exclude``: a node whose link a link check names slow leaves the job and is cordoned (``--link-policy``)."""
+    numeric_policy: str = "rollback"
+    """What the workers do with a non-finite loss or gradient: ``rollback``, ``stop`` or ``alert``
+    (``--numeric-policy``; runtime/numeric.py)."""
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
     warm_workers: bool = True
@@ -201,6 +206,8 @@ class JobSpec:
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
         if self.link_policy != "alert":
             args += ["--link-policy", self.link_policy]
+        if self.numeric_policy != "rollback":
+            args += ["--numeric-policy", self.numeric_policy]
         if not self.warm_workers:
             args.append("--cold-workers")
         if not self.memory_snapshots:
@@ -226,7 +233,7 @@ class JobSpec:
 
 
 _FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
-           "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "nodes": list, "auto_resume": bool,
+           "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "numeric_policy": str, "nodes": list, "auto_resume": bool,
            "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "hang_floor_s": (int, float), "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
            "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
 _REQUIRED = ("name", "command")
@@ -315,6 +322,9 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     link_policy = data.get("link_policy", "alert")
     if link_policy not in LINK_POLICIES:
         raise fail("link_policy", f"must be one of {', '.join(LINK_POLICIES)}, got {link_policy!r}")
+    numeric_policy = data.get("numeric_policy", "rollback")
+    if numeric_policy not in NUMERIC_POLICIES:
+        raise fail("numeric_policy", f"must be one of {', '.join(NUMERIC_POLICIES)}, got {numeric_policy!r}")
     rendezvous_round = data.get("rendezvous_round", "native")
     if rendezvous_round not in RENDEZVOUS_ROUNDS:
         raise fail("rendezvous_round", f"must be one of {', '.join(RENDEZVOUS_ROUNDS)}, got {rendezvous_round!r}")
@@ -363,6 +373,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("user", f"{user!r} is not a user name (e.g. \"alice\" or a uid such as 1000)")
     return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
+                   numeric_policy=numeric_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
                    warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True), rendezvous_round=rendezvous_round,
                    hang_floor_s=hang_floor, auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)

@@ -58,6 +58,10 @@ class IncidentKind(str, enum.Enum):
     AUTO_RESUME = "auto_resume"
     """The daemon's Alertmanager webhook decided on an alert about the job: resumed it (a new generation), or
     not (a duplicate, throttled, rejected), and why."""
+    NUMERIC = "numeric"
+    """A step's loss or gradients were not finite (or its loss spiked), as the workers' numeric guard agreed: the
+    first rank and the step, and what the policy did (the update skipped on every rank, the job stopped, or an
+    alert only)."""
     JOB_REFUSED = "job_refused"
     """A node daemon cannot run a submitted job (its spec does not parse, or its script or checkpoint directory is
     missing on the node): recorded once per generation and spec revision; a pending generation becomes

@@ -16,7 +16,8 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   (``TRAINWARDEN_LAUNCH_REPLY_FD``) the agent then waits, at most GROW_WAIT_S, for the supervisor's line
   ``go``: meanwhile the supervisor has every worker save a checkpoint at one agreed step and hold there,
   so the restart that follows loses no step (agent/launch/run.py, ``_checkpoint_before_growing``);
-  A worker that exits with ``EXIT_RESUME_BLOCKED`` (its job's checkpoints cannot be read or loaded) ends
+  A worker that exits with ``EXIT_RESUME_BLOCKED`` (its job's checkpoints cannot be read or loaded) or
+  ``EXIT_NUMERIC_STOP`` (its numeric policy stops the job on NaN) ends
   the run: no restart, none spent (``restarts_left`` in the event is 0);
 - ``restarting``: the agent restarts the group, after a failure (``reason: failed``, with the restarts
   left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
@@ -51,7 +52,7 @@ import time
 from typing import Any
 
 from trainwarden.agent.launch.exit_clock import ExitClock
-from trainwarden.agent.proto.contract import EXIT_RESUME_BLOCKED
+from trainwarden.agent.proto.contract import EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
 __all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
@@ -187,7 +188,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._reported_failure:
                 self._reported_failure = True
-                if any(f.exitcode == EXIT_RESUME_BLOCKED for f in result.failures.values()):
+                if any(f.exitcode in (EXIT_RESUME_BLOCKED, EXIT_NUMERIC_STOP) for f in result.failures.values()):
                     self._remaining_restarts = 0  # a restart would meet the same checkpoints: stop, spend nothing
                 sink.emit("failed", restart_count=self._restart_count(), state=result.state.name,
                           restarts_left=self._remaining_restarts, failures=[

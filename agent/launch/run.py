@@ -67,8 +67,8 @@ from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.proto.atomic_file import atomic_write
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_RESUME_BLOCKED,
-                                              validate_node_name)
+from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
+                                              NUMERIC_POLICIES, NUMERIC_POLICY_ENV, validate_node_name)
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.job_telemetry import steps_from
 from trainwarden.agent.telemetry.server import TelemetryServerError
@@ -120,6 +120,8 @@ class RunOptions:
     """``alert`` or ``exclude`` (a node a link check names slow leaves the job and is cordoned)."""
     hang_floor_s: float | None = None
     """The hang deadline's floor (``--hang-floor``); None: the watchdog's default (agent/watchdog/hang.py)."""
+    numeric_policy: str = "rollback"
+    """What the workers' numeric guard does with a non-finite step (``NUMERIC_POLICIES``; runtime/numeric.py)."""
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = True
@@ -149,6 +151,8 @@ class RunOptions:
         if min(self.flops_per_step, self.model_params, self.peak_tflops) < 0:
             raise ValueError("--flops-per-step, --model-params and --peak-tflops must be positive")
         watchdog_config(self.straggler_policy, self.hang_floor_s)  # a bad value is the command line's error
+        if self.numeric_policy not in NUMERIC_POLICIES:
+            raise ValueError(f"--numeric-policy {self.numeric_policy!r}: expected one of {', '.join(NUMERIC_POLICIES)}")
         if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
             raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
                              "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")
@@ -271,6 +275,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self.events: LaunchEventReader | None = None
         self.config_error: str | None = None
         self.resume_blocked: str | None = None
+        self.numeric_stop: str | None = None
         """Why the workers may not resume (their checkpoints cannot be read or loaded): the job stops, no restart."""
         self._resume_detail = ""
         self._startup_failure: tuple | None = None  # how the last round failed, if before its first step
@@ -421,6 +426,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
     def _network_env(self) -> dict[str, str]:
         """Gloo binds the interface of the advertised address unless the user chose one (GLOO_SOCKET_IFNAME)."""
         env = dict(self.opts.extra_env)
+        env[NUMERIC_POLICY_ENV] = self.opts.numeric_policy
         if self.memory_tier is not None:
             env.update(self.memory_tier.env())
         address = self.local_addr
@@ -541,6 +547,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.events.join(5)
             if self.resume_blocked is not None:  # recorded by the agent as a resume_blocked incident
                 return self._stop_resume_blocked()
+            if self.numeric_stop is not None:  # recorded by the agent as a numeric incident
+                return self._stop_numeric()
             print(f"trainwarden: {self.config_error}", file=self.out, flush=True)
             self.transition(JobPhase.FAILED, "configuration error: " + self.config_error[:200])
             if self.failures is not None:
@@ -662,7 +670,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.history.event("round_failed", at, failures=[
                 {"rank": f.get("global_rank"), "exitcode": f.get("exitcode"), "message": str(f.get("message") or "")[:300]}
                 for f in failures])
-            if self._check_resume_blocked(failures):
+            if self._check_resume_blocked(failures) or self._check_numeric_stop(failures):
                 return
             self._check_deterministic(failures)
             if self.failures is not None:
@@ -696,6 +704,26 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         if self._wake is not None:
             self._wake.set()
         return True
+
+    def _check_numeric_stop(self, failures: list[dict]) -> bool:
+        """Workers that exit with EXIT_NUMERIC_STOP computed non-finite values their numeric policy stops on: a
+        restart would compute them again, so the job stops and says why (the first rank's words)."""
+        stopped = [f for f in failures if int(f["exitcode"]) == EXIT_NUMERIC_STOP]
+        if not stopped:
+            return False
+        said = next((str(f.get("message")) for f in stopped if f.get("message")), "")
+        self.numeric_stop = self.config_error = said or "the training computed values that are not finite"
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def _stop_numeric(self) -> int:
+        why = (self.numeric_stop or "")[:1500]
+        print(f"trainwarden: the job stopped on non-finite values (--numeric-policy {self.opts.numeric_policy}): {why}\n"
+              f"trainwarden: no restart was spent. `trainwarden incidents --job {self.opts.job}` has the numeric "
+              f"incident; the workers' own output is in {self.logs / 'run.log'}", file=self.out, flush=True)
+        self.transition(JobPhase.FAILED, "numeric stop: " + why[:300])
+        return exit_codes.EXIT_NUMERIC_STOP
 
     def _stop_resume_blocked(self) -> int:
         why = (self._resume_detail or self.resume_blocked or "")[:1500]

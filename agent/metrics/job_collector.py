@@ -23,6 +23,7 @@ Families (all prefixed trainwarden_):
     checkpoint_age_seconds           gauge      job, node         (since the newest commit)
     checkpoint_last_commit_time_seconds gauge   job, node
     checkpoints_set_aside_total      counter    job, node         (passed over by a restore)
+    numeric_events_total             counter    job, node, kind   (nan, loss_spike: runtime/numeric.py)
     worker_restarts_total            counter    job, node
     worker_up                        gauge      job, node, rank
     telemetry_dropped_total          counter    job, node, rank   (records the worker dropped)
@@ -37,6 +38,8 @@ from typing import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from trainwarden.agent.proto.contract import NUMERIC_KINDS
 
 from trainwarden.agent.telemetry.job_telemetry import STEP_BUCKETS, JobTelemetry
 
@@ -87,6 +90,9 @@ class JobMetricsCollector(Collector):
         ckpt_aside = CounterMetricFamily("trainwarden_checkpoints_set_aside",
                                          "Checkpoints a restore passed over: quarantined (unfinished, corrupt, "
                                          "unloadable) or unreadable and left in place.", labels=["job", "node"])
+        numeric = CounterMetricFamily("trainwarden_numeric_events", "Steps whose loss or gradients were not finite "
+                                      "(kind nan) or whose loss spiked (loss_spike), as the workers' numeric guard "
+                                      "reported them.", labels=["job", "node", "kind"])
         restarts = CounterMetricFamily("trainwarden_worker_restarts", "Worker group restarts of the job.",
                                        labels=["job", "node"])
         up = GaugeMetricFamily("trainwarden_worker_up", "1 while the rank's telemetry stream is connected.",
@@ -128,9 +134,12 @@ class JobMetricsCollector(Collector):
                 ckpt_time.add_metric([job.job, node], job.checkpoint_committed_unix)
                 ckpt_age.add_metric([job.job, node], max(0.0, self._wall() - job.checkpoint_committed_unix))
             restarts.add_metric([job.job, node], job.restarts_total)
+            seen = dict(job.numeric_events)
+            for kind in NUMERIC_KINDS:
+                numeric.add_metric([job.job, node, kind], seen.get(kind, 0))
         for reason, count in sorted(self._job_telemetry.rejected().items()):
             rejected.add_metric([node, reason], count)
         for kind, count in sorted(self._job_telemetry.overflow().items()):
             overflow.add_metric([node, kind], count)
         yield from (step, last_step, tokens, step_seconds, wait, compute, seq, stall, ckpt_step, ckpt_failed, ckpt_age, ckpt_time, ckpt_aside,
-                    restarts, up, dropped, rejected, overflow)
+                    numeric, restarts, up, dropped, rejected, overflow)

@@ -45,6 +45,7 @@ from trainwarden.agent.common.paths import job_state_dir, validate_job_name
 from trainwarden.agent.etcd.job_records import JobRecords
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.checkpoint_incidents import CheckpointIncidents
+from trainwarden.agent.node.numeric_incidents import NumericIncidents
 from trainwarden.agent.node.checkpoint_publisher import CheckpointPublisher
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.node.endpoints import health_status
@@ -173,6 +174,7 @@ class NodeAgent:
         self.incidents = IncidentStore(state_dir=state_dir, etcd=etcd, collector=self.incident_counts,
                                        readable=records is not None)
         self.job_telemetry.add_listener(CheckpointIncidents(self.incidents.record, node=config.node))
+        self.job_telemetry.add_listener(NumericIncidents(self.incidents.record, node=config.node))
         self.actions = AgentActions(self.server, self.job_telemetry, self.incidents, node=config.node)
         self.server.stream_guard = self.actions.stream_refusal  # a launcher's job: only its processes stream for it
         self.watchdog = Watchdog(self.job_telemetry, self.actions, node=config.node, config=config.watchdog,

@@ -12,7 +12,7 @@ import re
 __all__ = [
     "AGENT_SOCKET_ENV", "AUTO_INSTRUMENT_ENV", "AUTO_OWNER_ENV", "CHECKPOINT_DIR_ENV", "CHECKPOINT_STAGES", "MEMORY_DIR_ENV",
     "PEER_COPY_ENV",
-    "EXIT_ABORTED", "EXIT_RESUME_BLOCKED",
+    "EXIT_ABORTED", "EXIT_NUMERIC_STOP", "EXIT_RESUME_BLOCKED", "NUMERIC_KINDS", "NUMERIC_POLICIES", "NUMERIC_POLICY_ENV",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "PEER_TOKEN_METADATA", "SERVICE_NAME",
     "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV",
@@ -87,6 +87,14 @@ STEP_SOURCES = ("rt.step", "optimizer hooks")
 """Where a worker's steps come from (its Hello's ``step_source``): the script's own ``rt.step``, or the
 optimizer hooks of auto-instrumentation. A job with collectives and no step at all is "collectives only"."""
 
+NUMERIC_POLICY_ENV = "TRAINWARDEN_NUMERIC_POLICY"
+"""What a worker's numeric guard does with a non-finite loss or gradient (``trainwarden run --numeric-policy``)."""
+NUMERIC_POLICIES = ("rollback", "stop", "alert")
+"""``rollback`` (the default): every rank skips the step's update, so the state is the one before it and the step's
+batch is not trained on; ``stop``: the job stops with the evidence; ``alert``: an incident only, the update applies."""
+NUMERIC_KINDS = ("nan", "loss_spike")
+"""What a worker's Numeric record reports: a non-finite loss or gradient, or a loss far out of its recent range."""
+
 # ---- how a worker leaves ------------------------------------------------------------------------------
 
 EXIT_ABORTED = 75
@@ -95,6 +103,10 @@ EXIT_RESUME_BLOCKED = 76
 """A worker exits with this code when its job may not resume: checkpoints exist (or were committed) but none
 can be read or loaded. The launcher stops the job at once, without spending a restart: a restart would meet
 the same checkpoints (runtime/checkpoint.py, ``CheckpointUnloadableError``)."""
+EXIT_NUMERIC_STOP = 77
+"""A worker exits with this code when its training computed non-finite values and the numeric policy says stop (the
+``stop`` policy, or a NaN that came back after a rollback): the launcher stops the job without a restart, which
+would only compute them again (runtime/numeric.py, ``NumericStop``)."""
 PEER_GONE = "peer gone"
 """How a worker's goodbye reason starts when it left because another rank had failed
 (``trainwarden.runtime.goodbye("peer gone: ...")``): crash attribution then looks past it."""

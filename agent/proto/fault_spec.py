@@ -21,6 +21,7 @@ _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "exception": (frozenset({"rank", "step"}), frozenset({"repeat"})),
     "slow": (frozenset({"rank", "from", "factor"}), frozenset({"until"})),
     "slow_save": (frozenset({"rank", "step", "seconds"}), frozenset({"repeat"})),
+    "nan": (frozenset({"rank", "step"}), frozenset({"repeat"})),
 }
 
 
@@ -35,7 +36,7 @@ class Fault:
     index: int
     """Position in the specification; names the fault's once-per-job marker."""
     kind: str
-    """One of crash, stop, hang, exception, slow, slow_save."""
+    """One of crash, stop, hang, exception, slow, slow_save, nan."""
     rank: int
     """Global rank the fault applies to."""
     step: int | None = None

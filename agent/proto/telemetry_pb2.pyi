@@ -186,8 +186,22 @@ class TrainingThread(_message.Message):
     collective_pending_seconds: float
     def __init__(self, still_seconds: _Optional[float] = ..., collective_pending_seconds: _Optional[float] = ...) -> None: ...
 
+class Numeric(_message.Message):
+    __slots__ = ("kind", "step", "first_rank", "action", "detail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    step: int
+    first_rank: int
+    action: str
+    detail: str
+    def __init__(self, kind: _Optional[str] = ..., step: _Optional[int] = ..., first_rank: _Optional[int] = ..., action: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "step", "collectives", "checkpoint", "goodbye", "stats", "steps", "training_thread")
+    __slots__ = ("hello", "step", "collectives", "checkpoint", "goodbye", "stats", "steps", "training_thread", "numeric")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +210,7 @@ class WorkerMessage(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TRAINING_THREAD_FIELD_NUMBER: _ClassVar[int]
+    NUMERIC_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     step: Step
     collectives: Collectives
@@ -204,7 +219,8 @@ class WorkerMessage(_message.Message):
     stats: ClientStats
     steps: Steps
     training_thread: TrainingThread
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., collectives: _Optional[_Union[Collectives, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., stats: _Optional[_Union[ClientStats, _Mapping]] = ..., steps: _Optional[_Union[Steps, _Mapping]] = ..., training_thread: _Optional[_Union[TrainingThread, _Mapping]] = ...) -> None: ...
+    numeric: Numeric
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., collectives: _Optional[_Union[Collectives, _Mapping]] = ..., checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ..., goodbye: _Optional[_Union[Goodbye, _Mapping]] = ..., stats: _Optional[_Union[ClientStats, _Mapping]] = ..., steps: _Optional[_Union[Steps, _Mapping]] = ..., training_thread: _Optional[_Union[TrainingThread, _Mapping]] = ..., numeric: _Optional[_Union[Numeric, _Mapping]] = ...) -> None: ...
 
 class DumpDiagnostics(_message.Message):
     __slots__ = ("dir",)

@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Protocol
 
-from trainwarden.agent.proto.contract import CHECKPOINT_STAGES
+from trainwarden.agent.proto.contract import CHECKPOINT_STAGES, NUMERIC_KINDS
 from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,8 @@ class JobSnapshot:
     """Wall time the newest checkpoint was committed (as the agent heard it); 0: none yet."""
     checkpoint_set_aside_total: int = 0
     """Checkpoints a restore passed over (quarantined, or unreadable and left)."""
+    numeric_events: tuple[tuple[str, int], ...] = ()
+    """(kind, count) of the numeric events the workers reported (NaN, loss spikes), by kind."""
 
 
 STARTUP_STEPS = 3
@@ -301,6 +303,7 @@ class _JobRanks:
         self.checkpoint_failures = 0
         self.checkpoint_committed_unix = 0.0
         self.checkpoint_set_aside = 0
+        self.numeric_events: dict[str, int] = {}
         self.owner_uid: int | None = None  # the uid of the job's first verified stream (module docstring)
         self.matcher = ArrivalMatcher()
         self.write_events = 0  # writes begun or ended on the ranks here: a step that saw one overlapped it
@@ -324,6 +327,8 @@ class TelemetryListener(Protocol):
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
                       detail: str, seconds: float = 0.0) -> None:
         ...
+
+    # optional: on_numeric(job, rank, kind, step, first_rank, action, detail), told of numeric events
 
 
 def _notify(method, *args) -> None:
@@ -615,6 +620,24 @@ class JobTelemetry:
         for listener in self._listeners:
             _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_), detail, float(seconds))
 
+    def record_numeric(self, job: str, rank: int, *, kind: str, step: int, first_rank: int, action: str,
+                       detail: str = "") -> None:
+        """A numeric event a worker reported (runtime/numeric.py): counted by kind, then told to the listeners
+        that have ``on_numeric`` (outside the lock)."""
+        if kind not in NUMERIC_KINDS:
+            raise ValueError(f"unknown numeric event {kind!r}; expected one of {NUMERIC_KINDS}")
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is None:
+                return
+            state.last_seen = self._clock()
+            events = self._jobs[job].numeric_events
+            events[kind] = events.get(kind, 0) + 1
+        for listener in self._listeners:
+            method = getattr(listener, "on_numeric", None)
+            if method is not None:
+                _notify(method, job, rank, kind, int(step), int(first_rank), action, detail)
+
     def record_client_stats(self, job: str, rank: int, *, dropped: int) -> None:
         """The worker's cumulative count of dropped records (per process)."""
         with self._lock:
@@ -698,6 +721,7 @@ class JobTelemetry:
             restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
             checkpoint_failures_total=job.checkpoint_failures,
             checkpoint_committed_unix=job.checkpoint_committed_unix, checkpoint_set_aside_total=job.checkpoint_set_aside,
+            numeric_events=tuple(sorted(job.numeric_events.items())),
         )
 
     @staticmethod

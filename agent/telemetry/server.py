@@ -60,7 +60,7 @@ from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
 from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import JOB_NAME_RE, PEER_TOKEN_METADATA, SERVICE_NAME
+from trainwarden.agent.proto.contract import JOB_NAME_RE, NUMERIC_KINDS, PEER_TOKEN_METADATA, SERVICE_NAME
 
 __all__ = ["DEFAULT_HELLO_TIMEOUT_S", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_STREAMS_PER_UID", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 
@@ -465,6 +465,13 @@ class TelemetryServer:
                 return
             js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes, path=c.path[:4096],
                                  detail=c.detail[:2000])
+        elif kind == "numeric":
+            n = message.numeric
+            if n.kind not in NUMERIC_KINDS or n.step < 0 or not -1 <= n.first_rank < max(1, info.world_size):
+                js.count_rejected("invalid")
+                return
+            js.record_numeric(job, rank, kind=n.kind, step=n.step, first_rank=n.first_rank, action=n.action[:64],
+                              detail=n.detail[:2000])
         elif kind == "stats":
             js.record_client_stats(job, rank, dropped=message.stats.dropped)
         elif kind == "training_thread":

@@ -22,6 +22,11 @@ resumed run reproduces an uninterrupted one bit for bit on the same mesh.
 Fault injection (:mod:`trainwarden.runtime.faults`, ``TRAINWARDEN_FAULTS``) is consulted at the start of
 every step, before any collective.
 
+Between the backward pass and the optimizer step, :class:`trainwarden.runtime.numeric.NumericGuard` checks every
+rank's own loss and gradients and the ranks agree on what they saw: a step with a non-finite value is rolled back
+(its update skipped on every rank, its batch not trained on), or stops the run, or is only reported
+(``--numeric-policy``). The ``nan`` fault poisons a rank's loss to test it.
+
 With ``TRAINWARDEN_TIMINGS`` set, every rank marks the end of its start-up phases (imports done, default
 process group up, mesh up, model built, checkpoint restored, first step) for the restart breakdown benchmark
 (:mod:`trainwarden.runtime.timings`, tests/bench/bench_restart.py); unset, nothing is recorded.
@@ -44,12 +49,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV, EXIT_RESUME_BLOCKED, PEER_GONE
+from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, NUMERIC_POLICIES,
+                                              PEER_GONE)
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointUnloadableError, RNGState
 from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
+from trainwarden.runtime.numeric import NumericGuard, NumericStop, policy_from_env
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
 from trainwarden.runtime.state_dict_reader import StateDictReader
@@ -106,6 +113,9 @@ class TrainConfig:
     infer_pipeline_shapes: bool = False
     """Let the pipeline stages infer what they send and receive on the first step (torch's default) instead of
     being built with the micro-batch's shapes."""
+    numeric_policy: str = "rollback"
+    """What a step whose loss or gradients are not finite leads to (runtime/numeric.py): ``rollback`` skips its
+    update on every rank, ``stop`` ends the run (EXIT_NUMERIC_STOP), ``alert`` only reports it."""
     micro_batch_size: int = 0
     """Sequences per micro-batch on a data-parallel rank (0: ``mesh.micro_batches`` fixed instead). Fixed, the
     micro-batch count follows the world: when data parallelism shrinks after a node loss, each rank takes
@@ -161,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--infer-pipeline-shapes", action="store_true",
         help="let the pipeline stages infer their input and output shapes on the first step, as torch does "
              "by default (default: built with the micro-batch's shapes, which saves that step ~0.1 s here)")
+    add("--numeric-policy", choices=list(NUMERIC_POLICIES), default=None,
+        help="a step whose loss or gradients are not finite: rollback (skip its update on every rank and train on), "
+             "stop, or alert (default: $TRAINWARDEN_NUMERIC_POLICY, which `trainwarden run --numeric-policy` sets; "
+             "else rollback)")
     add("--allow-fresh-start", action="store_true",
         help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
     return p
@@ -182,7 +196,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         micro_batch_size=a.micro_batch_size,
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start,
-        snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes)
+        snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes,
+        numeric_policy=a.numeric_policy or policy_from_env())
 
 
 def _fitting_dp(tp: int, pp: int) -> int:
@@ -243,6 +258,7 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     train_state = TrainState(pm.model, optimizer)
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
+    guard = NumericGuard(rt, policy=cfg.numeric_policy, device=device)
 
     timings.mark("model_built")
     ckpt_state = {"app": train_state, "rng": RNGState()}
@@ -281,8 +297,10 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
                 group["lr"] = cfg.lr_at(step)
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = data.batch(step, pm.dp_rank, cfg.mesh.dp)
-            loss = pm.train_step(inputs, targets)
-            optimizer.step()
+            loss = pm.train_step(inputs, targets, poison=faults.take_poison())
+            applied = guard.check(step, loss=pm.local_loss, parameters=pm.model.parameters())
+            if applied:
+                optimizer.step()  # else every rank skips the update: the state stays the one before this step
         train_state.step = step
         if step == start:
             timings.mark("first_step")
@@ -290,8 +308,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
             loss_value = loss.item()
         last_seconds = time.monotonic() - began
         if pm.is_reporter and (step % cfg.log_every == 0 or step == cfg.steps):
-            log.info("step %d loss %.6f time %.3fs tok/s %.0f", step, loss_value, last_seconds,
-                     tokens_per_step / last_seconds)
+            log.info("step %d loss %.6f time %.3fs tok/s %.0f%s", step, loss_value, last_seconds,
+                     tokens_per_step / last_seconds, "" if applied else " (rolled back: not finite)")
         requested = rt.take_checkpoint_request(step)  # the agent's "checkpoint now" (at this step)
         if ckpt is not None and cfg.snapshot_every and step % cfg.snapshot_every == 0:
             ckpt.snapshot(step, ckpt_state)  # a host copy; written to the agent's memory in the background
@@ -344,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, device, timings=timings)
     except FaultSpecError as exc:
         _exit_now(EXIT_BAD_CONFIG, f"bad TRAINWARDEN_FAULTS: {exc}")
+    except NumericStop as exc:  # the first rank logged the values it saw
+        _exit_now(EXIT_NUMERIC_STOP, f"stopping (exit {EXIT_NUMERIC_STOP}): {exc}; the launcher does not restart "
+                  "the job, which would compute the same values again", reason=f"numeric stop: {exc}"[:200])
     except CheckpointUnloadableError as exc:  # rank 0's Checkpointer logged why and what to do: one line here
         _exit_now(EXIT_NO_CHECKPOINT, f"stopping (exit {EXIT_NO_CHECKPOINT}): the job has checkpoints it could not "
                   "load, and it does not start over by itself; rank 0's error says why and what to do",

@@ -46,6 +46,10 @@ def test_a_full_spec_round_trips_and_becomes_launcher_arguments(tmp_path):
     assert dynamic[dynamic.index("--rendezvous-round") + 1] == "dynamic"
     with pytest.raises(JobSpecError, match="rendezvous_round.*native, dynamic, got 'etcd'"):
         parse_job_spec({**GOOD, "rendezvous_round": "etcd"}, "x")
+    stop = parse_job_spec({**GOOD, "numeric_policy": "stop"}, "x").launcher_args()
+    assert stop[stop.index("--numeric-policy") + 1] == "stop" and "--numeric-policy" not in args  # rollback: the default
+    with pytest.raises(JobSpecError, match="numeric_policy.*rollback, stop, alert, got 'skip'"):
+        parse_job_spec({**GOOD, "numeric_policy": "skip"}, "x")
     minimal = parse_job_spec({"name": "j", "command": ["train.py"]}, "x")
     assert (minimal.nnodes, minimal.nproc_per_node, minimal.nodes, minimal.max_restarts) == ("1", 1, (), 3)
     assert minimal.auto_resume and minimal.warm_workers  # warm restarts by default (issue 26)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 REQUIRED = {"name": "j", "command": ["train.py", "--lr", "3e-4"]}
 VALUES = {"nnodes": "1:2", "nproc_per_node": 2, "checkpoint_dir": "/shared/ckpt/j", "env": {"A": "1"},
-          "max_restarts": 0, "straggler_policy": "exclude", "link_policy": "exclude", "nodes": ["n0"], "warm_workers": True,
+          "max_restarts": 0, "straggler_policy": "exclude", "link_policy": "exclude", "numeric_policy": "stop", "nodes": ["n0"], "warm_workers": True,
           "memory_snapshots": False, "rendezvous_round": "dynamic", "hang_floor_s": 6.5,
           "auto_instrument": False, "tokens_per_step": 4096,
           "auto_resume": False, "user": "alice", "flops_per_step": 0, "model_params": 1.3e9, "peak_tflops": 989}

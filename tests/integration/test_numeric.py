@@ -1,0 +1,147 @@
+"""A NaN in training (issue 48, item 2), on real torchrun workers with gloo on CPU.
+
+- The reference job under `trainwarden run` (agent, embedded etcd), a NaN loss injected on one rank at the step of a
+  checkpoint: every rank skips that step's update, the job trains to the end, one `numeric` incident names the rank
+  and the step and nothing else is an incident, and the checkpoint of that step holds no NaN.
+- The same job with a NaN that comes back three steps after the rollback: the job stops with exit 9, no restart
+  spent, the two events as evidence.
+- A user's own loop (a DDP model of another shape, under plain torchrun) with the guard: the rank whose loss was NaN
+  is named; gradients that DDP's all-reduce made non-finite on every rank are said to be everywhere, not blamed on
+  rank 0; every rank skips the same steps, and the ranks' weights stay finite and equal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gpt_helpers import gpt_env
+
+pytestmark = pytest.mark.integration
+
+MESH_4 = ["--dp", "2", "--pp", "2"]  # ranks 2 and 3 are the last pipeline stage: they compute the loss
+
+
+def _run(procs, tmp_path, job: str, faults: str, steps: int, extra: list[str] = ()) -> tuple[int, str]:
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS=faults)
+    log = tmp_path / "run.log"
+    proc = procs.spawn(
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "4",
+         "--max-restarts", "2", "--job", job, *extra, "--",
+         "-m", "trainwarden.runtime.examples.gpt", *MESH_4, "--steps", str(steps), "--ckpt-every", "3"],
+        log=log, env=env)
+    rc = proc.wait(300)
+    return rc, log.read_text(errors="replace")
+
+
+def _incidents(tmp_path, job: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / "state" / "jobs" / job / "incidents").glob("*.json"))]
+
+
+def _tensors(checkpoint, out) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}", inner)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(360)
+def test_a_nan_loss_is_rolled_back_on_every_rank_named_once_and_never_checkpointed(procs, tmp_path):
+    rc, text = _run(procs, tmp_path, "nan", "nan:rank=3,step=6", steps=8)
+    assert rc == 0, text[-4000:]
+    assert re.search(r"step 6 loss \S+ time .* \(rolled back: not finite\)", text), text[-3000:]
+    assert "rank 3: non-finite loss at step 6, first on rank 3" in text
+    assert re.search(r"done steps=8 final_loss=\d", text), text[-2000:]  # a number, not nan
+    losses = {int(s): float(v) for s, v in re.findall(r"step (\d+) loss (\S+) time", text)}
+    assert sorted(losses) == list(range(1, 9)), losses  # printed once each: no step trained twice
+    assert all(v == v for s, v in losses.items() if s != 6), losses  # step 6's mean over the ranks was NaN
+    incidents = _incidents(tmp_path, "nan")
+    assert [(i["kind"], i["ranks"], i["state"]) for i in incidents] == [("numeric", [3], "resolved")], incidents
+    assert incidents[0]["evidence"]["step"] == 6 and incidents[0]["evidence"]["action"] == "rolled_back"
+    assert "restarts     0" in text or "restarts " not in text  # nothing restarted: the rollback is in place
+    step6 = tmp_path / "state" / "jobs" / "nan" / "checkpoints" / "step-00000006"
+    tensors = _tensors(step6, tmp_path / "step6.pt")
+    assert tensors and all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()), [
+        name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(360)
+def test_a_nan_that_comes_back_after_a_rollback_stops_the_job_without_a_restart(procs, tmp_path):
+    rc, text = _run(procs, tmp_path, "nan-again", "nan:rank=2,step=2;nan:rank=2,step=5", steps=8)
+    assert rc == 9, text[-4000:]
+    assert "the job stopped on non-finite values (--numeric-policy rollback)" in text, text[-3000:]
+    assert "non-finite again 3 steps after step 2 was rolled back" in text
+    assert "no restart was spent" in text
+    incidents = _incidents(tmp_path, "nan-again")
+    assert sorted((i["kind"], i["evidence"].get("step"), i["state"]) for i in incidents) == [
+        ("numeric", 2, "resolved"), ("numeric", 5, "failed")], incidents
+    assert all(i["ranks"] == [2] for i in incidents)
+
+
+USER_LOOP = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from trainwarden.runtime.numeric import NumericGuard
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = NumericGuard(None, policy="rollback", recur_window=2)
+    applied = 0
+    for step in range(1, 9):
+        torch.manual_seed(step * 100 + rank)
+        x = torch.randn(5, 16)
+        if rank == 1 and step == 4:
+            x[0, 0] = float("nan")  # its loss is NaN: rank 1 is named
+        if rank == 2 and step == 7:
+            x[0, 0] = float("inf")  # tanh saturates: the loss is finite, every rank's gradients after DDP's all-reduce are not
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        if guard.check(step, loss=loss, parameters=model.parameters()):
+            opt.step()
+            applied += 1
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    same = all(torch.equal(everyone[0], other) for other in everyone)
+    print(f"rank {rank} applied={applied} finite={bool(torch.isfinite(flat).all())} same={same} "
+          f"events={[(e.step, e.first_rank, e.where, e.everywhere) for e in guard.events]}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_users_own_ddp_loop_skips_the_same_step_on_every_rank_and_names_the_poisoned_one(procs, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(USER_LOOP)
+    log = tmp_path / "loop.log"
+    proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
+    assert proc.wait(150) == 0, log.read_text()[-3000:]
+    lines = sorted(re.findall(r"rank (\d) applied=(\d+) finite=(\w+) same=(\w+) events=(.*)", log.read_text()))
+    assert [line[0] for line in lines] == ["0", "1", "2"], log.read_text()[-2000:]
+    for _, applied, finite, same, events in lines:
+        assert (applied, finite, same) == ("6", "True", "True")
+        assert events == "[(4, 1, 'loss', False), (7, 0, 'gradients', True)]"
