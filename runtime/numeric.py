@@ -116,7 +116,8 @@ class NumericGuard:
         self._device = device
         self._recur_window = recur_window
         self.events: list[NumericEvent] = []
-        self._norm: torch.Tensor | None = None
+        self._norms: list[torch.Tensor] = []
+        self._answers: tuple[torch.Tensor, torch.Tensor] | None = None  # the flags when finite, when not
 
     @property
     def rolled_back(self) -> int:
@@ -124,25 +125,29 @@ class NumericGuard:
 
     def grad_norm(self) -> float:
         """This rank's own gradient norm at the last check (reads the device: not on the hot path)."""
-        return float(self._norm) if self._norm is not None else 0.0
+        return float(torch.linalg.vector_norm(torch.stack(self._norms))) if self._norms else 0.0
+
+    def _flags(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._answers is None or self._answers[0].device != device:
+            finite = torch.tensor([self._world, self._world, 0], dtype=torch.int64, device=device)
+            not_finite = torch.tensor([self._rank, self._rank, -1], dtype=torch.int64, device=device)
+            self._answers = (finite, not_finite)
+        return self._answers
 
     def check(self, step: int, *, loss: torch.Tensor | None, parameters: Iterable[torch.nn.Parameter]) -> bool:
         """True: apply the step's update. False: skip it (``rollback``). Raises ``NumericStop``. Collective: every
         rank of the group calls it at every step."""
         grads = [_local(p.grad) for p in parameters if p.grad is not None]
         device = self._device or (grads[0].device if grads else loss.device if loss is not None else torch.device("cpu"))
-        if grads:
-            norms = torch._foreach_norm(grads)
-            self._norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
-            grad_ok = torch.isfinite(self._norm)
+        if grads:  # a norm per tensor, in place on its device; any NaN or Inf element makes its norm so
+            self._norms = torch._foreach_norm(grads)
+            grad_ok = torch.isfinite(torch.stack(self._norms)).all()
         else:
-            self._norm, grad_ok = None, torch.ones((), dtype=torch.bool, device=device)
+            self._norms, grad_ok = [], torch.ones((), dtype=torch.bool, device=device)
         loss_ok = torch.isfinite(loss.detach()).all().to(device) if loss is not None else torch.ones(
             (), dtype=torch.bool, device=device)
-        nobody = torch.full((), self._world, dtype=torch.int64, device=device)
-        me = torch.full((), self._rank, dtype=torch.int64, device=device)
-        flags = torch.stack([torch.where(loss_ok, nobody, me), torch.where(grad_ok, nobody, me),
-                             -grad_ok.to(torch.int64)])
+        finite, not_finite = self._flags(device)
+        flags = torch.where(torch.stack([loss_ok, grad_ok, grad_ok]), finite, not_finite)
         if self._world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
         first_loss, first_grad, none_finite = (int(v) for v in flags.tolist())
@@ -177,8 +182,8 @@ class NumericGuard:
         own = []
         if loss is not None:
             own.append(f"loss {float(loss.detach().float().mean()):g}")
-        if self._norm is not None:
-            own.append(f"gradient norm {float(self._norm):g}")
+        if self._norms:
+            own.append(f"gradient norm {self.grad_norm():g}")
         seen = f"this rank saw {', '.join(own) or 'no loss and no gradients'}"
         if previous is not None:
             return (f"{seen}; non-finite again {event.step - previous.step} steps after step {previous.step} was "
