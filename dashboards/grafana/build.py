@@ -123,6 +123,12 @@ def job_dashboard() -> dict:
                description="The model's FLOPs per second over the accelerators' peak, per node (agent/launch/mfu.py): "
                            "only for a job run with --flops-per-step or --model-params, on GPUs the agent knows by "
                            "name or with --peak-tflops."),
+        _panel(14, "Numeric events: NaN, Inf and loss spikes", [
+            _target(f"sum by (kind) (increase(trainwarden_numeric_events_total{{{JOB}}}[5m]))", "{{kind}} (5m)")],
+            x=12, y=48,
+            description="Steps whose loss or gradients were not finite (nan) or whose loss spiked, as the workers' "
+                        "numeric guard saw them (runtime/numeric.py). Under --numeric-policy rollback each one's "
+                        "update was skipped on every rank; the numeric incident names the step and the first rank."),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",
