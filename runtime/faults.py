@@ -23,6 +23,7 @@ Kinds (all checked at step boundaries, before the step's first collective):
            its loss by NaN; the reference job poisons its gradients instead on a rank that computes no loss, a
            pipeline stage before the last): what an overflow or a bad batch does, for the numeric guard
            (runtime/numeric.py) to catch.
+``spike``  the rank's loss of ``step`` is ``factor`` times what it is (and so are its gradients): a loss spike.
 ``slow_save`` the checkpoint save after ``step`` blocks the step for ``seconds`` more (checked by
            ``before_save``; slow storage or a stuck staging copy, which the watchdog must not take for
            a hang).
@@ -85,7 +86,7 @@ class FaultInjector:
         self._sleep = sleep
         self._block = block or (lambda: threading.Event().wait())  # forever: only a signal ends it
         self._injected = 0.0  # seconds of delay injected at the last step boundary
-        self._poison = False  # a `nan` fault fired at this step's boundary: the loop poisons the step's loss
+        self._poison: float | None = None  # a `nan` or `spike` fault fired at this step's boundary: the loss's factor
         if self._faults:
             logger.warning("rank %d: fault injection armed: %s", rank,
                            "; ".join(f.describe() for f in self._faults))
@@ -119,9 +120,10 @@ class FaultInjector:
             elif fault.kind != "slow_save" and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
 
-    def take_poison(self) -> bool:
-        """True once after a ``nan`` fault fired at the last step boundary: poison this step's loss."""
-        poison, self._poison = self._poison, False
+    def take_poison(self) -> float | None:
+        """Once after a ``nan`` or ``spike`` fault fired at the last step boundary: what to multiply this step's loss
+        by (NaN, or the spike's factor); None otherwise."""
+        poison, self._poison = self._poison, None
         return poison
 
     def before_save(self, step: int) -> None:
@@ -160,6 +162,8 @@ class FaultInjector:
         elif fault.kind == "hang":
             self._block()
         elif fault.kind == "nan":
-            self._poison = True
+            self._poison = float("nan")
+        elif fault.kind == "spike":
+            self._poison = fault.factor
         elif fault.kind == "exception":
             raise InjectedFault(f"injected fault {fault.describe()} at step {step}")

@@ -1,4 +1,4 @@
-"""The numeric guard: a non-finite loss or gradient never reaches the model's weights unnoticed.
+"""The numeric guard: a non-finite loss or gradient, or a loss spike, never reaches the model's weights unnoticed.
 
     guard = NumericGuard(rt)                       # the policy from TRAINWARDEN_NUMERIC_POLICY (trainwarden run)
     for step in ...:
@@ -9,8 +9,8 @@
 ``check`` runs between the backward pass and the optimizer step, on every rank, every step. Each rank looks at
 its own loss (before any reduction across ranks: the rank that computed it is the one to name) and the total
 norm of its own gradients (the local shards of DTensors), and the ranks agree through one ``all_reduce`` (MIN)
-of three integers: the lowest rank whose loss was not finite, the lowest whose gradients were not, and whether
-every rank's gradients were not (negated: 0 when none was finite). Every rank then takes the same decision, so no collective is left half-done. A rank whose own loss was
+of four integers: the lowest rank whose loss was not finite, the lowest whose gradients were not, whether every
+rank's gradients were not (negated: 0 when none was finite), and the lowest rank whose loss spiked. Every rank then takes the same decision, so no collective is left half-done. A rank whose own loss was
 not finite is the one named; when no loss was but every rank's gradients are (a data-parallel all-reduce in the
 backward pass spreads one rank's NaN to all), the event says so rather than blame rank 0.
 
@@ -25,13 +25,19 @@ What a non-finite value leads to (``NUMERIC_POLICIES``, from ``--numeric-policy`
 ``stop``    ``NumericStop`` at once.
 ``alert``   the incident only; the update applies (the weights may become NaN).
 
-The rank named first (its own loss, else its gradients, was not finite) reports a ``Numeric`` record to the
+Loss spikes: each rank with a loss also judges it against its own recent losses (``SpikeDetector``: above the
+rolling median by more than 8 robust standard deviations and 25 %); the same collective carries the lowest rank
+whose loss spiked. Under ``rollback`` a spike's update is skipped like a NaN's; a second spike within
+``RECUR_WINDOW`` steps of a rolled-back one applies (the loss moved to a new level: skipping more batches would not
+bring it back) and joins the history; under ``alert`` and ``stop`` a spike is only reported: it never stops a job.
+
+The rank named first (its own loss, else its gradients, was not finite; or its loss spiked) reports a ``Numeric`` record to the
 agent: one ``numeric`` incident per event, counted in ``trainwarden_numeric_events_total``. ``NumericStop``
 is for the training script to let out of its loop; the reference job exits with ``EXIT_NUMERIC_STOP``, which
 the launcher does not restart.
 
-Cost: a norm of the rank's gradients (``torch._foreach_norm`` over them, in place on their device) and one
-collective of three integers per step; ``tests/bench/bench_numeric.py`` measures it against the same loop
+Cost: a norm per gradient tensor (``torch._foreach_norm``, in place on their device), the spike test and one
+collective of four integers per step; ``tests/bench/bench_numeric.py`` measures it against the same loop
 without the guard.
 """
 
@@ -39,6 +45,8 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -47,7 +55,7 @@ import torch.distributed as dist
 
 from trainwarden.agent.proto.contract import NUMERIC_POLICIES, NUMERIC_POLICY_ENV
 
-__all__ = ["NumericEvent", "NumericGuard", "NumericStop", "RECUR_WINDOW", "policy_from_env"]
+__all__ = ["NumericEvent", "NumericGuard", "NumericStop", "RECUR_WINDOW", "SpikeDetector", "policy_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +63,48 @@ RECUR_WINDOW = 10
 """A non-finite value within this many steps after a rollback stops the job instead of rolling back again."""
 
 
+class SpikeDetector:
+    """Upward loss spikes, against the rank's own recent losses: a loss is a spike when it is above the median of the
+    last ``window`` kept losses by more than ``k`` robust standard deviations (1.4826 x the median absolute
+    deviation) and by more than ``rel`` of the median. Nothing is judged before ``min_history`` losses are in.
+
+    Only upward: a loss that falls fast (early training) is never one, and the median of a falling series lags above
+    it. The relative floor keeps a flat, quiet series (a tiny deviation) from calling every wobble a spike. The
+    defaults (50 steps, 20 before judging, k 8, 25 %) passed over the reference job's and the tests' other jobs'
+    clean series (tests/unit/test_numeric_guard.py) and caught a loss 3x its level.
+    """
+
+    def __init__(self, *, window: int = 50, min_history: int = 20, k: float = 8.0, rel: float = 0.25) -> None:
+        if not 1 < min_history <= window or k <= 0 or rel < 0:
+            raise ValueError(f"spike detector: need 1 < min_history <= window, k > 0, rel >= 0; got {min_history}, "
+                             f"{window}, {k}, {rel}")
+        self._values: deque[float] = deque(maxlen=window)
+        self._min_history, self._k, self._rel = min_history, k, rel
+        self._limit: tuple[float, float] | None = None  # (median, limit), worked out once per added loss
+
+    def add(self, value: float) -> None:
+        """A kept step's loss (finite, its update applied)."""
+        self._values.append(value)
+        self._limit = None
+
+    def limit(self) -> tuple[float, float] | None:
+        """(median, the loss above which a step is a spike), or None while the history is short."""
+        if len(self._values) < self._min_history:
+            return None
+        if self._limit is None:
+            median = statistics.median(self._values)
+            spread = 1.4826 * statistics.median(abs(v - median) for v in self._values)
+            self._limit = (median, median + max(self._k * spread, self._rel * abs(median)))
+        return self._limit
+
+    @property
+    def history(self) -> int:
+        return len(self._values)
+
+
 @dataclass(frozen=True)
 class NumericEvent:
-    """One step whose values were not finite, as every rank agreed."""
+    """One step whose values were not finite (or whose loss spiked), as every rank agreed."""
 
     step: int
     first_rank: int
@@ -68,8 +115,12 @@ class NumericEvent:
     """"rolled_back", "stopped" or "alerted"."""
     everywhere: bool = False
     """The gradients were not finite on every rank of the group (no rank's loss was): where it arose is unknown."""
+    kind: str = "nan"
+    """"nan" (not finite) or "loss_spike"."""
 
     def describe(self) -> str:
+        if self.kind == "loss_spike":
+            return f"loss spike at step {self.step}, first on rank {self.first_rank}"
         if self.everywhere:
             return (f"non-finite gradients at step {self.step} on every rank (after their all-reduce: the rank they "
                     "came from cannot be told)")
@@ -105,7 +156,7 @@ class NumericGuard:
     """
 
     def __init__(self, session=None, *, policy: str | None = None, group=None, device: torch.device | None = None,
-                 recur_window: int = RECUR_WINDOW) -> None:
+                 recur_window: int = RECUR_WINDOW, spikes: SpikeDetector | None | bool = True) -> None:
         self.policy = policy_from_env() if policy is None else policy
         if self.policy not in NUMERIC_POLICIES:
             raise ValueError(f"numeric policy {self.policy!r}: expected one of {', '.join(NUMERIC_POLICIES)}")
@@ -115,6 +166,8 @@ class NumericGuard:
         self._world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._device = device
         self._recur_window = recur_window
+        self.spikes = SpikeDetector() if spikes is True else spikes or None
+        """Judges this rank's losses for spikes (None: no spike detection)."""
         self.events: list[NumericEvent] = []
         self._norms: list[torch.Tensor] = []
         self._answers: tuple[torch.Tensor, torch.Tensor] | None = None  # the flags when finite, when not
@@ -129,8 +182,8 @@ class NumericGuard:
 
     def _flags(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._answers is None or self._answers[0].device != device:
-            finite = torch.tensor([self._world, self._world, 0], dtype=torch.int64, device=device)
-            not_finite = torch.tensor([self._rank, self._rank, -1], dtype=torch.int64, device=device)
+            finite = torch.tensor([self._world, self._world, 0, self._world], dtype=torch.int64, device=device)
+            not_finite = torch.tensor([self._rank, self._rank, -1, self._rank], dtype=torch.int64, device=device)
             self._answers = (finite, not_finite)
         return self._answers
 
@@ -144,22 +197,52 @@ class NumericGuard:
             grad_ok = torch.isfinite(torch.stack(self._norms)).all()
         else:
             self._norms, grad_ok = [], torch.ones((), dtype=torch.bool, device=device)
-        loss_ok = torch.isfinite(loss.detach()).all().to(device) if loss is not None else torch.ones(
-            (), dtype=torch.bool, device=device)
+        yes = torch.ones((), dtype=torch.bool, device=device)
+        value = loss.detach().float().mean() if loss is not None else None
+        loss_ok = torch.isfinite(value).to(device) if value is not None else yes
+        limit = self.spikes.limit() if self.spikes is not None and value is not None else None
+        calm = (value <= limit[1]).to(device) if limit is not None else yes  # NaN is not calm: not finite wins below
         finite, not_finite = self._flags(device)
-        flags = torch.where(torch.stack([loss_ok, grad_ok, grad_ok]), finite, not_finite)
+        flags = torch.where(torch.stack([loss_ok, grad_ok, grad_ok, calm]), finite, not_finite)
         if self._world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
-        first_loss, first_grad, none_finite = (int(v) for v in flags.tolist())
-        if first_loss >= self._world and first_grad >= self._world:
-            return True
+        first_loss, first_grad, none_finite, first_spike = (int(v) for v in flags.tolist())
         if first_loss < self._world:
             return self._act(step, first_loss, "loss", loss)
-        everywhere = self._world > 1 and none_finite == 0
-        return self._act(step, first_grad, "gradients", loss, everywhere=everywhere)
+        if first_grad < self._world:
+            everywhere = self._world > 1 and none_finite == 0
+            return self._act(step, first_grad, "gradients", loss, everywhere=everywhere)
+        applied = True if first_spike >= self._world else self._spike(step, first_spike, value, limit)
+        if applied and value is not None and self.spikes is not None:
+            self.spikes.add(float(value))
+        return applied
+
+    def _spike(self, step: int, first: int, value: torch.Tensor | None, limit: tuple[float, float] | None) -> bool:
+        """A loss spike on ``first`` (the lowest rank whose loss spiked): skipped under ``rollback`` unless the last
+        spike was rolled back within ``recur_window`` steps (then the loss has moved to a new level: it applies and
+        joins the history); reported only under ``alert`` and ``stop`` (a spike never stops a job)."""
+        previous = next((e for e in reversed(self.events) if e.kind == "loss_spike" and e.action == "rolled_back"),
+                        None)
+        recurred = previous is not None and step - previous.step <= self._recur_window
+        action = "rolled_back" if self.policy == "rollback" and not recurred else "alerted"
+        event = NumericEvent(step=step, first_rank=first, where="loss", action=action, kind="loss_spike")
+        self.events.append(event)
+        if self._rank == first:
+            seen = (f"loss {float(value):g} against a median of {limit[0]:g} over the last {self.spikes.history} "
+                    f"steps (a spike above {limit[1]:g})" if value is not None and limit is not None else "")
+            why = ("every rank skips the update (numeric policy rollback)" if action == "rolled_back" else
+                   f"the update applies: the loss spiked again {step - previous.step} steps after step "
+                   f"{previous.step} was rolled back, a new level rather than one batch" if recurred else
+                   f"the update applies (numeric policy {self.policy})")
+            detail = f"{seen}; {why}"
+            log.warning("rank %d: %s: %s", self._rank, event.describe(), detail)
+            if self._session is not None:
+                self._session.numeric_event("loss_spike", step, first_rank=first, action=action,
+                                            detail=f"{event.describe()}: {detail}")
+        return action != "rolled_back"
 
     def _act(self, step: int, first: int, where: str, loss: torch.Tensor | None, *, everywhere: bool = False) -> bool:
-        previous = next((e for e in reversed(self.events) if e.action == "rolled_back"), None)
+        previous = next((e for e in reversed(self.events) if e.kind == "nan" and e.action == "rolled_back"), None)
         recurred = previous is not None and step - previous.step <= self._recur_window
         action = {"rollback": "stopped" if recurred else "rolled_back", "stop": "stopped", "alert": "alerted"}[
             self.policy]

@@ -167,7 +167,7 @@ class ParallelModel:
         self.local_loss: torch.Tensor | None = None
         """This rank's own loss of the last step, before the mean over data-parallel ranks (last stage only): the
         numeric guard names the rank whose own loss was not finite (runtime/numeric.py)."""
-        self._poison = False
+        self._poison: float | None = None
         if cfg.pp > 1:
             shapes = stage_shapes(model, micro_batch) if micro_batch else {}
             stage = PipelineStage(model, self.pp_rank, cfg.pp, device, group=mesh["pp"].get_group(), **shapes)
@@ -175,29 +175,30 @@ class ParallelModel:
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
-        return loss * float("nan") if self._poison else loss
+        return loss if self._poison is None else loss * self._poison
 
     @property
     def is_reporter(self) -> bool:
         """True on the one rank that prints progress: first dp and tp rank of the last stage."""
         return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, poison: bool = False) -> torch.Tensor | None:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                   poison: float | None = None) -> torch.Tensor | None:
         """Forward and backward for this rank's data slice; gradients are left in ``.grad``.
 
         Returns the loss averaged over the global batch (all data-parallel ranks) on last-stage ranks,
-        ``None`` elsewhere. The optimizer step is the caller's. ``poison`` (the ``nan`` fault): this rank's loss
-        is NaN, or on a stage before the last, which computes none, its gradients are.
+        ``None`` elsewhere. The optimizer step is the caller's. ``poison`` (the ``nan`` and ``spike`` faults): this
+        rank's loss is multiplied by it, or on a stage before the last, which computes none, its gradients are.
         """
         self._poison = poison
         try:
             loss = self._forward_backward(inputs, targets)
         finally:
-            self._poison = False
+            self._poison = None
         self.local_loss = loss
-        if poison and loss is None:
-            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
-            getattr(grad, "to_local", lambda: grad)().view(-1)[0] = float("nan")
+        if poison is not None and loss is None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_([getattr(g, "to_local", lambda g=g: g)() for g in grads], poison)
         if loss is not None and self.cfg.dp > 1:
             loss = loss.clone()
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())

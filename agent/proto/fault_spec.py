@@ -22,6 +22,7 @@ _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "slow": (frozenset({"rank", "from", "factor"}), frozenset({"until"})),
     "slow_save": (frozenset({"rank", "step", "seconds"}), frozenset({"repeat"})),
     "nan": (frozenset({"rank", "step"}), frozenset({"repeat"})),
+    "spike": (frozenset({"rank", "step", "factor"}), frozenset({"repeat"})),
 }
 
 
@@ -36,7 +37,7 @@ class Fault:
     index: int
     """Position in the specification; names the fault's once-per-job marker."""
     kind: str
-    """One of crash, stop, hang, exception, slow, slow_save, nan."""
+    """One of crash, stop, hang, exception, slow, slow_save, nan, spike."""
     rank: int
     """Global rank the fault applies to."""
     step: int | None = None
@@ -46,7 +47,7 @@ class Fault:
     until: int | None = None
     """First step no longer slowed (``slow``); None = never ends."""
     factor: float = 1.0
-    """Step-time multiplier (``slow``)."""
+    """Step-time multiplier (``slow``), loss multiplier (``spike``)."""
     seconds: float = 0.0
     """Extra blocking time of the save (``slow_save``)."""
     repeat: bool = False
@@ -58,6 +59,8 @@ class Fault:
             return f"slow:rank={self.rank},from={self.start}{end},factor={self.factor}"
         if self.kind == "slow_save":
             return f"slow_save:rank={self.rank},step={self.step},seconds={self.seconds}"
+        if self.kind == "spike":
+            return f"spike:rank={self.rank},step={self.step},factor={self.factor}"
         return f"{self.kind}:rank={self.rank},step={self.step}"
 
 
@@ -110,7 +113,14 @@ def parse_faults(spec: str) -> list[Fault]:
             faults.append(Fault(index=index, kind=kind, rank=_int(entry, "rank", values["rank"]),
                                 start=start, until=until, factor=factor))
         else:
-            seconds = 0.0
+            seconds, factor = 0.0, 1.0
+            if kind == "spike":
+                try:
+                    factor = float(values["factor"])
+                except ValueError:
+                    raise FaultSpecError(f"fault {entry!r}: factor={values['factor']!r} is not a number") from None
+                if not factor > 1.0 or factor == float("inf"):
+                    raise FaultSpecError(f"fault {entry!r}: factor must be a finite number above 1.0, got {factor}")
             if kind == "slow_save":
                 try:
                     seconds = float(values["seconds"])
@@ -122,6 +132,6 @@ def parse_faults(spec: str) -> list[Fault]:
             if repeat not in ("0", "1"):
                 raise FaultSpecError(f"fault {entry!r}: repeat must be 0 or 1, got {repeat!r}")
             faults.append(Fault(index=index, kind=kind, rank=_int(entry, "rank", values["rank"]),
-                                step=_int(entry, "step", values["step"]), seconds=seconds,
+                                step=_int(entry, "step", values["step"]), seconds=seconds, factor=factor,
                                 repeat=repeat == "1"))
     return faults

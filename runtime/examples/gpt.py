@@ -309,7 +309,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
         last_seconds = time.monotonic() - began
         if pm.is_reporter and (step % cfg.log_every == 0 or step == cfg.steps):
             log.info("step %d loss %.6f time %.3fs tok/s %.0f%s", step, loss_value, last_seconds,
-                     tokens_per_step / last_seconds, "" if applied else " (rolled back: not finite)")
+                     tokens_per_step / last_seconds, "" if applied else
+                     f" (rolled back: {'loss spike' if guard.events[-1].kind == 'loss_spike' else 'not finite'})")
         requested = rt.take_checkpoint_request(step)  # the agent's "checkpoint now" (at this step)
         if ckpt is not None and cfg.snapshot_every and step % cfg.snapshot_every == 0:
             ckpt.snapshot(step, ckpt_state)  # a host copy; written to the agent's memory in the background

@@ -1,8 +1,9 @@
 """A NaN in training (issue 48, item 2), on real torchrun workers with gloo on CPU.
 
 - The reference job under `trainwarden run` (agent, embedded etcd), a NaN loss injected on one rank at the step of a
-  checkpoint: every rank skips that step's update, the job trains to the end, one `numeric` incident names the rank
-  and the step and nothing else is an incident, and the checkpoint of that step holds no NaN.
+  checkpoint and a loss 4x its level on another later: every rank skips those steps' updates, the job trains to the
+  end, one `numeric` incident for each names the rank and the step and nothing else is an incident, and the
+  checkpoint of the NaN's step holds no NaN.
 - The same job with a NaN that comes back three steps after the rollback: the job stops with exit 9, no restart
   spent, the two events as evidence.
 - A user's own loop (a DDP model of another shape, under plain torchrun) with the guard: the rank whose loss was NaN
@@ -34,7 +35,8 @@ def _run(procs, tmp_path, job: str, faults: str, steps: int, extra: list[str] = 
     proc = procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "4",
          "--max-restarts", "2", "--job", job, *extra, "--",
-         "-m", "trainwarden.runtime.examples.gpt", *MESH_4, "--steps", str(steps), "--ckpt-every", "3"],
+         "-m", "trainwarden.runtime.examples.gpt", *MESH_4, "--steps", str(steps), "--ckpt-every", "3",
+         "--keep", "10"],
         log=log, env=env)
     rc = proc.wait(300)
     return rc, log.read_text(errors="replace")
@@ -63,18 +65,23 @@ def _tensors(checkpoint, out) -> dict:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(360)
-def test_a_nan_loss_is_rolled_back_on_every_rank_named_once_and_never_checkpointed(procs, tmp_path):
-    rc, text = _run(procs, tmp_path, "nan", "nan:rank=3,step=6", steps=8)
+def test_a_nan_loss_and_a_loss_spike_are_rolled_back_on_every_rank_named_once_and_never_checkpointed(procs, tmp_path):
+    """Also the spike detector on the reference job's own series: 26 steps, one incident per injected fault and no
+    other (no false spike on the falling loss of a fresh job)."""
+    rc, text = _run(procs, tmp_path, "nan", "nan:rank=3,step=6;spike:rank=2,step=24,factor=4", steps=26)
     assert rc == 0, text[-4000:]
     assert re.search(r"step 6 loss \S+ time .* \(rolled back: not finite\)", text), text[-3000:]
+    assert re.search(r"step 24 loss \S+ time .* \(rolled back: loss spike\)", text), text[-3000:]
     assert "rank 3: non-finite loss at step 6, first on rank 3" in text
-    assert re.search(r"done steps=8 final_loss=\d", text), text[-2000:]  # a number, not nan
+    assert re.search(r"done steps=26 final_loss=\d", text), text[-2000:]  # a number, not nan
     losses = {int(s): float(v) for s, v in re.findall(r"step (\d+) loss (\S+) time", text)}
-    assert sorted(losses) == list(range(1, 9)), losses  # printed once each: no step trained twice
+    assert sorted(losses) == list(range(1, 27)), losses  # printed once each: no step trained twice
     assert all(v == v for s, v in losses.items() if s != 6), losses  # step 6's mean over the ranks was NaN
     incidents = _incidents(tmp_path, "nan")
-    assert [(i["kind"], i["ranks"], i["state"]) for i in incidents] == [("numeric", [3], "resolved")], incidents
-    assert incidents[0]["evidence"]["step"] == 6 and incidents[0]["evidence"]["action"] == "rolled_back"
+    assert sorted((i["evidence"]["kind"], i["kind"], i["ranks"], i["state"], i["evidence"]["step"])
+                  for i in incidents) == [("loss_spike", "numeric", [2], "resolved", 24),
+                                          ("nan", "numeric", [3], "resolved", 6)], incidents
+    assert all(i["evidence"]["action"] == "rolled_back" for i in incidents)
     assert "restarts     0" in text or "restarts " not in text  # nothing restarted: the rollback is in place
     step6 = tmp_path / "state" / "jobs" / "nan" / "checkpoints" / "step-00000006"
     tensors = _tensors(step6, tmp_path / "step6.pt")

@@ -2,6 +2,7 @@
 one incident per event, a counter by kind, a malformed record refused."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from trainwarden.agent.proto.fault_spec import FaultSpecError, parse_faults
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.faults import FaultInjector
-from trainwarden.runtime.numeric import NumericGuard, NumericStop, policy_from_env
+from trainwarden.runtime.numeric import NumericGuard, NumericStop, SpikeDetector, policy_from_env
 
 
 class Session:
@@ -103,14 +104,90 @@ def test_the_nan_fault_poisons_its_step_once(tmp_path):
     assert fault.describe() == "nan:rank=1,step=4"
     inj = FaultInjector([fault], rank=1, state_dir=tmp_path)
     inj.step_boundary(3)
-    assert not inj.take_poison()
+    assert inj.take_poison() is None
     inj.step_boundary(4)
-    assert inj.take_poison() and not inj.take_poison()
+    assert math.isnan(inj.take_poison()) and inj.take_poison() is None
     again = FaultInjector([fault], rank=1, state_dir=tmp_path)  # a restarted worker: the marker says it fired
     again.step_boundary(4)
-    assert not again.take_poison()
+    assert again.take_poison() is None
     with pytest.raises(FaultSpecError, match="missing step"):
         parse_faults("nan:rank=1")
+    [spike] = parse_faults("spike:rank=0,step=30,factor=3")
+    inj = FaultInjector([spike], rank=0, state_dir=tmp_path)
+    inj.step_boundary(30)
+    assert inj.take_poison() == 3.0 and spike.describe() == "spike:rank=0,step=30,factor=3.0"
+    for bad in ("spike:rank=0,step=3,factor=1", "spike:rank=0,step=3,factor=inf", "spike:rank=0,step=3"):
+        with pytest.raises(FaultSpecError):
+            parse_faults(bad)
+
+
+def _series(kind: str, steps: int, seed: int) -> list[float]:
+    """Clean loss series of other shapes than the reference job's: falling fast, flat and quiet, small-batch noisy
+    (heavy-tailed), a warm-up bump, and slow oscillation (a learning-rate cycle)."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(steps):
+        if kind == "falling":
+            base, noise = 0.5 + 6 * math.exp(-t / 80), rng.gauss(0, 0.02)
+        elif kind == "flat":
+            base, noise = 2.0, rng.gauss(0, 0.002)
+        elif kind == "noisy":
+            base, noise = 3.0, rng.gammavariate(4, 0.1) - 0.4  # small batches: skewed, heavy upper tail
+        elif kind == "warmup":
+            base, noise = 4.0 + (0.8 * t / 30 if t < 30 else max(0.0, 0.8 - (t - 30) / 50)), rng.gauss(0, 0.03)
+        else:  # cyclic
+            base, noise = 2.5 + 0.3 * math.sin(t / 40), rng.gauss(0, 0.02)
+        out.append(base * (1 + noise))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["falling", "flat", "noisy", "warmup", "cyclic"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_spike_detector_passes_over_clean_series_of_other_shapes(kind, seed):
+    detector = SpikeDetector()
+    flagged = []
+    for step, value in enumerate(_series(kind, 600, seed)):
+        limit = detector.limit()
+        if limit is not None and value > limit[1]:
+            flagged.append((step, value, limit))
+        detector.add(value)
+    assert flagged == []
+
+
+@pytest.mark.parametrize("kind", ["falling", "flat", "noisy", "cyclic"])
+def test_a_loss_three_times_its_level_is_a_spike_on_each(kind):
+    detector = SpikeDetector()
+    series = _series(kind, 300, 7)
+    for value in series[:250]:
+        detector.add(value)
+    median, limit = detector.limit()
+    assert series[250] <= limit < 3 * series[250], (median, limit, series[250])
+
+
+def test_a_spike_is_rolled_back_then_a_second_soon_after_applies_and_alert_only_reports():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    session = Session()
+    guard = NumericGuard(session, policy="rollback", recur_window=10,
+                         spikes=SpikeDetector(window=30, min_history=20))
+
+    def step(index, value):
+        model.zero_grad()
+        (model(torch.ones(1, 4)).sum() * 0 + value).backward()
+        return guard.check(index, loss=torch.tensor(value), parameters=model.parameters())
+
+    assert all(step(i, 2.0 + 0.01 * (i % 3)) for i in range(1, 31))
+    assert step(31, 6.0) is False                              # 3x: skipped
+    assert step(32, 2.01) is True
+    assert step(35, 6.0) is True                               # again within 10 steps: a new level, applied
+    assert [(e[0], e[1], e[3]) for e in session.events] == [("loss_spike", 31, "rolled_back"),
+                                                            ("loss_spike", 35, "alerted")]
+    assert "against a median of 2.01" in session.events[0][4] and "new level" in session.events[1][4]
+    alert = NumericGuard(None, policy="stop", spikes=SpikeDetector(window=30, min_history=20))
+    for i in range(1, 25):
+        alert.check(i, loss=torch.tensor(2.0), parameters=[])
+    assert alert.check(25, loss=torch.tensor(9.0), parameters=[]) is True  # a spike never stops a job
+    assert alert.events[0].action == "alerted"
 
 
 def incidents():
