@@ -11,7 +11,9 @@ subprocess). It imports nothing heavy: it waits for the script's own ``import to
 - wraps ``init_process_group`` (every binding of it torch made) so that, once the script's process group
   exists, the worker opens its telemetry session: the Flight Recorder is read, stacks can be dumped on the
   agent's request, the agent may abort the worker (what ``trainwarden.runtime.init()`` does);
-- registers global optimizer-step hooks: the step boundaries.
+- registers global optimizer-step hooks: the step boundaries, and before each step of the primary optimizer a
+  check that its gradients are finite (``runtime/numeric.py``'s ``GradientWatch``: a norm per gradient tensor on
+  its device, read one step later on a GPU; a non-finite step is a ``numeric`` incident, detection only).
 
 Step rule: one step per ``step()`` of the optimizer that steps first in the process (the *primary*); other
 optimizers' steps are not counted (two optimizers stepping together give one step; gradient accumulation
@@ -133,6 +135,8 @@ def _on_torch(torch) -> None:
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is not None and hasattr(optimizer, "register_optimizer_step_post_hook"):
         optimizer.register_optimizer_step_post_hook(steps.on_optimizer_step)
+        if hasattr(optimizer, "register_optimizer_step_pre_hook"):
+            optimizer.register_optimizer_step_pre_hook(steps.before_optimizer_step)
     _wrap_grad_scaler(steps)
     state_dict = sys.modules.get(_DCP_STATE_DICT)
     if state_dict is not None:
@@ -236,6 +240,7 @@ class OptimizerSteps:
         self._clock_ns, self._wall_ns = clock_ns, wall_ns
         self._last_wall = self._last_mono = 0
         self._gpu = None  # the CUDA event token of the step under way (Session._gpu_begin)
+        self._watch = None  # runtime/numeric.py's GradientWatch, once the session is open
 
     def start_session(self) -> None:
         """The process group exists: open the telemetry session (once)."""
@@ -250,6 +255,21 @@ class OptimizerSteps:
                   "it trains without step times and hang detection")
             return
         self._last_wall, self._last_mono = self._wall_ns(), self._clock_ns()
+        if self.session.enabled:
+            from .numeric import GradientWatch
+
+            session = self.session
+            self._watch = GradientWatch(lambda step, detail: session.numeric_event(
+                "nan", step, first_rank=session.rank, action="alerted", detail=detail))
+
+    def before_optimizer_step(self, optimizer, args=None, kwargs=None) -> None:
+        """The primary optimizer is about to step: the gradient watch takes its gradients' norms (never raises)."""
+        try:
+            watch, primary = self._watch, self._primary
+            if watch is not None and not self.initializing and (primary is None or primary() is optimizer):
+                watch.before_step(optimizer)
+        except Exception:
+            pass
 
     def on_optimizer_step(self, optimizer, args=None, kwargs=None) -> None:
         try:
@@ -271,12 +291,15 @@ class OptimizerSteps:
             client = session._client
             if client is None:
                 return
+            index = _step_index(optimizer, self.boundaries)
             mono, wall = self._clock_ns(), self._wall_ns()
             start_wall, start_mono = self._last_wall, self._last_mono
+            if self._watch is not None:
+                self._watch.after_step(index, (mono - start_mono) / 1e9)
             self._last_wall, self._last_mono = wall, mono
             # one boundary ends a step and starts the next: on CUDA, the GPU's time between the two
             token, self._gpu = self._gpu, session._gpu_begin()
-            session._emit_step((STEP_RECORD, _step_index(optimizer, self.boundaries), start_wall, mono - start_mono,
+            session._emit_step((STEP_RECORD, index, start_wall, mono - start_mono,
                                 self.tokens, None), token)
         except Exception:
             pass

@@ -11,6 +11,12 @@ guard's own time per step (its norms, one collective of three integers and the r
     step time with / without        the cost measured from outside (noisier on a shared machine)
 
     python tests/bench/bench_numeric.py --ranks 4 --steps 40 --rounds 3 [--synced]
+
+``--watch`` instead measures auto-instrumentation's gradient watch (``GradientWatch``, detection only, for unchanged
+scripts) in this one process: its two hook calls per step on models of 0.1, 1 and 10 million parameters (16 tensors),
+against the optimizer step (SGD) they surround, on the CPU.
+
+    python tests/bench/bench_numeric.py --watch
 """
 
 from __future__ import annotations
@@ -77,6 +83,41 @@ def _worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _watch() -> int:
+    import torch
+
+    from trainwarden.runtime.numeric import GradientWatch
+
+    torch.set_num_threads(1)
+    print("gradient watch (before_step + after_step) against SGD's step, one CPU thread:")
+    for params in (100_000, 1_000_000, 10_000_000):
+        side = int((params / 16) ** 0.5)
+        model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(side, side)) for _ in range(16)])
+        for p in model:
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+        watch = GradientWatch(lambda step, detail: None)
+        rounds = max(20, 20_000_000 // params)
+
+        def timed(fn) -> float:
+            samples = []
+            for _ in range(5):
+                began = time.perf_counter()
+                for i in range(rounds):
+                    fn(i)
+                samples.append((time.perf_counter() - began) / rounds)
+            return statistics.median(samples)
+
+        def watched(i):
+            watch.before_step(optimizer)
+            watch.after_step(i)
+
+        cost, step = timed(watched), timed(lambda i: optimizer.step())
+        print(f"  {16 * side * side / 1e6:5.1f} M parameters: watch {cost * 1e6:8.0f} us, SGD step {step * 1e6:8.0f} us, "
+              f"ratio {cost / step:.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -88,12 +129,15 @@ def main(argv=None) -> int:
     parser.add_argument("--synced", action="store_true",
                         help="a barrier before the guard (in both kinds): its time is then its own work, not the wait "
                              "for the slowest rank that its collective absorbs (which the next collective would)")
+    parser.add_argument("--watch", action="store_true", help="measure the gradient watch of unchanged scripts instead")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
+    if args.watch:
+        return _watch()
     with tempfile.TemporaryDirectory(prefix="tw-bench-numeric-") as tmp:
         out = os.path.join(tmp, "result.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

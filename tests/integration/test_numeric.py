@@ -152,3 +152,51 @@ def test_a_users_own_ddp_loop_skips_the_same_step_on_every_rank_and_names_the_po
     for _, applied, finite, same, events in lines:
         assert (applied, finite, same) == ("6", "True", "True")
         assert events == "[(4, 1, 'loss', False), (7, 0, 'gradients', True)]"
+
+
+UNCHANGED = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(1, 13):
+        x = torch.randn(4, 8)
+        if rank == 1 and step == 5:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    print(f"rank {rank} done finite={bool(torch.isfinite(model.module.weight).all())}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(240)
+def test_an_unchanged_script_that_goes_nan_is_one_numeric_incident_and_trains_as_it_would(procs, tmp_path):
+    """Auto-instrumentation only watches: the step whose gradients went NaN (the script's 5th, index 4) is one
+    incident, the later ones, NaN too since the weights are, are the same streak; the script runs as it would (and
+    the module tests/integration/test_unchanged_scripts.py checks that, bit for bit, for six script shapes)."""
+    script = tmp_path / "unchanged.py"
+    script.write_text(UNCHANGED)
+    env = gpt_env()
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"))
+    log = tmp_path / "run.log"
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                        "--nproc-per-node", "2", "--job", "unchanged-nan", "--", str(script)], log=log, env=env)
+    rc = proc.wait(200)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert "rank 0 done finite=False" in text and "rank 1 done finite=False" in text  # nothing was changed
+    incidents = _incidents(tmp_path, "unchanged-nan")
+    assert [(i["kind"], i["evidence"]["kind"], i["evidence"]["action"]) for i in incidents] == [
+        ("numeric", "nan", "alerted")], incidents
+    step, detail = incidents[0]["evidence"]["step"], incidents[0]["evidence"]["detail"]
+    assert "only watched" in detail
+    # these steps take a few ms, so the watch may check only every few steps (its budget): then it finds the NaN
+    # in the weights at a later check, and says how far apart the checks were
+    every = re.search(r"checked every (\d+) steps", detail)
+    assert step == 4 if every is None else 4 <= step < 4 + int(every.group(1)), (step, detail)

@@ -16,7 +16,7 @@ from trainwarden.agent.proto.fault_spec import FaultSpecError, parse_faults
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.faults import FaultInjector
-from trainwarden.runtime.numeric import NumericGuard, NumericStop, SpikeDetector, policy_from_env
+from trainwarden.runtime.numeric import GradientWatch, NumericGuard, NumericStop, SpikeDetector, policy_from_env
 
 
 class Session:
@@ -188,6 +188,52 @@ def test_a_spike_is_rolled_back_then_a_second_soon_after_applies_and_alert_only_
         alert.check(i, loss=torch.tensor(2.0), parameters=[])
     assert alert.check(25, loss=torch.tensor(9.0), parameters=[]) is True  # a spike never stops a job
     assert alert.events[0].action == "alerted"
+
+
+def test_the_gradient_watch_reports_a_non_finite_step_once_until_finite_again():
+    reports = []
+    watch = GradientWatch(lambda step, detail: reports.append((step, detail)))
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step, bad in enumerate([None, math.nan, math.inf, None, math.nan], start=1):
+        model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        if bad is not None:
+            model.weight.grad[0, 0] = bad
+        watch.before_step(optimizer)
+        watch.after_step(step)
+    assert [s for s, _ in reports] == [2, 5]  # step 3 is the same streak
+    assert "not finite" in reports[0][1] and "only watched" in reports[0][1]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it reads, never writes
+    watch.after_step(6)  # a step whose pre-hook did not run (another optimizer): nothing to judge
+    assert len(reports) == 2
+
+
+def test_the_gradient_watch_spaces_its_checks_to_stay_within_its_budget():
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001  # a check spans one advance: 1 ms
+        return now[0]
+
+    reports = []
+    watch = GradientWatch(lambda step, detail: reports.append((step, detail)), budget=0.002, clock=clock)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checked = []
+    for step in range(1, 13):
+        model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        if step >= 7:  # NaN from step 7 on, as weights that took one NaN update give
+            model.weight.grad[0, 0] = math.nan
+        before = now[0]
+        watch.before_step(optimizer)
+        if now[0] != before:
+            checked.append(step)
+        watch.after_step(step, 0.1)  # 100 ms steps: 1 ms is 1 %, five times the budget
+    assert checked == [1, 6, 11] and watch.every == 5
+    assert [s for s, _ in reports] == [11] and "checked every 5 steps" in reports[0][1]
 
 
 def incidents():
