@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # torch first, pinned to a CPU build, so pip does not pull a multi-GB CUDA build for the dependency range
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2
+DEMO_FAULTS ?= crash:rank=5,step=16;slow:rank=6,from=22,until=38,factor=2;nan:rank=7,step=45
 DEMO_STEPS ?= 70
 
 .PHONY: demo demo-cluster dashboard-pictures test test-all gpu-check venv install install-test system-packages bench clean
