@@ -7,12 +7,13 @@
             optimizer.step()                       # False: the step's update is skipped (rolled back)
 
 ``check`` runs between the backward pass and the optimizer step, on every rank, every step. Each rank looks at
-its own loss (before any reduction across ranks: the rank that computed it is the one to name) and the total
-norm of its own gradients (the local shards of DTensors), and the ranks agree through one ``all_reduce`` (MIN)
-of four integers: the lowest rank whose loss was not finite, the lowest whose gradients were not, whether every
-rank's gradients were not (negated: 0 when none was finite), and the lowest rank whose loss spiked. Every rank then takes the same decision, so no collective is left half-done. A rank whose own loss was
-not finite is the one named; when no loss was but every rank's gradients are (a data-parallel all-reduce in the
-backward pass spreads one rank's NaN to all), the event says so rather than blame rank 0.
+its own loss (before any reduction across ranks: the rank that computed it is the one to name) and the norms of
+its own gradients (the local shards of DTensors), and the ranks agree through one ``all_reduce`` (MIN) of four
+integers: the lowest rank whose loss was not finite, the lowest whose gradients were not, whether every rank's
+gradients were not (negated: 0 when none was finite), and the lowest rank whose loss spiked. Every rank then
+takes the same decision, so no collective is left half-done. A rank whose own loss was not finite is the one
+named; when no loss was but every rank's gradients are (a data-parallel all-reduce in the backward pass spreads
+one rank's NaN to all), the event says so rather than blame rank 0.
 
 What a non-finite value leads to (``NUMERIC_POLICIES``, from ``--numeric-policy``):
 
@@ -31,9 +32,9 @@ whose loss spiked. Under ``rollback`` a spike's update is skipped like a NaN's; 
 ``RECUR_WINDOW`` steps of a rolled-back one applies (the loss moved to a new level: skipping more batches would not
 bring it back) and joins the history; under ``alert`` and ``stop`` a spike is only reported: it never stops a job.
 
-The rank named first (its own loss, else its gradients, was not finite; or its loss spiked) reports a ``Numeric`` record to the
-agent: one ``numeric`` incident per event, counted in ``trainwarden_numeric_events_total``. ``NumericStop``
-is for the training script to let out of its loop; the reference job exits with ``EXIT_NUMERIC_STOP``, which
+The rank named first (its own loss, else its gradients, was not finite; or its loss spiked) reports a ``Numeric``
+record to the agent: one ``numeric`` incident per event, counted in ``trainwarden_numeric_events_total``.
+``NumericStop`` is for the training script to let out of its loop; the reference job exits with ``EXIT_NUMERIC_STOP``, which
 the launcher does not restart.
 
 Cost: a norm per gradient tensor (``torch._foreach_norm``, in place on their device), the spike test and one
@@ -57,7 +58,8 @@ import torch.distributed as dist
 
 from trainwarden.agent.proto.contract import NUMERIC_POLICIES, NUMERIC_POLICY_ENV
 
-__all__ = ["GradientWatch", "NumericEvent", "NumericGuard", "NumericStop", "RECUR_WINDOW", "SpikeDetector", "policy_from_env"]
+__all__ = ["GradientWatch", "NumericEvent", "NumericGuard", "NumericStop", "RECUR_WINDOW", "SpikeDetector",
+           "policy_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,8 @@ class NumericGuard:
         """True: apply the step's update. False: skip it (``rollback``). Raises ``NumericStop``. Collective: every
         rank of the group calls it at every step."""
         grads = [_local(p.grad) for p in parameters if p.grad is not None]
-        device = self._device or (grads[0].device if grads else loss.device if loss is not None else torch.device("cpu"))
+        device = self._device or (grads[0].device if grads else
+                                  loss.device if loss is not None else torch.device("cpu"))
         if grads:  # a norm per tensor, in place on its device; any NaN or Inf element makes its norm so
             self._norms = torch._foreach_norm(grads)
             grad_ok = torch.isfinite(torch.stack(self._norms)).all()
