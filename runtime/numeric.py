@@ -34,8 +34,8 @@ bring it back) and joins the history; under ``alert`` and ``stop`` a spike is on
 
 The rank named first (its own loss, else its gradients, was not finite; or its loss spiked) reports a ``Numeric``
 record to the agent: one ``numeric`` incident per event, counted in ``trainwarden_numeric_events_total``.
-``NumericStop`` is for the training script to let out of its loop; the reference job exits with ``EXIT_NUMERIC_STOP``, which
-the launcher does not restart.
+``NumericStop`` is for the training script to let out of its loop; the reference job exits with
+``EXIT_NUMERIC_STOP``, which the launcher does not restart.
 
 Cost: a norm per gradient tensor (``torch._foreach_norm``, in place on their device), the spike test and one
 collective of four integers per step; ``tests/bench/bench_numeric.py`` measures it against the same loop
