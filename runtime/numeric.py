@@ -1,6 +1,7 @@
 """The numeric guard: a non-finite loss or gradient, or a loss spike, never reaches the model's weights unnoticed.
 
-    guard = NumericGuard(rt)                       # the policy from TRAINWARDEN_NUMERIC_POLICY (trainwarden run)
+    guard = rt.numeric_guard()                     # NumericGuard(rt); the policy from trainwarden run's
+                                                   # --numeric-policy (TRAINWARDEN_NUMERIC_POLICY)
     for step in ...:
         loss = forward_backward(...)               # gradients in .grad
         if guard.check(step, loss=local_loss, parameters=model.parameters()):

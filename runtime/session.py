@@ -255,6 +255,19 @@ class Session:
             self._client.record_soon((CHECKPOINT_RECORD, code, int(step), float(seconds), int(bytes), str(path),
                                       str(detail)[:2000]))
 
+    def numeric_guard(self, **options):
+        """A ``NumericGuard`` that reports through this session (runtime/numeric.py; ``options`` are its own):
+
+            guard = rt.numeric_guard()
+            ...backward...
+            if guard.check(step, loss=my_local_loss, parameters=model.parameters()):
+                optimizer.step()           # False: a NaN, an Inf or a loss spike: every rank skips this update
+
+        The policy comes from ``trainwarden run --numeric-policy`` unless ``policy=`` is given."""
+        from .numeric import NumericGuard
+
+        return NumericGuard(self, **options)
+
     def numeric_event(self, kind: str, step: int, *, first_rank: int, action: str, detail: str = "") -> None:
         """Report a numeric event (``NUMERIC_KINDS``: ``nan``, ``loss_spike``) of ``step``, first seen on
         ``first_rank`` (-1: on every rank, where it arose unknown), and what the job did (``rolled_back``, ``stopped``, ``alerted``): the agent records one

@@ -56,7 +56,7 @@ from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
 from trainwarden.runtime.model import ModelConfig, ModelConfigError
-from trainwarden.runtime.numeric import NumericGuard, NumericStop, policy_from_env
+from trainwarden.runtime.numeric import NumericStop, policy_from_env
 from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
 from trainwarden.runtime.state_dict_reader import StateDictReader
@@ -258,7 +258,7 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     train_state = TrainState(pm.model, optimizer)
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
-    guard = NumericGuard(rt, policy=cfg.numeric_policy, device=device)
+    guard = rt.numeric_guard(policy=cfg.numeric_policy, device=device)
 
     timings.mark("model_built")
     ckpt_state = {"app": train_state, "rng": RNGState()}

@@ -86,6 +86,15 @@ def test_stop_raises_at_once_and_alert_applies_the_update():
     assert session.events[0][3] == "alerted"
 
 
+def test_a_sessions_guard_reports_through_it():
+    from trainwarden.runtime.session import Session as RuntimeSession
+
+    session = RuntimeSession(job="j", rank=0, world_size=1, client_config=None)  # no agent: a no-op session
+    guard = session.numeric_guard(policy="alert")
+    model, loss = model_with_grads(math.nan)
+    assert isinstance(guard, NumericGuard) and guard.check(1, loss=loss, parameters=model.parameters())
+
+
 def test_no_gradients_and_no_loss_is_a_finite_step():
     assert NumericGuard(None, policy="rollback").check(1, loss=None, parameters=[torch.nn.Parameter(torch.ones(2))])
 
