@@ -2,8 +2,8 @@
 
 Like prometheus_client's own custom collectors, it holds no metric objects: each scrape takes one
 `JobTelemetry.snapshot()` and turns it into families, so the exposition always matches the store and a job
-that `JobTelemetry.prune()` forgot disappears from /metrics. Labels are bounded: job, node, rank, op and
-reason; never step numbers, paths or free text. The exporter (agent/exporter.py) registers this next to
+that `JobTelemetry.prune()` forgot disappears from /metrics. Labels are bounded: job, node, rank, op, kind (a
+numeric event's, two values) and reason; never step numbers, paths or free text. The exporter (agent/exporter.py) registers this next to
 the GPU and host collectors:
 
     registry.register(JobMetricsCollector(job_telemetry, node=hostname))

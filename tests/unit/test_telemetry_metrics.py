@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.telemetry.job_telemetry import CollectiveTotals, JobTelemetry, WorkerInfo
 
-ALLOWED_LABELS = {"job", "node", "rank", "op", "reason", "le"}
+ALLOWED_LABELS = {"job", "node", "rank", "op", "reason", "le", "kind"}  # kind: NUMERIC_KINDS, two values
 
 
 def scrape(js):
