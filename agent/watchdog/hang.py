@@ -215,35 +215,43 @@ class HangDetector:
         state = self._jobs.get(job)
         if state is None or state.round_id != round_id:
             state = self._jobs[job] = _JobProgress(round_id=round_id, round_start=now, last_progress=now)
-        progressed = False
-        for rank, count in step_counts.items():
-            state.baseline.setdefault(rank, count)
-            if count > state.counts.get(rank, state.baseline[rank]):
-                progressed = True
-            state.counts[rank] = count
-        collectives_moved = False
-        for rank, count in (collective_counts or {}).items():
-            state.collective_baseline.setdefault(rank, count)
-            if count > state.collective_counts.get(rank, state.collective_baseline[rank]):
-                collectives_moved = True
-            state.collective_counts[rank] = count
+        progressed = _moved(state.counts, state.baseline, step_counts)
+        collectives_moved = _moved(state.collective_counts, state.collective_baseline, collective_counts or {})
         if collectives_moved:
             state.last_progress = max(state.last_progress, now - max(0.0, collective_age_s))
+            state.armed = True
+        if progressed:
+            state.last_progress = max(state.last_progress, now - max(0.0, progress_age_s))
             state.armed = True
         # leaving a blocking checkpoint stage is progress: the next step's report is still on its way, and
         # measuring from the last step would call a long save a hang the moment it ends
         left_checkpoint = state.in_checkpoint and not in_checkpoint
         state.in_checkpoint = in_checkpoint
         io_progressed = self._checkpoint_io(state, checkpoint_io if in_checkpoint else None)
-        if progressed:
-            state.last_progress = max(state.last_progress, now - max(0.0, progress_age_s))
-            state.armed = True
         if left_checkpoint or io_progressed or not running:
             state.last_progress = now  # not running: the clock is paused
         done = [state.counts[r] - state.baseline[r] for r in state.counts]
         steps = max(done, default=0)
         collectives = max((state.collective_counts[r] - state.collective_baseline[r]
                            for r in state.collective_counts), default=0)
+        heartbeat, timeout, reason = self._deadline(
+            steps, collectives, step_p99_s=step_p99_s, collective_gap_s=collective_gap_s,
+            collective_report_s=collective_report_s, in_checkpoint=in_checkpoint)
+        if self._busy(state, now, cpu_seconds, io_bytes, waiting_cpu_seconds):
+            state.last_busy = state.last_working = now
+        stalled = now - state.last_progress
+        hung, timeout, reason = self._judge(state, now, stalled, running=running, timeout=timeout, reason=reason)
+        # this node's own activity only: a deferral is not work, or two waiting nodes would hold each other back
+        working = (running and state.last_working > state.last_progress
+                   and now - state.last_working <= WORKING_WITHIN_S)
+        return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
+                         steps_since_start=steps, min_steps_since_start=min(done, default=0),
+                         progressed=progressed or collectives_moved, heartbeat=heartbeat, working=working)
+
+    def _deadline(self, steps: int, collectives: int, *, step_p99_s: float, collective_gap_s: float,
+                  collective_report_s: float, in_checkpoint: bool) -> tuple[str, float, str]:
+        """(heartbeat, deadline, why that deadline): steps, or collectives for a job that has none; the steady
+        deadline, the start-up one, the checkpoint one (module docstring)."""
         heartbeat = "collectives" if steps == 0 and collectives >= self.config.warmup_collectives else "steps"
         if heartbeat == "collectives":  # heard from once a read: the deadline counts from when they can arrive
             timeout = min(self.config.ceiling_s,
@@ -255,12 +263,13 @@ class HangDetector:
                 timeout, reason = self.config.startup_s, "startup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
-        if self._busy(state, now, cpu_seconds, io_bytes, waiting_cpu_seconds):
-            state.last_busy = state.last_working = now
-        stalled = now - state.last_progress
-        # a rank that computes is not stalled: the deadline runs from the later of the last progress and the
-        # last moment some rank computed (its first steps after the work arrive in the next batch), and a
-        # stall with computing in it gets `busy_s` in all
+        return heartbeat, timeout, reason
+
+    def _judge(self, state: _JobProgress, now: float, stalled: float, *, running: bool, timeout: float,
+               reason: str) -> tuple[bool, float, str]:
+        """(hung, deadline, why). A rank that computes is not stalled: the deadline runs from the later of the last
+        progress and the last moment some rank computed (its first steps after the work arrive in the next batch),
+        and a stall with computing in it gets `busy_s` in all. A hang disarms the job until it progresses again."""
         quiet = now - max(state.last_progress, state.last_busy)
         if state.last_busy > state.last_progress and self.config.busy_s > timeout:
             hung = running and state.armed and (stalled >= self.config.busy_s or quiet >= timeout)
@@ -270,12 +279,7 @@ class HangDetector:
             hung = running and state.armed and stalled >= timeout
         if hung:
             state.armed = False
-        # this node's own activity only: a deferral is not work, or two waiting nodes would hold each other back
-        working = (running and state.last_working > state.last_progress
-                   and now - state.last_working <= WORKING_WITHIN_S)
-        return HangCheck(job=job, hung=hung, stalled_s=stalled, timeout_s=timeout, reason=reason,
-                         steps_since_start=steps, min_steps_since_start=min(done, default=0),
-                         progressed=progressed or collectives_moved, heartbeat=heartbeat, working=working)
+        return hung, timeout, reason
 
     def defer(self, job: str) -> None:
         """Another node's ranks work while this job is stalled (its ranks here wait for them): count it as work
@@ -346,3 +350,15 @@ class HangDetector:
 
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
+
+
+def _moved(counts: dict[int, int], baseline: dict[int, int], now: Mapping[int, int]) -> bool:
+    """Record each rank's cumulative count; True when one rose past its last (a rank's first count is its
+    baseline)."""
+    moved = False
+    for rank, count in now.items():
+        baseline.setdefault(rank, count)
+        if count > counts.get(rank, baseline[rank]):
+            moved = True
+        counts[rank] = count
+    return moved
