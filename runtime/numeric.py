@@ -187,8 +187,9 @@ class NumericGuard:
 
     def _flags(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._answers is None or self._answers[0].device != device:
-            finite = torch.tensor([self._world, self._world, 0, self._world], dtype=torch.int64, device=device)
-            not_finite = torch.tensor([self._rank, self._rank, -1, self._rank], dtype=torch.int64, device=device)
+            # the third: -1 where this rank's gradients are finite, so that the MIN is 0 only when no rank's are
+            finite = torch.tensor([self._world, self._world, -1, self._world], dtype=torch.int64, device=device)
+            not_finite = torch.tensor([self._rank, self._rank, 0, self._rank], dtype=torch.int64, device=device)
             self._answers = (finite, not_finite)
         return self._answers
 
