@@ -76,6 +76,7 @@ def _incidents(etcd_client, home: Path, job: str) -> tuple[list[dict], list[dict
     return local, remote
 
 
+@pytest.mark.extended  # ~45 s; a second variant of a daemon-run job (test_daemon_jobs.py runs several)
 def test_a_spec_without_checkpoint_dir_runs_under_the_daemon(daemons, tmp_path, etcd_server):
     etcd = etcd_server.endpoint
     daemons.start("n0")

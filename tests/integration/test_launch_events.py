@@ -61,6 +61,7 @@ def test_a_workers_exit_is_acted_on_when_it_happens_not_at_the_next_poll(tmp_pat
     assert events[-1]["state"] == "SUCCEEDED"
 
 
+@pytest.mark.extended  # ~40 s; a second variant: the events' absence
 def test_without_the_variable_it_is_plain_torchrun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != EVENTS_FD_ENV}
     env["OMP_NUM_THREADS"] = "1"

@@ -169,6 +169,7 @@ def test_losing_etcd_quorum_fences_no_node_while_the_job_trains(tmp_path):
     assert bed.leftovers() == []
 
 
+@pytest.mark.extended  # ~80-140 s; hangs across nodes are also test_cluster_hangs.py's (7 tests, one etcd, no bed)
 def test_a_hang_on_one_node_is_one_incident_that_names_the_rank_and_its_node(tmp_path):
     """Rank 3 (on n1) blocks at step 15; every rank of both nodes stops. Both nodes' watchdogs fire; one records
     the incident, naming rank 3 on n1 from n1's Flight Recorder dumps whichever node it is."""
@@ -218,6 +219,8 @@ def test_a_rank_computing_alone_on_one_node_is_not_a_hang_on_the_node_whose_rank
     assert bed.leftovers() == []
 
 
+@pytest.mark.extended  # ~170-290 s, the longest scenario; a lost node's ranks restored on the bed stay in the default
+# suite (test_memory_reshard.py), and the node loss's rendezvous and incident in test_node_loss.py
 def test_a_killed_node_leaves_the_survivors_shrink_and_when_it_returns_the_job_grows_back(tmp_path):
     """n2 loses power at step 12: the survivors detect it, restore the latest checkpoint into dp 2 and go on with
     the same global batch (accumulating more micro-batches) and the same samples: the steps they replay have

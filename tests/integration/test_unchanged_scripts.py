@@ -177,6 +177,11 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psuti
     return None
 
 
+SECOND_VARIANTS = {"accumulate4", "two_optimizers", "pipeline_gpipe"}
+"""The step rule's other cases and another shape, in the extended tier (about 40 s each): the default suite keeps DDP,
+FSDP2 and the job with collectives and no optimizer; tests/unit/test_auto_instrument.py covers the rule itself."""
+
+
 @pytest.mark.timeout(10)
 def test_the_scripts_never_import_trainwarden():
     for path in sorted({FIXTURES / script.file for script in SCRIPTS.values()}):
@@ -196,7 +201,8 @@ def baseline(group: ProcessGroup, tmp_path: Path, script: Script) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(SCRIPTS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.extended) if name in SECOND_VARIANTS else name
+                                  for name in SCRIPTS])
 def test_unchanged_script_trains_the_same_and_a_stopped_rank_is_named_and_recovered(procs, tmp_path, name):
     script = SCRIPTS[name]
     expected = baseline(procs, tmp_path, script)
