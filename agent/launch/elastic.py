@@ -23,7 +23,8 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
   ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: regroup``: a node left the job after every worker saved and
   held at one step, agent/launch/run.py ``_on_leave``), which counts no failure;
-- ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``).
+- ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``); a node that waited as a hot spare until the
+  job ended (its rendezvous closed: ``RendezvousGracefulExitError``) finishes ``SUCCEEDED``.
 
 The supervisor decides phases, restarts and crash attribution from these and from the workers' telemetry;
 it never reads torchrun's wording (agent/launch/run.py).
@@ -217,6 +218,10 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             result = None
             try:
                 result = super().run(role)
+                if result is None:  # RendezvousGracefulExitError: the job ended while this node waited (a spare)
+                    from torch.distributed.elastic.agent.server.api import RunResult
+
+                    result = RunResult(state=WorkerState.SUCCEEDED)
                 return result
             finally:
                 state = result.state.name if result is not None else "FAILED"
