@@ -697,6 +697,12 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             if self.failures is not None:
                 self.failures.round_failed(failures)
             print(f"trainwarden: the worker round failed: {describe_failures(failures)}", file=self.out, flush=True)
+        elif kind == "waiting":  # the round closed without this node: a hot spare, or a node that came late
+            spare = "a hot spare: it takes a lost node's ranks" if self.opts.spare_nodes else \
+                "it joins when the job grows"
+            print(f"trainwarden: node {self.node} waits in round {event.get('round')} of job {self.opts.job}: the "
+                  f"running round has its nodes; {spare}", file=self.out, flush=True)
+            self.history.event("waiting", at, round=event.get("round"))
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
             self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)

@@ -296,9 +296,11 @@ class NativeRendezvous:
 
     def __init__(self, client, *, job: str, node: str, lease: Any, config: NativeRendezvousConfig,
                  prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, closed: Callable[[], bool] | None = None) -> None:
+                 wall: Callable[[], float] = time.time, closed: Callable[[], bool] | None = None,
+                 on_wait: Callable[[int], None] | None = None) -> None:
         """``closed``: whether the job's rendezvous is closed (the job ended); asked at most every ``resync_s``
-        while this node waits for a round, which then ends in ``NativeRendezvousClosed``."""
+        while this node waits for a round, which then ends in ``NativeRendezvousClosed``. ``on_wait(round)``:
+        told when this node found its round closed without it and waits in ``round`` (a spare, a late node)."""
         if not node or "/" in node:
             raise ValueError(f"node id {node!r} must be non-empty and hold no '/'")
         self._client, self.job, self.node, self._lease = client, job, node, lease
@@ -308,7 +310,7 @@ class NativeRendezvous:
         self._watch: RoundWatch | None = None
         self._wake: queue.Queue | None = None  # the events of the round this node waits in (``lease_renewed``)
         self._closing = False  # whether this node is the round's closer while it waits
-        self._closed, self._closed_asked = closed, clock()
+        self._closed, self._closed_asked, self._on_wait = closed, clock(), on_wait
 
     def lease_renewed(self, lease: Any) -> None:
         """The caller's lease lapsed and it granted ``lease``: this node's joins go with it from now on, and a
@@ -342,6 +344,11 @@ class NativeRendezvous:
                 logger.info("job %s: %s joined round %d after it closed; it waits in round %d (a hot spare while "
                             "the rounds are full)", self.job, self.node, number, number + 1)
                 number += 1
+                if self._on_wait is not None:
+                    try:
+                        self._on_wait(number)
+                    except Exception:  # noqa: BLE001 - a listener's error is not the rendezvous'
+                        logger.exception("job %s: on_wait(%d) failed", self.job, number)
             except (NativeRendezvousTimeout, NativeRendezvousClosed):
                 try:  # a node that gives up is not waited for: members would regroup to let it in
                     self._leave(number)

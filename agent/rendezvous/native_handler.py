@@ -46,6 +46,7 @@ import socket
 import itertools
 import threading
 import time
+from typing import Callable
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -103,6 +104,9 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._waiting, self._waiting_at = 0, None  # the next round's joins, counted at most every WAITING_POLL_S
         self._short, self._counted_at = False, None  # the round's keys fewer than its members, as last counted
         self._workers_store: TCPStore | None = None  # on rank 0's node: the round's server for the workers
+        self.on_wait: Callable[[int], None] | None = None
+        """Told the round this node waits in when a round closed without it (a hot spare): set by the launcher's
+        agent (agent/launch/elastic.py), which reports it to ``trainwarden run``."""
         self._stop = threading.Event()
         self._keeper = threading.Thread(target=self._keep_alive, name="trainwarden-rdzv-lease", daemon=True)
         self._keeper.start()
@@ -215,7 +219,11 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def _native(self, lease) -> NativeRendezvous:
         return NativeRendezvous(self._client, job=self._run_id, node=self.node, lease=lease, config=self._config,
-                                prefix=self._key_prefix, closed=self._closed_quietly)
+                                prefix=self._key_prefix, closed=self._closed_quietly, on_wait=self._waiting_in)
+
+    def _waiting_in(self, round_: int) -> None:
+        if self.on_wait is not None:
+            self.on_wait(round_)
 
     def _closed_quietly(self) -> bool:
         """``is_closed`` for a node waiting for a round: etcd away is not a closed rendezvous."""
