@@ -681,7 +681,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
                 self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),
-                                       round=self._round)
+                                       round=self._round, spare=False)
             if self.spares is not None:
                 self.spares.round_started(self._round, [w["global_rank"] for w in event.get("workers") or []])
         elif kind == "failed":
@@ -703,6 +703,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             print(f"trainwarden: node {self.node} waits in round {event.get('round')} of job {self.opts.job}: the "
                   f"running round has its nodes; {spare}", file=self.out, flush=True)
             self.history.event("waiting", at, round=event.get("round"))
+            if self.membership is not None:  # `trainwarden status --etcd` shows it as a spare
+                self.membership.update(spare=True, ranks=[], round=event.get("round"))
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
             self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)

@@ -11,6 +11,7 @@ have moved the survivor n1 to ranks 0,1 and given the spare 2,3.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -68,6 +69,10 @@ def test_a_spare_waits_without_restarting_the_job_and_takes_the_lost_nodes_ranks
         wait_for(lambda: max(_steps(text()) or [0]) >= 20 or any(p.poll() is not None for p in runs.values()), 240,
                  what="the job to reach step 20 with the spare waiting")
         assert all(p.poll() is None for p in runs.values()), text()[-4000:]
+        status = bed.run("n0", [sys.executable, "-m", "trainwarden.agent.cli", "status", "--etcd", bed.etcd_endpoints,
+                                "--job", "sp", "--json"], check=True).stdout
+        phases = {n["node"]: (n["phase"], n["ranks"]) for n in json.loads(status)[0]["nodes"]}
+        assert phases["n2"] == ("spare", []) and phases["n0"][0] == phases["n1"][0] == "running", phases
         # the spare cost the trainers no restart and holds no workers
         assert "restarting the worker group" not in text("n0", "n1"), text("n0", "n1")[-4000:]
         assert _rounds(tmp_path, "n2") == [] and [r for r, _ in _rounds(tmp_path, "n0") + _rounds(tmp_path, "n1")] \
