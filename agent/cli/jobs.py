@@ -132,7 +132,8 @@ def _jobs(args, control) -> int:
     print(f"{'JOB':24} {'PHASE':11} {'GEN':>3} {'NODES (ranks)':28} {'CHECKPOINT':>10} {'GOODPUT':>7}  SINCE / REASON")
     now = time.time()
     for v in views:
-        nodes = ", ".join(f"{n} ({rec.get('nproc_per_node', '?')})" for n, rec in sorted(v.nodes.items())) or "-"
+        nodes = ", ".join(f"{n} ({'spare' if rec.get('spare') else rec.get('nproc_per_node', '?')})"
+                          for n, rec in sorted(v.nodes.items())) or "-"
         ckpt = str((v.checkpoint or {}).get("step", "-"))
         since = _ago(now - float(v.state.get("last_change") or now))
         phase = v.phase + ("*" if v.stop_requested and v.phase not in _TERMINAL else "")
@@ -217,7 +218,8 @@ def _cluster_status(args, control) -> int:
         for node in sorted(set(v.nodes) | set(progress)):
             member, summary = v.nodes.get(node) or {}, progress.get(node) or {}
             ranks = summary.get("ranks") or {}
-            nodes.append({"node": node, "address": member.get("address", ""), "phase": member.get("phase", ""),
+            phase = "spare" if member.get("spare") else member.get("phase", "")  # waits to take a lost node's ranks
+            nodes.append({"node": node, "address": member.get("address", ""), "phase": phase,
                           "nproc_per_node": member.get("nproc_per_node"), "ranks": sorted(int(r) for r in ranks),
                           "last_step": max((int(r.get("last_step", -1)) for r in ranks.values()), default=-1),
                           "connected": sum(bool(r.get("connected")) for r in ranks.values()),

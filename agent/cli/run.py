@@ -23,7 +23,8 @@ Several nodes: run the same command on each node, with --nnodes MIN:MAX and an e
   trainwarden run --nnodes 2:3 --nproc-per-node 8 --etcd e0:2379,e1:2379,e2:2379 --job big -- \
       -m trainwarden.runtime.examples.gpt --tp 2 --pp 2 --steps 1000 --ckpt-dir /shared/ckpt
 A node that is lost is left out of the next rendezvous round and the job goes on with the others (data
-parallelism shrinks; --dp may be omitted: world size / (tp x pp)).
+parallelism shrinks; --dp may be omitted: world size / (tp x pp)). With --nnodes N:N --spare-nodes K on N+K
+nodes, K wait as hot spares and a lost node's ranks go to a spare instead: the world size stays N.
 Job state (logs, checkpoints unless --ckpt-dir is given, fault markers) goes to
 $TRAINWARDEN_STATE_HOME/jobs/JOB (default ~/.local/state/trainwarden/jobs/JOB).
 Faults for testing: TRAINWARDEN_FAULTS='crash:rank=3,step=12' (see trainwarden.runtime.faults).
@@ -39,6 +40,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
+    p.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                   help="hot spares (needs --nnodes N:N): start N+K nodes; N train, K wait in the rendezvous with "
+                        "their imports loaded, and when a training node is lost a spare takes its ranks in the next "
+                        "round, so the world size stays N (default 0: the job shrinks instead)")
     p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port; "
                    "several members separated by commas) "
                    "instead of starting an embedded one")
@@ -158,7 +163,7 @@ def _cmd_run(args) -> int:
             return exit_codes.EXIT_USAGE
     try:
         opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                          etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
+                          spare_nodes=args.spare_nodes, etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval,
                           state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,

@@ -4,6 +4,7 @@ shares with it.
     name = "gpt-small"
     command = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--steps", "2000"]
     nnodes = "2:4"            # MIN:MAX, or N
+    spare_nodes = 0           # optional: hot spares beyond N (needs nnodes N:N); a spare takes a lost node's ranks
     nproc_per_node = 8
     checkpoint_dir = "/shared/ckpt/gpt-small"   # optional: the launcher's default otherwise
     max_restarts = 3          # optional: worker-group restarts before the job fails
@@ -54,7 +55,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["BOUNDS", "JOB_ENV_ALLOWED", "MAX_STRING", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
-           "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem",
+           "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem", "spares_problem",
            "string_problem", "unknown_key_message"]
 
 STRAGGLER_POLICIES = ("alert", "exclude")
@@ -137,6 +138,29 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return numbers[0], numbers[1]
 
 
+def spares_problem(nnodes: str, spare_nodes: int, *, names: tuple[str, str] = ("--spare-nodes", "--nnodes")
+                   ) -> str | None:
+    """Why ``spare_nodes`` hot spares cannot go with ``nnodes`` (the one check of ``--spare-nodes`` and the spec's
+    ``spare_nodes``; ``names``: how the two are called where they were given), or None. A spare replaces a lost
+    node at the same world size, so the job needs one fixed number of training nodes."""
+    spares, size = names
+    if isinstance(spare_nodes, bool) or not isinstance(spare_nodes, int) or spare_nodes < 0:
+        return f"{spares} {spare_nodes!r}: must be a whole number of 0 or more"
+    if spare_nodes == 0:
+        return None
+    least, most = parse_nnodes(nnodes)
+    if least != most:
+        return (f"{spares} {spare_nodes} needs a fixed number of training nodes, got {size} {nnodes}: give "
+                f"{size} {most}:{most} and start {most + spare_nodes} nodes, or leave {spares} out to let the job "
+                "shrink and grow")
+    if most < 2:
+        return (f"{spares} {spare_nodes} with {size} {nnodes}: spares are for jobs of 2 nodes or more (a one-node "
+                "job restarts on its node)")
+    if most + spare_nodes > BOUNDS["nnodes"]:
+        return f"{spares} {spare_nodes}: at most {BOUNDS['nnodes']} nodes in all are accepted"
+    return None
+
+
 class JobSpecError(ValueError):
     """A job spec (or a config file) that cannot be used: what is wrong, where, and what to do."""
 
@@ -149,6 +173,8 @@ class JobSpec:
     command: tuple[str, ...]
     """The worker command: a script path and its arguments, or ``-m``, a module and its arguments."""
     nnodes: str = "1"
+    spare_nodes: int = 0
+    """Hot spare nodes beyond ``nnodes`` (which must be ``N:N``): ``--spare-nodes``."""
     nproc_per_node: int = 1
     checkpoint_dir: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
@@ -204,6 +230,8 @@ class JobSpec:
         """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
         args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
+        if self.spare_nodes:
+            args += ["--spare-nodes", str(self.spare_nodes)]
         if self.link_policy != "alert":
             args += ["--link-policy", self.link_policy]
         if self.numeric_policy != "rollback":
@@ -232,7 +260,7 @@ class JobSpec:
         return [*args, "--", *self.command]
 
 
-_FIELDS = {"name": str, "command": list, "nnodes": (str, int), "nproc_per_node": int, "checkpoint_dir": str,
+_FIELDS = {"name": str, "command": list, "nnodes": (str, int), "spare_nodes": int, "nproc_per_node": int, "checkpoint_dir": str,
            "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "numeric_policy": str, "nodes": list, "auto_resume": bool,
            "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "hang_floor_s": (int, float), "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
            "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
@@ -310,6 +338,9 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("nnodes", f"{nnodes!r}: {exc}") from None
     if most > BOUNDS["nnodes"]:
         raise fail("nnodes", f"{nnodes!r}: at most {BOUNDS['nnodes']} nodes are accepted")
+    spare_nodes = data.get("spare_nodes", 0)
+    if (why := spares_problem(nnodes, spare_nodes, names=("'spare_nodes'", "'nnodes'"))) is not None:
+        raise JobSpecError(f"{source}: field {why}")
     nproc = data.get("nproc_per_node", 1)
     if nproc < 1:
         raise fail("nproc_per_node", f"must be at least 1, got {nproc}")
@@ -371,7 +402,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("user", f"must be a user name or a uid of 0 or more, got {user}")
     if isinstance(user, str) and (not user or any(c.isspace() or c in ":/" for c in user)):
         raise fail("user", f"{user!r} is not a user name (e.g. \"alice\" or a uid such as 1000)")
-    return JobSpec(name=name, command=tuple(command), nnodes=nnodes, nproc_per_node=nproc,
+    return JobSpec(name=name, command=tuple(command), nnodes=nnodes, spare_nodes=spare_nodes, nproc_per_node=nproc,
                    checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
                    numeric_policy=numeric_policy,
                    nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),

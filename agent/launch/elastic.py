@@ -23,7 +23,10 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
   left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
   ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: regroup``: a node left the job after every worker saved and
   held at one step, agent/launch/run.py ``_on_leave``), which counts no failure;
-- ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``).
+- ``waiting``: the rendezvous round closed without this node, which waits in the next (a hot spare, or a node
+  that came after the round closed), with that round's number;
+- ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``); a node that waited as a hot spare until the
+  job ended (its rendezvous closed: ``RendezvousGracefulExitError``) finishes ``SUCCEEDED``.
 
 The supervisor decides phases, restarts and crash attribution from these and from the workers' telemetry;
 it never reads torchrun's wording (agent/launch/run.py).
@@ -175,6 +178,12 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
         _asked_restart = False
         _wait_s = 0.1
 
+        def _rendezvous(self, worker_group):
+            handler = worker_group.spec.rdzv_handler
+            if hasattr(handler, "on_wait"):  # the native round: a node the round left out waits (a spare)
+                handler.on_wait = lambda round_: sink.emit("waiting", round=round_)
+            return super()._rendezvous(worker_group)
+
         def _monitor_workers(self, worker_group):
             exits.wait_for_exit(self._wait_s)  # torch's loop only ticks (see run): a worker's exit wakes it now
             if replies is not None and replies.poll("restart", _rendezvous_round(worker_group)):  # a node left
@@ -217,6 +226,10 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             result = None
             try:
                 result = super().run(role)
+                if result is None:  # RendezvousGracefulExitError: the job ended while this node waited (a spare)
+                    from torch.distributed.elastic.agent.server.api import RunResult
+
+                    result = RunResult(state=WorkerState.SUCCEEDED)
                 return result
             finally:
                 state = result.state.name if result is not None else "FAILED"

@@ -44,6 +44,7 @@ from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher
 from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.incidents.node_loss import NodeLossWatcher
+from trainwarden.agent.incidents.spare_takeover import SpareTakeover
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit, describe_failures
 from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
@@ -60,6 +61,7 @@ from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
+from trainwarden.agent.common.job_spec import spares_problem
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              validate_launch, worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
@@ -90,6 +92,9 @@ class RunOptions:
     """Workers on this node."""
     nnodes: str = "1"
     """``N`` or ``MIN:MAX``."""
+    spare_nodes: int = 0
+    """Hot spares: with ``--nnodes N:N`` and N+K nodes running the command, N train and K wait in the rendezvous;
+    a spare takes a lost node's ranks in the next round (agent/rendezvous/native.py, **Ranks**)."""
     etcd: str | None = None
     """``host:port`` (or ``http[s]://host:port``) of a running etcd; None starts an embedded one."""
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
@@ -153,6 +158,9 @@ class RunOptions:
         watchdog_config(self.straggler_policy, self.hang_floor_s)  # a bad value is the command line's error
         if self.numeric_policy not in NUMERIC_POLICIES:
             raise ValueError(f"--numeric-policy {self.numeric_policy!r}: expected one of {', '.join(NUMERIC_POLICIES)}")
+        spare_problem = spares_problem(self.nnodes, self.spare_nodes)
+        if spare_problem is not None:
+            raise ValueError(spare_problem)
         if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
             raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
                              "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")
@@ -166,6 +174,11 @@ after the last one joined (a restart's round closes as soon as the previous roun
 On the native round (the default) the dead-node window is the node's lease TTL, 2 × 3 = 6 s, refreshed every
 2 s by a keep-alive of its own; on torch's dynamic round each heartbeat is a compare-and-set on the one
 rendezvous key, so N nodes make N/2 of them a second."""
+
+
+SPARE_JOIN_TIMEOUT_S = 30 * 24 * 3600
+"""With ``--spare-nodes``, torchrun's ``join_timeout``: a spare waits in the rendezvous for as long as the job runs
+(it ends when the job's rendezvous closes), where the default 600 s would fail it after ten minutes."""
 
 
 def sweep_killed_runs() -> None:
@@ -270,6 +283,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self.mfu = None  # the MFU gauge (accounting.py), when the step's cost and the peak are known
         self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
+        self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
@@ -351,6 +365,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.rdzv_conf["protocol"] = "https"
         if parse_nnodes(self.opts.nnodes)[1] > 1:
             self.rdzv_conf.update(MULTI_NODE_RDZV)
+        if self.opts.spare_nodes:  # a spare waits in the rendezvous as long as the job runs
+            self.rdzv_conf["join_timeout"] = str(SPARE_JOIN_TIMEOUT_S)
         self.rdzv_conf["round"] = self.opts.rendezvous_round
         cleanup.callback(self.client.close)
         # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
@@ -389,6 +405,9 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             lost = NodeLossWatcher(self.client, opts.job, self.node, agent.incidents.record)  # one node_lost per loss
             lost.start()
             cleanup.callback(lost.stop)
+            if opts.spare_nodes:  # "node n2 lost; spare n3 took ranks 2,3"
+                self.spares = SpareTakeover(self.client, opts.job, self.node, agent.incidents.record)
+                cleanup.callback(self.spares.stop)
         self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
         if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
             self._write_record(cleanup, AGENT_METRICS_RECORD, agent.metrics_url)
@@ -662,7 +681,9 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
                 self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),
-                                       round=self._round)
+                                       round=self._round, spare=False)
+            if self.spares is not None:
+                self.spares.round_started(self._round, [w["global_rank"] for w in event.get("workers") or []])
         elif kind == "failed":
             self.progress.round_failed(at)
             self.goodput.failed(at)
@@ -676,6 +697,14 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             if self.failures is not None:
                 self.failures.round_failed(failures)
             print(f"trainwarden: the worker round failed: {describe_failures(failures)}", file=self.out, flush=True)
+        elif kind == "waiting":  # the round closed without this node: a hot spare, or a node that came late
+            spare = "a hot spare: it takes a lost node's ranks" if self.opts.spare_nodes else \
+                "it joins when the job grows"
+            print(f"trainwarden: node {self.node} waits in round {event.get('round')} of job {self.opts.job}: the "
+                  f"running round has its nodes; {spare}", file=self.out, flush=True)
+            self.history.event("waiting", at, round=event.get("round"))
+            if self.membership is not None:  # `trainwarden status --etcd` shows it as a spare
+                self.membership.update(spare=True, ranks=[], round=event.get("round"))
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
             self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)

@@ -27,12 +27,17 @@ that comes after a round closed waits for the next, as with torch's wait list). 
 if ``close/members`` is absent, put the membership and delete the previous round's keys (so a job keeps two
 rounds at most: the closed one and the next) — however many nodes try, exactly one close wins, and the others
 read its membership.
-**Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision), sorted by node id; a
-node's rank is its index there, the same on every node without another exchange.
+**Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision); a node's rank is its index
+in the membership, the same on every node without another exchange. A job's first round sorts them by node id;
+a later round keeps the previous round's order: each member that is back keeps its position, a node that was
+not in it (a hot spare, a node that came back) takes a lost member's position, in join order, and any left
+over go after the others, while positions nobody fills are closed up. So a spare that replaces a lost node
+takes the lost node's ranks and the survivors keep theirs (no resharding at the same world size).
 **After a loss**: ``RoundWatch`` watches the closed round's ``nodes/`` from ``as_of``; a member's key going
 (its lease expired or was revoked, or it left on purpose through ``next_round``) ends the round for everyone
 who watches; each survivor calls ``next_round()``, which joins round + 1. Nodes that joined a round too late
-to be in it wait in round + 1; ``waiting()`` counts them, for a caller that regroups to let them in.
+to be in it wait in round + 1; ``waiting()`` counts them, for a caller that regroups to let them in. A node
+waiting there may stop waiting once the job is over (the ``closed`` callable: ``NativeRendezvousClosed``).
 
 Writes per round: one join per node, one close, one leave per node that left on purpose or joined too late,
 an election per closer that died: O(N), and no write is retried against another node's. No torch here.
@@ -62,7 +67,7 @@ LEASE_CHECK_S = 0.5
 """During the last call of a round after a loss, how often the closer asks etcd how much of each awaited member's
 lease is left (``NativeRendezvous._missed_keep_alives``)."""
 
-__all__ = ["CloseRule", "NativeRendezvous", "NativeRendezvousConfig", "NativeRendezvousError",
+__all__ = ["CloseRule", "NativeRendezvous", "NativeRendezvousClosed", "NativeRendezvousConfig", "NativeRendezvousError",
            "NativeRendezvousTimeout", "NativeRendezvousUnavailable", "Round", "RoundWatch"]
 
 
@@ -80,6 +85,11 @@ _REJOIN = object()
 
 class _TooLate(Exception):
     """This node joined a round that closed without it: on to the next."""
+
+
+class NativeRendezvousClosed(NativeRendezvousError):
+    """The job's rendezvous was closed (the job ended) while this node waited for a round: nothing to wait for.
+    Not retryable; a hot spare that was never needed ends here."""
 
 
 class NativeRendezvousTimeout(NativeRendezvousError, TimeoutError):
@@ -162,6 +172,13 @@ class CloseRule:
         self.last_call_ends: float | None = None
         self.presumed: set[str] = set()
         """Members of the previous round taken for lost before their key went: their lease missed its keep-alives."""
+        self.previous_order: tuple[str, ...] = ()
+        """The previous round's members in rank order (``set_previous``): the positions ``members`` keeps."""
+
+    def set_previous(self, members) -> None:
+        """The previous round's membership, in its rank order."""
+        self.previous_order = tuple(members)
+        self.previous = frozenset(self.previous_order)
 
     def join(self, node: str, revision: int) -> None:
         self.joined.setdefault(node, revision)
@@ -208,9 +225,20 @@ class CloseRule:
         return Decision(False, "last call", self.last_call_ends)
 
     def members(self) -> list[str]:
-        """The first ``max_nodes`` joins, sorted by node id."""
+        """The first ``max_nodes`` joins in rank order: sorted by node id in a job's first round; after it, in the
+        previous round's order, a newcomer (in join order) in the place of each member that is not back, the
+        newcomers left over after them (module docstring, **Ranks**)."""
         first = sorted(self.joined, key=lambda n: (self.joined[n], n))[: self.config.max_nodes]
-        return sorted(first)
+        if not self.previous_order:
+            return sorted(first)
+        newcomers = [n for n in first if n not in self.previous]
+        order = []
+        for node in self.previous_order:
+            if node in self.joined and node in first:
+                order.append(node)
+            elif newcomers:
+                order.append(newcomers.pop(0))
+        return order + newcomers
 
 
 class RoundWatch:
@@ -268,7 +296,11 @@ class NativeRendezvous:
 
     def __init__(self, client, *, job: str, node: str, lease: Any, config: NativeRendezvousConfig,
                  prefix: str = DEFAULT_PREFIX, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, closed: Callable[[], bool] | None = None,
+                 on_wait: Callable[[int], None] | None = None) -> None:
+        """``closed``: whether the job's rendezvous is closed (the job ended); asked at most every ``resync_s``
+        while this node waits for a round, which then ends in ``NativeRendezvousClosed``. ``on_wait(round)``:
+        told when this node found its round closed without it and waits in ``round`` (a spare, a late node)."""
         if not node or "/" in node:
             raise ValueError(f"node id {node!r} must be non-empty and hold no '/'")
         self._client, self.job, self.node, self._lease = client, job, node, lease
@@ -278,6 +310,7 @@ class NativeRendezvous:
         self._watch: RoundWatch | None = None
         self._wake: queue.Queue | None = None  # the events of the round this node waits in (``lease_renewed``)
         self._closing = False  # whether this node is the round's closer while it waits
+        self._closed, self._closed_asked, self._on_wait = closed, clock(), on_wait
 
     def lease_renewed(self, lease: Any) -> None:
         """The caller's lease lapsed and it granted ``lease``: this node's joins go with it from now on, and a
@@ -308,10 +341,15 @@ class NativeRendezvous:
             try:
                 return self._join_and_wait(number, deadline)
             except _TooLate:
-                logger.debug("job %s: %s joined round %d after it closed; on to round %d", self.job, self.node,
-                             number, number + 1)
+                logger.info("job %s: %s joined round %d after it closed; it waits in round %d (a hot spare while "
+                            "the rounds are full)", self.job, self.node, number, number + 1)
                 number += 1
-            except NativeRendezvousTimeout:
+                if self._on_wait is not None:
+                    try:
+                        self._on_wait(number)
+                    except Exception:  # noqa: BLE001 - a listener's error is not the rendezvous'
+                        logger.exception("job %s: on_wait(%d) failed", self.job, number)
+            except (NativeRendezvousTimeout, NativeRendezvousClosed):
                 try:  # a node that gives up is not waited for: members would regroup to let it in
                     self._leave(number)
                 except NativeRendezvousError:
@@ -505,7 +543,7 @@ class NativeRendezvous:
                 value, _ = self._call("read the previous round", lambda: self._client.get(
                     self._key(number - 1, "close", "members")))
                 if value is not None:
-                    rule.previous = frozenset(json.loads(value)["members"])
+                    rule.set_previous(json.loads(value)["members"])
                     alive = self._call("read the previous round's nodes", lambda: self._client.get_prefix_response(
                         prev_nodes, keys_only=True))
                     leases = {kv.key.decode()[len(prev_nodes):]: kv.lease for kv in alive.kvs}
@@ -613,6 +651,11 @@ class NativeRendezvous:
     def _next_events(self, events: queue.Queue, deadline: float, number: int, wake_at: float | None = None):
         """The events of the next watch response; none once ``wake_at`` passes; a timeout at ``deadline``."""
         now = self._clock()
+        if self._closed is not None and now - self._closed_asked >= self.config.resync_s:
+            self._closed_asked = now
+            if self._closed():
+                raise NativeRendezvousClosed(f"job {self.job}: the rendezvous was closed (the job ended) while node "
+                                             f"{self.node} waited in round {number}; nothing to wait for")
         if now >= deadline:
             raise NativeRendezvousTimeout(
                 f"job {self.job}: round {number} did not close with node {self.node} within "

@@ -20,7 +20,9 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   has it otherwise: the other workers that dialled before rank 0 listened backed off, and the process group
   came up 0.1-0.7 s late in about half the starts and restarts (BENCHMARKS.md, issue 26). The server listens on
   the node's ``local_addr`` only (loopback in a one-node `trainwarden run`): agent/rendezvous/workers_store.py;
-* ``num_nodes_waiting`` counts the nodes waiting in the next round, plus one once a member of this round is
+* ``num_nodes_waiting`` counts the nodes waiting in the next round (none while this round has ``max_nodes``: a
+  full round cannot admit them, so they wait as hot spares instead of restarting the job over and over), plus
+  one once a member of this round is
   gone (its key went with its lease): torchrun's agent then restarts its workers into the next round at once,
   instead of when a collective fails. torchrun asks every monitor interval (4 times a second under
   `trainwarden run`); the loss comes from the round's watch, the waiting nodes are counted at most every
@@ -29,7 +31,8 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   32,000 reads a second at 4,000 nodes, half of them over all the round's keys). A watch broken by an etcd outage
   is not a loss: it is made again once etcd answers, from the round's close, so a loss during the outage is seen;
 * ``set_closed``/``is_closed``: ``rdzv/<run_id>/closed``; ``shutdown`` leaves, closes (as the dynamic
-  handler does when the job is over) and revokes the lease.
+  handler does when the job is over) and revokes the lease. A node waiting for a round (a spare) asks every
+  ``resync_s`` whether the rendezvous was closed and then ends without error (``RendezvousGracefulExitError``).
 
 ``join_timeout`` (default 600 s) and ``last_call_timeout`` (default 30 s, torch's) come from rdzv-conf as for
 the dynamic handler.
@@ -43,11 +46,13 @@ import socket
 import itertools
 import threading
 import time
+from typing import Callable
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -58,8 +63,8 @@ from torch.distributed.elastic.rendezvous import (
 from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, refresh_lease, with_failover
 from trainwarden.agent.etcd.keys import rdzv_key
 from trainwarden.agent.rendezvous import workers_store
-from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousConfig, NativeRendezvousError,
-                                                 NativeRendezvousTimeout, RoundWatch)
+from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousClosed, NativeRendezvousConfig,
+                                                 NativeRendezvousError, NativeRendezvousTimeout, RoundWatch)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,9 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._waiting, self._waiting_at = 0, None  # the next round's joins, counted at most every WAITING_POLL_S
         self._short, self._counted_at = False, None  # the round's keys fewer than its members, as last counted
         self._workers_store: TCPStore | None = None  # on rank 0's node: the round's server for the workers
+        self.on_wait: Callable[[int], None] | None = None
+        """Told the round this node waits in when a round closed without it (a hot spare): set by the launcher's
+        agent (agent/launch/elastic.py), which reports it to ``trainwarden run``."""
         self._stop = threading.Event()
         self._keeper = threading.Thread(target=self._keep_alive, name="trainwarden-rdzv-lease", daemon=True)
         self._keeper.start()
@@ -133,6 +141,8 @@ class NativeRendezvousHandler(RendezvousHandler):
             self._waiting, self._waiting_at, self._short, self._counted_at = 0, None, False, None
         except NativeRendezvousTimeout as exc:
             raise RendezvousTimeoutError(str(exc)) from exc
+        except NativeRendezvousClosed as exc:  # the job ended while this node waited (a spare never needed)
+            raise RendezvousGracefulExitError(str(exc)) from exc
         except NativeRendezvousError as exc:
             raise RendezvousConnectionError(str(exc)) from exc
         logger.info("node %s joined round %d of %r as rank %d of %d", self.node, round_.number, self._run_id,
@@ -173,7 +183,9 @@ class NativeRendezvousHandler(RendezvousHandler):
                     watch.cancel()
                 self._watch = self._rdzv.watch()
                 recount = True
-            if self._waiting_at is None or now - self._waiting_at >= WAITING_POLL_S:
+            if self._rdzv.last.world_size >= self._config.max_nodes:
+                self._waiting = 0  # a full round admits nobody: the nodes after it wait as spares
+            elif self._waiting_at is None or now - self._waiting_at >= WAITING_POLL_S:
                 self._waiting, self._waiting_at = self._rdzv.waiting(), now
             # a lost member counts, a broken watch does not (an etcd outage must not restart training)
             lost = self._watch.lost is not None or self._short
@@ -207,7 +219,18 @@ class NativeRendezvousHandler(RendezvousHandler):
 
     def _native(self, lease) -> NativeRendezvous:
         return NativeRendezvous(self._client, job=self._run_id, node=self.node, lease=lease, config=self._config,
-                                prefix=self._key_prefix)
+                                prefix=self._key_prefix, closed=self._closed_quietly, on_wait=self._waiting_in)
+
+    def _waiting_in(self, round_: int) -> None:
+        if self.on_wait is not None:
+            self.on_wait(round_)
+
+    def _closed_quietly(self) -> bool:
+        """``is_closed`` for a node waiting for a round: etcd away is not a closed rendezvous."""
+        try:
+            return self.is_closed()
+        except RendezvousConnectionError:
+            return False
 
     def _grant(self):
         return self._etcd("grant the node's lease", lambda: self._client.lease(self._ttl))

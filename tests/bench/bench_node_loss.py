@@ -21,6 +21,11 @@ rendezvous, the store on a surviving node (n0), and ``torchrun-kill-store`` with
 is lost (n2); all with the shared-store workaround (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and the same
 ``--max-restarts``. A scenario that does not train again within ``--bound`` seconds is reported as such.
 
+Hot spare (``tw-spare-kill``, issue 47): the same job with ``--nnodes 2:2 --spare-nodes 1``: n0 and n1 train, n2
+(started once they have) waits as a spare; n1 is killed at step 12 and n2 takes its ranks, so the world stays at
+four ranks. Beside ``tw-kill-warm`` (the shrink: three training nodes, n2 killed, two go on) it is the cost of
+replacing a node rather than shrinking without it.
+
 Growing back (``tw-grow``, ``torchrun-grow``): n2 is killed at step 12 as above; once the two survivors have
 trained 15 steps in their smaller world, n2's launcher is started again. Measured from that start: ``step``,
 rank 0's first step in the six-rank world, and ``lost``: steps computed before the restart into the larger
@@ -52,9 +57,12 @@ TORCH_LOG = re.compile(r"^I(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) \d+ .*?\] \[default\]
                        r"Rendezvous complete for workers)", re.M)
 GPT = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12", "--ckpt-every", "5"]
 SCENARIOS = ("tw-kill", "tw-partition", "torchrun-kill", "torchrun-kill-store", "torchrun-partition", "tw-grow",
-             "torchrun-grow", "tw-kill-warm", "tw-partition-warm")
+             "torchrun-grow", "tw-kill-warm", "tw-partition-warm", "tw-spare-kill")
 """``-warm``: warm workers, the default (the survivors' restarted workers fork with torch imported); the
 others run ``trainwarden run --cold-workers``."""
+SPARE_WARM_S = 30.0
+"""``tw-spare-kill``: the spare runs this long before the kill, time for its zygote's imports (torch and the
+script's), as a spare started with the job has."""
 RANK0_RESUMED_AT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: resumed from "
                               r"(?:checkpoint step|the memory snapshots? of step) (\d+)", re.M)
 
@@ -72,6 +80,10 @@ def _command(scenario: str, bed: TestBed, node: str, ckpt: Path, state: Path) ->
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(state / node), LOGLEVEL="INFO", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
     job = GPT + ["--steps", "400", "--ckpt-dir", str(ckpt)]
+    if scenario == "tw-spare-kill":  # warm workers, as tw-kill-warm
+        return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:2",
+                "--spare-nodes", "1", "--nproc-per-node", "2", "--node", node, "--max-restarts", "3", "--job", "bench",
+                "--etcd", bed.etcd_endpoints, "--", *job], env
     if scenario.startswith("tw-"):
         return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:3",
                 "--nproc-per-node", "2", "--node", node, "--max-restarts", "3", "--job", "bench",
@@ -91,10 +103,10 @@ def _texts(logs: dict[str, Path], nodes) -> str:
     return "".join(logs[n].read_text(errors="replace") for n in nodes if logs[n].exists())
 
 
-def _survivor_logs(logs: dict[str, Path], state: Path) -> str:
+def _survivor_logs(logs: dict[str, Path], state: Path, survivors=("n0", "n1")) -> str:
     """The survivors' output and, for `trainwarden run`, torchrun's own log lines kept in the job's log."""
-    extra = [p for n in ("n0", "n1") for p in (state / n).glob("jobs/*/logs/run.log")]
-    return _texts(logs, ("n0", "n1")) + "".join(p.read_text(errors="replace") for p in extra)
+    extra = [p for n in survivors for p in (state / n).glob("jobs/*/logs/run.log")]
+    return _texts(logs, survivors) + "".join(p.read_text(errors="replace") for p in extra)
 
 
 def _rank0_story(text: str) -> list[tuple[float, str, int]]:
@@ -173,20 +185,31 @@ def _run_fault(scenario: str, bound: float, workdir: Path) -> dict:
     ckpt, state = workdir / "ckpt", workdir / "state"
     with TestBed(nodes=3, etcd_members=3 if scenario.startswith("tw-") else 0, workdir=workdir / "bed") as bed:
         logs = {n: workdir / f"{n}.log" for n in ("n0", "n1", "n2")}
+        spare = scenario == "tw-spare-kill"  # n0 and n1 train, n2 waits as their spare: n1 is lost
+        victim, survivors = ("n1", ("n0", "n2")) if spare else ("n2", ("n0", "n1"))
+        deadline = time.monotonic() + 300
+
+        def reached(step: int) -> bool:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{scenario}: the job did not reach step {step} in 300 s; see {workdir}")
+            return max((int(m.group(2)) for m in RANK0_STEP.finditer(_texts(logs, logs))), default=0) >= step
+
         for node in ("n0", "n1", "n2"):
+            while spare and node == "n2" and not reached(1):  # the first round is n0 and n1's
+                time.sleep(0.2)
             cmd, env = _command(scenario, bed, node, ckpt, state)
             bed.spawn(node, cmd, log=logs[node], env=env)
-        deadline = time.monotonic() + 300
-        while max((int(m.group(2)) for m in RANK0_STEP.finditer(_texts(logs, logs))), default=0) < 12:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{scenario}: the job did not reach step 12 in 300 s; see {workdir}")
+        spare_started = time.monotonic()
+        # a spare waits in the rendezvous, its zygote's imports done (SPARE_WARM_S: a spare is started long before)
+        while not reached(12) or (spare and ("waits in round" not in _texts(logs, ("n2",))
+                                             or time.monotonic() - spare_started < SPARE_WARM_S)):
             time.sleep(0.2)
         t0 = time.time()
-        (bed.partition if fault == "partition" else bed.kill)("n2")
+        (bed.partition if fault == "partition" else bed.kill)(victim)
         result = {"scenario": scenario, "fault": fault}
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
-            text = _survivor_logs(logs, state)
+            text = _survivor_logs(logs, state, survivors)
             resumed = [_stamp(m.group(1)) for m in RANK0_RESUMED.finditer(text) if _stamp(m.group(1)) > t0]
             steps = [_stamp(m.group(1)) for m in RANK0_STEP.finditer(text)]
             if resumed and [s for s in steps if s > min(resumed)]:

@@ -401,3 +401,70 @@ def test_a_watch_lost_after_etcd_compacted_the_rounds_close_is_made_again_from_n
     finally:
         for h in handlers[:2]:
             h.shutdown()
+
+
+def _wait_until(predicate, what: str):
+    for _ in range(1500):
+        if predicate():
+            return
+        threading.Event().wait(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(90)
+def test_a_node_behind_a_full_round_is_a_spare_that_restarts_nobody_and_takes_a_lost_members_rank(etcd, job):
+    """Issue 47: a node past max_nodes was counted as waiting to join, so torchrun restarted the full round every
+    few seconds for a node that could not get in. It waits as a spare now, and takes the rank of a lost member."""
+    handlers = _handlers(etcd, job, 3, max_nodes=2)
+    *trainers, spare = handlers
+    try:
+        infos = _in_threads([h.next_rendezvous for h in trainers])
+        assert sorted((i.rank, i.world_size) for i in infos) == [(0, 2), (1, 2)]
+        waiting_in, took = [], []
+        spare.on_wait = waiting_in.append
+        thread = threading.Thread(target=lambda: took.append(spare.next_rendezvous()), daemon=True)
+        thread.start()
+        _wait_until(lambda: waiting_in, "the spare to wait")
+        assert waiting_in == [1] and trainers[0]._rdzv.waiting() == 1  # it is there, in round 1 ...
+        assert [h.num_nodes_waiting() for h in trainers] == [0, 0]  # ... and no trainer restarts for it
+        lost = next(h for h, i in zip(trainers, infos) if i.rank == 0)  # rank 0's node is lost
+        survivor = next(h for h in trainers if h is not lost)
+        lost._stop.set()
+        lost._client.revoke_lease(lost._lease.id)
+        handlers.remove(lost)
+        _wait_until(lambda: survivor.num_nodes_waiting() >= 1, "the survivor to see the loss")
+        info = survivor.next_rendezvous()
+        thread.join(30)
+        assert (info.rank, info.world_size) == (1, 2)  # the survivor keeps its rank
+        assert took and (took[0].rank, took[0].world_size) == (0, 2)  # the spare takes the lost one's
+    finally:
+        for h in handlers:
+            h.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_spare_that_was_never_needed_ends_without_error_when_the_job_does(etcd, job):
+    from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+    handlers = _handlers(etcd, job, 3, max_nodes=2)
+    *trainers, spare = handlers
+    try:
+        _in_threads([h.next_rendezvous for h in trainers])
+        ended: list = []
+
+        def wait():
+            try:
+                spare.next_rendezvous()
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                ended.append(exc)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        _wait_until(lambda: trainers[0]._rdzv.waiting() == 1, "the spare to wait")
+        for h in trainers:  # the job is over: torchrun's agents shut the rendezvous down
+            h.shutdown()
+        thread.join(30)
+        assert ended and isinstance(ended[0], RendezvousGracefulExitError), ended
+        assert "closed (the job ended) while node" in str(ended[0])
+    finally:
+        spare.shutdown()

@@ -15,7 +15,7 @@ from trainwarden.agent.etcd.jobs import JobView, submission_record
 pytestmark = pytest.mark.timeout(60)
 
 REQUIRED = {"name": "j", "command": ["train.py", "--lr", "3e-4"]}
-VALUES = {"nnodes": "1:2", "nproc_per_node": 2, "checkpoint_dir": "/shared/ckpt/j", "env": {"A": "1"},
+VALUES = {"nnodes": "1:2", "spare_nodes": 0, "nproc_per_node": 2, "checkpoint_dir": "/shared/ckpt/j", "env": {"A": "1"},
           "max_restarts": 0, "straggler_policy": "exclude", "link_policy": "exclude", "numeric_policy": "stop", "nodes": ["n0"], "warm_workers": True,
           "memory_snapshots": False, "rendezvous_round": "dynamic", "hang_floor_s": 6.5,
           "auto_instrument": False, "tokens_per_step": 4096,
@@ -25,6 +25,16 @@ VALUES = {"nnodes": "1:2", "nproc_per_node": 2, "checkpoint_dir": "/shared/ckpt/
 def _stored(spec: JobSpec) -> JobView:
     """What the daemon reads back: the record submit writes, through JSON as etcd keeps it."""
     return JobView("j", spec=json.loads(json.dumps(submission_record(spec, by="op@host"), sort_keys=True)))
+
+
+# spare_nodes > 0 needs nnodes N:N with N >= 2 (any subset of these values must stay valid): its round trip with a
+# value is test_spare_nodes_round_trip_through_the_stored_record below
+
+
+def test_spare_nodes_round_trip_through_the_stored_record():
+    spec = parse_job_spec({**REQUIRED, "nnodes": "2:2", "spare_nodes": 3, "nodes": ["a", "b"]}, "job.toml")
+    assert _stored(spec).job_spec() == spec and spec.spare_nodes == 3
+    assert JobSpec.from_json(spec.to_json()) == spec
 
 
 def test_every_optional_field_has_a_value_here():

@@ -20,8 +20,9 @@ from etcd3.transactions import Delete, Get, Put, Txn
 from etcd3.watch import WatchResponse
 
 from trainwarden.agent.etcd.keys import rendezvous_key
-from trainwarden.agent.rendezvous.native import (CloseRule, NativeRendezvous, NativeRendezvousConfig,
-                                                 NativeRendezvousError, NativeRendezvousTimeout)
+from trainwarden.agent.rendezvous.native import (CloseRule, NativeRendezvous, NativeRendezvousClosed,
+                                                 NativeRendezvousConfig, NativeRendezvousError,
+                                                 NativeRendezvousTimeout)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -73,6 +74,35 @@ def test_members_are_the_first_max_nodes_joins_sorted_by_id():
     for node, rev in (("z", 5), ("m", 6), ("a", 9), ("b", 7)):
         rule.join(node, rev)
     assert rule.members() == ["b", "m", "z"]  # "a" joined fourth
+
+
+def test_after_a_loss_a_newcomer_takes_the_lost_members_position_and_the_others_keep_theirs():
+    """Issue 47: the spare takes the lost node's ranks; no survivor moves (no resharding at the same size)."""
+    rule = _rule(min_nodes=3, max_nodes=3)
+    rule.set_previous(["c", "a", "b"])  # a previous round's order is kept as it was, not re-sorted
+    rule.previous_gone("a")
+    for node, rev in (("spare", 1), ("b", 2), ("c", 3)):
+        rule.join(node, rev)
+    assert rule.decide(now=0.0).close
+    assert rule.members() == ["c", "spare", "b"]
+
+
+def test_a_shrink_closes_up_the_lost_positions_and_a_grow_appends_the_newcomers():
+    shrink = _rule(min_nodes=1, max_nodes=4)
+    shrink.set_previous(["a", "b", "c"])
+    for node, rev in (("c", 1), ("a", 2)):
+        shrink.join(node, rev)
+    assert shrink.members() == ["a", "c"]
+    grow = _rule(min_nodes=1, max_nodes=4)
+    grow.set_previous(["b", "a"])
+    for node, rev in (("z", 1), ("y", 2), ("a", 3), ("b", 4)):
+        grow.join(node, rev)
+    assert grow.members() == ["b", "a", "z", "y"]  # the newcomers in join order, after the members
+    full = _rule(min_nodes=1, max_nodes=2)  # two of three newcomers fill two lost positions; the third waits
+    full.set_previous(["a", "b"])
+    for node, rev in (("x", 1), ("y", 2), ("w", 3)):
+        full.join(node, rev)
+    assert full.members() == ["x", "y"]
 
 
 def test_nodes_after_an_intact_round_wait_even_at_max_nodes():
@@ -314,6 +344,48 @@ def test_a_node_after_the_close_goes_on_to_the_next_round_and_waits_there():
     rounds = _together(members)  # the members regroup to let it in
     thread.join(10)
     assert {(r.number, r.members) for r in rounds + result} == {(1, ("n00", "n01", "n07"))}
+
+
+def test_a_spare_waits_behind_a_full_round_and_takes_the_lost_members_rank():
+    etcd = FakeEtcd()
+    members = _nodes(etcd, 2)  # n00 and n01 train
+    _together(members)
+    spare = _nodes(etcd, 1, min_nodes=2, max_nodes=2, first=5)[0]
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(spare.next_round()))
+    thread.start()
+    while members[0].waiting() != 1:
+        threading.Event().wait(0.01)
+    assert thread.is_alive() and not result  # the round is intact: the spare waits
+    etcd.revoke_lease(100)  # n00 is lost
+    survivor = members[1].next_round()
+    thread.join(10)
+    assert survivor.members == result[0].members == ("n05", "n01")  # the spare has rank 0, n01 keeps rank 1
+    assert (result[0].rank, survivor.rank) == (0, 1)
+
+
+def test_a_node_waiting_for_a_round_stops_once_the_rendezvous_is_closed():
+    etcd = FakeEtcd()
+    _together(_nodes(etcd, 2))
+    config = NativeRendezvousConfig(min_nodes=2, max_nodes=2, last_call_s=0.0, join_timeout_s=20.0, resync_s=0.05)
+    closed = threading.Event()
+    spare = NativeRendezvous(etcd, job="j", node="n07", lease=107, config=config, closed=closed.is_set)
+    result: list = []
+
+    def wait():
+        try:
+            spare.next_round()
+        except NativeRendezvousClosed as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    threading.Event().wait(0.3)
+    assert thread.is_alive()
+    closed.set()  # the job ended
+    thread.join(5)
+    assert not thread.is_alive() and "closed (the job ended) while node n07 waited in round 1" in str(result[0])
+    assert etcd.get_prefix_response(rendezvous_key("j", 1, "nodes"), count_only=True).count == 0  # it left
 
 
 def test_a_node_that_gives_up_waiting_leaves_the_round_it_waited_in():

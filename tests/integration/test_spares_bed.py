@@ -1,0 +1,101 @@
+"""Hot spares on the multi-host test bed (issue 47): `trainwarden run --nnodes 2:2 --spare-nodes 1` on three nodes.
+
+n0 and n1 train (two ranks each: tensor parallelism 2 inside a node, data parallelism 2 across), n2 is started
+once they have and waits as the spare. Before the change the waiting node counted as "nodes waiting to join" and
+restarted the full job every few seconds (a checkpoint, a new round with the spare in it and a trainer left
+out, which then waited and restarted it again). Now it waits without a cost to the trainers; when a training
+node loses power the next round closes with the survivor and n2, n2 in the lost node's position: its ranks,
+world size 4 throughout. Losing n0 (ranks 0,1) is the case where sorting the members by id, as before, would
+have moved the survivor n1 to ranks 0,1 and given the spare 2,3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import wait_for
+from testbed import TestBed
+from test_multinode import _check_continuation, _etcd_incidents, _rank0, _steps
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
+
+if TestBed.unavailable():
+    pytest.skip(TestBed.unavailable(), allow_module_level=True)
+
+RANKS_RE = re.compile(r"\]   global_ranks=\[([\d, ]*)\]$", re.M)
+WORLDS_RE = re.compile(r"\]   global_world_sizes=\[([\d, ]*)\]$", re.M)
+
+
+def _start(bed: TestBed, tmp_path: Path, node: str, steps: int, ckpt: Path):
+    env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / node / "state"))
+    return bed.spawn(node, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                            "--nnodes", "2:2", "--spare-nodes", "1", "--nproc-per-node", "2", "--node", node,
+                            "--max-restarts", "3", "--job", "sp", "--etcd", bed.etcd_endpoints, "--",
+                            "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12",
+                            "--micro-batch-size", "2", "--steps", str(steps), "--ckpt-dir", str(ckpt),
+                            "--ckpt-every", "5"], log=tmp_path / node / "run.log", env=env)
+
+
+def _rounds(tmp_path: Path, node: str) -> list[tuple[list[int], set[int]]]:
+    """Each worker round torchrun started on ``node`` (its "Rendezvous complete" lines in the job's log): the node's
+    global ranks and the world sizes its workers were told."""
+    log = tmp_path / node / "state" / "jobs" / "sp" / "logs" / "run.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [([int(r) for r in ranks.split(",")], {int(w) for w in worlds.split(",")})
+            for ranks, worlds in zip(RANKS_RE.findall(text), WORLDS_RE.findall(text))]
+
+
+@pytest.mark.parametrize("victim", ["n1", "n0"])  # n0: rank 0's node, the store's host; sorted ids would move n1
+def test_a_spare_waits_without_restarting_the_job_and_takes_the_lost_nodes_ranks(tmp_path, victim):
+    steps, ckpt = 60, tmp_path / "shared" / "ckpt"
+    with TestBed(nodes=3, etcd_members=1, workdir=tmp_path / "bed") as bed:
+
+        def text(*nodes) -> str:  # the runs' output
+            paths = [tmp_path / n / "run.log" for n in nodes or ("n0", "n1", "n2")]
+            return "".join(p.read_text(errors="replace") for p in paths if p.exists())
+
+        runs = {n: _start(bed, tmp_path, n, steps, ckpt) for n in ("n0", "n1")}
+        wait_for(lambda: _steps(text()) or any(p.poll() is not None for p in runs.values()), 240,
+                 what="n0 and n1 to train")
+        runs["n2"] = _start(bed, tmp_path, "n2", steps, ckpt)
+        wait_for(lambda: "waits in round" in text("n2") or runs["n2"].poll() is not None, 120,
+                 what="n2 to wait as the spare")
+        wait_for(lambda: max(_steps(text()) or [0]) >= 20 or any(p.poll() is not None for p in runs.values()), 240,
+                 what="the job to reach step 20 with the spare waiting")
+        assert all(p.poll() is None for p in runs.values()), text()[-4000:]
+        status = bed.run("n0", [sys.executable, "-m", "trainwarden.agent.cli", "status", "--etcd", bed.etcd_endpoints,
+                                "--job", "sp", "--json"], check=True).stdout
+        phases = {n["node"]: (n["phase"], n["ranks"]) for n in json.loads(status)[0]["nodes"]}
+        assert phases["n2"] == ("spare", []) and phases["n0"][0] == phases["n1"][0] == "running", phases
+        # the spare cost the trainers no restart and holds no workers
+        assert "restarting the worker group" not in text("n0", "n1"), text("n0", "n1")[-4000:]
+        assert _rounds(tmp_path, "n2") == [] and [r for r, _ in _rounds(tmp_path, "n0") + _rounds(tmp_path, "n1")] \
+            == [[0, 1], [2, 3]]
+        survivor, ranks = ("n0", [0, 1]) if victim == "n1" else ("n1", [2, 3])
+        lost_ranks = [2, 3] if victim == "n1" else [0, 1]
+        bed.kill(victim)
+        (tmp_path / victim / "run.log").rename(tmp_path / victim / "killed.log")
+        for node in (survivor, "n2"):
+            assert runs[node].wait(300) == 0, f"{node}: " + text(node)[-4000:]
+        # n2 took the lost node's ranks; the survivor kept its own; four ranks in every round
+        assert [r for r, _ in _rounds(tmp_path, "n2")] == [lost_ranks], _rounds(tmp_path, "n2")
+        assert {tuple(r) for r, _ in _rounds(tmp_path, survivor)} == {tuple(ranks)}
+        assert all(w == {4} for n in (survivor, "n2") for _, w in _rounds(tmp_path, n))
+        story = _rank0((tmp_path / victim / "killed.log").read_text() + text(survivor, "n2"))
+        resumed = _check_continuation(story, steps, require_replay=False)
+        assert resumed >= 15, story  # from memory or the last checkpoint, never from step 1
+        lost = {i["id"]: i for i in _etcd_incidents(bed, "sp") if i["kind"] == "node_lost"}
+        assert [(i["node"], i["ranks"], i["evidence"].get("spare")) for i in lost.values()] == [
+            (victim, lost_ranks, "n2")]
+        incident, = lost.values()
+        assert incident["evidence"]["summary"].startswith(
+            f"node {victim} lost; spare n2 took ranks {','.join(map(str, lost_ranks))}"), incident
+        print(f"{victim} lost: the spare took ranks {lost_ranks}; resumed from step", resumed,
+              "memory" if "resumed from the memory" in text(survivor, "n2") else "disk")
+    assert bed.leftovers() == []
