@@ -32,7 +32,9 @@ def cli(tmp_path, *args):
                           text=True, timeout=60)
 
 
-@pytest.mark.parametrize("damage", ["metadata_gone", "metadata_garbage"])
+# metadata_garbage in the extended tier (~45-60 s): garbage metadata is also tests/unit/test_metadata_unpickler.py's
+# and test_root_reads_checkpoints.py's
+@pytest.mark.parametrize("damage", ["metadata_gone", pytest.param("metadata_garbage", marks=pytest.mark.extended)])
 def test_damaged_checkpoints_stop_the_job_without_a_restart_and_are_kept(tmp_path, procs, damage):
     rc, log = run_job(procs, tmp_path, "first", 8)
     assert rc == 0, log[-3000:]

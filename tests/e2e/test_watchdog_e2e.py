@@ -125,7 +125,8 @@ CLEAN_MATRIX = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(CLEAN_MATRIX))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n == "fsdp-ckpt" else n
+                                  for n in sorted(CLEAN_MATRIX)])  # fsdp-ckpt: ~70-95 s, the extended tier's
 def test_clean_jobs_of_other_shapes_raise_no_straggler(procs, tmp_path, name):
     nproc, script = CLEAN_MATRIX[name]
     env = gpt_env()

@@ -55,6 +55,7 @@ def test_a_smaller_world_restores_the_newest_memory_step_resharded_across_nodes(
     assert_same_state(load(trained / "dump-5.pt"), restored, rng=False)
 
 
+@pytest.mark.extended  # a second variant of the reshard restore (~30-45 s)
 @pytest.mark.timeout(300)
 def test_the_same_world_numbered_anew_restores_from_the_other_nodes_files(trained, tmp_path, procs):
     _copy(trained, tmp_path)
@@ -110,6 +111,7 @@ def test_a_lost_nodes_ranks_restore_from_the_copies_the_other_node_holds(trained
     assert "stops copying" not in train_log
 
 
+@pytest.mark.extended  # a second variant of restoring from the peer copies (~30-40 s)
 @pytest.mark.timeout(300)
 def test_a_rank_whose_own_file_is_only_a_peer_copy_loads_it_at_the_same_world(trained_with_copies, tmp_path, procs):
     """Node 1 replaced: the four ranks again, old ranks 2 and 3 now on node 0 with the copies of their files."""
