@@ -205,7 +205,6 @@ def test_a_hang_under_trainwarden_run_resumes_from_memory_to_the_same_losses(str
     assert stages == {"0": "committed", **{str(r): "written" for r in range(1, 8)}}, stages
 
 
-@pytest.mark.extended  # ~30-40 s, a long scenario: `make test-all` runs it
 @pytest.mark.timeout(300)
 def test_gradient_accumulation_keeps_the_global_batch_when_data_parallelism_shrinks(module_procs, tmp_path):
     """``--micro-batch-size 2`` with a global batch of 8: two ranks of dp take two micro-batches each, one rank
