@@ -79,6 +79,7 @@ def test_the_console_check_catches_a_broken_page(chromium, tmp_path):
     assert any("Uncaught ReferenceError: notDefined is not defined" in line for line in console), console
 
 
+@pytest.mark.extended  # 75-105 s (a faulted 4-rank run first); chromium stays in the default suite (the console check)
 def test_the_report_of_a_faulted_run_renders_in_chromium(chromium, procs, tmp_path):
     home = tmp_path / "state"
     env = gpt_env()

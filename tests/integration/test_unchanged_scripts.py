@@ -177,9 +177,10 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psuti
     return None
 
 
-SECOND_VARIANTS = {"accumulate4", "two_optimizers", "pipeline_gpipe"}
-"""The step rule's other cases and another shape, in the extended tier (about 40 s each): the default suite keeps DDP,
-FSDP2 and the job with collectives and no optimizer; tests/unit/test_auto_instrument.py covers the rule itself."""
+SECOND_VARIANTS = {"accumulate4", "two_optimizers", "pipeline_gpipe", "eval_collectives"}
+"""The step rule's other cases and other shapes, in the extended tier (40-80 s each): the default suite keeps DDP and
+FSDP2, and test_a_collectives_only_job_is_not_taken_for_hung_between_its_reads below runs a job with collectives and
+no optimizer; tests/unit/test_auto_instrument.py covers the rule itself."""
 
 
 @pytest.mark.timeout(10)
