@@ -101,6 +101,8 @@ def test_slow_rank_is_flagged_and_cleared(procs, tmp_path):
     assert not [i for i in found if i["kind"] == "hang"]
 
 
+@pytest.mark.extended  # ~110 s; the default suite keeps a clean 4-rank DDP job (the other shapes below) and every
+# reference-job run there that asserts its incidents
 @pytest.mark.timeout(400)
 def test_clean_run_raises_no_hang_and_no_straggler(procs, tmp_path):
     """200 steps (about 40 s) with a checkpoint every 20 and no fault: the watchdog must stay quiet

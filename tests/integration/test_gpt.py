@@ -181,6 +181,7 @@ def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module
 
 
 @pytest.mark.e2e
+@pytest.mark.extended  # ~60 s; a hang's recovery from memory stays in test_watchdog_e2e.py (hang-2-warm)
 @pytest.mark.timeout(400)
 def test_a_hang_under_trainwarden_run_resumes_from_memory_to_the_same_losses(straight, module_procs, tmp_path):
     """Rank 2 blocks forever at step 10 (issue 26): the watchdog aborts the job, the restarted ranks restore the step

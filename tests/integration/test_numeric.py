@@ -133,8 +133,11 @@ USER_LOOP = textwrap.dedent("""
     everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
     same = all(torch.equal(everyone[0], other) for other in everyone)
-    print(f"rank {rank} applied={applied} finite={bool(torch.isfinite(flat).all())} same={same} "
-          f"events={[(e.step, e.first_rank, e.where, e.everywhere) for e in guard.events]}", flush=True)
+    events = [(e.step, e.first_rank, e.where, e.everywhere) for e in guard.events]
+    # one write per line: three ranks print at once to one file, and print() writes the newline apart
+    sys.stdout.write(f"rank {rank} applied={applied} finite={bool(torch.isfinite(flat).all())} same={same} "
+                     f"events={events}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """)
 
@@ -147,7 +150,7 @@ def test_a_users_own_ddp_loop_skips_the_same_step_on_every_rank_and_names_the_po
     proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
     assert proc.wait(150) == 0, log.read_text()[-3000:]
-    lines = sorted(re.findall(r"rank (\d) applied=(\d+) finite=(\w+) same=(\w+) events=(.*)", log.read_text()))
+    lines = sorted(re.findall(r"rank (\d) applied=(\d+) finite=(\w+) same=(\w+) events=(\[.*?\])", log.read_text()))
     assert [line[0] for line in lines] == ["0", "1", "2"], log.read_text()[-2000:]
     for _, applied, finite, same, events in lines:
         assert (applied, finite, same) == ("6", "True", "True")
