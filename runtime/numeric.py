@@ -255,7 +255,9 @@ class NumericGuard:
             self.policy]
         event = NumericEvent(step=step, first_rank=first, where=where, action=action, everywhere=everywhere)
         self.events.append(event)
-        detail = self._detail(event, loss, previous if recurred else None)
+        # the detail reads the device (the loss, the norms): only the rank that reports it, or every rank that stops
+        needed = self._rank == first or action == "stopped"
+        detail = self._detail(event, loss, previous if recurred else None) if needed else ""
         if self._rank == first:
             log.error("rank %d: %s; %s", self._rank, event.describe(), detail)
             if self._session is not None:
