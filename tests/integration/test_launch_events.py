@@ -37,8 +37,11 @@ def _run_reporting(tmp_path: Path, monitor_interval: float) -> tuple[int, list[d
     return rc, events, proc.stderr.read().decode()[-2000:]
 
 
-def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_reported(tmp_path):
-    rc, events, stderr = _run_reporting(tmp_path, 0.2)
+def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_reported_when_they_happen(tmp_path):
+    # --monitor-interval 600: torch's loop polled every interval, so the failure and the end were seen only after
+    # 600 s each (past this test's 120 s timeout). Now an exit wakes the agent, and the interval only bounds a wait.
+    # (One run checks both: the reports, and that they come when the exits happen.)
+    rc, events, stderr = _run_reporting(tmp_path, 600)
     assert rc == 0, stderr
     assert [e["event"] for e in events] == ["started", "failed", "restarting", "started", "finished"]
     first, failed, restarting, second, finished = events
@@ -50,15 +53,6 @@ def test_rounds_failures_with_exit_codes_and_error_files_and_restarts_are_report
     assert second["restart_count"] == 1
     assert {w["pid"] for w in second["workers"]}.isdisjoint({w["pid"] for w in first["workers"]})
     assert finished["state"] == "SUCCEEDED"
-
-
-def test_a_workers_exit_is_acted_on_when_it_happens_not_at_the_next_poll(tmp_path):
-    # torch's loop polled every --monitor-interval: with 600 s, the failure and the end were seen only after
-    # 600 s each (this test's 120 s timeout). Now an exit wakes the agent, and the interval only bounds a wait.
-    rc, events, stderr = _run_reporting(tmp_path, 600)
-    assert rc == 0, stderr
-    assert [e["event"] for e in events] == ["started", "failed", "restarting", "started", "finished"]
-    assert events[-1]["state"] == "SUCCEEDED"
 
 
 @pytest.mark.extended  # ~40 s; a second variant: the events' absence
