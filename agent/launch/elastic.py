@@ -259,21 +259,23 @@ def _error_message(failure) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """torchrun's ``main`` with the reporting agent when ``TRAINWARDEN_LAUNCH_EVENTS_FD`` names a pipe."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.launcher import api as launcher_api
-
     supervisor = os.environ.pop(SUPERVISOR_PID_ENV, None)
     if supervisor:  # trainwarden run killed hard: SIGTERM makes torchrun stop its workers before it goes
         die_with_parent(signal.SIGTERM, int(supervisor))
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # and the workers that can, die with this process
     fd = os.environ.pop(EVENTS_FD_ENV, None)
     reply_fd = os.environ.pop(REPLY_FD_ENV, None)
-    if fd:
-        replies = ReplyChannel(int(reply_fd)) if reply_fd else None
-        launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)), replies)
     argv = sys.argv[1:] if argv is None else argv
+    # the zygote first: its imports (torch's among them) then run beside this process's own import of torch,
+    # which otherwise came first and delayed every launch's first workers by one whole import
     zygote = _start_zygote(argv)
     try:
+        from torch.distributed import run as torchrun
+        from torch.distributed.launcher import api as launcher_api
+
+        if fd:
+            replies = ReplyChannel(int(reply_fd)) if reply_fd else None
+            launcher_api.LocalElasticAgent = reporting_agent_class(EventSink(int(fd)), replies)
         torchrun.main(argv)
     finally:
         if zygote is not None:
