@@ -3,6 +3,6 @@ of its own (``status`` for ``status``/``top``, ``incidents``; ``run`` and ``agen
 ``node``). Bad input is one line on stderr and ``EXIT_USAGE``. It may import every other layer; none imports it.
 """
 
-from trainwarden.agent.cli.main import build_parser, main
+from trainwarden.agent.cli.main import build_parser, entry, main
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "entry", "main"]

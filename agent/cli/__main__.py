@@ -1,7 +1,5 @@
 """``python -m trainwarden.agent.cli``: the same as the ``trainwarden`` command."""
 
-import sys
+from trainwarden.agent.cli.main import entry
 
-from trainwarden.agent.cli.main import main
-
-sys.exit(main())
+entry()

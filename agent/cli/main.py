@@ -13,6 +13,7 @@ import sys
 from trainwarden.agent import __version__
 from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, linkcheck, report, run, status
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.process_exit import exit_now
 
 __all__ = ["build_parser", "main", "whole_lines"]
 
@@ -58,5 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def entry() -> None:
+    """The process's entry point (the ``trainwarden`` command, ``python -m trainwarden.agent.cli``): ``main``, then
+    exit without the interpreter's finalization, which took about a second after a ``run`` had cleaned up
+    (agent/common/process_exit.py). ``main`` itself returns, for callers in the same process."""
+    try:
+        code = main()
+    except SystemExit as exit_:  # argparse's errors and --help
+        if not isinstance(exit_.code, (int, type(None))):
+            raise
+        code = exit_.code
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -13,7 +13,6 @@ from typing import TextIO
 
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.report import ReportError, gather, write_report
 
 __all__ = ["add_parser"]
 
@@ -34,6 +33,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd_report(args, out: TextIO | None = None) -> int:
+    from trainwarden.agent.report import ReportError, gather, write_report  # numpy: only for this command
+
     try:
         data = gather(args.job, args.state_home)
         if data.history.skipped_lines:

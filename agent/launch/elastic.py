@@ -305,4 +305,12 @@ def _start_zygote(argv: list[str]):
 
 
 if __name__ == "__main__":
-    main()
+    from trainwarden.agent.common.process_exit import exit_now
+
+    try:
+        main()
+    except SystemExit as exit_:  # torchrun's own exits (argument errors, ``sys.exit(code)``): the same code
+        if not isinstance(exit_.code, (int, type(None))):
+            raise
+        exit_now(exit_.code)
+    exit_now(0)  # torch's finalization took 1.5 to 2 s after every launch (agent/common/process_exit.py)

@@ -168,7 +168,8 @@ class MetricsExporter:
             where = f"{self._host}:{self._requested_port}"
             raise ExporterError(f"cannot serve metrics on {where}: {err.strerror}; {hint}") from err
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="trainwarden-metrics", daemon=True)
+        self._thread = threading.Thread(target=server.serve_forever, args=(0.1,), name="trainwarden-metrics",
+                                        daemon=True)
         self._thread.start()
         logger.info("serving Prometheus metrics on %s", self.url)
         return self

@@ -293,7 +293,8 @@ class AlertmanagerWebhook:
         # bounded threads, idle connections closed after 5 s without one of their own (agent/common/bounded_http.py)
         self._server = _Server((host, port), _handler(self), max_threads=8, idle_timeout_s=5.0,
                                request_timeout_s=10.0, name="trainwarden-webhook")
-        self._thread = threading.Thread(target=self._server.serve_forever, name="trainwarden-webhook", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="trainwarden-webhook",
+                                        daemon=True)
         self._thread.start()
         logger.info("Alertmanager webhook serving on %s (resumes at most %d per job per hour)", self.url,
                     self.config.resumes_per_hour)

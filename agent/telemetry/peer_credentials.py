@@ -83,6 +83,13 @@ class PeerCredentialServer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            try:  # a connection wakes the accept at once, rather than at its next 0.5 s timeout
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                    wake.settimeout(0.5)
+                    wake.connect(str(self.path))
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(2.0)
         if self._sock is not None:
@@ -110,6 +117,9 @@ class PeerCredentialServer:
             except OSError:
                 if not self._stop.is_set():
                     log.exception("peer credential socket failed; workers stream unverified")
+                return
+            if self._stop.is_set():  # stop's wake-up call
+                conn.close()
                 return
             try:
                 with conn:

@@ -35,7 +35,7 @@ def test_the_wheel_holds_every_package_and_its_entry_points_work(tmp_path):
     assert "trainwarden/agent/proto/telemetry.proto" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "trainwarden = trainwarden.agent.cli:main" in text
+    assert "trainwarden = trainwarden.agent.cli:entry" in text
     assert "etcd3 = trainwarden.agent.rendezvous:handler_factory" in text
 
     # installed from the wheel alone (not the editable checkout): the command runs and the backend loads
