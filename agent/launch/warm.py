@@ -434,6 +434,27 @@ def _arm_auto_instrumentation() -> None:
               file=sys.stderr, flush=True)
 
 
+def worker_title(env, argv: list[str]) -> str:
+    """What ``ps`` and ``pgrep -f`` show for a warm worker: who it is (its command line is the zygote's, and
+    ``/proc/PID/environ`` holds the zygote's environment, not the rank's)."""
+    from trainwarden.agent.proto.contract import JOB_ENV
+
+    who = " ".join(f"{name}={env[key]}" for name, key in (("job", JOB_ENV), ("rank", "RANK"),
+                                                         ("local_rank", "LOCAL_RANK")) if env.get(key))
+    return f"trainwarden worker {who}: {' '.join(argv)}"[:1024]
+
+
+def _set_title(argv: list[str]) -> None:
+    """The process title (``setproctitle``) and its short name (``comm``: ``tw-rank-R``, 15 bytes at most)."""
+    try:
+        from setproctitle import setproctitle, setthreadtitle
+
+        setproctitle(worker_title(os.environ, argv))
+        setthreadtitle(f"tw-rank-{os.environ.get('RANK', '?')}"[:15])
+    except Exception:  # a title is a convenience: never a reason for the worker not to run
+        pass
+
+
 def _become(job: _Job) -> None:
     """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
     _pdeathsig()
@@ -448,6 +469,7 @@ def _become(job: _Job) -> None:
     if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
     os.chdir(request["cwd"])
+    _set_title(request["argv"])
     _arm_auto_instrumentation()
     for sig in _FORWARDED:
         signal.signal(sig, signal.SIG_DFL)

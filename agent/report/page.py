@@ -78,8 +78,8 @@ def _plotly():
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
     except ImportError:
-        raise ReportError("the report draws its charts with plotly, which is not installed here: "
-                          "pip install 'trainwarden[report]'") from None
+        raise ReportError("the report draws its charts with plotly, a dependency of trainwarden that is missing "
+                          "here: pip install 'plotly>=5.20' (or reinstall trainwarden)") from None
     return go, make_subplots
 
 

@@ -91,10 +91,15 @@ def test_the_worker_is_forked_from_the_zygote_and_exits_as_the_client(zygote, tm
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):
     script, env, map_dir, _ = zygote
+    env = {**env, "TRAINWARDEN_JOB": "warmtest", "RANK": "3", "LOCAL_RANK": "1"}
     out = tmp_path / "w"
     client = _client(script, env, str(out), "wait")
     worker = int(_report(out)[0])
     assert Path(map_dir, str(worker)).read_text() == str(client.pid)  # what the supervisor's commit guard reads
+    # ps and pgrep find a rank's worker by its title (its command line would be the zygote's)
+    title = " ".join(psutil.Process(worker).cmdline())
+    assert title.startswith("trainwarden worker job=warmtest rank=3 local_rank=1: ") and str(script) in title, title
+    assert psutil.Process(worker).name() == "tw-rank-3"
     client.send_signal(signal.SIGUSR1)  # forwarded
     assert client.wait(30) == 7
     assert Path(str(out) + ".sig").read_text() == str(int(signal.SIGUSR1))

@@ -142,11 +142,11 @@ def test_a_job_without_history_says_why(tmp_path, capsys):
     assert "never started" in capsys.readouterr().err
 
 
-def test_without_plotly_the_error_names_the_extra(tmp_path, monkeypatch):
+def test_without_plotly_the_error_says_what_to_install(tmp_path, monkeypatch):
     write_history(tmp_path)
     for name in ("plotly", "plotly.graph_objects", "plotly.subplots"):
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ReportError, match=r"pip install 'trainwarden\[report\]'"):
+    with pytest.raises(ReportError, match=r"pip install 'plotly>=5.20'"):
         build_report("j", tmp_path)
 
 
