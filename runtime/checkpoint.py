@@ -405,7 +405,7 @@ class Checkpointer(MemoryRestore):
             raise CheckpointError("restore() on a closed Checkpointer; create a new one")
         self.wait()
         began = time.monotonic()
-        self._report("restore_start", 0)
+        self._report("restore_start", 0, path=str(self.directory))  # the launcher records where this job checkpoints
         plan = self._broadcast(self._plan_restore() if self.rank == 0 else None)
         if plan.error:
             self._block(plan.error, CheckpointError)

@@ -14,7 +14,8 @@ from pathlib import Path
 from trainwarden.agent.common.untrusted_fs import read_small_text
 from trainwarden.agent.proto.contract import JOB_NAME_RE, validate_job_name  # the one rule, shared with workers
 
-__all__ = ["CHECKPOINT_DIR_RECORD", "JOB_NAME_RE", "default_state_home", "job_checkpoint_dir", "job_records_dir",
+__all__ = ["CHECKPOINT_DIR_RECORD", "JOB_NAME_RE", "default_checkpoint_dir", "default_state_home", "job_checkpoint_dir",
+           "job_records_dir",
            "job_state_dir", "records_home",
            "validate_job_name"]
 
@@ -39,7 +40,12 @@ def job_checkpoint_dir(job: str, state_home: str | os.PathLike | None = None) ->
         recorded = read_small_text(state / CHECKPOINT_DIR_RECORD, 4096, under=state.parent).strip()
     except OSError:
         recorded = ""
-    return Path(recorded) if recorded else state / "checkpoints"
+    return Path(recorded) if recorded else default_checkpoint_dir(state)
+
+
+def default_checkpoint_dir(state_dir: Path) -> Path:
+    """Where a job's workers checkpoint when nobody said otherwise (their ``TRAINWARDEN_CHECKPOINT_DIR``)."""
+    return state_dir / "checkpoints"
 
 
 def job_state_dir(job: str, state_home: str | os.PathLike | None = None) -> Path:

@@ -261,6 +261,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._round_step_end = 0.0  # when it ended (wall clock, the step's own timestamp; 0: none yet)
         self._round: int | None = None  # the rendezvous round of the current workers
         self._committed_step = 0  # the latest checkpoint step a local worker reported committed
+        self._reported_checkpoint_dir: Path | None = None  # where the workers said they checkpoint
         self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
         self._reply_fd: int | None = None
         self._worker_pids: list[int] = []
@@ -626,14 +627,20 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
 
     @property
     def checkpoint_dir(self) -> Path:
-        """Where the job's checkpoints are: the script's --ckpt-dir, else the launcher's default."""
-        script = self.opts.script
-        for i, arg in enumerate(script):
-            if arg == "--ckpt-dir" and i + 1 < len(script):
-                return Path(script[i + 1])
-            if arg.startswith("--ckpt-dir="):
-                return Path(arg.split("=", 1)[1])
-        return Path(self.env[CHECKPOINT_DIR_ENV])
+        """Where the job's checkpoints are: where its workers said they checkpoint (``on_checkpoint``), else the
+        directory the workers are given (``TRAINWARDEN_CHECKPOINT_DIR``: the spec's, the caller's, the default)."""
+        return self._reported_checkpoint_dir or Path(self.env[CHECKPOINT_DIR_ENV])
+
+    def _checkpoints_are_in(self, directory: Path) -> None:
+        """A worker's Checkpointer said where it keeps the job's checkpoints: the record follows (``trainwarden
+        checkpoints``, ``report`` and the summary read it). Nothing scans the script's arguments for a flag."""
+        if directory == self.checkpoint_dir:
+            return
+        self._reported_checkpoint_dir = directory
+        try:
+            atomic_write(self.state_dir / CHECKPOINT_DIR_RECORD, f"{directory.resolve()}\n".encode())
+        except OSError as exc:
+            logger.warning("cannot record the checkpoint directory %s: %s", directory, exc)
 
     def _write_record(self, cleanup: ExitStack, name: str, value: str) -> None:
         path = self.state_dir / name
@@ -796,6 +803,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
 
     def on_checkpoint(self, job: str, rank: int, stage: str, step: int, path: str, nbytes: int,
                       detail: str = "", seconds: float = 0.0) -> None:
+        if job == self.opts.job and path and stage in ("restore_start", "committed"):  # the directory; a step's
+            self._checkpoints_are_in(Path(path) if stage == "restore_start" else Path(path).parent)
         if job == self.opts.job and stage == "staged":
             self.goodput.checkpoint_stall(step, seconds)
         elif job == self.opts.job and stage == "restored":

@@ -31,6 +31,7 @@ from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_
                                              validate_job_name)
 
 from trainwarden.agent.common.job_spec import parse_nnodes
+from trainwarden.agent.common.paths import default_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
     env["PYTHONUNBUFFERED"] = "1"
     env[JOB_ENV] = spec.job
     env[STATE_DIR_ENV] = str(spec.state_dir)
-    env.setdefault(CHECKPOINT_DIR_ENV, str(spec.state_dir / "checkpoints"))
+    env.setdefault(CHECKPOINT_DIR_ENV, str(default_checkpoint_dir(spec.state_dir)))
     if spec.agent_socket:
         env[AGENT_SOCKET_ENV] = spec.agent_socket
     if spec.warm_dir:
