@@ -188,7 +188,7 @@ class JobSpec:
     nodes: tuple[str, ...] = ()
     """The nodes that may run the job; empty: any node."""
     warm_workers: bool = True
-    """Restarted workers fork from a process with torch imported (agent/launch/warm.py); false:
+    """Restarted workers fork from a process with torch imported (runtime/zygote.py); false:
     ``trainwarden run --cold-workers``."""
     memory_snapshots: bool = True
     """The workers' per-step snapshots kept in shared memory across restarts; false: ``--no-memory-snapshots``."""

@@ -55,7 +55,8 @@ import time
 from typing import Any
 
 from trainwarden.agent.launch.exit_clock import ExitClock
-from trainwarden.agent.proto.contract import EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED
+from trainwarden.agent.proto.contract import (EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, WARM_MAP_DIR_ENV, WARM_SOCKET_ENV,
+                                              WARM_ZYGOTE_PID_ENV, ZYGOTE_MODULE)
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
 __all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
@@ -287,20 +288,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _start_zygote(argv: list[str]):
-    """With warm workers (the script is agent/launch/warm.py's client), the process they fork from, started
-    here, from the main thread and before torch's agent starts any thread (its parent-death signal follows
-    the thread that started it)."""
+    """With warm workers (torchrun's script is the zygote's client, ``-m ZYGOTE_MODULE SCRIPT...``: runtime/zygote.py),
+    the process they fork from, started here, from the main thread and before torch's agent starts any thread (its
+    parent-death signal follows the thread that started it)."""
     import subprocess
 
-    from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV, ZYGOTE_PID_ENV
-
-    marker = "trainwarden.agent.launch.warm"
-    path, map_dir = os.environ.get(SOCKET_ENV), os.environ.get(MAP_DIR_ENV)
-    if marker not in argv or not path or not map_dir:
+    path, map_dir = os.environ.get(WARM_SOCKET_ENV), os.environ.get(WARM_MAP_DIR_ENV)
+    if ZYGOTE_MODULE not in argv or not path or not map_dir:
         return None
-    script = argv[argv.index(marker) + 1:]
-    zygote = subprocess.Popen([sys.executable, "-m", marker, "--serve", path, map_dir, *script])
-    os.environ[ZYGOTE_PID_ENV] = str(zygote.pid)  # torch's agent passes it on: clients wait only while it lives
+    script = argv[argv.index(ZYGOTE_MODULE) + 1:]
+    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, "--serve", path, map_dir, *script])
+    os.environ[WARM_ZYGOTE_PID_ENV] = str(zygote.pid)  # torch's agent passes it on: clients wait only while it lives
     return zygote
 
 

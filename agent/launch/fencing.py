@@ -17,7 +17,6 @@ state (options, node, etcd client, membership, progress, torchrun, agent, round)
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from trainwarden.agent.common.job_lifecycle import JobPhase
@@ -25,6 +24,7 @@ from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_erro
 from trainwarden.agent.etcd.cluster import advance_round, commit_in_round, round_id
 from trainwarden.agent.etcd.membership import should_fence
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.proto.contract import warm_parent, warm_paths
 
 __all__ = ["FENCED", "Fencing"]
 
@@ -85,13 +85,11 @@ class Fencing:
 
     def _is_round_worker(self, pid: int) -> bool:
         """``pid`` is a worker of this node's current round: one torch's agent started, or the warm worker
-        one of those stands for (agent/launch/warm.py)."""
+        one of those stands for (runtime/zygote.py)."""
         if pid in self._worker_pids:
             return True
-        from trainwarden.agent.launch.warm import warm_parent
-
         warm = getattr(self, "_warm", None)
-        return warm is not None and warm_parent(pid, os.path.join(warm, "workers")) in self._worker_pids
+        return warm is not None and warm_parent(pid, warm_paths(warm)[1]) in self._worker_pids
 
     def _commit_refusal(self, job: str, rank: int, pid: int, step: int, path: str, nbytes: int) -> str | None:
         """The telemetry server's commit guard: None when rank ``rank`` may publish checkpoint ``step`` as the

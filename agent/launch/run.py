@@ -70,7 +70,8 @@ from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_
 from trainwarden.agent.proto.atomic_file import atomic_write
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
 from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
-                                              NUMERIC_POLICIES, NUMERIC_POLICY_ENV, validate_node_name)
+                                              NUMERIC_POLICIES, NUMERIC_POLICY_ENV, validate_node_name, warm_parent,
+                                              warm_paths)
 from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.job_telemetry import steps_from
 from trainwarden.agent.telemetry.server import TelemetryServerError
@@ -130,7 +131,7 @@ class RunOptions:
     managed: bool = False
     """Started by the node daemon for a submitted job: the spec in etcd is the operator's, never rewritten."""
     warm_workers: bool = True
-    """Restarted workers fork from a process with torch imported (agent/launch/warm.py); False: cold starts."""
+    """Restarted workers fork from a process with torch imported (runtime/zygote.py); False: cold starts."""
     rendezvous_round: str = "native"
     """``native``: the etcd-native round (a key per node, one closing transaction: agent/rendezvous/native.py);
     ``dynamic``: torch's dynamic rendezvous over etcd, every join a compare-and-set on one shared blob."""
@@ -831,9 +832,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._warm = str(scratch_dir("tw-warm-"))
         cleanup.callback(shutil.rmtree, self._warm, True)
         if self.agent is not None:  # an aborted warm worker's SIGKILL is its client's death to torch's agent
-            from trainwarden.agent.launch.warm import warm_parent
-
-            workers = os.path.join(self._warm, "workers")
+            workers = warm_paths(self._warm)[1]
             self.agent.actions.stand_in = lambda pid: warm_parent(pid, workers)
         return self._warm
 

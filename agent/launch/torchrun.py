@@ -28,7 +28,8 @@ from pathlib import Path
 
 from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
                                              FLIGHT_RECORDER_ENV, JOB_ENV, STATE_DIR_ENV, TOKENS_PER_STEP_ENV,
-                                             validate_job_name)
+                                             WARM_MAP_DIR_ENV, WARM_SOCKET_ENV, ZYGOTE_MODULE, validate_job_name,
+                                             warm_paths)
 
 from trainwarden.agent.common.job_spec import parse_nnodes
 from trainwarden.agent.common.paths import default_checkpoint_dir
@@ -98,7 +99,7 @@ class LaunchSpec:
     """Address advertised in the rendezvous (and for the workers' store); None: loopback when the job
     has one node, torchrun's default (the host name) otherwise."""
     warm_dir: str | None = None
-    """With a directory: warm workers (agent/launch/warm.py), the zygote's socket and pid map in it."""
+    """With a directory: warm workers (runtime/zygote.py), the zygote's socket and pid map in it."""
     auto_instrument: bool = True
     """Instrument the workers with no change to the script (runtime/auto.py): needs ``agent_socket``."""
     tokens_per_step: int = 0
@@ -132,8 +133,8 @@ def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str
                              "options; use paths without them")
         cmd += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in sorted(spec.rdzv_conf.items()))]
     script = list(spec.script)
-    if spec.warm_dir:  # each rank's process is warm.py's client; it runs the script in a forked warm worker
-        script = ["-m", "trainwarden.agent.launch.warm", *script]
+    if spec.warm_dir:  # each rank's process is the zygote's client; it runs the script in a forked warm worker
+        script = ["-m", ZYGOTE_MODULE, *script]
     if script[0] == "-m":
         cmd += ["-m", *script[1:]]
     else:
@@ -157,10 +158,7 @@ def worker_environment(spec: LaunchSpec, base: dict[str, str] | None = None) -> 
     if spec.agent_socket:
         env[AGENT_SOCKET_ENV] = spec.agent_socket
     if spec.warm_dir:
-        from trainwarden.agent.launch.warm import MAP_DIR_ENV, SOCKET_ENV
-
-        env[SOCKET_ENV] = os.path.join(spec.warm_dir, "zygote.sock")
-        env[MAP_DIR_ENV] = os.path.join(spec.warm_dir, "workers")
+        env[WARM_SOCKET_ENV], env[WARM_MAP_DIR_ENV] = warm_paths(spec.warm_dir)
     env.update(spec.extra_env)
     if spec.agent_socket and spec.auto_instrument:  # after the user's env: their PYTHONPATH follows ours
         bootstrap = worker_bootstrap_dir()

@@ -55,7 +55,7 @@ class AgentActions:
         self.refused: dict[str, int] = {}
         self.stand_in: Callable[[int], int | None] = lambda pid: None
         """The pid the launcher knows a worker by, when that is not the worker's own: a warm worker's client
-        (agent/launch/warm.py; set by `trainwarden run`). A worker SIGKILLed counts as killed under both."""
+        (runtime/zygote.py; set by `trainwarden run`). A worker SIGKILLed counts as killed under both."""
 
     def killed_by_agent(self, pid: int) -> bool:
         """True when the agent itself SIGKILLed `pid` (a worker that could not obey an abort), or the worker

@@ -15,7 +15,8 @@ __all__ = [
     "EXIT_ABORTED", "EXIT_NUMERIC_STOP", "EXIT_RESUME_BLOCKED", "NUMERIC_KINDS", "NUMERIC_POLICIES", "NUMERIC_POLICY_ENV",
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "PEER_TOKEN_METADATA", "SERVICE_NAME",
-    "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV",
+    "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV", "WARM_MAP_DIR_ENV", "WARM_SOCKET_ENV", "WARM_WAIT_ENV",
+    "WARM_ZYGOTE_PID_ENV", "warm_parent", "warm_paths", "ZYGOTE_MODULE",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -171,3 +172,32 @@ def validate_node_name(name: str) -> str:
         raise ValueError(f"node name {name!r} is invalid: use letters, digits, '.', '_' or '-' (at most 253), "
                          "starting and ending with a letter or digit")
     return name
+
+
+# ---- warm workers (runtime/zygote.py; the launcher starts the zygote, the agent reads its pid map) ----------
+
+ZYGOTE_MODULE = "trainwarden.runtime.zygote"
+"""``python -m`` this: with ``--serve SOCKET MAP_DIR SCRIPT...`` the zygote, else the client torch's agent starts
+per rank in place of the script."""
+WARM_SOCKET_ENV = "TRAINWARDEN_WARM_SOCKET"
+WARM_MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
+WARM_ZYGOTE_PID_ENV = "TRAINWARDEN_WARM_ZYGOTE_PID"
+"""The zygote's pid (set by the launcher that started it): a client waits for its socket only while it lives."""
+WARM_WAIT_ENV = "TRAINWARDEN_WARM_WAIT_S"
+
+
+def warm_paths(warm_dir: str) -> tuple[str, str]:
+    """The zygote's socket and its pid map directory inside a run's private warm directory."""
+    return f"{warm_dir}/zygote.sock", f"{warm_dir}/workers"
+
+
+def warm_parent(pid: int, map_dir: str | None) -> int | None:
+    """The client pid a warm worker stands behind (None: not a warm worker): the zygote writes
+    ``<map dir>/<worker pid>`` holding it."""
+    if not map_dir:
+        return None
+    try:
+        with open(f"{map_dir}/{int(pid)}") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None

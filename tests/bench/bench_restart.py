@@ -73,7 +73,7 @@ GPT = ["-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--tp", "2", "--pp
 LAUNCHERS = ("trainwarden", "torchrun", "trainwarden-warm")
 """``trainwarden``: ``trainwarden run --cold-workers`` (new interpreters, as torchrun starts them);
 ``trainwarden-warm``: the default, warm workers (restarted workers fork from a zygote with torch imported,
-agent/launch/warm.py); its "started" is the client process torch's agent starts per rank."""
+runtime/zygote.py); its "started" is the client process torch's agent starts per rank."""
 JOB = "benchrestart"
 
 PHASES = ("old_gone", "detected", "rdzv", "started", "imported", "pg_up", "mesh_up", "model_built", "restored",

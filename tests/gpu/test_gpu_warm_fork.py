@@ -1,4 +1,4 @@
-"""Warm workers (agent/launch/warm.py) with CUDA in the workers, on a real GPU: the zygote imports torch without
+"""Warm workers (runtime/zygote.py) with CUDA in the workers, on a real GPU: the zygote imports torch without
 initialising CUDA, the worker it forks initialises CUDA, runs kernels and times a step with CUDA events."""
 
 import json
@@ -41,7 +41,7 @@ def test_a_forked_warm_worker_uses_cuda(procs, tmp_path):
     script.write_text(SCRIPT)
     sock, map_dir = str(tmp_path / "z.sock"), str(tmp_path / "map")
     t0 = time.monotonic()
-    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock, map_dir, str(script)],
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.runtime.zygote", "--serve", sock, map_dir, str(script)],
                          log=tmp_path / "zygote.log")
     wait_for(lambda: os.path.exists(sock) or zygote.poll() is not None, 120, what="the zygote to listen")
     assert zygote.poll() is None and not os.path.exists(sock + ".off"), (tmp_path / "zygote.log").read_text()
@@ -49,7 +49,7 @@ def test_a_forked_warm_worker_uses_cuda(procs, tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": sock}
     t0 = time.monotonic()
-    client = subprocess.run([sys.executable, "-m", "trainwarden.agent.launch.warm", str(script), str(out)], env=env,
+    client = subprocess.run([sys.executable, "-m", "trainwarden.runtime.zygote", str(script), str(out)], env=env,
                             capture_output=True, text=True, timeout=240, start_new_session=True)
     worker_s = time.monotonic() - t0
     assert client.returncode == 0, client.stderr[-3000:]

@@ -120,7 +120,7 @@ def _run_faulted(procs, tmp_path, job: str, faults: str, flags: list[str]) -> st
 def test_crash_under_trainwarden_run_resumes_to_the_same_losses(straight, module_procs, tmp_path, start):
     """`crash` at step 10 under `trainwarden run`: torchrun restarts the group through the etcd3
     rendezvous, every rank restores, and every printed loss equals the uninterrupted run's. ``warm`` (the
-    defaults): the restarted ranks are forked from the zygote (agent/launch/warm.py) and restore the step before
+    defaults): the restarted ranks are forked from the zygote (runtime/zygote.py) and restore the step before
     the crash from the agent's memory snapshots (issue 26). ``cold``: --cold-workers --no-memory-snapshots, new
     interpreters as torchrun starts them, restoring step 8 from disk."""
     import os

@@ -154,7 +154,7 @@ def assert_steps_counted(script: Script, text: str) -> None:
 def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psutil.Process | None:
     """The worker of ``rank`` running ``script`` among the launcher's descendants, or None while there is none.
     torch's agent started a process with RANK in its /proc/<pid>/environ: a cold worker, or a warm worker's
-    client, whose worker the zygote forked (its pid map names the client: agent/launch/warm.py)."""
+    client, whose worker the zygote forked (its pid map names the client: runtime/zygote.py)."""
     try:
         descendants = psutil.Process(launcher.pid).children(recursive=True)
     except psutil.Error:
@@ -165,7 +165,7 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psuti
             if f"RANK={rank}".encode() not in environ or "--serve" in proc.cmdline() \
                     or str(script) not in proc.cmdline():
                 continue
-            if "trainwarden.agent.launch.warm" not in proc.cmdline():
+            if "trainwarden.runtime.zygote" not in proc.cmdline():
                 return proc
             map_dir = next(Path(v.split(b"=", 1)[1].decode()) for v in environ
                            if v.startswith(b"TRAINWARDEN_WARM_MAP_DIR="))

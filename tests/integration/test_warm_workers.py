@@ -1,4 +1,4 @@
-"""Warm workers (agent/launch/warm.py): a real zygote (it imports torch) forks the workers that real client
+"""Warm workers (runtime/zygote.py): a real zygote (it imports torch) forks the workers that real client
 processes ask for; exit codes, signals both ways, a killed client, the pid map and the cold fallback. The
 training-level check (a crash under `trainwarden run --warm-workers` resumes to the uninterrupted losses) is
 in test_gpt.py."""
@@ -50,7 +50,7 @@ def zygote(procs, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     sock, map_dir = str(tmp_path / "z.sock"), str(tmp_path / "map")
-    proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock, map_dir, str(script)],
+    proc = procs.spawn([sys.executable, "-m", "trainwarden.runtime.zygote", "--serve", sock, map_dir, str(script)],
                        log=tmp_path / "zygote.log")
     wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 60, what="the zygote to listen")
     assert proc.poll() is None, (tmp_path / "zygote.log").read_text()
@@ -59,7 +59,7 @@ def zygote(procs, tmp_path):
 
 
 def _client(script: Path, env: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainwarden.agent.launch.warm", str(script), *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "trainwarden.runtime.zygote", str(script), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -131,7 +131,7 @@ def test_imports_that_start_a_thread_turn_warm_workers_off_and_clients_start_col
     script.write_text("import thready\n" + SCRIPT)
     sock = str(tmp_path / "z.sock")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock,
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.runtime.zygote", "--serve", sock,
                           str(tmp_path / "map"), str(script)], log=tmp_path / "zygote.log", env=env)
     assert zygote.wait(60) == 0
     assert "warm workers are off for this job: the job's imports started 1 Python thread(s)" in \
@@ -150,7 +150,7 @@ def test_imports_that_initialise_cuda_turn_warm_workers_off_and_clients_start_co
     script.write_text("import cudaish\n" + SCRIPT)
     sock = str(tmp_path / "z.sock")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock,
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.runtime.zygote", "--serve", sock,
                           str(tmp_path / "map"), str(script)], log=tmp_path / "zygote.log", env=env)
     assert zygote.wait(60) == 0
     log = (tmp_path / "zygote.log").read_text()
@@ -167,7 +167,7 @@ def test_a_first_round_client_waits_for_the_importing_zygote_and_is_forked(procs
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     sock, map_dir = str(tmp_path / "z.sock"), str(tmp_path / "map")
-    zygote = procs.spawn([sys.executable, "-m", "trainwarden.agent.launch.warm", "--serve", sock, map_dir,
+    zygote = procs.spawn([sys.executable, "-m", "trainwarden.runtime.zygote", "--serve", sock, map_dir,
                           str(script)], log=tmp_path / "zygote.log")
     env = {**os.environ, "TRAINWARDEN_WARM_SOCKET": sock, "TRAINWARDEN_WARM_ZYGOTE_PID": str(zygote.pid),
            "TRAINWARDEN_WARM_WAIT_S": "600", "OMP_NUM_THREADS": "1"}

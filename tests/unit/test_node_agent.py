@@ -54,7 +54,7 @@ def test_abort_sends_the_command_then_kills_a_rank_that_cannot_obey(procs, tmp_p
 
 
 def test_a_killed_warm_worker_counts_as_killed_under_the_pid_torchrun_knows_it_by(procs, tmp_path):
-    """torch's agent reports a warm worker's failure under its client's pid (agent/launch/warm.py): the abort's
+    """torch's agent reports a warm worker's failure under its client's pid (runtime/zygote.py): the abort's
     SIGKILL must read as the agent's under that pid too, or the hang is recorded as a crash."""
     stopped = procs.spawn([sys.executable, "-c", "import time; time.sleep(60)"], log=tmp_path / "w.log")
     stopped.send_signal(signal.SIGSTOP)

@@ -1,5 +1,5 @@
 """The warm zygote checks that forking is safe before every fork, not only after its imports: a client that
-arrives once it is not gets no worker, and starts its own cold (agent/launch/warm.py)."""
+arrives once it is not gets no worker, and starts its own cold (runtime/zygote.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from trainwarden.agent.launch import warm
+from trainwarden.runtime import zygote as warm
 
 
 @pytest.fixture

@@ -37,13 +37,10 @@ import socket
 import struct
 import sys
 
-__all__ = ["MAP_DIR_ENV", "SOCKET_ENV", "WAIT_ENV", "ZYGOTE_PID_ENV", "client_main", "warm_parent"]
+from trainwarden.agent.proto.contract import WARM_SOCKET_ENV, WARM_WAIT_ENV, WARM_ZYGOTE_PID_ENV
 
-SOCKET_ENV = "TRAINWARDEN_WARM_SOCKET"
-MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
-ZYGOTE_PID_ENV = "TRAINWARDEN_WARM_ZYGOTE_PID"
-"""The zygote's pid (set by the launcher that started it): a client waits for its socket only while it lives."""
-WAIT_ENV = "TRAINWARDEN_WARM_WAIT_S"
+__all__ = ["client_main", "worker_title"]
+
 _CLIENT_PID_ENV = "TRAINWARDEN_WARM_CLIENT_PID"
 """The client's pid, in the environment it hands the zygote (auto-instrumentation's mark is the client's)."""
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
@@ -53,17 +50,6 @@ _BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "
 """What every zygote imports besides the script's own top-level imports. Not ``torch.distributed.pipelining``:
 importing it creates ``$TMPDIR/torchinductor_<user>``, litter a script that never imports it would not leave
 (it is preloaded when the script imports it)."""
-
-
-def warm_parent(pid: int, map_dir: str | None) -> int | None:
-    """The client pid a warm worker stands behind (None: not a warm worker)."""
-    if not map_dir:
-        return None
-    try:
-        with open(os.path.join(map_dir, str(int(pid)))) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 # ---- framing: 4-byte length + JSON --------------------------------------------------------------------------
@@ -103,8 +89,8 @@ def _wait_for_zygote(path: str) -> bool:
     import time
 
     try:
-        budget = float(os.environ.get(WAIT_ENV, "120"))
-        zygote = int(os.environ.get(ZYGOTE_PID_ENV, "0"))
+        budget = float(os.environ.get(WARM_WAIT_ENV, "120"))
+        zygote = int(os.environ.get(WARM_ZYGOTE_PID_ENV, "0"))
     except ValueError:
         budget, zygote = 0.0, 0
     deadline = time.monotonic() + budget
@@ -128,7 +114,7 @@ def _alive(pid: int) -> bool:
 
 def client_main(argv: list[str]) -> None:
     """``python -m trainwarden.agent.launch.warm [-m MODULE | SCRIPT] ARGS...``: run it in a warm worker."""
-    path = os.environ.get(SOCKET_ENV)
+    path = os.environ.get(WARM_SOCKET_ENV)
     conn = None
     if path and _wait_for_zygote(path):
         try:
