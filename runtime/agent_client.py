@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -43,10 +42,10 @@ from trainwarden.agent.proto import contract
 from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto.contract import EXIT_ABORTED
 
+from .agent_requests import fetch_peer_token
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity
 
-__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient", "abort_collectives", "abort_process",
-           "ask_commit"]
+__all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient"]
 
 log = logging.getLogger(__name__)
 
@@ -479,93 +478,6 @@ _DENIED_RETRY_S = 30.0
 not the reconnect backoff: neither side spends a log line and a token every 2 s on it."""
 
 
-def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
-    """A single-use token from the agent's ``<socket>.cred``, bound by the kernel to this process's pid
-    (agent/telemetry/peer_credentials.py); "" when there is none to be had. Runs on the sender thread."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(contract.peer_credential_socket(socket_path))
-            return conn.recv(128).decode("ascii", errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.0) -> pb.CommitReply | None:
-    """The agent's answer to a Commit request; None when no agent answers (none listens, it is restarting,
-    or it predates the RPC). An agent that is there but does not decide within ``timeout`` (etcd slow) is a
-    refusal. Off the hot path: the checkpoint's commit thread calls it, once per save."""
-    if not os.path.exists(socket_path):
-        return None
-    asked = pb.CommitRequest()
-    asked.CopyFrom(request)
-    asked.peer_token = fetch_peer_token(socket_path)  # the agent answers only the process whose stream holds the rank
-    request = asked
-    channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
-    try:
-        call = channel.unary_unary(contract.COMMIT_METHOD, request_serializer=pb.CommitRequest.SerializeToString,
-                                   response_deserializer=pb.CommitReply.FromString)
-        return call(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        if hasattr(exc, "code") and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return pb.CommitReply(allowed=False, reason=f"the node agent could not check the job's round within "
-                                                        f"{timeout:.0f} s")
-        log.warning("the agent did not answer whether checkpoint step %d may be committed (%s)", request.step,
-                    exc.code() if hasattr(exc, "code") else exc)
-        return None
-    finally:
-        channel.close()
-
-
-def _checkpoint_record(socket_path: str, request, timeout: float):
-    """The agent's CheckpointRecordReply, or why there is none (a string)."""
-    if not os.path.exists(socket_path):
-        return "no node agent"
-    channel = grpc.insecure_channel(f"unix:{socket_path}", options=[("grpc.enable_retries", 0)])
-    try:
-        call = channel.unary_unary(contract.CHECKPOINT_RECORD_METHOD,
-                                   request_serializer=pb.CheckpointRecordRequest.SerializeToString,
-                                   response_deserializer=pb.CheckpointRecordReply.FromString)
-        return call(request, timeout=timeout)
-    except grpc.RpcError as exc:
-        return f"the node agent did not answer: {exc.code() if hasattr(exc, 'code') else exc}"
-    finally:
-        channel.close()
-
-
-def ask_checkpoint_record(socket_path: str, job: str, timeout: float = 10.0) -> tuple[int | None, str, str]:
-    """(step, path, source) of what etcd's job record says was committed, asked of the agent; (None, "", why)
-    when none is recorded or it is unknown (no agent, no etcd, a timeout). Once per restore, off the hot path."""
-    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job), timeout)
-    if isinstance(reply, str):
-        return None, "", f"unknown ({reply})"
-    if not reply.known:
-        return None, "", f"unknown ({reply.source})"
-    return (int(reply.step) if reply.found else None), reply.path, reply.source
-
-
-def ask_memory_steps(socket_path: str, job: str, world_size: int, rank: int, timeout: float = 10.0) -> list[int]:
-    """The steps of ``rank``'s memory snapshots at ``world_size`` that the agent owning the memory holds, newest
-    first; empty when there are none or no agent answers. Once per restore, off the hot path."""
-    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size),
-                                                                      rank=int(rank)), timeout)
-    return [] if isinstance(reply, str) else [int(s) for s in reply.memory_steps]
-
-
-def ask_memory_held(socket_path: str, job: str, world_size: int, rank: int,
-                    timeout: float = 10.0) -> list[tuple[int, int, int]]:
-    """(world size, rank, step) of every memory snapshot file the agent owning the memory vouches for, of every
-    rank on its node; an older agent that answers only for the asking rank gives that rank's files at
-    ``world_size``. Empty when there are none or no agent answers. Once per restore, off the hot path."""
-    reply = _checkpoint_record(socket_path, pb.CheckpointRecordRequest(job=job, world_size=int(world_size),
-                                                                      rank=int(rank), all_memory=True), timeout)
-    if isinstance(reply, str):
-        return []
-    if reply.memory_held:
-        return [(int(f.world_size), int(f.rank), int(f.step)) for f in reply.memory_held]
-    return [(int(world_size), int(rank), int(s)) for s in reply.memory_steps]
-
-
 def _arrivals_message(batch) -> pb.Arrivals:
     index: dict[str, int] = {}
     ops: dict[str, int] = {}
@@ -575,58 +487,3 @@ def _arrivals_message(batch) -> pb.Arrivals:
                        enqueued_ns=[a[2] for a in batch.arrivals], continues=batch.continues,
                        ops=list(ops), op=op,
                        members=[pb.GroupMembers(name=n, ranks=r) for n, r in sorted(batch.members.items())])
-
-
-def abort_process(reason: str, flush: Callable[[], None], *, collectives_timeout_s: float = 1.0) -> None:
-    """Log `reason`, flush, abort NCCL communicators, and exit the whole process now with EXIT_ABORTED
-    (from any thread). The abort gets `collectives_timeout_s`: within the agent's grace (ABORT_GRACE_S,
-    1.5 s) before it SIGKILLs what has not exited."""
-    log.error("aborted by the trainwarden agent: %s", reason)
-    try:
-        flush()
-        abort_collectives(collectives_timeout_s)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(EXIT_ABORTED)
-
-
-def abort_collectives(timeout_s: float, *, dist=None) -> str:
-    """On NCCL, abort every process group before the process exits: a kernel wedged in a collective
-    otherwise keeps the GPU (and its peers' communicators) busy into the restart. Gloo needs nothing: its
-    collectives end with the process. Bounded by `timeout_s` (an abort can itself block on a wedged
-    driver); returns what was done, for the log and the tests."""
-    if dist is None:
-        dist = sys.modules.get("torch.distributed")  # not imported: no process group to abort
-    try:
-        if dist is None or not dist.is_available() or not dist.is_initialized():
-            return "no process group"
-        backend = str(dist.get_backend())
-    except Exception as exc:  # a half-torn-down default group: exiting is all that is left
-        return f"process group state unknown ({exc})"
-    if "nccl" not in backend:
-        return f"{backend}: nothing to abort"
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is None:
-        log.warning("this torch cannot abort NCCL process groups; exiting with them open")
-        return "abort unavailable"
-    outcome = []
-
-    def run() -> None:
-        try:
-            abort()
-            outcome.append("aborted")
-        except Exception as exc:
-            outcome.append(f"abort failed: {exc}")
-
-    thread = threading.Thread(target=run, name="trainwarden-nccl-abort", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    result = outcome[0] if outcome else f"abort still blocked after {timeout_s:g}s"
-    log.info("NCCL process groups: %s", result)
-    return result

@@ -58,9 +58,10 @@ from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_pare
 
 from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
+from .abort import abort_process
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, NUMERIC_RECORD, STEP_RECORD, ClientConfig,
-                           TelemetryClient, abort_process, ask_checkpoint_record, ask_commit,
-                           ask_memory_held, ask_memory_steps)
+                           TelemetryClient)
+from .agent_requests import ask_checkpoint_record, ask_commit, ask_memory_held, ask_memory_steps
 from trainwarden.agent.proto import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]

@@ -31,7 +31,7 @@ from trainwarden.agent.proto import telemetry_pb2 as pb
 from trainwarden.agent.proto.contract import PEER_TOKEN_METADATA, STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
-from trainwarden.runtime.agent_client import fetch_peer_token
+from trainwarden.runtime.agent_requests import fetch_peer_token
 
 LIMITS = {"on": {}, "off": {"hello_timeout_s": 3600.0, "max_streams_per_uid": 256}}
 

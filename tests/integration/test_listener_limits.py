@@ -39,7 +39,7 @@ IDLER = textwrap.dedent("""
     import os, sys, threading
     import grpc
     from trainwarden.agent.proto.contract import PEER_TOKEN_METADATA, STREAM_METHOD
-    from trainwarden.runtime.agent_client import fetch_peer_token
+    from trainwarden.runtime.agent_requests import fetch_peer_token
 
     sock, count, with_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     with grpc.insecure_channel("unix:" + sock + ".absent") as warm:  # load gRPC's lazy parts while we may

@@ -30,7 +30,7 @@ from trainwarden.agent.proto import telemetry_pb2_grpc
 from trainwarden.agent.proto.contract import STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
-from trainwarden.runtime.agent_client import fetch_peer_token
+from trainwarden.runtime.agent_requests import fetch_peer_token
 from trainwarden.runtime.session import init
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -42,7 +42,7 @@ ATTACKER = textwrap.dedent("""
     import grpc
     from trainwarden.agent.proto import telemetry_pb2 as pb
     from trainwarden.agent.proto.contract import STREAM_METHOD
-    from trainwarden.runtime.agent_client import ask_commit, fetch_peer_token
+    from trainwarden.runtime.agent_requests import ask_commit, fetch_peer_token
 
     sock, job, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     # load gRPC's lazily imported parts while this process may still read the interpreter's files
@@ -230,7 +230,7 @@ STREAMER = textwrap.dedent("""
     import grpc
     from trainwarden.agent.proto import telemetry_pb2 as pb
     from trainwarden.agent.proto.contract import STREAM_METHOD
-    from trainwarden.runtime.agent_client import fetch_peer_token
+    from trainwarden.runtime.agent_requests import fetch_peer_token
 
     sock, job = sys.argv[1], sys.argv[2]
     hello = pb.Hello(job=job, rank=0, world_size=1, pid=os.getpid(), peer_token=fetch_peer_token(sock))

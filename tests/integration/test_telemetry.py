@@ -45,7 +45,7 @@ def server(tmp_path):
 
 def hello_bytes(srv, job="j"):
     """A Hello as a worker sends it: with a fresh peer token (this process's), since the agent requires one."""
-    from trainwarden.runtime.agent_client import fetch_peer_token
+    from trainwarden.runtime.agent_requests import fetch_peer_token
 
     token = fetch_peer_token(str(srv.socket_path))
     assert token, "the agent's .cred socket gave no token"

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from trainwarden.runtime import agent_client
-from trainwarden.runtime.agent_client import EXIT_ABORTED, abort_collectives, abort_process
+from trainwarden.runtime import abort as agent_abort
+from trainwarden.runtime.abort import EXIT_ABORTED, abort_collectives, abort_process
 
 
 def fake_dist(backend: str, abort=None, initialized: bool = True):
@@ -59,7 +59,7 @@ def test_a_failing_abort_is_reported_not_raised():
 
 def test_abort_process_aborts_collectives_before_it_exits(monkeypatch):
     order = []
-    monkeypatch.setattr(agent_client, "abort_collectives", lambda timeout_s: order.append("collectives"))
+    monkeypatch.setattr(agent_abort, "abort_collectives", lambda timeout_s: order.append("collectives"))
 
     class Exited(BaseException):
         pass
@@ -68,7 +68,7 @@ def test_abort_process_aborts_collectives_before_it_exits(monkeypatch):
         order.append(("exit", code))
         raise Exited
 
-    monkeypatch.setattr(agent_client.os, "_exit", fake_exit)
+    monkeypatch.setattr(agent_abort.os, "_exit", fake_exit)
     with pytest.raises(Exited):
         abort_process("hang", flush=lambda: order.append("flush"))
     assert order == ["flush", "collectives", ("exit", EXIT_ABORTED)]
