@@ -37,118 +37,15 @@ import socket
 import struct
 import sys
 
-from trainwarden.agent.proto.contract import WARM_SOCKET_ENV, WARM_WAIT_ENV, WARM_ZYGOTE_PID_ENV
+from .zygote_client import CLIENT_PID_ENV, FORWARDED_SIGNALS, client_main, recv_exact, send_frame
 
 __all__ = ["client_main", "worker_title"]
 
-_CLIENT_PID_ENV = "TRAINWARDEN_WARM_CLIENT_PID"
-"""The client's pid, in the environment it hands the zygote (auto-instrumentation's mark is the client's)."""
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-              signal.SIGCONT)
 _BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
                  "torch.distributed.fsdp", "numpy", "trainwarden.runtime")
 """What every zygote imports besides the script's own top-level imports. Not ``torch.distributed.pipelining``:
 importing it creates ``$TMPDIR/torchinductor_<user>``, litter a script that never imports it would not leave
 (it is preloaded when the script imports it)."""
-
-
-# ---- framing: 4-byte length + JSON --------------------------------------------------------------------------
-
-
-def _send(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
-    data = json.dumps(obj).encode()
-    frame = struct.pack("!I", len(data)) + data
-    if fds:
-        socket.send_fds(sock, [frame], fds)
-    else:
-        sock.sendall(frame)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed")
-        buf += chunk
-    return buf
-
-
-def _recv(sock: socket.socket) -> dict:
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    return json.loads(_recv_exact(sock, n))
-
-
-# ---- the client: torch's agent starts one per rank ------------------------------------------------------------
-
-
-def _wait_for_zygote(path: str) -> bool:
-    """Whether the zygote's socket is there, waiting while the zygote still imports (the first round's workers
-    are started beside it): not when it said it will not fork (``<path>.off``), died, or took longer than
-    ``TRAINWARDEN_WARM_WAIT_S`` (default 120 s; 0: never wait, the first round starts cold)."""
-    import time
-
-    try:
-        budget = float(os.environ.get(WARM_WAIT_ENV, "120"))
-        zygote = int(os.environ.get(WARM_ZYGOTE_PID_ENV, "0"))
-    except ValueError:
-        budget, zygote = 0.0, 0
-    deadline = time.monotonic() + budget
-    while not os.path.exists(path):
-        if os.path.exists(path + ".off") or time.monotonic() >= deadline or not _alive(zygote):
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: its parent, the launcher, reaps it only when it stops)."""
-    if pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def client_main(argv: list[str]) -> None:
-    """``python -m trainwarden.agent.launch.warm [-m MODULE | SCRIPT] ARGS...``: run it in a warm worker."""
-    path = os.environ.get(WARM_SOCKET_ENV)
-    conn = None
-    if path and _wait_for_zygote(path):
-        try:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect(path)
-            env = dict(os.environ, **{_CLIENT_PID_ENV: str(os.getpid())})
-            _send(conn, {"argv": argv, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
-            reply = _recv(conn)
-            child = int(reply["pid"])
-        except (OSError, ConnectionError, ValueError, KeyError):
-            if conn is not None:
-                conn.close()
-            conn = None
-    if conn is None:  # no zygote: a cold start, exactly what torch's agent would have run
-        os.execv(sys.executable, [sys.executable, *argv])
-
-    def forward(signum, _frame):
-        try:
-            os.kill(child, signum)
-        except OSError:
-            pass
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
-    try:
-        status = int(_recv(conn)["status"])
-    except (OSError, ConnectionError, ValueError, KeyError):
-        status = 1 << 8  # the zygote died: the worker died with it
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset (EINVAL)
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
 # ---- the zygote -----------------------------------------------------------------------------------------------
@@ -305,7 +202,7 @@ class _Zygote:
             if conn is not None:
                 self.by_conn.pop(conn.fileno(), None)
                 try:
-                    _send(conn, {"status": status})
+                    send_frame(conn, {"status": status})
                 except OSError:
                     pass
                 conn.close()
@@ -374,7 +271,7 @@ class _Zygote:
         print(f"trainwarden: warm worker pid {pid} forked for rank {request['env'].get('RANK', '?')} (client pid "
               f"{client_pid})", file=sys.stderr, flush=True)
         try:
-            _send(conn, {"pid": pid})
+            send_frame(conn, {"pid": pid})
         except OSError:
             pass
         return None
@@ -389,9 +286,9 @@ def _receive(conn: socket.socket) -> tuple[int, dict, list[int]]:
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
     try:
         if len(head) < 4:
-            head += _recv_exact(conn, 4 - len(head))
+            head += recv_exact(conn, 4 - len(head))
         (n,) = struct.unpack("!I", head)
-        request = json.loads(_recv_exact(conn, n))
+        request = json.loads(recv_exact(conn, n))
         if len(fds) != 3:
             raise ValueError(f"expected the client's 3 standard streams, got {len(fds)} descriptors")
     except BaseException:
@@ -408,9 +305,9 @@ def _arm_auto_instrumentation() -> None:
     The one place the agent's code imports the runtime: from here on this process is the user's worker."""
     from trainwarden.agent.proto.contract import AUTO_OWNER_ENV
 
-    if os.environ.get(AUTO_OWNER_ENV) == str(os.environ.get(_CLIENT_PID_ENV, "")):
+    if os.environ.get(AUTO_OWNER_ENV) == str(os.environ.get(CLIENT_PID_ENV, "")):
         os.environ.pop(AUTO_OWNER_ENV)
-    os.environ.pop(_CLIENT_PID_ENV, None)
+    os.environ.pop(CLIENT_PID_ENV, None)
     try:
         from trainwarden.runtime.auto import bootstrap
 
@@ -430,20 +327,32 @@ def worker_title(env, argv: list[str]) -> str:
     return f"trainwarden worker {who}: {' '.join(argv)}"[:1024]
 
 
-def _set_title(argv: list[str]) -> None:
-    """The process title (``setproctitle``) and its short name (``comm``: ``tw-rank-R``, 15 bytes at most)."""
+def _title_setter():
+    """A function that titles this process (``setproctitle``: what ``ps``/``pgrep -f`` show) and names it (``comm``:
+    ``tw-rank-R``, 15 bytes at most), or None. Made before the environment is replaced: setproctitle finds the
+    memory it rewrites from the original argv and environ on first use, and once ``os.environ.clear()`` has moved
+    the environment it can only set the short name."""
     try:
-        from setproctitle import setproctitle, setthreadtitle
+        import setproctitle
 
-        setproctitle(worker_title(os.environ, argv))
-        setthreadtitle(f"tw-rank-{os.environ.get('RANK', '?')}"[:15])
+        setproctitle.getproctitle()  # its setup, now
     except Exception:  # a title is a convenience: never a reason for the worker not to run
-        pass
+        return None
+
+    def set_title(argv: list[str]) -> None:
+        try:
+            setproctitle.setproctitle(worker_title(os.environ, argv))
+            setproctitle.setthreadtitle(f"tw-rank-{os.environ.get('RANK', '?')}"[:15])
+        except Exception:
+            pass
+
+    return set_title
 
 
 def _become(job: _Job) -> None:
     """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
     _pdeathsig()
+    set_title = _title_setter()
     for target, fd in zip((0, 1, 2), job.fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -455,9 +364,10 @@ def _become(job: _Job) -> None:
     if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())
     os.chdir(request["cwd"])
-    _set_title(request["argv"])
+    if set_title is not None:
+        set_title(request["argv"])
     _arm_auto_instrumentation()
-    for sig in _FORWARDED:
+    for sig in FORWARDED_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import random

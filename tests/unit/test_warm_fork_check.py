@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from trainwarden.runtime import zygote as warm
+from trainwarden.runtime import zygote_client
 
 
 @pytest.fixture
@@ -26,9 +27,9 @@ def _ask(path: str, replies: list) -> None:
     """A client: its request and three streams, then whatever the zygote answers (None: it hung up)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
-        warm._send(conn, {"argv": ["job.py"], "env": {"RANK": "3"}, "cwd": "/"}, [0, 1, 2])
+        zygote_client.send_frame(conn, {"argv": ["job.py"], "env": {"RANK": "3"}, "cwd": "/"}, [0, 1, 2])
         try:
-            replies.append(warm._recv(conn))
+            replies.append(zygote_client.recv_frame(conn))
         except (ConnectionError, OSError):
             replies.append(None)
 
