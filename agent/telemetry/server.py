@@ -311,6 +311,37 @@ class TelemetryServer:
         first = self._first_message(request_iterator, context)
         if first is None:
             return
+        info = self._admit(first, context, token, cred, counted)
+        key = (info.job, info.rank)
+        handle = self._register(info, context)
+        reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
+                                  name=f"telemetry-read-{info.job}-{info.rank}", daemon=True)
+        reader.start()
+        try:
+            while not self._stopping.is_set() and context.is_active():
+                try:
+                    item = handle.commands.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if isinstance(item, _End):
+                    if item.code is not None:
+                        context.abort(item.code, item.detail)
+                    break
+                yield item
+        finally:
+            with self._lock:
+                current = self._streams.get(key) is handle
+                if current:
+                    del self._streams[key]
+            if current:  # a stream that a newer one replaced leaves the rank connected
+                self._job_telemetry.disconnect(info.job, info.rank, info.pid)
+            log.debug("worker stream ended: job %s rank %d pid %d", info.job, info.rank, info.pid,
+                      extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+
+    def _admit(self, first, context, token: str, cred, counted: list) -> WorkerInfo:
+        """Who the stream's first message says the worker is, with the kernel's word for its pid and uid; aborts
+        the call (``_reject``, ``context.abort`` raise) for a missing or bad Hello, an unknown token, a missing one
+        where tokens are required, a uid over its stream limit or a worker the guard refuses."""
         if isinstance(first, _Rejected):
             self._reject(context, first)
         if first.WhichOneof("record") != "hello":
@@ -347,6 +378,11 @@ class TelemetryServer:
             log.warning("telemetry stream refused: %s", refusal, extra={"job": info.job, "rank": info.rank})
             self._job_telemetry.count_rejected("identity")
             context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        return info
+
+    def _register(self, info: WorkerInfo, context) -> _StreamHandle:
+        """The admitted worker's stream becomes its rank's (one decision per rank: the job's owner check and the
+        replacement of an older stream together); aborts the call when the job refuses it."""
         key = (info.job, info.rank)
         handle = _StreamHandle(info, self._command_queue_size)
         with self._lock:  # one decision per (job, rank): the owner check and the replacement together
@@ -369,29 +405,7 @@ class TelemetryServer:
             _offer(previous.commands, _End())
         log.debug("worker connected: job %s rank %d pid %d", info.job, info.rank, info.pid,
                   extra={"job": info.job, "rank": info.rank, "pid": info.pid})
-        reader = threading.Thread(target=self._read, args=(request_iterator, info, handle),
-                                  name=f"telemetry-read-{info.job}-{info.rank}", daemon=True)
-        reader.start()
-        try:
-            while not self._stopping.is_set() and context.is_active():
-                try:
-                    item = handle.commands.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if isinstance(item, _End):
-                    if item.code is not None:
-                        context.abort(item.code, item.detail)
-                    break
-                yield item
-        finally:
-            with self._lock:
-                current = self._streams.get(key) is handle
-                if current:
-                    del self._streams[key]
-            if current:  # a stream that a newer one replaced leaves the rank connected
-                self._job_telemetry.disconnect(info.job, info.rank, info.pid)
-            log.debug("worker stream ended: job %s rank %d pid %d", info.job, info.rank, info.pid,
-                      extra={"job": info.job, "rank": info.rank, "pid": info.pid})
+        return handle
 
     def _read(self, request_iterator, info: WorkerInfo, handle: _StreamHandle) -> None:
         end = _End()
