@@ -188,25 +188,26 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
         def _monitor_workers(self, worker_group):
             exits.wait_for_exit(self._wait_s)  # torch's loop only ticks (see run): a worker's exit wakes it now
             if replies is not None and replies.poll("restart", _rendezvous_round(worker_group)):  # a node left
-                result = super()._monitor_workers(worker_group)
-                if result.state == WorkerState.HEALTHY:
-                    self._asked_restart = True
-                    sink.emit("restarting", reason="regroup", restart_count=self._restart_count(),
-                              restarts_left=self._remaining_restarts)
-                    super()._restart_workers(worker_group)  # no failure counted: the group was healthy
-                    self._asked_restart = False
+                self._regroup(worker_group)
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._reported_failure:
                 self._reported_failure = True
                 if any(f.exitcode in (EXIT_RESUME_BLOCKED, EXIT_NUMERIC_STOP) for f in result.failures.values()):
                     self._remaining_restarts = 0  # a restart would meet the same checkpoints: stop, spend nothing
                 sink.emit("failed", restart_count=self._restart_count(), state=result.state.name,
-                          restarts_left=self._remaining_restarts, failures=[
-                              {"global_rank": rank, "local_rank": f.local_rank, "pid": f.pid,
-                               "exitcode": f.exitcode, "at": f.timestamp, "exited_at": exits.exited_at(f.pid),
-                               "message": _error_message(f) if os.path.isfile(f.error_file or "") else ""}
-                              for rank, f in sorted(result.failures.items())])
+                          restarts_left=self._remaining_restarts, failures=_failure_records(result, exits))
             return result
+
+        def _regroup(self, worker_group) -> None:
+            """The supervisor asked for a restart into a new round (a node left at an agreed step): restart a
+            healthy group without counting a failure."""
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.HEALTHY:
+                self._asked_restart = True
+                sink.emit("restarting", reason="regroup", restart_count=self._restart_count(),
+                          restarts_left=self._remaining_restarts)
+                super()._restart_workers(worker_group)  # no failure counted: the group was healthy
+                self._asked_restart = False
 
         def _restart_workers(self, worker_group):
             if not self._reported_failure and replies is not None:  # a healthy round that nodes wait to join
@@ -237,6 +238,14 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                 sink.emit("finished", state=state, restart_count=self._restart_count())
 
     return ReportingElasticAgent
+
+
+def _failure_records(result, exits: ExitClock) -> list[dict]:
+    """What the ``failed`` event says of each failed worker: who, how it exited, when, and its error file's word."""
+    return [{"global_rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+             "at": f.timestamp, "exited_at": exits.exited_at(f.pid),
+             "message": _error_message(f) if os.path.isfile(f.error_file or "") else ""}
+            for rank, f in sorted(result.failures.items())]
 
 
 def _rendezvous_round(worker_group) -> int | None:
