@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_cpu_seconds, process_io_bytes,
@@ -620,49 +620,22 @@ class Watchdog:
     # ---- metrics -------------------------------------------------------------------------------------
 
     def collector(self) -> Collector:
-        return _WatchdogCollector(self)
+        from trainwarden.agent.watchdog.exposition import WatchdogCollector
 
+        return WatchdogCollector(self)
 
-class _WatchdogCollector(Collector):
-    def __init__(self, watchdog: Watchdog) -> None:
-        self._w = watchdog
+    @property
+    def node(self) -> str:
+        return self._node
 
-    def collect(self) -> Iterator[Metric]:
-        w = self._w
-        with w._lock:
-            checks, scores = w._published
-        rank_labels, job_labels = ["job", "node", "rank"], ["job", "node"]
-        score = GaugeMetricFamily("trainwarden_straggler_score", "Rank compute share / its peers' median "
-                                  "(1 = typical).", labels=rank_labels)
-        flag = GaugeMetricFamily("trainwarden_straggler", "1 while the rank is flagged as a straggler.",
-                                 labels=rank_labels)
-        timeout = GaugeMetricFamily("trainwarden_hang_timeout_seconds", "The job's current hang deadline.",
-                                    labels=job_labels)
-        stalled = GaugeMetricFamily("trainwarden_seconds_since_progress",
-                                    "Seconds since any rank of the job completed a step.", labels=job_labels)
-        errors = CounterMetricFamily("trainwarden_watchdog_errors", "Watchdog iterations that failed.",
-                                     labels=["node"])
-        suppressed = CounterMetricFamily("trainwarden_straggler_incidents_suppressed",
-                                         "Straggler flags raised without an incident (one already open for the "
-                                         "rank, or the job's hourly limit reached).", labels=job_labels)
-        pace = GaugeMetricFamily("trainwarden_flight_recorder_read_pace_seconds",
-                                 "The longest Flight Recorder read period the watchdog asks the job's workers for "
-                                 "while no detector is near a decision (0: their own pace, 1.5 s by default).",
-                                 labels=job_labels)
-        for job, seconds in sorted(w.read_pace.items()):
-            pace.add_metric([job, w._node], seconds)
-        for job, n in sorted(w.suppressed.items()):
-            suppressed.add_metric([job, w._node], n)
-        for job, ranks in scores.items():
-            for rank, s in ranks.items():
-                score.add_metric([job, w._node, str(rank)], s.score)
-                flag.add_metric([job, w._node, str(rank)], 1.0 if s.flagged else 0.0)
-        for job, check in checks.items():
-            timeout.add_metric([job, w._node], check.timeout_s)
-            stalled.add_metric([job, w._node], check.stalled_s)
-        errors.add_metric([w._node], w.errors)
-        yield from (score, flag, timeout, stalled, errors, suppressed, pace)
-        yield from w._comm.metrics(checks)
+    def published(self) -> tuple[dict, dict]:
+        """What the last check found, for the metrics: (job -> HangCheck, job -> {rank: RankScore})."""
+        with self._lock:
+            return self._published
+
+    def comm_metrics(self, checks: Mapping) -> Iterator[Metric]:
+        """The communication-regression watch's metric families."""
+        yield from self._comm.metrics(checks)
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
