@@ -216,22 +216,13 @@ class MemoryRestore:
         mapped, errors = open_files(held, choice.step, choice.world)
         mine = {r: mapped[r].header for r, q in choice.holders.items() if q == self.rank and r in mapped}
         missing = [r for r, q in choice.holders.items() if q == self.rank and r not in mapped]
-        corrupt = []
-        for r in mine:
-            try:
-                corrupt += mapped[r].verify()
-            except ValueError as exc:
-                missing.append(r)
-                errors[r] = f"{mapped[r].path}: {exc}"
-        gathered = self._gather((mine, {r: errors.get(r, "its file is gone") for r in missing}, set_aside(corrupt)))
-        headers = {r: h for part, _, _ in gathered for r, h in part.items()}
-        failed = {r: e for _, part, _ in gathered for r, e in part.items()}
-        corrupt = [m for _, _, found in gathered for m in found]
-        self._report_corrupt(corrupt)
-        failed.update({m.rank: str(m) for m in corrupt})
-        error, received = "", 0
+        gathered = self._gather((mine, {r: errors.get(r, "its file is gone") for r in missing}))
+        headers = {r: h for part, _ in gathered for r, h in part.items()}
+        failed = {r: e for _, part in gathered for r, e in part.items()}
+        error, received, corrupt = "", 0, []
         if not failed:
             dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
+            reader = None
             try:
                 reader = SnapshotReader(headers, mapped, choice.holders, rank=self.rank, group=self._pg)
                 dcp.load(dcp_state, storage_reader=reader, process_group=self._pg, no_dist=not self._distributed)
@@ -241,9 +232,12 @@ class MemoryRestore:
                         put_back(state, name, value)
             except SAVE_LOAD_ERRORS as exc:
                 error = describe(exc)
-            outcomes = self._gather((error, received))
-            errors_everywhere = {r: e for r, (e, _) in enumerate(outcomes) if e}
-            received = sum(n for _, n in outcomes)
+            found = set_aside(reader.mismatches) if reader is not None and reader.mismatches else []
+            outcomes = self._gather((error, received, found))
+            errors_everywhere = {r: e for r, (e, _, _) in enumerate(outcomes) if e}
+            received = sum(n for _, n, _ in outcomes)
+            corrupt = list(dict.fromkeys(m for _, _, found in outcomes for m in found))  # ranks of a node: once
+            self._report_corrupt(corrupt)
         else:
             errors_everywhere = {}
         for snapshot in mapped.values():

@@ -453,11 +453,12 @@ class MappedSnapshot:
             return False
         return _mark_index(value) == index
 
-    def verify(self) -> list[memory_sums.Mismatch]:
-        """The tensors whose bytes differ from the sums recorded when the file was written (memory_sums.py)."""
+    def verify(self, indices: list[int] | None = None) -> list[memory_sums.Mismatch]:
+        """The tensors (every one, or those at ``indices``) whose bytes differ from the sums recorded when the file
+        was written (memory_sums.py)."""
         if any(offset + nbytes > self._at for _, _, offset, nbytes in self.header["tensors"]):
             raise ValueError(f"torn: a tensor's bytes end after the header's beginning at {self._at}")
-        return memory_sums.verify(self.header, self._map, self.path)
+        return memory_sums.verify(self.header, self._map, self.path, indices)
 
     def check(self) -> None:
         """ValueError when a writer took the file since it was opened (its prefix changed)."""

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import xxhash
 
@@ -90,9 +90,10 @@ def copy_of(path: str | os.PathLike) -> str:
     return "peer" if parse_peer(path) is not None else "own"
 
 
-def verify(header: dict, data: Any, path: str | os.PathLike) -> list[Mismatch]:
-    """The tensors of the snapshot file ``path`` (its ``header`` and its bytes ``data``: the file read, or mapped)
-    whose bytes differ from the sums in the header; [] when every one matches or the file records none."""
+def verify(header: dict, data: Any, path: str | os.PathLike, indices: Iterable[int] | None = None) -> list[Mismatch]:
+    """The tensors of the snapshot file ``path`` (its ``header`` and its bytes ``data``: the file read, or mapped;
+    every tensor, or those at ``indices`` of its table) whose bytes differ from the sums in the header; [] when
+    every one matches or the file records none."""
     sums = header.get("sums")
     if not isinstance(sums, Mapping) or sums.get("algorithm") != ALGORITHM:
         return []  # written before sums were recorded: unverified
@@ -102,10 +103,11 @@ def verify(header: dict, data: Any, path: str | os.PathLike) -> list[Mismatch]:
                           if isinstance(expected, list) else "no list of sums")]
     wrong = []
     with memoryview(data) as whole:
-        for index, ((_, _, offset, nbytes), recorded) in enumerate(zip(table, expected)):
+        for index in range(len(table)) if indices is None else indices:
+            _, _, offset, nbytes = table[index]
             found = _sum(whole[offset:offset + nbytes])
-            if found != recorded:
-                wrong.append(_mismatch(header, path, index, recorded, found))
+            if found != expected[index]:
+                wrong.append(_mismatch(header, path, index, expected[index], found))
     return wrong
 
 
@@ -143,11 +145,15 @@ def set_aside(mismatches: list[Mismatch]) -> list[Mismatch]:
         target = Path(path).with_name(Path(path).name + CORRUPT_SUFFIX)
         try:
             os.replace(path, target)
-            moved[path] = str(target)
         except OSError as exc:
+            if isinstance(exc, FileNotFoundError) and target.exists():  # another rank of the node moved it
+                moved[path] = str(target)
+                continue
             try:
                 os.unlink(path)
-                moved[path] = f"removed (could not move it: {exc})"
+                moved[path] = f"nowhere: removed (could not move it: {exc})"
             except OSError:
-                moved[path] = f"left in place (could not move or remove it: {exc})"
+                moved[path] = f"nowhere: left in place (could not move or remove it: {exc})"
+            continue
+        moved[path] = str(target)
     return [Mismatch(**{**m.__dict__, "aside": moved[m.file]}) for m in mismatches]
