@@ -162,6 +162,7 @@ def test_snapflip_fires_once_on_the_first_snapshot_of_its_step_or_later_never_at
 def test_dcp_through_the_reader_refuses_a_corrupt_tensor_and_keeps_what_it_found(tmp_path):
     import torch.distributed.checkpoint as dcp
 
+    from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS
     from trainwarden.runtime.memory_reshard import SnapshotReader, open_files
 
     _snapshotted(tmp_path)
@@ -172,7 +173,7 @@ def test_dcp_through_the_reader_refuses_a_corrupt_tensor_and_keeps_what_it_found
     fresh_model, _, fresh = _job(seed=7)
     fresh.pop("rng")  # not restored through DCP (per rank)
     reader = SnapshotReader({0: mapped[0].header}, mapped, {0: 0}, rank=0)
-    with pytest.raises(Exception):  # DCP wraps the reader's ValueError ("does not match its sums")
+    with pytest.raises(SAVE_LOAD_ERRORS):  # DCP wraps the reader's ValueError ("does not match its sums")
         dcp.load(fresh, storage_reader=reader, no_dist=True)
     [mismatch] = reader.mismatches
     assert mismatch.file == str(path) and mismatch.buffer.startswith("app/") and mismatch.copy == "own"
