@@ -24,10 +24,10 @@ from trainwarden.agent.proto.contract import PEER_COPY_ENV
 from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe
 from trainwarden.runtime.checkpoint_state import RNGState, put_back
-from trainwarden.runtime.memory_sums import Mismatch, set_aside
 from trainwarden.runtime.memory_peer import PeerCopy
 from trainwarden.runtime.memory_reshard import Choice, SnapshotReader, choose, open_files
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
+from trainwarden.runtime.memory_sums import Mismatch, set_aside
 from trainwarden.runtime.session import current as current_session
 
 __all__ = ["MemoryRestore"]
@@ -210,7 +210,7 @@ class MemoryRestore:
     def _restore_resharded(self, choice: Choice, state: Mapping[str, Any], began: float) -> tuple[bool, bool]:
         """Collective: load the memory snapshots of ``choice`` through DCP (another world size, or files on other
         nodes: runtime/memory_reshard.py); (whether every rank did, whether a file was corrupt and set aside).
-        Each file's sums are verified by the rank that serves it before anything is read from it."""
+        Each tensor a rank reads from a file on its node, for itself or to send, is verified first (SnapshotReader)."""
         held = {r: path for w, r, s in self._held
                 if (w, s) == (choice.world, choice.step) and (path := self._memory_file(w, r, s)) is not None}
         mapped, errors = open_files(held, choice.step, choice.world)
