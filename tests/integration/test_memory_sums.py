@@ -65,7 +65,8 @@ def _copy_and_flip(trained, tmp_path, node: int, name: str):
     shutil.copytree(trained / "mem", tmp_path / "mem")
     path = tmp_path / "mem" / f"node-{node}" / WORLD4 / name
     snapshot = MappedSnapshot(path)
-    _, _, offset, nbytes = max(snapshot.header["tensors"], key=lambda entry: entry[3])  # a weight's bytes
+    # a weight or a moment, as the snapflip fault does (the RNG state, larger here, is not read by a resharded restore)
+    _, _, offset, nbytes = max(snapshot.header["tensors"], key=lambda entry: ("float" in entry[0], entry[3]))
     snapshot.close()
     raw = bytearray(path.read_bytes())
     raw[offset + nbytes // 2] ^= 0xFF
