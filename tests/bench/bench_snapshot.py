@@ -190,9 +190,10 @@ def main() -> None:
                   f"stall) {c_on * 1e3:.2f} ms with, {c_off * 1e3:.2f} ms without (ratio {c_on / c_off:.3f}); "
                   f"background write (slowest rank, last of each block) {w_on * 1e3:.2f} ms with, "
                   f"{w_off * 1e3:.2f} ms without (ratio {w_on / w_off:.3f}; +{(w_on - w_off) * 1e3:.2f} ms)")
-        print(f"step with a snapshot every step: median {with_s * 1e3:.1f} ms over {len(times[True])} steps; "
-              f"without: {without * 1e3:.1f} ms over {len(times[False])} steps")
-        print(f"ratio with/without = {with_s / without:.3f} (overhead {100 * (with_s / without - 1):+.1f} %)")
+        else:
+            print(f"step with a snapshot every step: median {with_s * 1e3:.1f} ms over {len(times[True])} steps; "
+                  f"without: {without * 1e3:.1f} ms over {len(times[False])} steps")
+            print(f"ratio with/without = {with_s / without:.3f} (overhead {100 * (with_s / without - 1):+.1f} %)")
         print(f"snapshot call on rank 0 (the copy the step waits for): median {statistics.median(calls) * 1e3:.2f} ms; "
               f"of it TrainState.state_dict() alone (measured after it, outside the step's time) "
               f"{statistics.median(state_dicts) * 1e3:.2f} ms; background write (last per block): median {statistics.median(writes) * 1e3:.2f} ms; "
