@@ -187,7 +187,8 @@ class Checkpointer(MemoryRestore):
                  on_commit: Callable[[CheckpointInfo], None] | None = None,
                  session=None, before_save: Callable[[int], None] | None = None,
                  read_backoff_s: tuple[float, ...] | None = None,
-                 memory_dir: str | Path | None | bool = True, ranks_per_node: int | None = None) -> None:
+                 memory_dir: str | Path | None | bool = True, ranks_per_node: int | None = None,
+                 after_snapshot: Callable[[int, str], None] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the newest complete checkpoint is never deleted), got {keep}")
         self.directory = Path(directory)
@@ -225,7 +226,7 @@ class Checkpointer(MemoryRestore):
         self.last_error: BaseException | None = None
         self.failed_saves = 0
         self._save_failures = SaveFailures(self.directory, rank=self.rank)
-        self._init_memory(memory_dir, ranks_per_node)
+        self._init_memory(memory_dir, ranks_per_node, after_snapshot)  # after_snapshot: e.g. a snapflip fault
 
     # -- save -----------------------------------------------------------------------------------------
 
@@ -413,10 +414,9 @@ class Checkpointer(MemoryRestore):
             self._block(plan.blocked, CheckpointReadError)
         passed_over = list(plan.passed_over)
         if plan.memory_floor is not None:
-            choice = self._memory_choice(plan.memory_floor)
-            if choice is not None and (self._restore_from_memory(choice.step, state, began) if choice.own
-                                       else self._restore_resharded(choice, state, began)):
-                return choice.step
+            restored = self._restore_memory(plan.memory_floor, state, began)
+            if restored is not None:
+                return restored
         for step, path in plan.candidates:
             wrong = self._verify_sums(Path(path))
             if wrong:  # bytes changed since they were written: never trained on; the one before is tried

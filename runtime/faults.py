@@ -27,6 +27,11 @@ Kinds (all checked at step boundaries, before the step's first collective):
 ``slow_save`` the checkpoint save after ``step`` blocks the step for ``seconds`` more (checked by
            ``before_save``; slow storage or a stuck staging copy, which the watchdog must not take for
            a hang).
+``snapflip`` one byte in the middle of the largest floating-point tensor of the rank's first memory
+           snapshot of ``step`` or later is inverted once the file is written and its sums recorded
+           (``after_snapshot``, which the ``Checkpointer`` calls on its writer thread; once a process):
+           host memory gone bad, for the restore's checksum verification (runtime/memory_sums.py) to find.
+           The copy sent to a peer node is sent from the same file after this, so it carries the flip too.
 
 Common keys: ``rank`` (global rank; required), ``step``, ``repeat=1`` (fire again after a restart).
 
@@ -87,6 +92,7 @@ class FaultInjector:
         self._block = block or (lambda: threading.Event().wait())  # forever: only a signal ends it
         self._injected = 0.0  # seconds of delay injected at the last step boundary
         self._poison: float | None = None  # a `nan` or `spike` fault fired at this step's boundary: the loss's factor
+        self._flipped: set[int] = set()  # the snapflip faults that fired in this process
         if self._faults:
             logger.warning("rank %d: fault injection armed: %s", rank,
                            "; ".join(f.describe() for f in self._faults))
@@ -117,7 +123,7 @@ class FaultInjector:
                     delay = (fault.factor - 1.0) * max(0.0, last_step_seconds - injected)
                     self._sleep(delay)
                     self._injected += delay
-            elif fault.kind != "slow_save" and fault.step == step and self._claim(fault):
+            elif fault.kind not in ("slow_save", "snapflip") and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
 
     def take_poison(self) -> float | None:
@@ -132,6 +138,16 @@ class FaultInjector:
             if fault.kind == "slow_save" and fault.step == step and self._claim(fault):
                 logger.warning("rank %d: injecting fault %s", self.rank, fault.describe())
                 self._sleep(fault.seconds)
+
+    def after_snapshot(self, step: int, path: str) -> None:
+        """Call when the memory snapshot of ``step`` is written to ``path``: a due ``snapflip`` corrupts it."""
+        for fault in self._faults:
+            if fault.kind == "snapflip" and step >= fault.step and fault.index not in self._flipped \
+                    and self._claim(fault):
+                self._flipped.add(fault.index)  # once a process, even where no marker says so (plain torchrun)
+                where = _flip_a_tensor_byte(path)
+                logger.warning("rank %d: injecting fault %s: inverted the byte at %d of %s (step %d)", self.rank,
+                               fault.describe(), where, path, step)
 
     def _claim(self, fault: Fault) -> bool:
         """True if this one-shot fault may fire now; records that it has (before it fires)."""
@@ -167,3 +183,21 @@ class FaultInjector:
             self._poison = fault.factor
         elif fault.kind == "exception":
             raise InjectedFault(f"injected fault {fault.describe()} at step {step}")
+
+
+def _flip_a_tensor_byte(path: str) -> int:
+    """Invert the middle byte of the largest floating-point tensor of the snapshot file ``path`` in place; its
+    offset."""
+    from trainwarden.runtime.memory_snapshot import MappedSnapshot  # torch: only where the fault fires
+
+    snapshot = MappedSnapshot(path)
+    # a weight or an optimizer moment rather than the RNG state: the largest floating-point tensor
+    _, _, offset, nbytes = max(snapshot.header["tensors"], key=lambda entry: ("float" in entry[0], entry[3]))
+    snapshot.close()
+    where = offset + nbytes // 2
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0xFF]), where)
+    finally:
+        os.close(fd)
+    return where

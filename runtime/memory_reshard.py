@@ -18,7 +18,9 @@ same metadata.
 
 What it refuses (the caller then restores from disk): a file that is torn, rewritten while read, or made before this
 format recorded DCP's view; a body whose structure no longer matches the view; a value that holds tensors in a file
-on another node. What it does not restore: RNG states (per-rank, like a disk checkpoint at another world size).
+on another node. Each tensor a rank reads from a file on its node (for itself, or to send) is verified against its
+sum first (runtime/memory_sums.py): a mismatch fails the load and is kept in ``SnapshotReader.mismatches``, and the
+caller sets the file aside and chooses again. What it does not restore: RNG states (per-rank, like a disk checkpoint at another world size).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from trainwarden.runtime.memory_snapshot import MappedSnapshot, follow, holds_tensor_mark
+from trainwarden.runtime.memory_sums import Mismatch
 
 __all__ = ["Choice", "SnapshotReader", "choose"]
 
@@ -131,6 +134,9 @@ class SnapshotReader(StorageReader):
         self._headers, self._local, self._holders = headers, local, holders
         self._rank, self._group = rank, group
         self.sent_bytes = self.received_bytes = 0
+        self.mismatches: list[Mismatch] = []
+        """The tensors of files on this node whose bytes differ from their sums (runtime/memory_sums.py)."""
+        self._verified: set[tuple[int, int]] = set()
 
     # -- StorageReader ---------------------------------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class SnapshotReader(StorageReader):
         self._exchange(remote, planner, errors)
         for item, rank, index in local:
             self._guarded(errors, item, lambda: self._put(item, planner, _narrow(
-                self._local[rank].tensor(index), item.storage_offsets, item.lengths)))
+                self._tensor(rank, index), item.storage_offsets, item.lengths)))
         for item, sources in values:
             self._guarded(errors, item, lambda: self._read_value(item, planner, sources))
         for mapped in self._local.values():
@@ -199,6 +205,8 @@ class SnapshotReader(StorageReader):
         here = [(rank, path) for rank, path in sources if rank in self._local]
         rank, path = (here or sources)[0]
         if rank in self._local:
+            if holds_tensor_mark(follow(self._headers[rank], path)):
+                self._check(rank, range(len(self._headers[rank]["tensors"])))
             value = self._local[rank].value(path)
         else:  # the header is here; only a value holding tensors would need the file
             value = _value(self._headers[rank], path)
@@ -206,6 +214,24 @@ class SnapshotReader(StorageReader):
         torch.save(value, buffer)
         buffer.seek(0)
         planner.load_bytes(item, buffer)
+
+    def _check(self, rank: int, indices) -> None:
+        """Verify old rank ``rank``'s tensors at ``indices`` in the file on this node against their sums, each once:
+        a mismatch is kept in ``mismatches`` and raised, so DCP fails the load on every rank and nothing of it is
+        used (runtime/checkpoint_memory.py then sets the file aside and chooses again)."""
+        todo = [i for i in indices if (rank, i) not in self._verified]
+        if not todo:
+            return
+        found = self._local[rank].verify(todo)
+        if found:
+            self.mismatches += found
+            raise ValueError(f"does not match its sums: {found[0]}")
+        self._verified.update((rank, i) for i in todo)
+
+    def _tensor(self, rank: int, index: int) -> torch.Tensor:
+        """A view of old rank ``rank``'s tensor ``index`` in the file on this node, verified first (``_check``)."""
+        self._check(rank, (index,))
+        return self._local[rank].tensor(index)
 
     @staticmethod
     def _put(item: ReadItem, planner: LoadPlanner, source: torch.Tensor) -> None:
@@ -245,7 +271,7 @@ class SnapshotReader(StorageReader):
             at = 0
             for (rank, index, offsets, lengths), n in zip(mine, sizes):
                 try:  # a chunk that cannot be read goes as zeros; the failure is raised after the exchange
-                    chunk = _narrow(self._local[rank].tensor(index), offsets, lengths).contiguous()
+                    chunk = _narrow(self._tensor(rank, index), offsets, lengths).contiguous()
                     payload[at:at + n].copy_(chunk.reshape(-1).view(torch.uint8))
                 except Exception as exc:
                     errors.append(f"rank {rank}'s tensor {index} for rank {asker}: {type(exc).__name__}: {exc}")

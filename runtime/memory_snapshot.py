@@ -41,7 +41,8 @@ matching tensor of the live state (``state_dict()`` gives the template: the mode
 freshly initialised state), then hands the filled template to ``load_state_dict``, exactly what DCP does with
 what it reads. A file that is torn, another rank's or step's, or that a writer took for a newer snapshot while it
 was read (the prefix is read again after the file) is refused with the reason, as is any mismatch (another key,
-shape or dtype), and the caller falls back to the disk.
+shape or dtype), and the caller falls back to the disk. The writer thread records each tensor's XXH3-64 in the
+header, and a load verifies them before it copies anything (runtime/memory_sums.py; ``mismatches``).
 
 Another world size, or a rank whose file is on another node: when a file is made, the snapshot also records DCP's
 view of the state (``_dcp_view``: each tensor's flattened key, global size and chunk offsets; each other value's
@@ -73,6 +74,7 @@ from torch.distributed.tensor import DTensor
 from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
 from trainwarden.agent.proto.snapshot_layout import (KEEP, partial_path, peer_path, rank_partials, rank_snapshots,
                                                     snapshot_path)
+from trainwarden.runtime import memory_sums
 from trainwarden.runtime.checkpoint_state import put_back
 
 __all__ = ["KEEP", "MappedSnapshot", "MemorySnapshots", "memory_dir_from_env"]
@@ -305,6 +307,10 @@ class _SnapshotFile:
         os.replace(self.path, path)
         self.path = path
 
+    def sums(self) -> dict:
+        """Each tensor's XXH3-64 from the mapping (memory_sums.record)."""
+        return memory_sums.record(self._map, self.table)
+
     def release(self) -> None:
         """Let go of the mapping (unmapped once no copy holds one of its views); the file stays."""
         self.views = []
@@ -340,6 +346,10 @@ def _load(path: Path) -> Any:
     header = _NoClasses(io.BytesIO(data[at:at + length])).load()
     if not isinstance(header, dict) or not isinstance(header.get("body"), dict) or header["body"].get("step") != step:
         raise ValueError(f"torn: the header is not the one of step {step}")
+    if any(offset + nbytes > at for _, _, offset, nbytes in header["tensors"]):
+        raise ValueError(f"torn: a tensor's bytes end after the header's beginning at {at}")
+    if mismatches := memory_sums.verify(header, data, path):
+        raise memory_sums.SnapshotCorrupt(mismatches)
     tensors = []
     for dtype, shape, offset, nbytes in header["tensors"]:
         if offset + nbytes > at:
@@ -443,6 +453,13 @@ class MappedSnapshot:
             return False
         return _mark_index(value) == index
 
+    def verify(self, indices: list[int] | None = None) -> list[memory_sums.Mismatch]:
+        """The tensors (every one, or those at ``indices``) whose bytes differ from the sums recorded when the file
+        was written (memory_sums.py)."""
+        if any(offset + nbytes > self._at for _, _, offset, nbytes in self.header["tensors"]):
+            raise ValueError(f"torn: a tensor's bytes end after the header's beginning at {self._at}")
+        return memory_sums.verify(self.header, self._map, self.path, indices)
+
     def check(self) -> None:
         """ValueError when a writer took the file since it was opened (its prefix changed)."""
         with open(self.path, "rb") as f:
@@ -458,8 +475,13 @@ class MemorySnapshots:
     """One rank's snapshots in the agent's memory directory (see the module's docstring)."""
 
     def __init__(self, directory: str | os.PathLike, *, rank: int, world_size: int,
-                 report: Callable[[int, str, float], None] | None = None, keep: int = KEEP) -> None:
+                 report: Callable[[int, str, float], None] | None = None, keep: int = KEEP,
+                 sums: bool = True) -> None:
         self.directory = Path(directory)
+        self.sums = sums
+        """Record each tensor's XXH3-64 in the file's header (runtime/memory_sums.py); off only to measure them."""
+        self.mismatches: list[memory_sums.Mismatch] = []
+        """What the last ``load`` found corrupt (its bytes differ from their sums); [] otherwise."""
         self.rank, self.world_size, self.keep = rank, world_size, max(1, keep)
         self._report = report  # (step, path, seconds) once a file is written
         self.on_written: Callable[[int, "_SnapshotFile"], None] | None = None
@@ -563,8 +585,9 @@ class MemorySnapshots:
             if staged:
                 self._host.wait()  # the copies from the GPU
                 _copy([file.views[i] for i, _ in staged], [buffer for _, buffer in staged], non_blocking=False)
+            sums = file.sums() if self.sums else None  # the bytes in the mapping, off the training thread
             header = pickle.dumps({"body": {"step": step, "rank": self.rank, "world_size": self.world_size,
-                                            "state": body}, "tensors": file.table, "dcp": file.dcp},
+                                            "state": body}, "tensors": file.table, "dcp": file.dcp, "sums": sums},
                                   protocol=pickle.HIGHEST_PROTOCOL)
             file.publish(step, header, path)
         except Exception as exc:
@@ -616,10 +639,14 @@ class MemorySnapshots:
         path = snapshot_path(self.directory, self.world_size, self.rank, step)
         if not path.is_file() and peer_path(self.directory, self.world_size, self.rank, step).is_file():
             path = peer_path(self.directory, self.world_size, self.rank, step)  # the copy a peer node sent here
+        self.mismatches = []
         try:
             saved = _load(path)
         except FileNotFoundError:
             return f"rank {self.rank} has no snapshot of step {step} in {path.parent}"
+        except memory_sums.SnapshotCorrupt as exc:
+            self.mismatches = exc.mismatches
+            return f"{path} does not match its sums: {exc}"
         except Exception as exc:
             return f"{path} cannot be read ({type(exc).__name__}: {exc})"
         if (saved.get("step"), saved.get("rank"), saved.get("world_size")) != (step, self.rank, self.world_size):

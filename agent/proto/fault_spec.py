@@ -23,6 +23,7 @@ _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "slow_save": (frozenset({"rank", "step", "seconds"}), frozenset({"repeat"})),
     "nan": (frozenset({"rank", "step"}), frozenset({"repeat"})),
     "spike": (frozenset({"rank", "step", "factor"}), frozenset({"repeat"})),
+    "snapflip": (frozenset({"rank", "step"}), frozenset({"repeat"})),
 }
 
 
@@ -37,7 +38,7 @@ class Fault:
     index: int
     """Position in the specification; names the fault's once-per-job marker."""
     kind: str
-    """One of crash, stop, hang, exception, slow, slow_save, nan, spike."""
+    """One of crash, stop, hang, exception, slow, slow_save, nan, spike, snapflip."""
     rank: int
     """Global rank the fault applies to."""
     step: int | None = None

@@ -266,8 +266,10 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     start = 1
     if cfg.ckpt_dir is not None:
         # the Checkpointer reports its stages to the agent itself (the watchdog's checkpoint allowance, the
-        # etcd pointer, failure incidents); a slow_save fault blocks inside the save, as slow storage would
-        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, session=rt, before_save=faults.before_save)
+        # etcd pointer, failure incidents); a slow_save fault blocks inside the save, as slow storage would, and a
+        # snapflip fault corrupts a memory snapshot once it is written
+        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, session=rt, before_save=faults.before_save,
+                            after_snapshot=faults.after_snapshot)
         restored = ckpt.restore(ckpt_state, allow_fresh_start=cfg.allow_fresh_start)
         if restored is not None:
             if restored != train_state.step:

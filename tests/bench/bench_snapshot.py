@@ -15,6 +15,10 @@ snapshot call included and the background part overlapping the next step as it d
 median step of each, the ratio, the snapshot call's own time (the copy into the rank's mapped file, which the step
 waits for) and the background write's (the header and the rename: the tensors are in the file already).
 
+``--compare-sums``: the blocks alternate between snapshots whose tensors are hashed (XXH3-64 in the background
+write, runtime/memory_sums.py: the product) and snapshots without sums, instead of "snapshot" and "no snapshot", and
+it prints both modes' step, snapshot call (the stall) and background write.
+
 Then it restores the same state from the newest snapshot and from a disk checkpoint (DCP, the same
 ``Checkpointer.restore``) and prints both. The node agent is not running here: the restore's question "which
 steps of this rank does the agent hold" is answered from the files themselves.
@@ -74,6 +78,8 @@ def main() -> None:
                     help="pretend the ranks are on nodes of this many (e.g. 4): each snapshot is also copied to the "
                          "next 'node' (runtime/memory_peer.py), and its cost is in the step times")
     ap.add_argument("--shm", default="/dev/shm", help="the tmpfs the snapshots go to (as TRAINWARDEN_MEMORY_ROOT)")
+    ap.add_argument("--compare-sums", action="store_true",
+                    help="alternate snapshots with and without checksums (the step and the background write)")
     args = ap.parse_args()
 
     from trainwarden.runtime.data import DataConfig, SyntheticData
@@ -118,8 +124,13 @@ def main() -> None:
         ckpt.memory.wait()
     times: dict[bool, list[float]] = {True: [], False: []}
     calls, writes, state_dicts = [], [], []
+    by_sums: dict[bool, dict[str, list[float]]] = {m: {"calls": [], "writes": []} for m in (True, False)}
     for block in range(2 * args.blocks):
-        snapshots = block % 2 == 0
+        mode = block % 2 == 0  # the first mode: with snapshots, or (--compare-sums) with sums
+        snapshots = mode or args.compare_sums
+        if args.compare_sums:
+            ckpt.memory.wait()
+            ckpt.memory.sums = mode
         for _ in range(args.block_steps):
             index += 1
             dist.barrier()
@@ -129,13 +140,18 @@ def main() -> None:
                 call = time.monotonic()
                 ckpt.snapshot(index, state)
                 calls.append(time.monotonic() - call)
-            times[snapshots].append(max(per_rank(time.monotonic() - began)))
+                by_sums[mode]["calls"].append(calls[-1])
+            times[mode].append(max(per_rank(time.monotonic() - began)))
             if snapshots:
                 call = time.monotonic()
                 train_state.state_dict()
                 state_dicts.append(time.monotonic() - call)
         if snapshots:
+            if args.compare_sums:
+                ckpt.memory.wait()  # the block's last write is finished (and its time taken) before the mode changes
             writes.append(ckpt.memory.last_write_seconds)
+            by_sums[mode]["writes"].append(max(per_rank(ckpt.memory.last_write_seconds)))
+    ckpt.memory.sums = True
     ckpt.memory.wait()
     view_began = time.monotonic()  # what the first snapshot into a new file adds: DCP's view of the state
     ckpt.memory._dcp_view({name: entry.state_dict() if hasattr(entry, "state_dict") else entry
@@ -165,9 +181,19 @@ def main() -> None:
         with_s, without = statistics.median(times[True]), statistics.median(times[False])
         print(f"model dim={args.width} layers={args.layers} vocab={args.vocab}, world={world} (pp2 x tp2 x dp2); "
               f"snapshot of one step: {nbytes / 2**20:.2f} MiB on this node (all ranks)")
-        print(f"step with a snapshot every step: median {with_s * 1e3:.1f} ms over {len(times[True])} steps; "
-              f"without: {without * 1e3:.1f} ms over {len(times[False])} steps")
-        print(f"ratio with/without = {with_s / without:.3f} (overhead {100 * (with_s / without - 1):+.1f} %)")
+        if args.compare_sums:
+            on, off = by_sums[True], by_sums[False]
+            w_on, w_off = statistics.median(on["writes"]), statistics.median(off["writes"])
+            c_on, c_off = statistics.median(on["calls"]), statistics.median(off["calls"])
+            print(f"checksums, a snapshot every step: step median {with_s * 1e3:.1f} ms with sums, "
+                  f"{without * 1e3:.1f} ms without (ratio {with_s / without:.3f}); snapshot call on rank 0 (the "
+                  f"stall) {c_on * 1e3:.2f} ms with, {c_off * 1e3:.2f} ms without (ratio {c_on / c_off:.3f}); "
+                  f"background write (slowest rank, last of each block) {w_on * 1e3:.2f} ms with, "
+                  f"{w_off * 1e3:.2f} ms without (ratio {w_on / w_off:.3f}; +{(w_on - w_off) * 1e3:.2f} ms)")
+        else:
+            print(f"step with a snapshot every step: median {with_s * 1e3:.1f} ms over {len(times[True])} steps; "
+                  f"without: {without * 1e3:.1f} ms over {len(times[False])} steps")
+            print(f"ratio with/without = {with_s / without:.3f} (overhead {100 * (with_s / without - 1):+.1f} %)")
         print(f"snapshot call on rank 0 (the copy the step waits for): median {statistics.median(calls) * 1e3:.2f} ms; "
               f"of it TrainState.state_dict() alone (measured after it, outside the step's time) "
               f"{statistics.median(state_dicts) * 1e3:.2f} ms; background write (last per block): median {statistics.median(writes) * 1e3:.2f} ms; "

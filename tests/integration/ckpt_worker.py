@@ -8,7 +8,9 @@ Modes:
 With ``--memory-root`` each rank also snapshots its state into memory after every step (and dumps it), in the
 directory of its simulated node: ``<memory-root>/node-<n>``, ``n`` from ``--node-map`` (one node index per rank).
 A stand-in for each node's agent vouches for every complete file in its node's directory (a rank's own, and the
-copies of other nodes' ranks it received with ``--per-node``).
+copies of other nodes' ranks it received with ``--per-node``). ``--faults`` schedules faults as
+``TRAINWARDEN_FAULTS`` does (runtime/faults.py); only ``snapflip`` is wired here (the Checkpointer's
+``after_snapshot``).
 
 A dump (written by rank 0) holds every parameter and optimizer state as full tensors (``full_tensor()``) and
 each rank's RNG fingerprint (the next torch / random / numpy draws), so two dumps compare exactly.
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwarden.agent.proto.snapshot_layout import parse_peer, parse_snapshot
 from trainwarden.runtime.checkpoint import Checkpointer, ModelState, RNGState
+from trainwarden.runtime.faults import FaultInjector, parse_faults
 
 DIM = 32
 
@@ -78,7 +81,8 @@ class NodeAgent:
                 if (parsed := parse_snapshot(path) or parse_peer(path))]
 
     def checkpoint_event(self, stage, step, seconds=0.0, bytes=0, path="", detail=""):
-        pass
+        if stage == "set_aside":  # what the agent makes an incident of: the test counts them
+            print(f"agent heard set_aside step={step} path={path} detail={detail}", flush=True)
 
     def commit_refusal(self, step, path="", bytes=0):
         return None
@@ -96,6 +100,7 @@ def main() -> None:
     ap.add_argument("--node-map", default="", help="comma-separated node index of each rank")
     ap.add_argument("--per-node", type=int, default=None, help="ranks per simulated node (peer copies of snapshots)")
     ap.add_argument("--no-close", action="store_true", help="end without Checkpointer.close(), as a careless script")
+    ap.add_argument("--faults", default="", help="a fault specification (snapflip:rank=R,step=S)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -111,8 +116,10 @@ def main() -> None:
         node = int(args.node_map.split(",")[rank]) if args.node_map else 0
         memory = Path(args.memory_root) / f"node-{node}"
         memory.mkdir(parents=True, exist_ok=True)
+        hooks = {"after_snapshot": FaultInjector(parse_faults(args.faults), rank=rank).after_snapshot} \
+            if args.faults else {}
         ckpt = Checkpointer(args.dir, keep=args.keep, memory_dir=memory, session=NodeAgent(memory),
-                            ranks_per_node=args.per_node)
+                            ranks_per_node=args.per_node, **hooks)
     else:
         ckpt = Checkpointer(args.dir, keep=args.keep)
     start = ckpt.restore(state) or 0
