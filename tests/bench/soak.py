@@ -52,11 +52,15 @@ from testbed import TestBed  # noqa: E402
 JOB = "soak"
 NODES = ("n0", "n1")
 TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
-STEP = re.compile(rf"^{TS} \[rank 0\] [\w.]+: step (\d+) loss (\S+) time", re.M)
+STEP = re.compile(rf"^{TS} \[rank \d+\] [\w.]+: step (\d+) loss (\S+) time", re.M)
 RESUMED = re.compile(rf"^{TS} \[rank 0\] [\w.]+: resumed from (?:checkpoint step|the memory snapshots? of step) "
                      r"(\d+)", re.M)
 COMMIT = re.compile(rf"^{TS} .*checkpoint step (\d+) committed: (\S+) ", re.M)
 SHRANK = re.compile(r"world size 8, now 4|taken at world size 8")
+FULL = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: 2 stages, 2 micro-batches", re.M)
+"""Rank 0 starts a round of the full world (dp 2: two micro-batches of two sequences a rank; dp 1 takes four)."""
+GROW_BOUND_S = 240.0
+"""A node started again (or healed) must be back in the world within this long, else the fault did not recover."""
 
 
 def _stamp(text: str) -> float:
@@ -105,6 +109,12 @@ class Job:
         if not resumes:
             return None
         steps = [st for st, _, _ in self.steps_logged() if st > resumes[0]]
+        return steps[0] if steps else None
+
+    def full_after(self, t: float) -> float | None:
+        """When rank 0 first logged a step after starting a full-world round after ``t``."""
+        starts = sorted(_stamp(ts) for ts in FULL.findall(self.text()) if _stamp(ts) > t)
+        steps = [st for st, _, _ in self.steps_logged() if starts and st > starts[0]]
         return steps[0] if steps else None
 
     def commits(self) -> list[tuple[float, int, str]]:
@@ -248,7 +258,12 @@ class Soak:
             else:
                 job.runs[fault.node].wait(30) if job.runs[fault.node].poll() is None else None
                 job.start(fault.node)
-            fault.recovered_at = self.wait("the grow-back", lambda: job.resumed_after(back), 300)
+            try:
+                fault.recovered_at = self.wait("the grow-back", lambda: job.full_after(back), GROW_BOUND_S)
+            except TimeoutError:
+                fault.failed = f"the job did not grow back to both nodes within {GROW_BOUND_S:.0f} s"
+                fault.notes.append(fault.failed)
+                fault.recovered_at = time.time()
         elif fault.kind == "etcd_member":
             fault.at = time.time()
             bed.kill(fault.variant)
@@ -269,6 +284,11 @@ class Soak:
             for node in NODES:
                 job.start(node)
             fault.recovered_at = self.wait("the restore", lambda: job.resumed_after(back), 300)
+            try:
+                self.wait("both nodes in the round", lambda: job.full_after(back), GROW_BOUND_S)
+            except TimeoutError:
+                fault.failed = f"the job did not train on both nodes within {GROW_BOUND_S:.0f} s of their restart"
+                fault.notes.append(fault.failed)
         fault.notes.append(f"recovered after {fault.recovered_at - fault.at:.1f} s")
 
 
@@ -309,8 +329,7 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
         out.update(launched=launched, steps=job.steps_logged(), commits=job.commits(), text_shrank=bool(
             SHRANK.search(job.text())), samples=sampler.samples, incidents=_incidents(work), logs=[str(p) for p in job.logs])
         out["present"] = {str(p) for p in job.ckpt.glob("*") if p.is_dir()}
-        out["step_log"] = independent("".join(line + "\n" for line in job.text().splitlines()
-                                              if "[rank 0]" in line), launched, None)
+        out["step_log"] = independent(job.text(), launched, None)
         ledger = work / "state" / "n0" / "jobs" / JOB / "history" / "goodput.json"
         out["ledger"] = json.loads(ledger.read_text()) if ledger.exists() else None
     out["leftovers"] = bed.leftovers()
@@ -322,7 +341,7 @@ def _left_behind(work: Path, shm: Path, bed_leftovers: list[str]) -> Verdict:
     for p in psutil.process_iter(["pid", "cmdline"]):
         if str(work) in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
             found.append(f"pid {p.pid}")
-    for root in [*(work / "tmp").glob("*"), *shm.glob("*")]:
+    for root in [*work.glob("*/tmp/*"), *shm.glob("*/*")]:
         found += [str(p) for p in root.iterdir()]
     return Verdict("nothing_left", not found, "; ".join(found[:8]) or "no process, namespace, temp or shm entry")
 
@@ -343,6 +362,8 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     story = [(t, "step", s) for t, s, _ in steps] + [(t, "commit", s) for t, s, _ in soak["commits"]]
     out.append(no_fresh_start(sorted(story)))
     out.append(match_incidents(faults, soak["incidents"]))
+    late = [f"{f.describe()}: {f.failed}" for f in faults if getattr(f, "failed", None)]
+    out.append(Verdict("recoveries", not late, "; ".join(late) or "every fault recovered, nodes back in the world"))
     ledger, row = soak["ledger"], soak["step_log"]
     if ledger and "error" not in row:
         check = agreement(ledger, row)

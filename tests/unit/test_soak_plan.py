@@ -87,6 +87,18 @@ def test_resources_are_flat_against_their_level_after_the_first_restart():
     row = lambda rss, threads, fds: {"rss": rss, "threads": threads, "fds": fds}  # noqa: E731
     samples = [(1.0, "n0 agent 1", row(100, 10, 20)), (5.0, "n0 agent 1", row(200, 20, 40)),
                (9.0, "n0 agent 1", row(210, 21, 41))]
-    assert flat(samples, 4.0).ok  # the start-up before the baseline does not count
-    assert not flat(samples + [(12.0, "n0 agent 1", row(250, 21, 41))], 4.0).ok
-    assert not flat(samples, 100.0).ok  # nothing sampled after the baseline: no evidence
+    assert flat(samples, 4.0, settle=0).ok  # the start-up before the baseline does not count
+    assert not flat(samples + [(12.0, "n0 agent 1", row(250, 21, 41))], 4.0, settle=0).ok
+    assert not flat(samples, 100.0, settle=0).ok  # nothing sampled after the baseline: no evidence
+    # a process started after the baseline is levelled once it has settled, not while it starts up
+    late = [(10.0, "n1 launcher 2", row(100, 1, 5)), (80.0, "n1 launcher 2", row(300, 12, 20)),
+            (200.0, "n1 launcher 2", row(310, 12, 20))]
+    assert flat(samples + late, 4.0, settle=60).ok
+
+
+def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():
+    corrupt = PlannedFault(index=0, kind="ckpt_corrupt", step=40, variant="flip", at=100.0)
+    seen = [_inc("checkpoint_set_aside", 110, "n0", [0]), _inc("node_lost", 105, "n1", [4, 5, 6, 7])]
+    assert match_incidents([corrupt], seen).ok
+    assert not match_incidents([corrupt], seen + [_inc("node_lost", 106, "n1", [4])]).ok
+    assert "no checkpoint_set_aside" in match_incidents([corrupt], seen[1:]).detail
