@@ -142,10 +142,12 @@ class Verdict:
         return f"invariant {self.name}: {'ok' if self.ok else 'FAILED'} ({self.detail})"
 
 
-LOSS_TOLERANCE = 2e-2
-"""Relative tolerance on the final loss once the world changed size: another data-parallel degree sums the same
-samples' gradients in another order (float32, ~1e-7 relative per sum), and the difference grows over the
-hundreds of steps after the shrink; the replayed steps right after a shrink agree to 1e-3 (test_multinode.py)."""
+LOSS_TOLERANCE = 1e-3
+"""Relative tolerance on the final loss once the world changed size. Another data-parallel degree sums the same
+samples' gradients in another order (float32: ~1e-7 relative per sum), and the trajectories drift apart slowly
+after it: the replayed steps right after a shrink agree to 1e-3 (test_multinode.py), and a trial soak with a
+shrink of about 130 steps ended 2.5e-5 apart. A resume that is not exact (a lost step, a wrong data position, a
+skipped or repeated update) moves the loss by far more than that (the loss changes by ~1e-2 a step here)."""
 
 
 def loss_matches(final: float | None, reference: float | None, *, shrank: bool) -> Verdict:

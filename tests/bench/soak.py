@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     injected = [f for f in faults if f.at is not None]
     broken = sum(not v.ok for v in results)
     soak_min = (time.monotonic() - started - ref_s) / 60
-    print(f"faults: " + "; ".join(f"{f.describe()} [{'; '.join(f.notes)}]" for f in injected))
+    print("faults: " + "; ".join(f"{f.describe()} [{'; '.join(f.notes)}]" for f in injected))
+    print(f"not injected by this soak: {', '.join(LEFT_OUT)}")
     print(f"machine: nproc={os.cpu_count()}, load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         print(json.dumps({"faults": [f.__dict__ for f in faults], "invariants": [v.__dict__ for v in results]},
