@@ -379,6 +379,24 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     return out
 
 
+def _reference(args, work: Path, steps: int, faults: list, shm: Path) -> dict:
+    """The fault-free run (with the draw's NaN faults): from ``--reference`` when it holds this job's, else run."""
+    spec = faults_env(faults, only=("nan",))
+    key = {"steps": steps, "faults": spec}
+    saved = Path(args.reference) if args.reference else None
+    if saved is not None and saved.exists():
+        data = json.loads(saved.read_text())
+        if data.get("key") == key:
+            print(f"fault-free run: from {saved} ({data['when']})", flush=True)
+            return {"work": str(work / "reference"), "steps": [tuple(s) for s in data["steps"]],
+                    "leftovers": data["leftovers"]}
+    ref = run_job(work / "reference", steps, [], spec, shm / "reference", budget_s=args.minutes * 60 * 2 + 300)
+    if saved is not None:
+        saved.write_text(json.dumps({"key": key, "when": dt.datetime.now().isoformat(timespec="seconds"),
+                                     "steps": ref["steps"], "leftovers": ref["leftovers"]}))
+    return ref
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=8.0)
@@ -389,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                    f"{','.join(CATALOGUE)})")
     p.add_argument("--gap-s", default="45,90", help="seconds of training between faults, drawn uniformly in "
                    "MIN,MAX (default 45,90)")
+    p.add_argument("--reference", metavar="FILE", help="the fault-free run's result: read from FILE when it holds "
+                   "this job's (same steps, same NaN faults), else run and written there; with --reference-only, "
+                   "stop after it (a run of each under the 12-minute cap on a loaded machine)")
+    p.add_argument("--reference-only", action="store_true")
     p.add_argument("--keep", metavar="DIR", help="keep the runs' logs and state under DIR")
     p.add_argument("--json", action="store_true", help="also print the faults and verdicts as JSON")
     args = p.parse_args(argv)
@@ -407,10 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     shm = Path(tempfile.mkdtemp(prefix="tw-soak-", dir="/dev/shm"))
     started = time.monotonic()
     try:
-        ref = run_job(work / "reference", steps, [], faults_env(faults, only=("nan",)), shm / "reference",
-                      budget_s=args.minutes * 60 * 2 + 300)
+        ref = _reference(args, work, steps, faults, shm)
         ref_s = time.monotonic() - started
         print(f"fault-free run: {ref_s:.0f} s, last step {max((s for _, s, _ in ref['steps']), default=0)}", flush=True)
+        if args.reference_only:
+            return 0
         soak = run_job(work / "soak", steps, faults, faults_env(faults), shm / "soak",
                        budget_s=args.minutes * 60 * 3 + 300)
         results = verdicts(ref, soak, faults, 3, work, shm)
