@@ -160,7 +160,9 @@ class _Zygote:
         self.listener, self.map_dir = listener, map_dir
         self.r_wake, self.w_wake = os.pipe()
         os.set_blocking(self.w_wake, False)
-        self.children: dict[int, socket.socket] = {}  # worker pid -> its client's connection
+        self.children: dict[int, socket.socket | None] = {}
+        """Worker pid -> its client's connection; None once the client is gone and the worker killed, until it is
+        reaped (a closed socket must not stay here: ``select`` raises on its fd of -1, and the zygote would die)."""
         self.by_conn: dict[int, int] = {}  # connection fd -> worker pid
         self.off: str | None = None  # why this zygote forks no more workers (its own serve the rest of their run)
         signal.signal(signal.SIGCHLD, self._wake)
@@ -177,7 +179,8 @@ class _Zygote:
 
         while True:
             try:
-                ready, _, _ = select.select([self.listener, self.r_wake, *self.children.values()], [], [])
+                live = [c for c in self.children.values() if c is not None]
+                ready, _, _ = select.select([self.listener, self.r_wake, *live], [], [])
             except InterruptedError:
                 continue
             if self.r_wake in ready:
@@ -223,6 +226,7 @@ class _Zygote:
             if gone:
                 pid = self.by_conn.pop(conn.fileno(), None)
                 if pid is not None:
+                    self.children[pid] = None  # still ours to reap (its map entry goes then)
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
@@ -258,7 +262,8 @@ class _Zygote:
             os.close(self.r_wake)
             os.close(self.w_wake)
             for other in self.children.values():
-                other.close()
+                if other is not None:
+                    other.close()
             conn.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             return _Job(request, fds)

@@ -326,21 +326,26 @@ class NativeRendezvous:
     def next_round(self) -> Round:
         """Join the next open round and return it once closed with this node in it.
 
-        A member of a round that is not over leaves it first (deletes its key): for the others that ends
-        the round, as a loss does. ``NativeRendezvousTimeout`` after ``join_timeout_s``."""
+        A member of a round that is not over leaves it (deletes its key) once it has joined the next one: for
+        the others that ends the round, as a loss does. Joined first, so that a node waiting in the next round
+        as its closer, which watches this round's keys, sees the member back before it sees it gone; left
+        first, that closer took the member for gone and closed the round without it, and the two nodes
+        alternated single-node rounds (issue 45, the soak). ``NativeRendezvousTimeout`` after
+        ``join_timeout_s``."""
         deadline = self._clock() + self.config.join_timeout_s
         if self._watch is not None:
             self._watch.cancel()
-        if self.last is not None and (self._watch is None or not self._watch.over):
-            self._leave(self.last.number)
+        leaving = self.last.number if self.last is not None and (self._watch is None or not self._watch.over) \
+            else None
         self._watch = None
         # a member goes on to the next round; a new node starts at the oldest round still kept (at most
         # two are: the last closed one and the next) and walks up past the closed ones
         number = self.last.number + 1 if self.last is not None else self.oldest_round()
         while True:
             try:
-                return self._join_and_wait(number, deadline)
+                return self._join_and_wait(number, deadline, leaving)
             except _TooLate:
+                leaving = None  # left with the first join
                 logger.info("job %s: %s joined round %d after it closed; it waits in round %d (a hot spare while "
                             "the rounds are full)", self.job, self.node, number, number + 1)
                 number += 1
@@ -356,9 +361,12 @@ class NativeRendezvous:
                     pass
                 raise
 
-    def _join_and_wait(self, number: int, deadline: float) -> Round:
-        """Join round ``number`` and wait for it to close with this node; ``_TooLate`` when it closed without."""
+    def _join_and_wait(self, number: int, deadline: float, leaving: int | None = None) -> Round:
+        """Join round ``number`` and wait for it to close with this node; ``_TooLate`` when it closed without.
+        ``leaving``: the round this node is a member of, left once the join is written (``next_round``)."""
         joined = self._join(number)
+        if leaving is not None:
+            self._leave(leaving)
         if isinstance(joined, Round):  # closed before this join
             if self.node in joined.members:
                 return self._became_member(joined)

@@ -90,7 +90,7 @@ def test_the_worker_is_forked_from_the_zygote_and_exits_as_the_client(zygote, tm
 
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(zygote, tmp_path):
-    script, env, map_dir, _ = zygote
+    script, env, map_dir, z = zygote
     env = {**env, "TRAINWARDEN_JOB": "warmtest", "RANK": "3", "LOCAL_RANK": "1"}
     out = tmp_path / "w"
     client = _client(script, env, str(out), "wait")
@@ -112,6 +112,11 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker_along(zyg
     client.wait(10)
     wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE, 10,
              what="the worker of a SIGKILLed client to die")
+    # and only that worker: the zygote serves on and forks the next client's worker (it used to die on the closed
+    # connection, taking every worker along; that client then started cold)
+    client = _client(script, env, str(tmp_path / "after"), "exit", "5")
+    assert client.wait(30) == 5
+    assert int(_report(tmp_path / "after")[1]) == z.pid and z.poll() is None, (tmp_path / "zygote.log").read_text()
 
 
 def test_without_a_zygote_the_client_starts_cold(tmp_path):

@@ -460,3 +460,34 @@ def test_a_node_whose_lease_has_ended_is_told_to_get_a_new_one():
     node = _nodes(LeaseGone(), 1)[0]
     with pytest.raises(NativeRendezvousError, match="lease has ended.*grant the node a new lease"):
         node.next_round()
+
+
+def test_a_member_regrouping_to_let_a_waiting_node_in_joins_before_it_leaves_so_both_are_in_the_round():
+    """The soak's grow-back loop (issue 45): n00 trains alone in round 0 (min 1, max 2), n07 waits in round 1 as its
+    closer, watching round 0's keys. n00 regroups to let it in. Had n00 left round 0 before joining round 1, the
+    closer would see round 0's only member gone, close round 1 with itself alone, and n00 would wait in round 2:
+    the nodes alternate single-node rounds. Here the closer gets every chance to: round 0's key going is held
+    until round 1 has closed (or 2 s)."""
+
+    class SlowLeave(FakeEtcd):
+        def delete(self, key):
+            if key == rendezvous_key("j", 0, "nodes", "n00"):
+                for _ in range(200):  # until the closer has closed round 1, or 2 s
+                    if self.get(rendezvous_key("j", 1, "close", "members"))[0] is not None:
+                        break
+                    threading.Event().wait(0.01)
+            return super().delete(key)
+
+    etcd = SlowLeave()
+    member = _nodes(etcd, 1, min_nodes=1, max_nodes=2, join_timeout_s=5.0)[0]
+    assert member.next_round().members == ("n00",)
+    late = _nodes(etcd, 1, min_nodes=1, max_nodes=2, join_timeout_s=5.0, first=7)[0]
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(late.next_round()))
+    thread.start()
+    while member.waiting() != 1:
+        threading.Event().wait(0.01)
+    assert thread.is_alive() and not result  # round 0 is intact: the late node waits
+    grown = member.next_round()
+    thread.join(10)
+    assert grown.number == 1 and grown.members == result[0].members and set(grown.members) == {"n00", "n07"}

@@ -1,0 +1,172 @@
+"""The soak's job on the bed (tests/bench/soak.py): one `trainwarden run` per node, what its logs say, which process
+trains a rank, and the agents' and launchers' resources sampled as it runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from testbed import TestBed
+
+JOB = "soak"
+NODES = ("n0", "n1")
+TS = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+STEP = re.compile(rf"^{TS} \[rank \d+\] [\w.]+: step (\d+) loss (\S+) time", re.M)
+RESUMED = re.compile(rf"^{TS} \[rank 0\] [\w.]+: resumed from (?:checkpoint step|the memory snapshots? of step) "
+                     r"(\d+)", re.M)
+COMMIT = re.compile(rf"^{TS} .*checkpoint step (\d+) committed: (\S+) ", re.M)
+SHRANK = re.compile(r"world size 8, now 4|taken at world size 8")
+FULL = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: 2 stages, 2 micro-batches", re.M)
+"""Rank 0 starts a round of the full world (dp 2: two micro-batches of two sequences a rank; dp 1 takes four)."""
+GROW_BOUND_S = 240.0
+"""A node started again (or healed) must be back in the world within this long, else the fault did not recover."""
+
+
+def _stamp(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+class Job:
+    """The job on one bed: a `trainwarden run` per node, each start of one logged to a file of its own."""
+
+    def __init__(self, bed: TestBed, work: Path, steps: int, faults_spec: str, shm: Path) -> None:
+        self.bed, self.work, self.steps, self.shm = bed, work, steps, shm
+        self.faults_spec = faults_spec
+        self.ckpt = work / "ckpt"
+        self.logs: list[Path] = []
+        self.runs: dict[str, psutil.Popen | object] = {}
+
+    def start(self, node: str) -> None:
+        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(self.work / "state" / node), PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", TMPDIR=str(self.work / "tmp" / node),
+                   TRAINWARDEN_MEMORY_ROOT=str(self.shm / node), TRAINWARDEN_FAULTS=self.faults_spec)
+        for d in (env["TMPDIR"], env["TRAINWARDEN_MEMORY_ROOT"]):
+            Path(d).mkdir(parents=True, exist_ok=True)
+        log = self.work / f"{node}-{sum(1 for p in self.logs if p.name.startswith(node))}.log"
+        self.logs.append(log)
+        cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "1:2",
+               "--nproc-per-node", "4", "--node", node, "--max-restarts", "100", "--job", JOB,
+               "--etcd", self.bed.etcd_endpoints, "--",
+               "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--pp", "2", "--batch", "8",
+               "--micro-batch-size", "2", "--steps", str(self.steps), "--ckpt-dir", str(self.ckpt),
+               "--ckpt-every", "10", "--keep", "3"]
+        self.runs[node] = self.bed.spawn(node, cmd, log=log, env=env)
+
+    def text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+    def steps_logged(self) -> list[tuple[float, int, float]]:
+        return sorted((_stamp(t), int(s), float(loss)) for t, s, loss in STEP.findall(self.text()))
+
+    def last_step(self) -> int:
+        return max((s for _, s, _ in self.steps_logged()), default=0)
+
+    def resumed_after(self, t: float) -> float | None:
+        """When rank 0 first logged a step after a resume logged after ``t``."""
+        text = self.text()
+        resumes = sorted(_stamp(ts) for ts, _ in RESUMED.findall(text) if _stamp(ts) > t)
+        if not resumes:
+            return None
+        steps = [st for st, _, _ in self.steps_logged() if st > resumes[0]]
+        return steps[0] if steps else None
+
+    def full_after(self, t: float) -> float | None:
+        """When rank 0 first logged a step after starting a full-world round after ``t``."""
+        starts = sorted(_stamp(ts) for ts in FULL.findall(self.text()) if _stamp(ts) > t)
+        steps = [st for st, _, _ in self.steps_logged() if starts and st > starts[0]]
+        return steps[0] if steps else None
+
+    def commits(self) -> list[tuple[float, int, str]]:
+        return sorted({(_stamp(t), int(s), p) for t, s, p in COMMIT.findall(self.text())})
+
+    def worker_pid(self, rank: int) -> tuple[int, str] | None:
+        """The process training ``rank`` now and its node: torch's agent starts a client with RANK in its
+        environment; with warm workers the zygote forks the real worker and maps it to the client in its map
+        directory (runtime/zygote.py)."""
+        for node in NODES:
+            for pid in self.bed._pids(self.bed.hosts[node]):
+                env = _environ(pid)
+                if env.get("RANK") != str(rank) or env.get("TRAINWARDEN_JOB", JOB) != JOB:
+                    continue
+                map_dir = env.get("TRAINWARDEN_WARM_MAP_DIR")
+                for entry in Path(map_dir).iterdir() if map_dir and Path(map_dir).is_dir() else []:
+                    try:
+                        if int(entry.read_text().split()[0]) == pid and psutil.pid_exists(int(entry.name)):
+                            return int(entry.name), node
+                    except (OSError, ValueError, IndexError):
+                        continue
+                if "examples.gpt" in " ".join(_cmdline(pid)) and not map_dir:
+                    return pid, node
+        return None
+
+    def wait_exit(self, timeout: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for node, proc in self.runs.items():
+            try:
+                codes[node] = proc.wait(max(1.0, deadline - time.monotonic()))
+            except Exception:
+                codes[node] = None
+        return codes
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+class Sampler(threading.Thread):
+    """Every ``period`` seconds: RSS, threads and fds of each node's agent (`trainwarden run`) and launcher."""
+
+    def __init__(self, job: Job, period: float = 5.0) -> None:
+        super().__init__(name="soak-sampler", daemon=True)
+        self.job, self.period = job, period
+        self.samples: list[tuple[float, str, dict]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period):
+            for node, proc in list(self.job.runs.items()):
+                try:
+                    agent = psutil.Process(proc.pid)
+                    targets = [("agent", agent)] + [("launcher", c) for c in agent.children(recursive=True)
+                                                    if "trainwarden.agent.launch.elastic" in " ".join(c.cmdline())]
+                    for what, p in targets:
+                        with p.oneshot():
+                            values = {"rss": p.memory_info().rss, "threads": p.num_threads(), "fds": p.num_fds()}
+                        self.samples.append((time.time(), f"{node} {what} {p.pid}", values))
+                except psutil.Error:
+                    continue
+
+
+def corrupt(path: Path, how: str) -> str:
+    """Truncate the largest file of a committed checkpoint to half, or flip one bit in its middle."""
+    files = sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim = files[-1]
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        if how == "truncate":
+            f.truncate(size // 2)
+            return f"{victim.relative_to(path)} {size} -> {size // 2} bytes"
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+        return f"{victim.relative_to(path)} byte {size // 2} flipped"

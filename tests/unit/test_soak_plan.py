@@ -1,0 +1,104 @@
+"""The soak's fault drawing and invariant logic (tests/bench/_soak_plan.py), without processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from _soak_plan import CATALOGUE, PlannedFault, checkpoints_kept, draw, faults_env, flat, loss_matches, \
+    match_incidents, no_fresh_start  # noqa: E402
+
+
+def test_the_draw_is_the_seeds_and_spaces_faults_by_the_gap_in_steps():
+    a = draw(7, steps=2000, step_s=0.5, kinds=list(CATALOGUE))
+    assert [f.describe() for f in a] == [f.describe() for f in draw(7, steps=2000, step_s=0.5, kinds=list(CATALOGUE))]
+    assert [f.describe() for f in a] != [f.describe() for f in draw(8, steps=2000, step_s=0.5, kinds=list(CATALOGUE))]
+    gaps = [b.step - x.step for x, b in zip(a, a[1:])]
+    assert gaps and all(90 <= g <= 180 for g in gaps)  # 45-90 s at 0.5 s a step
+    assert a[0].step == 40 and a[-1].step <= 2000 - 60
+    for f in a:
+        if CATALOGUE[f.kind].inside:
+            assert 0 <= f.rank < 4  # a rank every world holds, even with n1 gone
+        elif f.kind in ("node_kill", "partition", "agent_kill"):
+            assert f.node == "n1"
+
+
+def test_an_unknown_kind_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown fault kinds .'bitrot'.*crash"):
+        draw(1, steps=500, step_s=0.5, kinds=["crash", "bitrot"])
+
+
+def test_only_the_workers_own_faults_reach_the_environment():
+    faults = [PlannedFault(index=0, kind="crash", step=40, rank=5), PlannedFault(index=1, kind="hang", step=90, rank=2),
+              PlannedFault(index=2, kind="slow", step=150, rank=1), PlannedFault(index=3, kind="nan", step=200, rank=3)]
+    assert faults_env(faults) == "hang:rank=2,step=90;slow:rank=1,from=150,until=180,factor=3;nan:rank=3,step=200"
+    assert faults_env(faults, only=("nan",)) == "nan:rank=3,step=200"
+
+
+def test_the_final_loss_is_bit_equal_unless_the_world_changed():
+    assert loss_matches(2.5, 2.5, shrank=False).ok
+    assert not loss_matches(2.500001, 2.5, shrank=False).ok
+    assert loss_matches(2.501, 2.5, shrank=True).ok
+    assert not loss_matches(2.7, 2.5, shrank=True).ok
+    assert not loss_matches(None, 2.5, shrank=False).ok
+
+
+def test_a_commit_replaced_or_lost_off_the_record_breaks_the_checkpoint_invariant():
+    commits = [(1.0, 10, "/c/step-10"), (2.0, 20, "/c/step-20"), (3.0, 30, "/c/step-30"), (4.0, 40, "/c/step-40")]
+    present = {"/c/step-20", "/c/step-30", "/c/step-40"}
+    assert checkpoints_kept(commits, present, 3, set()).ok  # step 10: retention's
+    assert not checkpoints_kept(commits, present - {"/c/step-30"}, 3, set()).ok
+    assert checkpoints_kept(commits, present - {"/c/step-30"}, 3, {30}).ok  # set aside, on the record
+    again = commits + [(5.0, 30, "/c/step-30")]
+    assert not checkpoints_kept(again, present, 3, set()).ok
+    assert checkpoints_kept(again, present, 3, {30}).ok
+
+
+def test_step_one_after_a_commit_is_a_fresh_start():
+    story = [(1.0, "step", 1), (2.0, "step", 10), (2.1, "commit", 10), (3.0, "step", 11)]
+    assert no_fresh_start(story).ok
+    assert not no_fresh_start(story + [(4.0, "step", 1)]).ok
+
+
+def _inc(kind, t, node="n0", ranks=()):
+    return {"kind": kind, "detected_at": t, "node": node, "ranks": list(ranks)}
+
+
+def test_every_fault_is_exactly_its_incidents_and_nothing_else_is_one():
+    crash = PlannedFault(index=0, kind="crash", step=40, rank=5, at=100.0)
+    lost = PlannedFault(index=1, kind="node_kill", step=90, node="n1", at=200.0)
+    etcd = PlannedFault(index=2, kind="etcd_member", step=150, variant="e1", at=300.0)
+    faults = [crash, lost, etcd]
+    right = [_inc("crash", 101, "n1", [5]), _inc("restart", 101.5), _inc("node_lost", 215, "n1", [4, 5, 6, 7])]
+    assert match_incidents(faults, right).ok
+    assert "names ranks [4]" in match_incidents(faults, [_inc("crash", 101, "n1", [4]), right[2]]).detail
+    assert "no node_lost" in match_incidents(faults, right[:2]).detail
+    doubled = right + [_inc("node_lost", 216, "n1", [4])]
+    assert not match_incidents(faults, doubled).ok
+    false_alarm = right + [_inc("hang", 301, "n0", [2])]
+    assert "etcd_member (e1) at step 150: unexpected hang" in match_incidents(faults, false_alarm).detail
+    assert "before any fault" in match_incidents(faults, right + [_inc("hang", 50)]).detail
+
+
+def test_resources_are_flat_against_their_level_after_the_first_restart():
+    row = lambda rss, threads, fds: {"rss": rss, "threads": threads, "fds": fds}  # noqa: E731
+    samples = [(1.0, "n0 agent 1", row(100, 10, 20)), (5.0, "n0 agent 1", row(200, 20, 40)),
+               (9.0, "n0 agent 1", row(210, 21, 41))]
+    assert flat(samples, 4.0, settle=0).ok  # the start-up before the baseline does not count
+    assert not flat(samples + [(12.0, "n0 agent 1", row(250, 21, 41))], 4.0, settle=0).ok
+    assert not flat(samples, 100.0, settle=0).ok  # nothing sampled after the baseline: no evidence
+    # a process started after the baseline is levelled once it has settled, not while it starts up
+    late = [(10.0, "n1 launcher 2", row(100, 1, 5)), (80.0, "n1 launcher 2", row(300, 12, 20)),
+            (200.0, "n1 launcher 2", row(310, 12, 20))]
+    assert flat(samples + late, 4.0, settle=60).ok
+
+
+def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():
+    corrupt = PlannedFault(index=0, kind="ckpt_corrupt", step=40, variant="flip", at=100.0)
+    seen = [_inc("checkpoint_set_aside", 110, "n0", [0]), _inc("node_lost", 105, "n1", [4, 5, 6, 7])]
+    assert match_incidents([corrupt], seen).ok
+    assert not match_incidents([corrupt], seen + [_inc("node_lost", 106, "n1", [4])]).ok
+    assert "no checkpoint_set_aside" in match_incidents([corrupt], seen[1:]).detail
