@@ -36,7 +36,7 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
     root = open_etcd(auth_etcd.security.config((auth_etcd.endpoint,)))
     try:
         root.put(f"{P}/jobs/a/spec", '{"user": "alice"}')
-        name = grant_job_user(root, "a", 1, "job-a-password-1")
+        name = grant_job_user(root, "a", 1, "job-a-password-1", node="n0")
         job = open_etcd(EtcdConfig(endpoints=(auth_etcd.endpoint,), user=name, password="job-a-password-1"))
         try:
             for key in (f"{P}/rdzv/a/state", f"{P}/rdzv/a/rounds/00000000/nodes/n0", f"{P}/jobs/a/state",
@@ -53,8 +53,8 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
                 job.get(f"{P}/jobs/b/spec")
         finally:
             job.close()
-        revoke_job_user(root, "a", 1)
-        revoke_job_user(root, "a", 1)  # twice is harmless
+        revoke_job_user(root, "a", 1, node="n0")
+        revoke_job_user(root, "a", 1, node="n0")  # twice is harmless
         with pytest.raises(EtcdAccessDenied):
             open_etcd(EtcdConfig(endpoints=(auth_etcd.endpoint,), user=name, password="job-a-password-1"))
         assert root.get(f"{P}/jobs/a/spec")[0] == b'{"user": "alice"}'
