@@ -105,7 +105,8 @@ def open_admin(admin: EtcdAdmin, config: EtcdConfig):
 
 def shared_credential_note(flags: list[str]) -> str:
     """What the daemon says once at start when it has no admin credential: who can act as an agent."""
-    given = "the agents' etcd credential (" + " ".join(f for f in flags if f.startswith("--")) + ")" if flags \
+    named = [f for f in flags if f.startswith("--") and f != "--insecure-etcd"]
+    given = "the agents' etcd credential (" + " ".join(named) + ")" if named \
         else "no etcd credential (etcd has no authentication here: anyone who reaches it writes anything)"
     return (f"the launchers of submitted jobs get {given}: a job's user could act as an agent (submit jobs as "
             "anyone, write other jobs' rendezvous). Give each launcher an etcd user of its own with etcd_admin_user "
@@ -186,10 +187,11 @@ class JobEtcdIdentities:
         self._base.mkdir(mode=0o711, parents=True, exist_ok=True)
         fd = os.open(self._base, _DIR)
         st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
+        if st.st_uid != os.geteuid():
             os.close(fd)
-            raise PermissionError(f"{self._base} must be a directory of uid {os.geteuid()} that nobody else may "
-                                  "write; remove it and start the daemon again")
+            raise PermissionError(f"{self._base} must be a directory of uid {os.geteuid()}; remove it and start "
+                                  "the daemon again")
+        os.fchmod(fd, 0o711)  # others may pass through to their own directory, not list or write
         return fd
 
     def _write(self, job: str, password: str, uid: int, gid: int) -> Path:
