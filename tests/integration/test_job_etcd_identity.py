@@ -47,7 +47,7 @@ def shared(procs):
 @pytest.fixture
 def auth_etcd(tmp_path):
     """etcd with authentication on: root's password 0600 in a 0700 directory of root's (agent/etcd/embedded_auth.py)."""
-    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log", auth_dir=tmp_path / "auth")
+    server = EmbeddedEtcd(data_dir=tmp_path / "auth-etcd", log_path=tmp_path / "auth-etcd.log", auth_dir=tmp_path / "auth")
     server.start()
     try:
         yield server
@@ -139,3 +139,30 @@ def test_a_daemon_run_job_succeeds_with_only_its_own_etcd_user_which_cannot_writ
         assert not denied, denied  # the launcher needed nothing it was not granted
     finally:
         daemons.close()
+
+
+def test_an_admin_credential_that_cannot_make_users_stops_the_agent_at_start(tmp_path, auth_etcd, root, etcd_server):
+    """A wrong password, a user without the root role, an etcd without authentication: exit 2 and what to fix."""
+    import subprocess
+    import sys
+
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not the password\n")
+    wrong.chmod(0o600)
+    agent_password = _agent_user(root, tmp_path)
+
+    def agent(etcd: str, user: str, password: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", etcd, "--node", "n0",
+                               "--state-home", str(tmp_path / "home"), "--socket", str(tmp_path / "agent.sock"),
+                               "--metrics-port", "0", "--etcd-admin-user", user, "--etcd-admin-password-file",
+                               str(password), *extra], capture_output=True, text=True, timeout=60)
+
+    out = agent(auth_etcd.endpoint, "root", wrong, "--etcd-user", "root", "--etcd-password-file",
+                str(auth_etcd.password_file))
+    assert out.returncode == 2 and "etcd_admin_user 'root'" in out.stderr and "etcd_admin_password_file" in out.stderr, \
+        out.stderr
+    out = agent(auth_etcd.endpoint, "trainwarden-agent", agent_password, "--etcd-user", "trainwarden-agent",
+                "--etcd-password-file", str(agent_password))
+    assert out.returncode == 2 and "grant it the root role" in out.stderr, out.stderr
+    out = agent(etcd_server.endpoint, "root", wrong)
+    assert out.returncode == 2 and "authentication off" in out.stderr, out.stderr
