@@ -32,6 +32,8 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "etcd_key": (str, None),
     "etcd_user": (str, None),
     "etcd_password_file": (str, None),
+    "etcd_admin_user": (str, None),
+    "etcd_admin_password_file": (str, None),
     "straggler_policy": (str, "alert"),
     "hang_floor": (float, None),
     "local_addr": (str, None),
@@ -83,6 +85,11 @@ def add_parser(sub) -> None:
                    "daemon's launcher records and job logs)")
     p.add_argument("--etcd", metavar="URL", help="the cluster's etcd (host:port or http[s]://host:port; several "
                    "members separated by commas): incidents, the node record, submitted jobs")
+    p.add_argument("--etcd-admin-user", metavar="NAME",
+                   help="an etcd user with the root role: the daemon then gives each job's launcher an etcd user of "
+                        "its own, confined to that job's keys, instead of the agents' credential (docs/SECURITY.md)")
+    p.add_argument("--etcd-admin-password-file", metavar="FILE",
+                   help="the password of --etcd-admin-user, in a file only the daemon's user reads (mode 0600)")
     p.add_argument("--local-addr", metavar="ADDR", help="the address this node's jobs advertise to their peers "
                    "(default: the interface that routes to etcd)")
     p.add_argument("--no-jobs", dest="run_jobs", action="store_false", default=None,
@@ -237,7 +244,12 @@ def _cmd_agent(args) -> int:
                 resolve_job_user(None, default=s["job_user"], allow_root=s["allow_root_jobs"], **who)
             except JobUserRefused as exc:
                 raise ValueError(f"job_user {s['job_user']!r} cannot run jobs: {exc}") from None
+        admin = None
+        if s["etcd_admin_user"] or s["etcd_admin_password_file"]:
+            from trainwarden.agent.node.job_etcd_identity import EtcdAdmin
+            admin = EtcdAdmin(user=s["etcd_admin_user"] or "", password_file=s["etcd_admin_password_file"] or "")
         options = DaemonOptions(agent=config, etcd=s["etcd"], etcd_security=security, run_jobs=s["run_jobs"],
+                                etcd_admin=admin,
                                 local_addr=s["local_addr"], webhook=webhook, job_user=s["job_user"],
                                 allow_root_jobs=s["allow_root_jobs"], job_users=who["users"],
                                 job_groups=who["groups"], privileged_groups=who["privileged_groups"])

@@ -1,15 +1,19 @@
 """An etcd user confined to one job's keys (issue 44, item 8): the building block of the launchers' credential.
 
 A daemon-run launcher held the agents' certificate, so any job's user could write ``jobs/`` (submit as anyone) and
-every other job's rendezvous. ``grant_job_user`` makes an etcd user and a role of the same name for one job and
-generation, whose permissions are the job's keys only (agent/etcd/keys.py):
+every other job's rendezvous. ``grant_job_user`` makes an etcd user and a role of the same name for one job,
+generation and node (each node's daemon grants and revokes its own launcher's), whose permissions are the job's
+keys only (agent/etcd/keys.py):
 
 * readwrite on ``rdzv/<job>/`` (its rendezvous: torch's state, the c10d store, the native rounds, ``closed``);
 * readwrite on ``jobs/<job>/`` except ``jobs/<job>/spec``, which it may read only: the spec names the user the daemon
   starts the job as, so a launcher that rewrote it would choose who its next generation runs as.
+* read on ``<prefix>/_probe``, the key every client reads once to learn that etcd serves it (agent/etcd/job_records.py
+  ``connect``; nobody writes it).
 
-``revoke_job_user`` deletes both. The caller needs etcd's root role (user and role administration). Not yet wired
-into the node daemon (docs/SECURITY.md, "etcd: who may write which keys", says what that needs).
+``revoke_job_user`` deletes both; ``job_user_names`` lists a node's (a daemon sweeps those of jobs it no longer runs).
+The caller needs etcd's root role (user and role administration). The node daemon uses them through
+agent/node/job_etcd_identity.py.
 """
 
 from __future__ import annotations
@@ -17,16 +21,29 @@ from __future__ import annotations
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key, rdzv_key
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, PROBE_KEY, job_key, rdzv_key
 
-__all__ = ["JOB_USER_PREFIX", "grant_job_user", "job_permissions", "job_user_name", "revoke_job_user"]
+__all__ = ["JOB_USER_PREFIX", "grant_job_user", "job_permissions", "job_user_name", "job_user_names", "parse_job_user_name",
+           "revoke_job_user"]
 
 JOB_USER_PREFIX = "trainwarden-job-"
 
 
-def job_user_name(job: str, generation: int) -> str:
-    """The etcd user (and role) of one generation of ``job``."""
-    return f"{JOB_USER_PREFIX}{job}-{generation}"
+def job_user_name(job: str, generation: int, node: str) -> str:
+    """The etcd user (and role) of the launcher of ``job``'s ``generation`` on ``node`` (neither a job nor a node
+    name holds '@')."""
+    return f"{JOB_USER_PREFIX}{job}-{generation}@{node}"
+
+
+def parse_job_user_name(name: str) -> tuple[str, int, str] | None:
+    """``(job, generation, node)`` of a ``job_user_name``; None for any other name."""
+    if not name.startswith(JOB_USER_PREFIX):
+        return None
+    rest, _, node = name[len(JOB_USER_PREFIX):].rpartition("@")
+    job, _, generation = rest.rpartition("-")
+    if not (job and node and generation.isdigit()):
+        return None
+    return job, int(generation), node
 
 
 def _prefix_end(key: str) -> str:
@@ -39,11 +56,13 @@ def job_permissions(job: str, *, prefix: str = DEFAULT_PREFIX) -> list[auth_pb2.
     rdzv, jobs, spec = rdzv_key(job, prefix=prefix) + "/", job_key(job, prefix=prefix) + "/", job_key(
         job, "spec", prefix=prefix)
     rw, read = auth_pb2.Permission.READWRITE, auth_pb2.Permission.READ
+    probe = prefix.rstrip("/") + "/" + PROBE_KEY
     return [
         auth_pb2.Permission(permType=rw, key=rdzv.encode(), range_end=_prefix_end(rdzv).encode()),
         auth_pb2.Permission(permType=rw, key=jobs.encode(), range_end=spec.encode()),
         auth_pb2.Permission(permType=rw, key=(spec + "\0").encode(), range_end=_prefix_end(jobs).encode()),
         auth_pb2.Permission(permType=read, key=spec.encode()),
+        auth_pb2.Permission(permType=read, key=probe.encode()),
     ]
 
 
@@ -52,10 +71,11 @@ def _call(client, method: str, request):
                                             metadata=client.metadata)
 
 
-def grant_job_user(client, job: str, generation: int, password: str, *, prefix: str = DEFAULT_PREFIX) -> str:
-    """Make the user and role of ``job``'s ``generation`` with ``password``; the user's name. ``client`` holds etcd's
-    root role. Raises the etcd3/gRPC error when one exists already (revoke it first)."""
-    name = job_user_name(job, generation)
+def grant_job_user(client, job: str, generation: int, password: str, *, node: str,
+                   prefix: str = DEFAULT_PREFIX) -> str:
+    """Make the user and role of ``job``'s ``generation`` on ``node`` with ``password``; the user's name. ``client``
+    holds etcd's root role. Raises the etcd3/gRPC error when one exists already (revoke it first)."""
+    name = job_user_name(job, generation, node)
     _call(client, "RoleAdd", etcdrpc.AuthRoleAddRequest(name=name))
     for perm in job_permissions(job, prefix=prefix):
         _call(client, "RoleGrantPermission", etcdrpc.AuthRoleGrantPermissionRequest(name=name, perm=perm))
@@ -64,11 +84,11 @@ def grant_job_user(client, job: str, generation: int, password: str, *, prefix: 
     return name
 
 
-def revoke_job_user(client, job: str, generation: int) -> None:
-    """Delete the user and role of ``job``'s ``generation`` (what is already gone is skipped)."""
+def revoke_job_user(client, job: str, generation: int, *, node: str) -> None:
+    """Delete the user and role of ``job``'s ``generation`` on ``node`` (what is already gone is skipped)."""
     import grpc
 
-    name = job_user_name(job, generation)
+    name = job_user_name(job, generation, node)
     for method, request in (("UserDelete", etcdrpc.AuthUserDeleteRequest(name=name)),
                             ("RoleDelete", etcdrpc.AuthRoleDeleteRequest(role=name))):
         try:
@@ -76,3 +96,10 @@ def revoke_job_user(client, job: str, generation: int) -> None:
         except grpc.RpcError as exc:
             if "not found" not in (exc.details() or ""):
                 raise
+
+
+def job_user_names(client, node: str) -> set[str]:
+    """The job users and roles of ``node`` that etcd holds (two list calls)."""
+    users = _call(client, "UserList", etcdrpc.AuthUserListRequest()).users
+    roles = _call(client, "RoleList", etcdrpc.AuthRoleListRequest()).roles
+    return {name for name in (*users, *roles) if (parsed := parse_job_user_name(name)) and parsed[2] == node}

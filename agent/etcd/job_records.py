@@ -13,7 +13,7 @@ from typing import Any
 
 from trainwarden.agent.etcd.client import (EtcdAccessDenied, EtcdConfig, EtcdUnavailable, describe_etcd_error,
                                           is_auth_error, open_etcd)
-from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key, rdzv_key
+from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, PROBE_KEY, job_key, rdzv_key
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def connect(etcd: "str | EtcdConfig", *, timeout: float = 5.0,
         raise EtcdUnavailable(
             f"cannot reach etcd at {config.describe()} ({type(exc).__name__}); {hint}") from exc
     try:
-        client.get(DEFAULT_PREFIX + "/_probe")
+        client.get(f"{DEFAULT_PREFIX}/{PROBE_KEY}")
     except Exception as exc:
         client.close()
         if is_auth_error(exc):

@@ -11,9 +11,12 @@ let submitters write ``jobs/`` and only agents and launchers write what a launch
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_PREFIX", "ROUND_DIGITS", "job_key", "rdzv_key", "rendezvous_key"]
+__all__ = ["DEFAULT_PREFIX", "PROBE_KEY", "ROUND_DIGITS", "job_key", "rdzv_key", "rendezvous_key"]
 
 DEFAULT_PREFIX = "/trainwarden/v1"
+
+PROBE_KEY = "_probe"
+"""``<prefix>/_probe``: the key a client reads once to learn that etcd serves it (never written)."""
 
 ROUND_DIGITS = 8
 """A native rendezvous round's number is zero-padded to this many digits, so the keys' text order is the rounds'."""

@@ -44,6 +44,7 @@ from trainwarden.agent.etcd.client import EtcdConfig, EtcdSecurity
 from trainwarden.agent.etcd.writer import EtcdWriter
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, check_agent
+from trainwarden.agent.node.job_etcd_identity import EtcdAdmin
 from trainwarden.agent.node.job_user import PRIVILEGED_GROUPS
 from trainwarden.agent.node.liveness import KeepAlive
 from trainwarden.agent.node.webhook import WebhookConfig
@@ -79,10 +80,15 @@ class DaemonOptions:
     """Groups whose members may run submitted jobs here."""
     privileged_groups: tuple[str, ...] = PRIVILEGED_GROUPS
     """A member of these runs no job here unless ``job_users`` names it (agent/node/job_user.py)."""
+    etcd_admin: "EtcdAdmin | None" = None
+    """An etcd user with the root role: each launcher then gets an etcd user of its own, confined to its job
+    (agent/node/job_etcd_identity.py), instead of the daemon's credential."""
 
     def __post_init__(self) -> None:
         if self.webhook is not None and self.etcd is None:
             raise ValueError("--webhook-listen resumes jobs kept in etcd: give --etcd too")
+        if self.etcd_admin is not None and self.etcd is None:
+            raise ValueError("--etcd-admin-user makes the launchers' users in the etcd of --etcd: give --etcd too")
         if self.etcd is None:
             if self.etcd_security.given:
                 raise ValueError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file apply to the "
@@ -104,20 +110,29 @@ def _connect_etcd(config: EtcdConfig):
     return connect(config)
 
 
-def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
+def _job_runner(options: DaemonOptions, client, agent: NodeAgent, admin=None):
     from trainwarden.agent.common.paths import default_state_home
+    from trainwarden.agent.node.job_etcd_identity import JobEtcdIdentities, shared_credential_note
     from trainwarden.agent.node.job_runner import JobRunner
 
     sec = options.etcd_security
     flags = {"--etcd-ca": sec.ca_cert, "--etcd-cert": sec.cert_cert, "--etcd-key": sec.cert_key,
              "--etcd-user": sec.user, "--etcd-password-file": sec.password_file}
+    if admin is not None:  # each launcher gets a user of its own, and the CA only of the daemon's files
+        flags = {"--etcd-ca": sec.ca_cert}
     etcd_args = [part for flag, value in flags.items() if value for part in (flag, value)]
     if sec.insecure:  # the operator's choice for this node holds for the launchers it starts
         etcd_args.append("--insecure-etcd")
     config = options.agent
+    home = config.state_home or default_state_home()
+    identities = None
+    if admin is not None:
+        identities = JobEtcdIdentities(admin, node=config.node, state_home=home, launcher_args=etcd_args)
+    else:
+        logger.warning(shared_credential_note(etcd_args))
     gpus = agent.gpus
     return JobRunner(client, node=config.node, etcd=options.etcd, etcd_args=etcd_args,
-                     state_home=config.state_home or default_state_home(), local_addr=options.local_addr,
+                     state_home=home, local_addr=options.local_addr, identities=identities,
                      endpoints={"socket": str(config.socket_path), "metrics": agent.metrics_url or ""},
                      gpus=(lambda: len(gpus.samples)) if gpus is not None else None,
                      health=(lambda: gpus.unhealthy_reasons(agent.job_telemetry.ranks_on_gpus))
@@ -125,8 +140,7 @@ def _job_runner(options: DaemonOptions, client, agent: NodeAgent):
                      default_user=options.job_user, allow_root_jobs=options.allow_root_jobs, lineage=agent.actions,
                      job_users={"users": options.job_users, "groups": options.job_groups,
                                 "privileged_groups": options.privileged_groups},
-                     etcd_files=tuple(path for path in (sec.ca_cert, sec.cert_cert, sec.cert_key, sec.password_file)
-                                      if path))
+                     etcd_files=tuple(path for flag, path in flags.items() if path and flag != "--etcd-user"))
 
 
 def _relay(runner, config: AgentConfig):
@@ -180,11 +194,17 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         from trainwarden.agent.common.paths import records_home
 
         config = dataclasses.replace(config, records_home=records_home(config.state_home))
-    client, writer = None, None
+    client, writer, admin = None, None, None
     if options.etcd:
         try:
             client = _connect_etcd(options.etcd_config)
+            if options.etcd_admin is not None and options.run_jobs:
+                from trainwarden.agent.node.job_etcd_identity import open_admin
+
+                admin = open_admin(options.etcd_admin, options.etcd_config)
         except ValueError as exc:
+            if client is not None:
+                client.close()
             err.write(f"trainwarden agent: {exc}\n")
             return exit_codes.EXIT_USAGE
         except EtcdAccessDenied as exc:
@@ -212,7 +232,7 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             runner, webhook = None, None
             try:
                 if client is not None and options.run_jobs:
-                    runner = _job_runner(options, client, agent)
+                    runner = _job_runner(options, client, agent, admin)
                     runner.start()
                     agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
                     agent.registry.register(_relay(runner, config))  # each running job's own series
@@ -253,6 +273,8 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
             writer.stop(5.0)
         if client is not None:
             client.close()
+        if admin is not None:
+            admin.close()
     return exit_codes.EXIT_OK
 
 

@@ -124,14 +124,16 @@ class JobRunner:
                  record: Callable[[Incident], Incident] | None = None,
                  clock: Callable[[], float] = time.monotonic, default_user: str | None = None,
                  allow_root_jobs: bool = False, etcd_files: tuple[str, ...] = (), lineage=None,
-                 job_users: dict | None = None) -> None:
+                 job_users: dict | None = None, identities=None) -> None:
         """``health()``: why this node's GPUs should not train (empty when they are fit; the GPU sampler's
         ``unhealthy_reasons``); a reason drains the node. ``record``: where cordon incidents go. ``clock``: the
         heartbeat's. ``default_user``, ``allow_root_jobs``: who jobs run as (agent/node/job_user.py), and
         ``job_users`` who may (``resolve_job_user``'s ``users``, ``groups``, ``privileged_groups``);
         ``etcd_files``: the etcd credential files the launchers are given, which their user must be able to read.
         ``lineage``: the daemon's ``AgentActions``; each launcher is registered there, so that only its own
-        processes may stream to the daemon's socket as its job (``register_launcher``/``forget_launcher``)."""
+        processes may stream to the daemon's socket as its job (``register_launcher``/``forget_launcher``).
+        ``identities``: a ``JobEtcdIdentities`` that gives each launcher an etcd user of its own instead of
+        ``etcd_args``' credential (agent/node/job_etcd_identity.py); None: ``etcd_args`` as they are."""
         self._client, self._control = client, JobControl(client)
         self.node, self._etcd, self._etcd_args = node, etcd, list(etcd_args or [])
         self._home = Path(state_home)
@@ -140,7 +142,7 @@ class JobRunner:
         self._interval, self._python, self._gpus = interval_s, python, gpus
         self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
-        self._lineage = lineage
+        self._lineage, self._identities = lineage, identities
         self._who = dict(job_users or {})
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
@@ -178,6 +180,8 @@ class JobRunner:
         (self._dir / "launchers").mkdir(parents=True, exist_ok=True)
         (self._dir / "logs").mkdir(parents=True, exist_ok=True)
         self._adopt()
+        if self._identities is not None:
+            self._identities.sweep({job: rec.generation for job, rec in self._launchers.items()})
         self._heartbeat.beat()
         self._thread.start()
 
@@ -483,9 +487,6 @@ class JobRunner:
     # ---- launchers ------------------------------------------------------------------------------------
 
     def _launch(self, view: JobView, spec, user: job_user.JobUser, relaunches: int = 0) -> None:
-        cmd = [self._python, "-m", "trainwarden.agent.cli", "run", "--managed", "--node", self.node,
-               "--etcd", self._etcd, *self._etcd_args, "--state-home", str(self._home), "--metrics-port", "0",
-               *(["--local-addr", self._local_addr] if self._local_addr else []), *spec.launcher_args()]
         log_path = self._dir / "logs" / f"{view.name}.log"
         identity = job_user.launch_identity(user, dict(os.environ))
         state = job_state_dir(view.name, self._home)
@@ -502,15 +503,26 @@ class JobRunner:
             except OSError as exc:  # a refusal, never an exception every round (issue 44)
                 self._refuse(view, f"its state directory cannot be given to {user}: {exc.strerror or exc}")
                 return
+            try:  # the launcher's own etcd user, or the daemon's flags
+                etcd_args = self._identities.grant(view.name, view.generation, user.uid, user.gid) \
+                    if self._identities is not None else self._etcd_args
+            except Exception as exc:  # etcd away: the next round tries again
+                logger.warning("job %s: %s; trying again next round", view.name, exc)
+                return
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} node {self.node} starts job {view.name} "
                       f"generation {view.generation} as {user}\n".encode())
             log.flush()
+            cmd = [self._python, "-m", "trainwarden.agent.cli", "run", "--managed", "--node", self.node,
+                   "--etcd", self._etcd, *etcd_args, "--state-home", str(self._home), "--metrics-port", "0",
+                   *(["--local-addr", self._local_addr] if self._local_addr else []), *spec.launcher_args()]
             # no user=/group=/preexec_fn: the Popen is a vfork, never a fork of this process's gRPC threads
             try:
                 proc = subprocess.Popen(identity.argv(cmd), stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                         env=identity.env)
             except (OSError, ValueError, subprocess.SubprocessError) as exc:  # e.g. a NUL the spec should not hold
+                if self._identities is not None:
+                    self._identities.revoke(view.name, view.generation)
                 self._refuse(view, f"its launcher cannot be started: {exc}")
                 return
         try:
@@ -545,7 +557,10 @@ class JobRunner:
             pass
 
     def _reap(self) -> None:
-        """Launchers that ended: forget them; one killed by a signal nobody here sent starts again."""
+        """Launchers that ended: forget them (and their etcd user); one killed by a signal nobody here sent starts
+        again."""
+        if self._identities is not None:
+            self._identities.retry()
         for job, rec in list(self._launchers.items()):
             child = self._children.get(rec.pid)
             rc = child.poll() if child is not None else None
@@ -556,6 +571,8 @@ class JobRunner:
             self._children.pop(rec.pid, None)
             del self._launchers[job]
             self._forget(job)
+            if self._identities is not None:
+                self._identities.revoke(job, rec.generation)
             if self._lineage is not None:
                 self._lineage.forget_launcher(job, rec.pid)
             how = f"exited with {rc}" if rc is not None else "ended (adopted: exit code unknown)"

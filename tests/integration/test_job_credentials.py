@@ -7,7 +7,7 @@ import pytest
 
 from trainwarden.agent.etcd.client import EtcdAccessDenied, EtcdConfig, describe_etcd_error, open_etcd
 from trainwarden.agent.etcd.embedded import EmbeddedEtcd
-from trainwarden.agent.etcd.job_credentials import grant_job_user, revoke_job_user
+from trainwarden.agent.etcd.job_credentials import grant_job_user, job_user_names, revoke_job_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -36,7 +36,7 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
     root = open_etcd(auth_etcd.security.config((auth_etcd.endpoint,)))
     try:
         root.put(f"{P}/jobs/a/spec", '{"user": "alice"}')
-        name = grant_job_user(root, "a", 1, "job-a-password-1")
+        name = grant_job_user(root, "a", 1, "job-a-password-1", node="n0")
         job = open_etcd(EtcdConfig(endpoints=(auth_etcd.endpoint,), user=name, password="job-a-password-1"))
         try:
             for key in (f"{P}/rdzv/a/state", f"{P}/rdzv/a/rounds/00000000/nodes/n0", f"{P}/jobs/a/state",
@@ -44,6 +44,8 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
                         f"{P}/jobs/a/spec2"):
                 assert _put(job, key) == "written", key
             assert job.get(f"{P}/jobs/a/spec")[0] == b'{"user": "alice"}'  # it reads its spec
+            assert job.get(f"{P}/_probe")[0] is None  # the key every client reads to check that etcd serves it
+            assert "permission denied" in _put(job, f"{P}/_probe")
             for key in (f"{P}/jobs/a/spec",  # but cannot choose who its next generation runs as
                         f"{P}/jobs/b/spec", f"{P}/jobs/b/state", f"{P}/jobs/ab/state", f"{P}/rdzv/b/state",
                         f"{P}/rdzv/ab/state", f"{P}/nodes/n0", f"{P}/jobs/.index/a", "/elsewhere"):
@@ -53,8 +55,10 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
                 job.get(f"{P}/jobs/b/spec")
         finally:
             job.close()
-        revoke_job_user(root, "a", 1)
-        revoke_job_user(root, "a", 1)  # twice is harmless
+        assert job_user_names(root, "n0") == {name} and job_user_names(root, "n1") == set()
+        revoke_job_user(root, "a", 1, node="n0")
+        revoke_job_user(root, "a", 1, node="n0")  # twice is harmless
+        assert job_user_names(root, "n0") == set()
         with pytest.raises(EtcdAccessDenied):
             open_etcd(EtcdConfig(endpoints=(auth_etcd.endpoint,), user=name, password="job-a-password-1"))
         assert root.get(f"{P}/jobs/a/spec")[0] == b'{"user": "alice"}'
