@@ -101,13 +101,12 @@ def _lose(handler) -> None:
 
 def _regroup(survivors, waiting=()) -> dict:
     """Once every survivor saw the loss (torchrun's agent asks ``num_nodes_waiting``), they re-join; the spares
-    already waiting in the next round (``waiting``: their ``_Joining``) come with them."""
+    already waiting in the next round (``waiting``: their ``_Joining``) come with them and are waited for."""
     _wait_until(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), "the survivors to see the loss")
     ranks = _together(survivors)
     for spare in waiting:
-        if spare.done:
-            info = spare.result()
-            ranks[spare.handler] = (info.rank, info.world_size)
+        info = spare.result()
+        ranks[spare.handler] = (info.rank, info.world_size)
     return ranks
 
 
@@ -133,10 +132,10 @@ def test_with_two_spares_a_survivor_keeps_its_place_and_the_second_spare_waits_o
     assert [survivor.num_nodes_waiting(), took.handler.num_nodes_waiting()] == [0, 0]  # nobody restarts for it
 
 
-def test_min_colon_n_replaces_a_lost_node_while_a_spare_is_left_then_shrinks_then_grows_back(nodes):
+def test_min_colon_n_replaces_a_lost_node_while_a_spare_is_left_then_shrinks(nodes):
     """--nnodes 2:3 --spare-nodes 1 on 4 nodes: 3 train, the spare waits behind the full round; the first loss
     goes to the spare at the same world size and ranks; the second, with no spare left, shrinks the job to 2
-    (it waited for a node when spares needed N:N); a node that comes back then grows it to 3 again."""
+    (it waited for a node when spares needed N:N)."""
     *trainers, spare = nodes(4, min_nodes=2, max_nodes=3)
     first = _together(trainers)
     assert sorted(first.values()) == [(0, 3), (1, 3), (2, 3)]
@@ -157,18 +156,11 @@ def test_min_colon_n_replaces_a_lost_node_while_a_spare_is_left_then_shrinks_the
     assert sorted(third.values()) == [(0, 2), (1, 2)]  # shrunk to 2 ...
     assert third[spare] == (0, 2)  # ... positions closed up in the previous order (the spare was before the other)
 
-    back, = nodes(1, min_nodes=2, max_nodes=3)  # a node comes back: below N, the job grows to let it in
-    returning = _Joining(back)
-    _wait_until(lambda: returning.waits, "the returning node to wait")
-    _wait_until(lambda: all(h.num_nodes_waiting() >= 1 for h in left), "the job to see a node waiting to join")
-    fourth = _together(left)
-    assert returning.result().world_size == 3 and {fourth[h] for h in left} == {(0, 3), (1, 3)}
-    assert returning.result().rank == 2  # the members keep their ranks; the newcomer goes after them
 
 
-def test_a_node_that_comes_back_to_a_full_job_waits_as_a_spare_and_takes_the_next_loss(nodes):
+def test_a_node_that_comes_back_to_a_full_job_waits_as_a_spare_and_restarts_nobody(nodes):
     """Item 4: a lost node's agent restarted (or a new node) while the job runs at full size with a spare in use:
-    it waits as a spare, restarts nobody, and replaces the next lost node."""
+    it waits as a spare and restarts nobody."""
     *trainers, spare = nodes(3, min_nodes=2, max_nodes=2)
     first = _together(trainers)
     waiting = _Joining(spare)
@@ -186,26 +178,3 @@ def test_a_node_that_comes_back_to_a_full_job_waits_as_a_spare_and_takes_the_nex
     for _ in range(3):  # asked again and again, as torchrun's agent does: nobody restarts for it
         assert [survivor.num_nodes_waiting(), spare.num_nodes_waiting()] == [0, 0]
     assert survivor._rdzv.waiting() == 1  # it is there, counted as a spare, not as a node to admit
-
-    _lose(survivor)
-    third = _regroup([spare], [returning])
-    assert third == {spare: (1, 2), back: (0, 2)}  # it takes the lost node's rank; the other keeps its own
-
-
-def test_a_node_that_leaves_on_purpose_is_replaced_by_the_spare_and_every_node_calls_it_a_swap(nodes):
-    """Item 3's first question: under the exclude policies a node leaves at an agreed step (regroup.py: its torchrun
-    gets SIGTERM, which leaves its rendezvous key to its lease) and the others regroup. The spare takes its place
-    at the same world size; the survivors' handlers call the round a swap, a regroup with nobody replaced is not."""
-    *trainers, spare = nodes(4, min_nodes=3, max_nodes=3, last_call_s=3)  # `trainwarden run`'s last call
-    first = _together(trainers)
-    waiting = _Joining(spare)
-    _wait_until(lambda: waiting.waits, "the spare to wait")
-    regroup = _together(trainers)  # a regroup that replaced nobody (the spare waits behind a full round)
-    assert regroup == first and not any(h.spare_swap for h in trainers) and not waiting.done
-    leaver = next(h for h in trainers if first[h][0] == 1)
-    leaver._stop.set()  # SIGTERM: no more keep-alives, its key stays until its lease runs out
-    survivors = [h for h in trainers if h is not leaver]
-    second = _together(survivors)  # asked to regroup (``restart <round>``): they re-join without a loss seen
-    assert {h: second[h] for h in survivors} == {h: first[h] for h in survivors}
-    assert (waiting.result().rank, waiting.result().world_size) == (1, 3)  # the spare takes the leaver's rank
-    assert all(h.spare_swap for h in survivors) and not spare.spare_swap  # the spare knew no round before
