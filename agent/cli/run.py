@@ -23,8 +23,9 @@ Several nodes: run the same command on each node, with --nnodes MIN:MAX and an e
   trainwarden run --nnodes 2:3 --nproc-per-node 8 --etcd e0:2379,e1:2379,e2:2379 --job big -- \
       -m trainwarden.runtime.examples.gpt --tp 2 --pp 2 --steps 1000 --ckpt-dir /shared/ckpt
 A node that is lost is left out of the next rendezvous round and the job goes on with the others (data
-parallelism shrinks; --dp may be omitted: world size / (tp x pp)). With --nnodes N:N --spare-nodes K on N+K
-nodes, K wait as hot spares and a lost node's ranks go to a spare instead: the world size stays N.
+parallelism shrinks; --dp may be omitted: world size / (tp x pp)). With --nnodes MIN:N --spare-nodes K on N+K
+nodes, K wait as hot spares and a lost node's ranks go to a spare instead: the world size stays N. With no spare
+left the job shrinks to MIN or more (with N:N it waits for a node).
 Job state (logs, checkpoints unless --ckpt-dir is given, fault markers) goes to
 $TRAINWARDEN_STATE_HOME/jobs/JOB (default ~/.local/state/trainwarden/jobs/JOB).
 Faults for testing: TRAINWARDEN_FAULTS='crash:rank=3,step=12' (see trainwarden.runtime.faults).
@@ -41,9 +42,10 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
     p.add_argument("--spare-nodes", type=int, default=0, metavar="K",
-                   help="hot spares (needs --nnodes N:N): start N+K nodes; N train, K wait in the rendezvous with "
-                        "their imports loaded, and when a training node is lost a spare takes its ranks in the next "
-                        "round, so the world size stays N (default 0: the job shrinks instead)")
+                   help="hot spares (--nnodes MIN:N, N >= 2): start N+K nodes; N train, K wait in the rendezvous "
+                        "with their imports loaded, and when a training node is lost a spare takes its ranks in the "
+                        "next round, so the world size stays N; with none left the job shrinks to MIN or more "
+                        "(default 0: the job shrinks at once)")
     p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port; "
                    "several members separated by commas) "
                    "instead of starting an embedded one")

@@ -4,7 +4,7 @@ shares with it.
     name = "gpt-small"
     command = ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--steps", "2000"]
     nnodes = "2:4"            # MIN:MAX, or N
-    spare_nodes = 0           # optional: hot spares beyond N (needs nnodes N:N); a spare takes a lost node's ranks
+    spare_nodes = 0           # optional: hot spares beyond N (nnodes N or M:N); a spare takes a lost node's ranks
     nproc_per_node = 8
     checkpoint_dir = "/shared/ckpt/gpt-small"   # optional: the launcher's default otherwise
     max_restarts = 3          # optional: worker-group restarts before the job fails
@@ -141,21 +141,18 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 def spares_problem(nnodes: str, spare_nodes: int, *, names: tuple[str, str] = ("--spare-nodes", "--nnodes")
                    ) -> str | None:
     """Why ``spare_nodes`` hot spares cannot go with ``nnodes`` (the one check of ``--spare-nodes`` and the spec's
-    ``spare_nodes``; ``names``: how the two are called where they were given), or None. A spare replaces a lost
-    node at the same world size, so the job needs one fixed number of training nodes."""
+    ``spare_nodes``; ``names``: how the two are called where they were given), or None. With ``nnodes`` M:N a round
+    takes N training nodes when it can and the spares wait behind it; a spare replaces a lost node at the same world
+    size, and with no spare left the job shrinks to M or more, as it would without spares (M == N: it waits)."""
     spares, size = names
     if isinstance(spare_nodes, bool) or not isinstance(spare_nodes, int) or spare_nodes < 0:
         return f"{spares} {spare_nodes!r}: must be a whole number of 0 or more"
     if spare_nodes == 0:
         return None
-    least, most = parse_nnodes(nnodes)
-    if least != most:
-        return (f"{spares} {spare_nodes} needs a fixed number of training nodes, got {size} {nnodes}: give "
-                f"{size} {most}:{most} and start {most + spare_nodes} nodes, or leave {spares} out to let the job "
-                "shrink and grow")
+    _, most = parse_nnodes(nnodes)
     if most < 2:
         return (f"{spares} {spare_nodes} with {size} {nnodes}: spares are for jobs of 2 nodes or more (a one-node "
-                "job restarts on its node)")
+                f"job restarts on its node); give {size} 2 or more, or leave {spares} out")
     if most + spare_nodes > BOUNDS["nnodes"]:
         return f"{spares} {spare_nodes}: at most {BOUNDS['nnodes']} nodes in all are accepted"
     return None
@@ -174,7 +171,7 @@ class JobSpec:
     """The worker command: a script path and its arguments, or ``-m``, a module and its arguments."""
     nnodes: str = "1"
     spare_nodes: int = 0
-    """Hot spare nodes beyond ``nnodes`` (which must be ``N:N``): ``--spare-nodes``."""
+    """Hot spare nodes beyond ``nnodes``'s N (M:N: with none left the job shrinks to M): ``--spare-nodes``."""
     nproc_per_node: int = 1
     checkpoint_dir: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)

@@ -46,8 +46,12 @@ class SpareTakeover:
 
     def __init__(self, client, job: str, node: str, record: Callable[[Incident], Incident], *,
                  prefix: str = DEFAULT_PREFIX, wait_s: float = 30.0, poll_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_swap: Callable[[Incident], None] | None = None) -> None:
+        """``on_swap(incident)``: told once this node named itself in the loss it replaced (the metrics and the
+        goodput ledger count the swap: agent/launch/spare_swaps.py)."""
         self._client, self._job, self._node, self._record = client, job, node, record
+        self._on_swap = on_swap
         self._prefix, self._wait_s, self._poll_s, self._clock = prefix, wait_s, poll_s, clock
         self._ranks: tuple[int, ...] | None = None
         self._stop = threading.Event()
@@ -74,7 +78,13 @@ class SpareTakeover:
                 log.debug("cannot read job %s's incidents: %s", self._job, describe_etcd_error(exc))
                 lost = None
             if lost is not None:
-                return self._record(self._named(lost, round_, ranks))
+                named = self._record(self._named(lost, round_, ranks))
+                if self._on_swap is not None:
+                    try:
+                        self._on_swap(named)
+                    except Exception:  # noqa: BLE001 - a listener's error is not the incident's
+                        log.exception("job %s: the spare swap's listener failed", self._job)
+                return named
             if self._clock() >= deadline or self._stop.wait(self._poll_s):
                 return None
         return None

@@ -6,8 +6,9 @@ structured events instead of log lines.
 is ``ReportingElasticAgent``, a ``LocalElasticAgent`` that writes one JSON line per event to the pipe whose
 descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
 
-- ``started``: a worker round began (after the rendezvous): its restart count, world size, and every local
-  worker's global rank and pid;
+- ``started``: a worker round began (after the rendezvous): its restart count, world size, every local
+  worker's global rank and pid, and ``spare_swap``: whether a hot spare took a lost node's place in it (the native
+  round's handler says so);
 - ``failed``: the round failed: per failed worker its global and local rank, pid, exit code (a negative
   code is the signal that killed it) and the message of its error file when it wrote one
   (``torch.distributed.elastic.multiprocessing.errors.record``), with the time of the failure and each
@@ -172,6 +173,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             self._reported_failure = False
             sink.emit("started", restart_count=self._restart_count(), group_rank=worker_group.group_rank,
                       group_world_size=worker_group.group_world_size, round=_rendezvous_round(worker_group),
+                      spare_swap=bool(getattr(worker_group.spec.rdzv_handler, "spare_swap", False)),
                       workers=[{"local_rank": w.local_rank, "global_rank": w.global_rank,
                                 "pid": pids.get(w.local_rank)} for w in worker_group.workers])
             return pids

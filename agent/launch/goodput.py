@@ -18,6 +18,9 @@ first launch to its latest step or failure (``as_of``), cut into:
   ``restore``;
 - ``lost_progress``: the steps completed after the checkpoint the job resumed from, and so computed twice;
 - ``rendezvous``: a new round that no failure caused (a node left or joined; waiting for nodes) to its first step;
+- ``spare_swap``: what ``restart`` or ``rendezvous`` would be for a round in which a hot spare took a lost node's
+  place (its close record names the swap: agent/rendezvous/native.py), so a swap's recovery reads apart from a
+  shrink's or a crash's;
 - ``checkpoint_stall``: the part of the gap after a step that the checkpoint's save held the training loop;
 - ``between_steps``: the rest of the gaps between one step's end and the next one's start within a round (data
   loading outside ``rt.step``, logging);
@@ -42,10 +45,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 __all__ = ["CAUSES", "CAUSE_LABELS", "SLOW_CAUSES", "Goodput", "GoodputLedger"]
 
 CAUSES = ("startup", "restore", "detection", "hang", "restart", "lost_progress", "rendezvous", "checkpoint_stall",
-          "between_steps", "straggler", "comm_regression", "stopped")
+          "between_steps", "straggler", "comm_regression", "stopped", "spare_swap")
 SLOW_CAUSES = ("straggler", "comm_regression")
 CAUSE_LABELS = {"lost_progress": "steps redone", "between_steps": "between steps", "checkpoint_stall":
-                "checkpoint stall", "comm_regression": "communication regression"}
+                "checkpoint stall", "comm_regression": "communication regression", "spare_swap": "spare swap"}
 """How a cause reads to people, where its name is not already the word (the summary, status, the report)."""
 
 _RECENT = 100_000
@@ -97,7 +100,7 @@ class GoodputLedger:
         self._frontier: int | None = None  # highest step index counted
         self._recent: deque[tuple[int, float]] = deque(maxlen=_RECENT)
         self._last_end: float | None = None
-        self._new_round = True
+        self._new_round, self._swap = True, False
         self._round_at: float | None = None
         self._failed_at: float | None = None
         self._hung = False  # the watchdog found the current round hung: its failure's wait is ``hang``
@@ -141,11 +144,12 @@ class GoodputLedger:
 
     # ---- what the launcher reports ---------------------------------------------------------------------
 
-    def round_started(self, at: float | None = None) -> None:
+    def round_started(self, at: float | None = None, *, spare_swap: bool = False) -> None:
         """A worker round started (at wall time ``at``: a step that started before it is a late report of an
-        earlier round's)."""
+        earlier round's); ``spare_swap``: in it a hot spare took a lost node's place (the wait for its first step
+        is ``spare_swap``)."""
         with self._lock:
-            self._new_round = True
+            self._new_round, self._swap = True, spare_swap
             self._round_at = at
             self._restore = 0.0
 
@@ -236,6 +240,8 @@ class GoodputLedger:
             cause, since = "restart", self._failed_at
         else:
             cause, since = "rendezvous", self._last_end
+        if self._swap and cause != "startup":
+            cause = "spare_swap"
         gap = max(0.0, start - since)
         restore = min(self._restore, gap)
         self._causes["restore"] += restore

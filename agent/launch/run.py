@@ -53,6 +53,7 @@ from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
 from trainwarden.agent.launch.goodput import GoodputLedger
+from trainwarden.agent.launch.spare_swaps import SpareSwaps
 from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.fencing import FENCED, Fencing
@@ -94,8 +95,9 @@ class RunOptions:
     nnodes: str = "1"
     """``N`` or ``MIN:MAX``."""
     spare_nodes: int = 0
-    """Hot spares: with ``--nnodes N:N`` and N+K nodes running the command, N train and K wait in the rendezvous;
-    a spare takes a lost node's ranks in the next round (agent/rendezvous/native.py, **Ranks**)."""
+    """Hot spares: with ``--nnodes MIN:N`` and N+K nodes running the command, N train and K wait in the rendezvous;
+    a spare takes a lost node's ranks in the next round (agent/rendezvous/native.py, **Ranks**); with none left the
+    job shrinks to MIN or more."""
     etcd: str | None = None
     """``host:port`` (or ``http[s]://host:port``) of a running etcd; None starts an embedded one."""
     etcd_security: EtcdSecurity = field(default_factory=EtcdSecurity)
@@ -286,6 +288,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
+        self.spare_swaps = SpareSwaps(opts.job, node=self.node)  # exported with --spare-nodes
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
@@ -396,6 +399,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         cleanup.callback(agent.stop)
         self.agent = agent
         agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
+        if opts.spare_nodes:
+            agent.registry.register(self.spare_swaps)  # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total
         self._register_mfu(agent)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal
@@ -408,7 +413,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             lost.start()
             cleanup.callback(lost.stop)
             if opts.spare_nodes:  # "node n2 lost; spare n3 took ranks 2,3"
-                self.spares = SpareTakeover(self.client, opts.job, self.node, agent.incidents.record)
+                self.spares = SpareTakeover(self.client, opts.job, self.node, agent.incidents.record,
+                                            on_swap=lambda _: self.spare_swaps.swapped("node_lost"))
                 cleanup.callback(self.spares.stop)
         self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
         if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
@@ -683,13 +689,14 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
                                  daemon=True).start()
             self.progress.round_started(at)
-            self.goodput.round_started(at)
+            self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
             self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
                 self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),
                                        round=self._round, spare=False)
+            self.spare_swaps.waiting(False)  # trainwarden_job_spare_nodes: this node trains
             if self.spares is not None:
                 self.spares.round_started(self._round, [w["global_rank"] for w in event.get("workers") or []])
         elif kind == "failed":
@@ -713,6 +720,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.history.event("waiting", at, round=event.get("round"))
             if self.membership is not None:  # `trainwarden status --etcd` shows it as a spare
                 self.membership.update(spare=True, ranks=[], round=event.get("round"))
+            self.spare_swaps.waiting(True)  # trainwarden_job_spare_nodes
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
             self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)

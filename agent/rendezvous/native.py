@@ -27,7 +27,10 @@ that comes after a round closed waits for the next, as with torch's wait list). 
 if ``close/members`` is absent, put the membership and delete the previous round's keys (so a job keeps two
 rounds at most: the closed one and the next) — however many nodes try, exactly one close wins, and the others
 read its membership.
-**Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision); a node's rank is its index
+**Ranks**: the members are the first ``max_nodes`` joins (by etcd create revision), except that after the first
+round a member of the previous round that is back always goes before a newcomer, and a full round still waits for
+the previous round's living members (several spares, waiting in the round before the survivors re-joined it, must
+not push a survivor out); a node's rank is its index
 in the membership, the same on every node without another exchange. A job's first round sorts them by node id;
 a later round keeps the previous round's order: each member that is back keeps its position, a node that was
 not in it (a hot spare, a node that came back) takes a lost member's position, in join order, and any left
@@ -209,12 +212,15 @@ class CloseRule:
         if self.previous is not None and not self.gone and not self.previous & self.joined.keys():
             self.last_call_ends = None
             return Decision(False, "the previous round is intact")
-        if count >= self.config.max_nodes:
+        # after a loss, a full round still waits for the previous round's living members: newcomers (spares that
+        # waited in this round before the survivors re-joined it) must not take a survivor's place
+        living_back = self.previous is None or (self.previous - self.gone) <= self.joined.keys()
+        if count >= self.config.max_nodes and living_back:
             return Decision(True, f"max_nodes={self.config.max_nodes} joined")
         if count < self.config.min_nodes:
             self.last_call_ends = None
             return Decision(False, f"{count} of min_nodes={self.config.min_nodes} joined")
-        if self.previous is not None and (self.previous - self.gone) <= self.joined.keys():
+        if self.previous is not None and living_back:
             late = sorted(self.presumed - self.joined.keys())
             return Decision(True, "every living member of the previous round is back" + (
                 f" ({', '.join(late)}: lease not renewed for two keep-alive periods, taken for lost)" if late else ""))
@@ -225,16 +231,18 @@ class CloseRule:
         return Decision(False, "last call", self.last_call_ends)
 
     def members(self) -> list[str]:
-        """The first ``max_nodes`` joins in rank order: sorted by node id in a job's first round; after it, in the
-        previous round's order, a newcomer (in join order) in the place of each member that is not back, the
-        newcomers left over after them (module docstring, **Ranks**)."""
-        first = sorted(self.joined, key=lambda n: (self.joined[n], n))[: self.config.max_nodes]
+        """At most ``max_nodes`` joins in rank order: the first by join order, sorted by node id, in a job's first
+        round; after it, every member of the previous round that is back, in that round's order, a newcomer (in join
+        order) in the place of each member that is not, the newcomers left over after them (module docstring,
+        **Ranks**). A member that is back always comes before a newcomer, however long the newcomer waited."""
+        by_join = sorted(self.joined, key=lambda n: (self.joined[n], n))
         if not self.previous_order:
-            return sorted(first)
-        newcomers = [n for n in first if n not in self.previous]
+            return sorted(by_join[: self.config.max_nodes])
+        back = [n for n in self.previous_order if n in self.joined][: self.config.max_nodes]
+        newcomers = [n for n in by_join if n not in self.previous][: self.config.max_nodes - len(back)]
         order = []
         for node in self.previous_order:
-            if node in self.joined and node in first:
+            if node in back:
                 order.append(node)
             elif newcomers:
                 order.append(newcomers.pop(0))

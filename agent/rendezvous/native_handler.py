@@ -64,7 +64,7 @@ from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_erro
 from trainwarden.agent.etcd.keys import rdzv_key
 from trainwarden.agent.rendezvous import workers_store
 from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousClosed, NativeRendezvousConfig,
-                                                 NativeRendezvousError, NativeRendezvousTimeout, RoundWatch)
+                                                 NativeRendezvousError, NativeRendezvousTimeout, Round, RoundWatch)
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,17 @@ RECOUNT_S = 30.0
 """How often it counts the round's keys although the round's watch lives: the net under a watch lost unseen (one
 count-only read over the round's N keys per node, so N²/RECOUNT_S key visits a second for the job)."""
 
-__all__ = ["NativeRendezvousHandler"]
+__all__ = ["NativeRendezvousHandler", "spare_swap"]
 
 _handlers_in_process = itertools.count()
+
+
+def spare_swap(before: Round | None, after: Round) -> bool:
+    """Whether a node that was not in round ``before`` holds one of its positions in ``after``: newcomers take a
+    lost member's position, and go after the members when the job grows (native.py, **Ranks**)."""
+    if before is None:
+        return False
+    return any(node not in before.members for node in after.members[: before.world_size])
 
 
 class NativeRendezvousHandler(RendezvousHandler):
@@ -101,6 +109,9 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._watch: RoundWatch | None = None
         self.round_number: int | None = None
         """The round this node's workers belong to (the same on every node): fencing, leaves and growth key on it."""
+        self.spare_swap = False
+        """Whether, in that round, a node new to it took the place of a member of this node's round before (a hot
+        spare replaced a lost node): the goodput ledger charges the round's recovery to ``spare_swap``."""
         self._waiting, self._waiting_at = 0, None  # the next round's joins, counted at most every WAITING_POLL_S
         self._short, self._counted_at = False, None  # the round's keys fewer than its members, as last counted
         self._workers_store: TCPStore | None = None  # on rank 0's node: the round's server for the workers
@@ -134,9 +145,11 @@ class NativeRendezvousHandler(RendezvousHandler):
             last, self._lease = self._rdzv.last, self._grant()
             self._rdzv = self._native(self._lease)
             self._rdzv.last = last
+        before = self._rdzv.last
         try:
             round_ = self._rdzv.next_round()
             self.round_number = round_.number
+            self.spare_swap = spare_swap(before, round_)
             self._watch = self._rdzv.watch()
             self._waiting, self._waiting_at, self._short, self._counted_at = 0, None, False, None
         except NativeRendezvousTimeout as exc:

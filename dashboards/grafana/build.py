@@ -115,7 +115,8 @@ def job_dashboard() -> dict:
             description="Since the job's first launch, as its launchers count it (agent/launch/goodput.py; kept "
                         "across launchers in etcd): the steps the job kept, and the rest by cause (startup, restore, "
                         "detection, hang, restart, steps redone, rendezvous, checkpoint stall, between steps, "
-                        "straggler, communication regression, stopped), stacked: the top is the wall time. "
+                        "straggler, communication regression, stopped, spare swap), stacked: the top is the wall "
+                        "time. "
                         "trainwarden_goodput_ratio is the productive share; docs/OPERATIONS.md says what to do "
                         "about each cause."),
         _panel(13, "MFU: model FLOPs utilization", [_target(f"trainwarden_mfu_ratio{{{JOB}}}", "{{node}}")],
@@ -129,6 +130,15 @@ def job_dashboard() -> dict:
             description="Steps whose loss or gradients were not finite (nan) or whose loss spiked, as the workers' "
                         "numeric guard saw them (runtime/numeric.py). Under --numeric-policy rollback each one's "
                         "update was skipped on every rank; the numeric incident names the step and the first rank."),
+        _panel(15, "Hot spares: waiting and swaps", [
+            _target(f"sum(trainwarden_job_spare_nodes{{{JOB}}})", "spares waiting"),
+            _target(f"sum by (cause) (increase(trainwarden_spare_swaps_total{{{JOB}}}[5m])) > 0",
+                    "swaps: {{cause}} (5m)", ref="B")],
+            x=0, y=56,
+            description="With --spare-nodes: the nodes waiting in the job's rendezvous as hot spares, and the swaps "
+                        "in the last 5 minutes by what the spare replaced (a lost node; an excluded one). A swap "
+                        "keeps the world size; its recovery shows as 'spare swap' in the goodput panel. No spare "
+                        "left: the next loss shrinks the job (--nnodes MIN:N) or waits for a node (N:N)."),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",

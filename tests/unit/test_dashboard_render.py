@@ -134,8 +134,8 @@ def test_a_dashboard_picture_from_canned_answers(tmp_path):
     titles = [p["title"] for p in board["panels"]]
     assert all(title in texts for title in titles)
     # panels without canned data say so: checkpoint age and stall, restarts, ranks connected, p99, hang deadline,
-    # communication regression, goodput, MFU, numeric events
-    assert texts.count("No data") == 10, texts
+    # communication regression, goodput, MFU, numeric events, hot spares
+    assert texts.count("No data") == 11, texts
     path = render.save(fig, tmp_path / "dashboard-job.png")
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in board["panels"])
     assert _png_size(path) == (1200, 60 + rows * 30 + layout.gap_px)

@@ -110,8 +110,33 @@ def test_nodes_after_an_intact_round_wait_even_at_max_nodes():
     rule.join("late1", 1)
     rule.join("late2", 2)
     assert not rule.decide(now=0.0).close
-    rule.join("p1", 3)  # a member of the previous round re-joins: that round is over
-    assert rule.decide(now=0.0).close
+    rule.join("p1", 3)  # a member of the previous round re-joins: that round is over ...
+    decision = rule.decide(now=0.0)  # ... but the round waits for p2, alive, rather than give its place away
+    assert not decision.close and decision.wake_at == 5.0
+    rule.join("p2", 4)
+    assert rule.decide(now=0.1).close
+    rule.set_previous(["p1", "p2"])
+    assert rule.members() == ["p1", "p2"]  # the nodes that waited longer stay out: they came after a full round
+
+
+def test_spares_that_waited_first_never_push_a_survivor_out():
+    """Issue 47: two spares waited in the next round before the survivor re-joined it. The round closed at once at
+    max_nodes with the first joins, the two spares, and the survivor (alive, its state in its memory) waited."""
+    rule = _rule(min_nodes=2, max_nodes=2)
+    rule.set_previous(["a", "b"])
+    rule.join("s1", 1)
+    rule.join("s2", 2)
+    rule.previous_gone("b")  # b is lost
+    assert not rule.decide(now=0.0).close  # a, alive, is not back yet
+    rule.join("a", 3)
+    assert rule.decide(now=0.1).close
+    assert rule.members() == ["a", "s1"]  # a keeps rank 0; the first spare takes b's; s2 still waits
+    three = _rule(min_nodes=2, max_nodes=3)
+    three.set_previous(["a", "b", "c"])
+    for node, rev in (("s1", 1), ("s2", 2), ("a", 3), ("b", 4)):
+        three.join(node, rev)
+    three.previous_gone("c")
+    assert three.decide(now=0.0).close and three.members() == ["a", "b", "s1"]
 
 
 def test_a_restart_closes_once_every_living_member_is_back_without_the_last_call():

@@ -22,40 +22,44 @@ SPEC = {"name": "j", "command": ["train.py"]}
 
 
 @pytest.mark.parametrize("nnodes, spares, words", [
-    ("2:3", 1, "needs a fixed number of training nodes, got --nnodes 2:3: give --nnodes 3:3 and start 4 nodes"),
-    ("1", 1, "spares are for jobs of 2 nodes or more"),
+    ("1", 1, "spares are for jobs of 2 nodes or more (a one-node job restarts on its node); give --nnodes 2 or more"),
+    ("1:1", 2, "spares are for jobs of 2 nodes or more"),
     ("2", -1, "--spare-nodes -1: must be a whole number of 0 or more"),
     ("2", 100_000, "at most 100000 nodes in all"),
+    ("2:3", 99_998, "at most 100000 nodes in all"),
 ])
-def test_spares_need_a_fixed_size_of_two_nodes_or_more(nnodes, spares, words):
+def test_spares_need_two_training_nodes_or_more(nnodes, spares, words):
     assert words in spares_problem(nnodes, spares)
-    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         RunOptions(script=["t.py"], job="j", nnodes=nnodes, spare_nodes=spares, etcd="e:2379")
 
 
-@pytest.mark.parametrize("nnodes", ["2", "2:2", "8:8", "1:4"])
-def test_no_spares_is_always_fine_and_spares_go_with_n_colon_n(nnodes):
+@pytest.mark.parametrize("nnodes", ["2", "2:2", "8:8", "1:4", "2:3", "3:8"])
+def test_spares_go_with_n_or_min_colon_n_so_a_job_with_no_spare_left_shrinks(nnodes):
+    """Issue 47: spares needed N:N, so a job whose last spare was used waited for a node instead of shrinking."""
     assert spares_problem(nnodes, 0) is None
-    assert (spares_problem(nnodes, 2) is None) == (nnodes != "1:4")
+    assert spares_problem(nnodes, 2) is None
+    RunOptions(script=["t.py"], job="j", nnodes=nnodes, spare_nodes=2, etcd="e:2379")
 
 
 def test_the_command_line_refuses_bad_spares_before_starting_anything():
-    out = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nnodes", "2:4", "--spare-nodes",
+    out = subprocess.run([sys.executable, "-m", "trainwarden.agent.cli", "run", "--nnodes", "1", "--spare-nodes",
                           "1", "--etcd", "127.0.0.1:1", "--", "train.py"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr
-    assert "trainwarden run: --spare-nodes 1 needs a fixed number of training nodes, got --nnodes 2:4" in out.stderr
+    assert "trainwarden run: --spare-nodes 1 with --nnodes 1: spares are for jobs of 2 nodes or more" in out.stderr
 
 
 def test_the_spec_field_is_checked_with_the_specs_names_and_passed_on_to_the_launcher():
-    with pytest.raises(JobSpecError, match="job.toml: field 'spare_nodes' 1 needs a fixed number of training nodes, "
-                                           "got 'nnodes' 2:3: give 'nnodes' 3:3"):
-        parse_job_spec({**SPEC, "nnodes": "2:3", "spare_nodes": 1}, "job.toml")
+    with pytest.raises(JobSpecError, match="job.toml: field 'spare_nodes' 1 with 'nnodes' 1: spares are for jobs of 2 "
+                                           "nodes or more"):
+        parse_job_spec({**SPEC, "nnodes": "1", "spare_nodes": 1}, "job.toml")
     with pytest.raises(JobSpecError, match="field 'spare_nodes' must be a whole number"):
         parse_job_spec({**SPEC, "nnodes": "2", "spare_nodes": "1"}, "job.toml")
-    spec = parse_job_spec({**SPEC, "nnodes": "2:2", "spare_nodes": 1}, "job.toml")
-    assert spec.spare_nodes == 1
-    args = spec.launcher_args()
-    assert args[args.index("--spare-nodes") + 1] == "1"
+    for nnodes in ("2:2", "2:3"):
+        spec = parse_job_spec({**SPEC, "nnodes": nnodes, "spare_nodes": 1}, "job.toml")
+        assert spec.spare_nodes == 1
+        args = spec.launcher_args()
+        assert args[args.index("--spare-nodes") + 1] == "1" and args[args.index("--nnodes") + 1] == nnodes
     assert "--spare-nodes" not in parse_job_spec({**SPEC, "nnodes": "2"}, "x").launcher_args()
 
 
