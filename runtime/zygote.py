@@ -37,6 +37,9 @@ import socket
 import struct
 import sys
 
+from trainwarden.agent.proto.contract import WARM_PARENT_PID_ENV
+from trainwarden.agent.proto.parent_death import die_with_parent
+
 from .zygote_client import CLIENT_PID_ENV, FORWARDED_SIGNALS, client_main, recv_exact, send_frame
 
 __all__ = ["client_main", "worker_title"]
@@ -408,7 +411,11 @@ def _become(job: _Job) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         path, map_dir, script = sys.argv[2], sys.argv[3], sys.argv[4:]
-        _pdeathsig(signal.SIGTERM)  # the launcher (torchrun) is gone: so is the zygote
+        parent = os.environ.pop(WARM_PARENT_PID_ENV, "")
+        if parent.isdigit():  # the launcher (torchrun) is gone: so is the zygote, even if it went before this line
+            die_with_parent(signal.SIGTERM, int(parent))
+        else:
+            _pdeathsig(signal.SIGTERM)
         job = serve(path, map_dir, script)
         if job is None:
             return

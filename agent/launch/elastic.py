@@ -57,7 +57,7 @@ from typing import Any
 
 from trainwarden.agent.launch.exit_clock import ExitClock
 from trainwarden.agent.proto.contract import (EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, WARM_MAP_DIR_ENV, WARM_SOCKET_ENV,
-                                              WARM_ZYGOTE_PID_ENV, ZYGOTE_MODULE)
+                                              WARM_PARENT_PID_ENV, WARM_ZYGOTE_PID_ENV, ZYGOTE_MODULE)
 from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
 __all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
@@ -308,7 +308,8 @@ def _start_zygote(argv: list[str]):
     if ZYGOTE_MODULE not in argv or not path or not map_dir:
         return None
     script = argv[argv.index(ZYGOTE_MODULE) + 1:]
-    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, "--serve", path, map_dir, *script])
+    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, "--serve", path, map_dir, *script],
+                              env={**os.environ, WARM_PARENT_PID_ENV: str(os.getpid())})
     os.environ[WARM_ZYGOTE_PID_ENV] = str(zygote.pid)  # torch's agent passes it on: clients wait only while it lives
     return zygote
 

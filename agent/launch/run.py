@@ -288,7 +288,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
-        self.spare_swaps = SpareSwaps(opts.job, node=self.node)  # exported with --spare-nodes
+        self.spare_swaps = SpareSwaps(opts.job, node=self.node)
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
@@ -399,8 +399,9 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         cleanup.callback(agent.stop)
         self.agent = agent
         agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
-        if opts.spare_nodes:
-            agent.registry.register(self.spare_swaps)  # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total
+        # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total: on every job (0 without spares), so the job
+        # dashboard's spares panel and any rule on them read 0 rather than nothing
+        agent.registry.register(self.spare_swaps)
         self._register_mfu(agent)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self._commit_refusal

@@ -16,7 +16,7 @@ __all__ = [
     "FLIGHT_RECORDER_ENV", "JOB_ENV", "JOB_NAME_RE", "NODE_NAME_RE", "validate_node_name", "MAIN_THREAD_HEADER",
     "PEER_FAILURE_MARKERS", "PEER_FAILURE_TYPES", "PEER_GONE", "peer_credential_socket", "PEER_TOKEN_METADATA", "SERVICE_NAME",
     "STATE_DIR_ENV", "STEP_SOURCES", "TOKENS_PER_STEP_ENV", "WARM_MAP_DIR_ENV", "WARM_SOCKET_ENV", "WARM_WAIT_ENV",
-    "WARM_ZYGOTE_PID_ENV", "warm_parent", "warm_paths", "ZYGOTE_MODULE",
+    "WARM_ZYGOTE_PID_ENV", "WARM_PARENT_PID_ENV", "warm_parent", "warm_paths", "ZYGOTE_MODULE",
     "COMMIT_METHOD", "STATUS_METHOD", "STREAM_METHOD", "stacks_file", "trace_file", "validate_job_name",
 ]
 
@@ -184,6 +184,9 @@ WARM_MAP_DIR_ENV = "TRAINWARDEN_WARM_MAP_DIR"
 WARM_ZYGOTE_PID_ENV = "TRAINWARDEN_WARM_ZYGOTE_PID"
 """The zygote's pid (set by the launcher that started it): a client waits for its socket only while it lives."""
 WARM_WAIT_ENV = "TRAINWARDEN_WARM_WAIT_S"
+WARM_PARENT_PID_ENV = "TRAINWARDEN_WARM_PARENT_PID"
+"""The launcher's pid, for the zygote it starts: a launcher killed before the zygote asked for its parent-death
+signal left the zygote orphaned, importing on and then serving forever (it re-made a swept warm directory)."""
 
 
 def warm_paths(warm_dir: str) -> tuple[str, str]:

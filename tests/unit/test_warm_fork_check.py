@@ -3,6 +3,7 @@ arrives once it is not gets no worker, and starts its own cold (runtime/zygote.p
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -50,3 +51,19 @@ def test_a_client_arriving_after_cuda_was_initialised_gets_no_worker(zygote, mon
     err = capsys.readouterr().err
     assert err.count("warm workers are off for this job from now: CUDA was initialised") == 1, err
     assert z.children == {}
+
+
+def test_a_zygote_whose_launcher_is_already_gone_exits_before_it_serves(tmp_path):
+    """The launcher killed before its zygote asked for the parent-death signal (it starts the zygote first thing):
+    the zygote lived on as an orphan, imported, re-made its swept warm directory and served forever (seen as a
+    leftover tw-warm-*/zygote.sock in test_no_litter)."""
+    import subprocess
+    import sys
+
+    from trainwarden.agent.proto.contract import WARM_PARENT_PID_ENV, ZYGOTE_MODULE
+
+    env = {**os.environ, WARM_PARENT_PID_ENV: "1"}  # not this zygote's parent: its launcher went before it asked
+    done = subprocess.run([sys.executable, "-m", ZYGOTE_MODULE, "--serve", str(tmp_path / "z.sock"),
+                           str(tmp_path / "map"), str(tmp_path / "job.py")], env=env, timeout=120)
+    assert done.returncode == -signal.SIGTERM
+    assert not (tmp_path / "z.sock").exists() and not (tmp_path / "map").exists()
