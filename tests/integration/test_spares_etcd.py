@@ -11,19 +11,13 @@ import threading
 
 import pytest
 
-from trainwarden.agent.etcd.embedded import EmbeddedEtcd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def etcd(module_etcd):
+    return module_etcd
 
 
 @pytest.fixture
