@@ -42,12 +42,12 @@ freshly initialised state), then hands the filled template to ``load_state_dict`
 what it reads. A file that is torn, another rank's or step's, or that a writer took for a newer snapshot while it
 was read (the prefix is read again after the file) is refused with the reason, as is any mismatch (another key,
 shape or dtype), and the caller falls back to the disk. The writer thread records each tensor's XXH3-64 in the
-header, and a load verifies them before it copies anything (runtime/memory_sums.py; ``mismatches``).
+header, and a load verifies them before it copies anything (runtime/checkpoint/memory_sums.py; ``mismatches``).
 
 Another world size, or a rank whose file is on another node: when a file is made, the snapshot also records DCP's
 view of the state (``_dcp_view``: each tensor's flattened key, global size and chunk offsets; each other value's
 path), once per layout, off the per-step path. ``MappedSnapshot`` maps a complete file for
-runtime/memory_reshard.py, which hands a step's files to ``dcp.load``.
+runtime/checkpoint/memory_reshard.py, which hands a step's files to ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ from torch.distributed.tensor import DTensor
 from trainwarden.agent.shared.contract import MEMORY_DIR_ENV
 from trainwarden.agent.shared.snapshot_layout import (KEEP, partial_path, peer_path, rank_partials, rank_snapshots,
                                                     snapshot_path)
-from trainwarden.runtime import memory_sums
-from trainwarden.runtime.checkpoint_state import put_back
+from trainwarden.runtime.checkpoint import memory_sums
+from trainwarden.runtime.checkpoint.state import put_back
 
 __all__ = ["KEEP", "MappedSnapshot", "MemorySnapshots", "memory_dir_from_env"]
 
@@ -188,7 +188,7 @@ class _HostBuffers:
 
 def _dcp_view(states: dict[str, Any], originals: dict[int, int]) -> dict | None:
     """How DCP names and places this rank's part of ``states`` (each entry's state dict), for a restore at another
-    world size or on another node (runtime/memory_reshard.py): each tensor's flattened key, its index in the tensor
+    world size or on another node (runtime/checkpoint/memory_reshard.py): each tensor's flattened key, its index in the tensor
     table, the global size and where this rank's chunk sits in it; each other value's key and path in the body.
     None when a tensor is not one the walk saw (the snapshot then serves the same rank only)."""
     flat, paths = flatten_state_dict(states)
@@ -270,7 +270,7 @@ class _SnapshotFile:
         self.dcp: Any = _UNSET
         """DCP's view of the state this file was made for (``_dcp_view``); set by the snapshot that made it."""
         self.pinned = False
-        """Being sent to a peer node (runtime/memory_peer.py): no snapshot takes it meanwhile (it skips)."""
+        """Being sent to a peer node (runtime/checkpoint/memory_peer.py): no snapshot takes it meanwhile (it skips)."""
         self.table: list[tuple[str, tuple[int, ...], int, int]] = []
         offset = _aligned(_PREFIX.size)
         for dtype, shape in layout:
@@ -397,7 +397,7 @@ def holds_tensor_mark(value: Any) -> bool:
 
 class MappedSnapshot:
     """A complete snapshot file mapped read-only in effect (private, copy-on-write pages: nothing is written back), for
-    a restore at another world size or on another node (runtime/memory_reshard.py): its header and a view of each
+    a restore at another world size or on another node (runtime/checkpoint/memory_reshard.py): its header and a view of each
     tensor, no byte copied until a caller copies it. ValueError when the file is not one or is torn; ``check`` says
     whether a writer took it since (its prefix changed)."""
 
@@ -479,13 +479,13 @@ class MemorySnapshots:
                  sums: bool = True) -> None:
         self.directory = Path(directory)
         self.sums = sums
-        """Record each tensor's XXH3-64 in the file's header (runtime/memory_sums.py); off only to measure them."""
+        """Record each tensor's XXH3-64 in the file's header (runtime/checkpoint/memory_sums.py); off only to measure them."""
         self.mismatches: list[memory_sums.Mismatch] = []
         """What the last ``load`` found corrupt (its bytes differ from their sums); [] otherwise."""
         self.rank, self.world_size, self.keep = rank, world_size, max(1, keep)
         self._report = report  # (step, path, seconds) once a file is written
         self.on_written: Callable[[int, "_SnapshotFile"], None] | None = None
-        """Called on the writer thread with each finished file (runtime/memory_peer.py sends it to a peer node)."""
+        """Called on the writer thread with each finished file (runtime/checkpoint/memory_peer.py sends it to a peer node)."""
         self._files: list[_SnapshotFile] = []  # this rank's files, oldest first: a snapshot takes the first
         self._host = _HostBuffers()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainwarden-snapshot")

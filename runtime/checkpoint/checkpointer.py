@@ -1,8 +1,8 @@
 """Sharded asynchronous checkpoints with a commit protocol: ``Checkpointer``.
 
 This module is the disk side. The memory side (per-step snapshots, their copy on the next node, and a restore
-from them, tried before the disk) is the mixin in runtime/checkpoint_memory.py; what a failed DCP call says is
-runtime/checkpoint_errors.py.
+from them, tried before the disk) is the mixin in runtime/checkpoint/memory.py; what a failed DCP call says is
+runtime/checkpoint/errors.py.
 
 Save (``Checkpointer.save``):
 
@@ -17,7 +17,7 @@ Save (``Checkpointer.save``):
 4. A committer thread waits for the upload; on rank 0 it validates the directory (``checkpoint_layout``),
    publishes the atomic ``latest`` pointer, calls ``on_commit(CheckpointInfo)`` and applies retention.
 
-Restore (``Checkpointer.restore``): rank 0 plans (runtime/restore_plan.py: the ``step-*`` directories newest
+Restore (``Checkpointer.restore``): rank 0 plans (runtime/checkpoint/restore_plan.py: the ``step-*`` directories newest
 first, weighed against what the job knows of its own checkpoints; one that cannot be read is looked at again
 with backoff and, if it still cannot be read, stops the job with ``CheckpointReadError`` and nothing set aside:
 a read error is not corruption). The plan is broadcast; every rank tries to load the first candidate, and the ranks
@@ -67,13 +67,13 @@ from trainwarden.agent.shared.checkpoint_layout import (
     find_complete,
     validate,
 )
-from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe, is_read_error
-from trainwarden.runtime.checkpoint_memory import MemoryRestore
-from trainwarden.runtime.metadata_reader import AllowListReader
-from trainwarden.runtime.checkpoint_state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
-from trainwarden.runtime.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
-from trainwarden.runtime.checkpoint_sums import HashingFileSystem, verify_share
-from trainwarden.runtime.save_failures import SaveFailures
+from trainwarden.runtime.checkpoint.errors import SAVE_LOAD_ERRORS, describe, is_read_error
+from trainwarden.runtime.checkpoint.memory import MemoryRestore
+from trainwarden.runtime.checkpoint.metadata_reader import AllowListReader
+from trainwarden.runtime.checkpoint.state import ModelState, RNGState, load_sidecar, put_back, write_sidecar
+from trainwarden.runtime.checkpoint.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
+from trainwarden.runtime.checkpoint.sums import HashingFileSystem, verify_share
+from trainwarden.runtime.checkpoint.save_failures import SaveFailures
 from trainwarden.runtime.session import current as current_session
 
 __all__ = [
