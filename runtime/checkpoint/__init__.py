@@ -5,7 +5,7 @@ are its parts, each a module:
 
 - ``checkpointer``: ``Checkpointer``, the disk side: asynchronous sharded DCP saves, commit, retention, restore.
 - ``memory``: the Checkpointer's memory side (snapshot every step, the copy on the next node, restore from them).
-- ``memory_snapshot``, ``memory_peer``, ``memory_reshard``, ``memory_sums``: one rank's snapshot file, the copy
+- ``memory_snapshot``, ``snapshot_file``, ``memory_peer``, ``memory_reshard``, ``memory_sums``: one rank's snapshots, their file format, the copy
   sent to the next node, a restore into another world size, and the snapshot's checksums.
 - ``restore_plan``, ``resume_evidence``: which checkpoint a restore tries first, and what the job knows of its commits.
 - ``state``, ``state_dict_reader``, ``metadata_reader``: state-dict entries (RNG, model), reading a checkpoint's
@@ -39,7 +39,8 @@ __all__ = [
 
 _PARTS = frozenset({
     "checkpointer", "errors", "memory", "memory_peer", "memory_reshard", "memory_snapshot", "memory_sums",
-    "metadata_reader", "restore_plan", "resume_evidence", "save_failures", "state", "state_dict_reader", "sums",
+    "metadata_reader", "restore_plan", "resume_evidence", "save_failures", "snapshot_file", "state", "state_dict_reader",
+    "sums",
 })
 
 

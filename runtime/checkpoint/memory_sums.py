@@ -121,7 +121,7 @@ def _mismatch(header: dict, path: str | os.PathLike, index: int, expected: str, 
 
 def _names(state: Any, prefix: str = "") -> dict[int, str]:
     """Each tensor index of a header's state -> its key path (``train/model/0.weight``); found only for a report."""
-    from trainwarden.runtime.checkpoint.memory_snapshot import _mark_index  # not at the top: that module imports this one
+    from trainwarden.runtime.checkpoint.snapshot_file import _mark_index  # not at the top: that module imports this one
 
     index = _mark_index(state)
     if index is not None:
