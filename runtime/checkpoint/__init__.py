@@ -3,10 +3,12 @@
 The package's front is ``Checkpointer`` (``from trainwarden.runtime.checkpoint import Checkpointer``); the rest
 are its parts, each a module:
 
-- ``checkpointer``: ``Checkpointer``, the disk side: asynchronous sharded DCP saves, commit, retention, restore.
+- ``checkpointer``: ``Checkpointer``, the disk side: asynchronous sharded DCP saves, commit, retention, restore;
+  ``writer``: its DCP writer and stager.
 - ``memory``: the Checkpointer's memory side (snapshot every step, the copy on the next node, restore from them).
-- ``memory_snapshot``, ``snapshot_file``, ``memory_peer``, ``memory_reshard``, ``memory_sums``: one rank's snapshots, their file format, the copy
-  sent to the next node, a restore into another world size, and the snapshot's checksums.
+- ``memory_snapshot``, ``snapshot_file``, ``memory_peer``, ``memory_reshard``, ``memory_sums``: one rank's
+  snapshots, their file format, the copy sent to the next node, a restore into another world size, and the
+  snapshots' checksums.
 - ``restore_plan``, ``resume_evidence``: which checkpoint a restore tries first, and what the job knows of its commits.
 - ``state``, ``state_dict_reader``, ``metadata_reader``: state-dict entries (RNG, model), reading a checkpoint's
   tensors and its metadata without unpickling anything but DCP's own classes.
@@ -40,7 +42,7 @@ __all__ = [
 _PARTS = frozenset({
     "checkpointer", "errors", "memory", "memory_peer", "memory_reshard", "memory_snapshot", "memory_sums",
     "metadata_reader", "restore_plan", "resume_evidence", "save_failures", "snapshot_file", "state", "state_dict_reader",
-    "sums",
+    "sums", "writer",
 })
 
 
