@@ -12,9 +12,9 @@ import os
 
 import grpc
 
-from trainwarden.agent.proto import contract
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.peer_token import fetch_peer_token, token_metadata
+from trainwarden.agent.shared import contract
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.peer_token import fetch_peer_token, token_metadata
 
 __all__ = ["ask_checkpoint_record", "ask_commit", "ask_memory_held", "ask_memory_steps", "fetch_peer_token"]
 

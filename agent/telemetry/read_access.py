@@ -4,7 +4,7 @@ Everyone in the socket's group can call ``Status`` (``trainwarden status``, ``to
 restore's question: what etcd says the job committed, which memory snapshots the agent holds). Those answers are
 about jobs, and a job belongs to the kernel's uid of its first verified stream (``JobTelemetry.connect``). So the
 caller proves its uid the way a worker does, with a single-use peer token from ``<socket>.cred`` in the call's
-metadata (agent/proto/peer_token.py), and:
+metadata (agent/shared/peer_token.py), and:
 
 - root, and the agent's own user, see every job (an operator uses ``sudo trainwarden status``);
 - any other verified uid sees the jobs it owns, and jobs no verified stream owns (their telemetry is anyone's

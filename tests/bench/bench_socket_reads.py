@@ -22,9 +22,9 @@ from pathlib import Path
 
 import grpc
 
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import STATUS_METHOD, stacks_file, trace_file
-from trainwarden.agent.proto.peer_token import token_metadata
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import STATUS_METHOD, stacks_file, trace_file
+from trainwarden.agent.shared.peer_token import token_metadata
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.culprit import (RankEvidence, _NoGlobals, main_thread_frames, positions_from_trace,

@@ -17,7 +17,7 @@ import traceback
 
 import pytest
 
-from trainwarden.agent.proto.contract import stacks_file, trace_file
+from trainwarden.agent.shared.contract import stacks_file, trace_file
 from trainwarden.agent.watchdog.culprit import give_to_writers, name_culprit, read_diagnostics
 from job_users import shared_dir
 

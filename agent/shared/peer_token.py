@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 
-from trainwarden.agent.proto.contract import PEER_TOKEN_METADATA, peer_credential_socket
+from trainwarden.agent.shared.contract import PEER_TOKEN_METADATA, peer_credential_socket
 
 __all__ = ["fetch_peer_token", "token_metadata"]
 
