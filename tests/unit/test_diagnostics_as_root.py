@@ -144,3 +144,46 @@ def test_only_a_directory_of_its_own_is_given_to_the_job(tmp_path):
     give_to_writers(root_only, None)  # no verified owner: nothing changes hands
     give_to_writers(root_only, 0)
     assert os.stat(root_only).st_uid == 0
+
+
+def test_a_root_watchdog_hands_the_hang_directory_to_the_jobs_uid_and_names_the_culprit_past_a_fifo(shared):
+    """The watchdog itself (root) on a job whose streams the kernel verified as ``nobody``: it gives the hang's
+    directory to nobody, whose workers (a child dropped to nobody) write their dumps there and a FIFO for a rank that
+    never answers; the hang is recorded with its culprit and nothing blocks. Before, the directory stayed root's:
+    nobody's workers could write nothing."""
+    from test_watchdog import Actions, Sim, _watchdog
+
+    from trainwarden.agent.telemetry.job_telemetry import WorkerInfo
+
+    class VerifiedSim(Sim):
+        def connect(self, pid_base):
+            self.seq = 0
+            for r in range(self.ranks):
+                self.js.connect(WorkerInfo(job="j", rank=r, local_rank=r, world_size=self.ranks, mesh=self.mesh,
+                                           pid=pid_base + r, hostname=f"host{r}", verified=True, uid=NOBODY_UID))
+
+    class NobodysWorkers(Actions):
+        def request_diagnostics(self, job, ranks, directory):
+            def plant():
+                Actions.request_diagnostics(self, job, ranks, directory)
+                os.mkfifo(directory / stacks_file(2))
+            _as_nobody(plant)
+            self.requests.append((job, list(ranks), directory))
+            return [r for r in ranks if r in self.answer]
+
+    sim = VerifiedSim()
+    assert sim.js.snapshot("j")[0].ranks[0].verified
+    actions = NobodysWorkers(answer={0, 1, 3}, lagging=1)
+    wd = _watchdog(sim, actions, shared)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 5.5
+    done = threading.Thread(target=wd.check_once, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "the watchdog blocked on the planted FIFO"
+    (_, _, directory), = actions.requests
+    assert os.stat(directory).st_uid == NOBODY_UID and os.stat(directory.parent).st_uid == 0
+    opened = actions.records[0]
+    assert opened.ranks == (1,) and opened.evidence["verdict"]["culprits"] == [1]
