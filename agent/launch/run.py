@@ -690,6 +690,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
                                  daemon=True).start()
             self.progress.round_started(at)
+            if self.failures is not None:  # a later failure's evidence: this round's streams only
+                self.failures.round_started(at)
             self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
             self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
