@@ -54,10 +54,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto import checkpoint_sums
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_sums
 from trainwarden.runtime.peer_failure import peer_failure
-from trainwarden.agent.proto.checkpoint_layout import (
+from trainwarden.agent.shared.checkpoint_layout import (
     CheckpointError,
     CheckpointInfo,
     CheckpointNotFoundError,

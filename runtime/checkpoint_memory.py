@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainwarden.agent.proto.contract import PEER_COPY_ENV
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.agent.shared.contract import PEER_COPY_ENV
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe
 from trainwarden.runtime.checkpoint_state import RNGState, put_back
 from trainwarden.runtime.memory_peer import PeerCopy

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainwarden.agent.proto.checkpoint_layout import atomic_write
+from trainwarden.agent.shared.checkpoint_layout import atomic_write
 
 __all__ = ["ModelState", "RNGState", "load_sidecar", "write_sidecar"]
 

@@ -54,8 +54,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from trainwarden.agent.proto.contract import STATE_DIR_ENV
-from trainwarden.agent.proto.fault_spec import ENV_VAR, Fault, FaultSpecError, parse_faults
+from trainwarden.agent.shared.contract import STATE_DIR_ENV
+from trainwarden.agent.shared.fault_spec import ENV_VAR, Fault, FaultSpecError, parse_faults
 
 logger = logging.getLogger(__name__)
 

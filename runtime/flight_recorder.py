@@ -77,7 +77,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from trainwarden.agent.proto.contract import FLIGHT_RECORDER_ENV
+from trainwarden.agent.shared.contract import FLIGHT_RECORDER_ENV
 
 __all__ = ["FLIGHT_RECORDER_ENV", "RECORDER_DUMPS", "ArrivalBatch", "ArrivalLog", "CollectiveReducer",
            "CollectiveSummary", "FlightRecorder", "ReadSchedule", "ring_capacity", "torch_recorders"]

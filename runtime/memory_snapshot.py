@@ -3,7 +3,7 @@
 A restart after a crash or a hang should lose at most the step in flight, not everything since the last disk
 checkpoint, and should not read the disk back. So after every step each rank copies what it owns of the state
 (the local shards of DTensors, its plain tensors, the small Python values) into a file of its own in the node
-agent's shared-memory directory (``MEMORY_DIR_ENV``; layout in ``agent/proto/snapshot_layout.py``). The agent owns
+agent's shared-memory directory (``MEMORY_DIR_ENV``; layout in ``agent/shared/snapshot_layout.py``). The agent owns
 that directory: it outlives the worker processes, not the agent. Each finished file is reported (checkpoint stage
 ``snapshot``); the agent knows a step as snapshotted once every rank of the world size reported it, and tells the
 restoring rank 0 (``Session.memory_record``). The ``Checkpointer`` uses a snapshot only when it is at least as new
@@ -71,8 +71,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
-from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import (KEEP, partial_path, peer_path, rank_partials, rank_snapshots,
+from trainwarden.agent.shared.contract import MEMORY_DIR_ENV
+from trainwarden.agent.shared.snapshot_layout import (KEEP, partial_path, peer_path, rank_partials, rank_snapshots,
                                                     snapshot_path)
 from trainwarden.runtime import memory_sums
 from trainwarden.runtime.checkpoint_state import put_back

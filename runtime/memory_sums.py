@@ -3,7 +3,7 @@
 A memory snapshot (runtime/memory_snapshot.py) is a file in the node agent's shared memory holding each tensor's bytes
 at an offset of its own. When the writer thread finishes a file (off the training thread, after the step's copy into
 the file's mapping) it hashes each tensor's bytes from that mapping, the bytes in hand (never a second read of the
-GPU), with XXH3-64, the disk checkpoints' algorithm (agent/proto/checkpoint_sums.py), and records the sums in the
+GPU), with XXH3-64, the disk checkpoints' algorithm (agent/shared/checkpoint_sums.py), and records the sums in the
 file's header (``{"algorithm": "xxh3_64", "tensors": [hex, ...]}``, one per entry of the tensor table). The copy a peer
 node keeps (runtime/memory_peer.py) is the same bytes, header included, so it carries the same sums.
 
@@ -30,8 +30,8 @@ from typing import Any, Iterable
 
 import xxhash
 
-from trainwarden.agent.proto.checkpoint_sums import ALGORITHM
-from trainwarden.agent.proto.snapshot_layout import parse_peer
+from trainwarden.agent.shared.checkpoint_sums import ALGORITHM
+from trainwarden.agent.shared.snapshot_layout import parse_peer
 
 __all__ = ["ALGORITHM", "CORRUPT_SUFFIX", "Mismatch", "SnapshotCorrupt", "record", "set_aside", "verify"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime import resume_evidence
 
 __all__ = ["DEFAULT_READ_BACKOFF_S", "READ_BACKOFF_ENV", "RestorePlan", "plan_restore", "read_backoff_from_env"]

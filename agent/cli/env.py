@@ -21,7 +21,7 @@ from typing import Mapping, TextIO
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.launch.torchrun import worker_bootstrap_dir
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
                                              TOKENS_PER_STEP_ENV)
 
 __all__ = ["add_parser", "torchrun_environment"]

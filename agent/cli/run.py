@@ -8,7 +8,7 @@ import time
 
 from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.proto.contract import NUMERIC_POLICIES
+from trainwarden.agent.shared.contract import NUMERIC_POLICIES
 
 __all__ = ["add_parser"]
 

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, JOB_ENV, NUMERIC_POLICIES, validate_job_name,
+from trainwarden.agent.shared.contract import (CHECKPOINT_DIR_ENV, JOB_ENV, NUMERIC_POLICIES, validate_job_name,
                                               validate_node_name)
 
 if sys.version_info >= (3, 11):

@@ -34,8 +34,8 @@ from collections import deque
 from pathlib import Path
 
 from trainwarden.agent.common.scratch import scratch_dir, sweep
-from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import KEEP, parse_peer, parse_snapshot
+from trainwarden.agent.shared.contract import MEMORY_DIR_ENV
+from trainwarden.agent.shared.snapshot_layout import KEEP, parse_peer, parse_snapshot
 
 __all__ = ["DEFAULT_ROOT", "ROOT_ENV", "MemoryTier", "start_memory_tier"]
 

@@ -68,12 +68,12 @@ from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchel
 from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
+from trainwarden.agent.shared.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
                                               NUMERIC_POLICIES, NUMERIC_POLICY_ENV, validate_node_name, warm_parent,
                                               warm_paths)
-from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
+from trainwarden.agent.shared.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.job_telemetry import steps_from
 from trainwarden.agent.telemetry.server import TelemetryServerError
 

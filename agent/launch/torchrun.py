@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
                                              FLIGHT_RECORDER_ENV, JOB_ENV, STATE_DIR_ENV, TOKENS_PER_STEP_ENV,
                                              WARM_MAP_DIR_ENV, WARM_SOCKET_ENV, ZYGOTE_MODULE, validate_job_name,
                                              warm_paths)

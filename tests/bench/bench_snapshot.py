@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_checkpoint import per_rank  # noqa: E402
 
-from trainwarden.agent.proto.snapshot_layout import rank_snapshots  # noqa: E402
+from trainwarden.agent.shared.snapshot_layout import rank_snapshots  # noqa: E402
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState  # noqa: E402
 
 
@@ -82,10 +82,10 @@ def main() -> None:
                     help="alternate snapshots with and without checksums (the step and the background write)")
     args = ap.parse_args()
 
-    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
     from trainwarden.runtime.examples.gpt import TrainState
-    from trainwarden.runtime.model import ModelConfig
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+    from trainwarden.runtime.examples.model import ModelConfig
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

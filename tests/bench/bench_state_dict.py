@@ -36,10 +36,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
     from trainwarden.runtime.examples.gpt import _SD_OPTIONS, TrainState
-    from trainwarden.runtime.model import ModelConfig
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+    from trainwarden.runtime.examples.model import ModelConfig
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
     from trainwarden.runtime.state_dict_reader import _difference
 
     dist.init_process_group("gloo")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto import checkpoint_sums
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_sums
 from trainwarden.runtime.checkpoint import Checkpointer
 
 

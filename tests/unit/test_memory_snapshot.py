@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trainwarden.agent.launch.memory_tier import MemoryTier
-from trainwarden.agent.proto.snapshot_layout import parse_snapshot, rank_snapshots, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import parse_snapshot, rank_snapshots, snapshot_path
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState
 from trainwarden.runtime.examples.gpt import TrainState
 from trainwarden.runtime.memory_snapshot import MemorySnapshots
@@ -165,7 +165,7 @@ def test_an_agent_that_restarts_drops_the_snapshots_of_the_one_before(tmp_path):
                             "import os, signal\n"
                             "from pathlib import Path\n"
                             "from trainwarden.agent.launch.memory_tier import MemoryTier\n"
-                            "from trainwarden.agent.proto.snapshot_layout import snapshot_path\n"
+                            "from trainwarden.agent.shared.snapshot_layout import snapshot_path\n"
                             f"tier = MemoryTier.open('j', root=Path({str(tmp_path)!r}))\n"
                             "p = snapshot_path(tier.path, 1, 0, 3); p.parent.mkdir(); p.write_bytes(b'x')\n"
                             "print(tier.path, flush=True)\n"

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from trainwarden.agent.proto.snapshot_layout import partial_path, rank_partials, rank_snapshots, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import partial_path, rank_partials, rank_snapshots, snapshot_path
 from trainwarden.runtime.memory_snapshot import MemorySnapshots, _load
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,7 +198,7 @@ def test_a_full_tmpfs_turns_snapshots_off_and_never_crashes_the_step(small_tmpfs
     script = textwrap.dedent(f"""
         import json, logging, torch
         import trainwarden.runtime.memory_snapshot as ms
-        from trainwarden.agent.proto.snapshot_layout import snapshot_path
+        from trainwarden.agent.shared.snapshot_layout import snapshot_path
         logging.basicConfig(level=logging.WARNING)
         snaps = ms.MemorySnapshots({str(small_tmpfs)!r}, rank=0, world_size=1)
         state = {{"w": torch.ones(150_000)}}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint import Checkpointer
 from trainwarden.runtime.faults import FaultInjector, parse_faults
 from trainwarden.runtime.memory_snapshot import MappedSnapshot, MemorySnapshots

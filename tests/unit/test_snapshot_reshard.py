@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainwarden.agent.launch.memory_tier import MemoryTier
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint import ModelState
 from trainwarden.runtime.memory_reshard import SnapshotReader, choose, metadata, open_files
 from trainwarden.runtime.memory_snapshot import MemorySnapshots

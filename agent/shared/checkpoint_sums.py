@@ -25,7 +25,7 @@ from typing import Iterable
 
 import xxhash
 
-from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
+from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
 
 __all__ = ["ALGORITHM", "Mismatch", "hasher", "file_sum", "merge_sidecars", "recorded_sums", "sidecar_name",
            "verify"]
@@ -82,7 +82,7 @@ def merge_sidecars(path: Path) -> dict | None:
 def recorded_sums(path: Path) -> dict[str, dict] | None:
     """The sums recorded in checkpoint ``path``'s commit marker: {file: {sum, bytes, rank}}; None when it has
     none (unverified), or the marker is missing or unreadable."""
-    from trainwarden.agent.proto.checkpoint_layout import COMMIT_MARKER
+    from trainwarden.agent.shared.checkpoint_layout import COMMIT_MARKER
 
     try:
         raw = json.loads(read_regular(path / COMMIT_MARKER, _MARKER_BYTES))
