@@ -53,7 +53,7 @@ CATALOGUE: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind(name="ckpt_corrupt", inside=False, restarts=True, expects=("checkpoint_set_aside",),
               may=("node_lost", "checkpoint_set_aside")),
     FaultKind(name="degrade", inside=False, restarts=False, expects=("comm_regression",), per_node=True),
-    FaultKind(name="quorum", inside=False, restarts=False, expects=()),
+    FaultKind(name="quorum", inside=False, restarts=False, expects=(), may=("checkpoint_failed",)),
     FaultKind(name="enospc", inside=False, restarts=False, expects=("checkpoint_failed",), per_node=True),
 )}
 """What each kind expects is what a correct product records: a node-level fault names the node, a rank-level one
@@ -68,6 +68,8 @@ CONSEQUENCES = {
                             "why the directory is there)",
     "hang": "a hang with no culprit (a partition: the survivors' collective with the cut-off node neither completes "
             "nor fails, TCP to it never resets, and the watchdog's abort is what ends the wait; it names no rank)",
+    "checkpoint_failed": "a save refused because its round could not be checked (etcd without quorum: committing "
+                         "unchecked could publish a fenced node's checkpoint; the job trains on and says so once)",
     "node_lost": "the other node's loss (a power loss of both nodes: the node that comes back first sees the "
                  "other's membership outlive it)",
 }
@@ -81,6 +83,8 @@ def consequence(kind: str, incident: dict) -> bool:
         return str((incident.get("evidence") or {}).get("detail", "")).startswith("unfinished")
     if kind == "hang":
         return not incident.get("ranks")
+    if kind == "checkpoint_failed":
+        return str((incident.get("evidence") or {}).get("detail", "")).startswith("fenced:")
     return kind in CONSEQUENCES
 
 

@@ -153,3 +153,12 @@ def test_the_time_in_rounds_on_kept_steps_is_what_every_rank_agrees_on():
     assert ledger_agrees(ledger, a, [9.0], 0.0).ok
     assert not ledger_agrees({**ledger, "productive_s": 6.0}, a, [9.0], 0.0).ok
     assert not ledger_agrees(ledger, [], [], 0.0).ok
+
+
+def test_a_quorum_loss_may_refuse_one_save_a_node_not_two():
+    lost = PlannedFault(index=0, kind="quorum", step=190, variant="e1,e2", at=100.0)
+    refused = _inc("checkpoint_failed", 120, "n0", [0], detail="fenced: etcd could not check the job's round")
+    assert match_incidents([lost], []).ok
+    assert match_incidents([lost], [refused]).ok
+    assert not match_incidents([lost], [refused, {**refused, "detected_at": 126}]).ok
+    assert not match_incidents([lost], [_inc("checkpoint_failed", 120, "n0", [0], detail="No space left")]).ok
