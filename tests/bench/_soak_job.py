@@ -170,14 +170,12 @@ def fill(directory: Path) -> tuple[Path, int]:
     """Fill the file system of ``directory`` (the checkpoints' own tmpfs) with one file, to the last byte."""
     filler = directory / "soak-filler"
     written = 0
-    with open(filler, "wb") as f:
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: the write that does not fit fails, not the close
         for chunk in (1 << 20, 4096, 1):
             block = b"\0" * chunk
             while True:
                 try:
-                    f.write(block)
-                    f.flush()
-                    written += chunk
+                    written += f.write(block)
                 except OSError:
                     break
     return filler, written

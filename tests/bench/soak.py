@@ -230,8 +230,8 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
                 print(f"[{time.time() - launched:6.0f} s]   {'; '.join(fault.notes)}", flush=True)
             soak.wait(f"step {steps}", lambda: job.last_step() >= steps, budget_s)
             out["exit"] = job.wait_exit(120)
-        except (RuntimeError, TimeoutError) as exc:
-            out["error"] = f"{exc}"
+        except Exception as exc:  # SIGTERM (Stopped), a wait that timed out, or the soak's own bug: judge what was seen
+            out["error"] = f"{type(exc).__name__}: {exc}"
             print(f"soak stopped: {exc}", flush=True)
         finally:
             sampler.done.set()
