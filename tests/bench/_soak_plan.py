@@ -244,8 +244,15 @@ def match_incidents(faults: list[PlannedFault], incidents: list[dict], *, ignore
     timed = sorted((f for f in faults if f.at is not None), key=lambda f: f.at)
     got: dict[int, list[dict]] = {f.index: [] for f in timed}
     stray: list[str] = []
+    open_windows: set[tuple] = set()  # (node, ranks) of straggler_start incidents not yet ended
     for inc in sorted(incidents, key=lambda i: i["detected_at"]):
         if inc["kind"] in ignore:
+            continue
+        window = (inc["node"], tuple(inc.get("ranks") or ()))
+        if inc["kind"] == "straggler_start":
+            open_windows.add(window)
+        elif inc["kind"] == "straggler_end" and window in open_windows:
+            open_windows.discard(window)  # the end of a window already counted, whenever it comes
             continue
         owner = None
         for f in timed:
@@ -263,8 +270,6 @@ def match_incidents(faults: list[PlannedFault], incidents: list[dict], *, ignore
         seen_on: dict[str, set] = {}  # per-node kinds: the nodes that recorded one
         for inc in got[f.index]:
             kind = inc["kind"]
-            if kind in ("straggler_end",) and "straggler_start" in kind_of.expects:
-                continue  # the same slow window's end
             if (kind, inc["node"]) in allowed and consequence(kind, inc):
                 allowed.discard((kind, inc["node"]))
                 continue

@@ -162,3 +162,14 @@ def test_a_quorum_loss_may_refuse_one_save_a_node_not_two():
     assert match_incidents([lost], [refused]).ok
     assert not match_incidents([lost], [refused, {**refused, "detected_at": 126}]).ok
     assert not match_incidents([lost], [_inc("checkpoint_failed", 120, "n0", [0], detail="No space left")]).ok
+
+
+def test_a_slow_windows_end_belongs_to_its_start_even_after_the_next_fault():
+    """Seed 30: the slow rank's straggler_end came after the next fault (an agent kill) was injected, and was
+    taken for that fault's false alarm."""
+    slow = PlannedFault(index=0, kind="slow", step=154, rank=2, at=100.0)
+    kill = PlannedFault(index=1, kind="agent_kill", step=191, node="n1", at=200.0)
+    seen = [_inc("straggler_start", 120, "n0", [2]), _inc("node_lost", 215, "n1", [4, 5, 6, 7]),
+            _inc("straggler_end", 212, "n0", [2])]
+    assert match_incidents([slow, kill], seen).ok
+    assert "unexpected straggler_end" in match_incidents([slow, kill], seen[1:]).detail  # no start: not a window's end
