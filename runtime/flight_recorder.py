@@ -400,7 +400,7 @@ def _group_name(entry: dict) -> str:
 
 
 def _internal(entry: dict) -> bool:
-    """An entry of trainwarden's own background traffic (the peer copy of memory snapshots: runtime/memory_peer.py),
+    """An entry of trainwarden's own background traffic (the peer copy of memory snapshots: runtime/checkpoint/memory_peer.py),
     never the job's collectives: left out of what is read."""
     return _group_name(entry).startswith(INTERNAL_GROUP_PREFIX)
 

@@ -324,21 +324,21 @@ class Session:
     def committed_record(self) -> tuple[int | None, str, str]:
         """(step, path, source) of the checkpoint etcd's job record says was committed, asked of the node
         agent; (None, "", why) when none or unknown (no agent, or one without etcd). A restore's evidence
-        (runtime/resume_evidence.py)."""
+        (runtime/checkpoint/resume_evidence.py)."""
         if self._client is None:
             return None, "", "unknown (no node agent)"
         return ask_checkpoint_record(self._client.config.socket_path, self.job)
 
     def memory_steps(self, world_size: int) -> list[int]:
         """The steps of this rank's in-memory snapshots at ``world_size`` that its node agent (which owns the
-        memory) holds, newest first (runtime/memory_snapshot.py); empty without an agent or snapshots."""
+        memory) holds, newest first (runtime/checkpoint/memory_snapshot.py); empty without an agent or snapshots."""
         if self._client is None:
             return []
         return ask_memory_steps(self._client.config.socket_path, self.job, world_size, self.rank)
 
     def memory_held(self, world_size: int) -> list[tuple[int, int, int]]:
         """(world size, rank, step) of every in-memory snapshot file its node agent vouches for, of every rank on
-        this node (runtime/memory_reshard.py); empty without an agent or snapshots."""
+        this node (runtime/checkpoint/memory_reshard.py); empty without an agent or snapshots."""
         if self._client is None:
             return []
         return ask_memory_held(self._client.config.socket_path, self.job, world_size, self.rank)

@@ -1,6 +1,6 @@
 """Checksums of a checkpoint's files (issue 48, item 1): a flipped byte is found before it is trained on.
 
-Each rank hashes the data files it writes while it writes them (runtime/checkpoint_sums.py, on DCP's writer
+Each rank hashes the data files it writes while it writes them (runtime/checkpoint/sums.py, on DCP's writer
 threads, never the training thread) and writes ``.sums-rank-R.json`` before DCP's gather of write results, so the
 sidecars exist before ``.metadata`` does. At commit rank 0 merges them into the commit marker (``COMMITTED``:
 ``{"sums": {"algorithm": "xxh3_64", "files": {name: {"sum", "bytes", "rank"}}}}``). A restore verifies every file

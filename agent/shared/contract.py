@@ -56,7 +56,7 @@ MEMORY_DIR_ENV = "TRAINWARDEN_MEMORY_DIR"
 """The node agent's shared-memory directory for the workers' per-step snapshots (agent/shared/snapshot_layout.py);
 unset: no memory snapshots."""
 PEER_COPY_ENV = "TRAINWARDEN_PEER_COPY"
-"""``0``: the workers do not copy their memory snapshots to the next node (runtime/memory_peer.py); on by default
+"""``0``: the workers do not copy their memory snapshots to the next node (runtime/checkpoint/memory_peer.py); on by default
 when the job spans nodes and every rank keeps snapshots."""
 FLUSH_INTERVAL_S = 0.5
 """How often a worker sends what it queued (the runtime's ``ClientConfig.flush_interval_s``): a step or a
@@ -103,7 +103,7 @@ EXIT_ABORTED = 75
 EXIT_RESUME_BLOCKED = 76
 """A worker exits with this code when its job may not resume: checkpoints exist (or were committed) but none
 can be read or loaded. The launcher stops the job at once, without spending a restart: a restart would meet
-the same checkpoints (runtime/checkpoint.py, ``CheckpointUnloadableError``)."""
+the same checkpoints (runtime/checkpoint/checkpointer.py, ``CheckpointUnloadableError``)."""
 EXIT_NUMERIC_STOP = 77
 """A worker exits with this code when its training computed non-finite values and the numeric policy says stop (the
 ``stop`` policy, or a NaN that came back after a rollback): the launcher stops the job without a restart, which

@@ -15,7 +15,7 @@ which saves it asynchronously as checkpoint "step s". At start-up the newest com
 restored and training resumes at ``s + 1``. Model and optimizer go through
 ``torch.distributed.checkpoint.state_dict`` so they are keyed by fully-qualified parameter names and DCP
 reshards them into a different mesh. After every step (``--snapshot-every``) the same state is also snapshotted into
-the node agent's shared memory when ``trainwarden run`` keeps one (:mod:`trainwarden.runtime.memory_snapshot`):
+the node agent's shared memory when ``trainwarden run`` keeps one (:mod:`trainwarden.runtime.checkpoint.memory_snapshot`):
 a restart after a crash or a hang resumes from the step before it instead of the last disk checkpoint. Because the data and the learning rate depend only on the step, a
 resumed run reproduces an uninterrupted one bit for bit on the same mesh.
 
@@ -59,7 +59,7 @@ from trainwarden.runtime.examples.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.numeric import NumericStop, policy_from_env
 from trainwarden.runtime.examples.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
-from trainwarden.runtime.state_dict_reader import StateDictReader
+from trainwarden.runtime.checkpoint.state_dict_reader import StateDictReader
 from trainwarden.runtime.examples.timings import PhaseTimings
 
 _IMPORTED_AT = time.time()

@@ -226,7 +226,7 @@ def test_damaged_pickled_bytes_are_described_by_what_failed_not_by_torchs_advice
     import io
     import pickle
 
-    from trainwarden.runtime.checkpoint_errors import describe
+    from trainwarden.runtime.checkpoint.errors import describe
 
     with pytest.raises(pickle.UnpicklingError) as err:  # the damage DCP meets in a .distcp's pickled entry
         torch.load(io.BytesIO(b"\xff" * 64), weights_only=True)

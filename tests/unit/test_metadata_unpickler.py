@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import CheckpointException
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.agent.shared.metadata_unpickler import ALLOWED_GLOBALS, MetadataRefused, load_metadata
 from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
-from trainwarden.runtime.metadata_reader import AllowListReader
+from trainwarden.runtime.checkpoint.metadata_reader import AllowListReader
 
 pytestmark = pytest.mark.timeout(60)
 
