@@ -13,7 +13,9 @@ no positions. `name_culprit` is a pure function of that evidence:
   sequences are a separate key ``<name>/p2p``), a member that answered and whose last sequence id is below
   the group's highest lags. The collective the others wait in is the one at the highest id.
 - A lagging rank that is itself waiting inside an unfinished collective of another group is blocked, not
-  the cause (pipeline and tensor-parallel groups chain waits). The culprits are the lagging ranks that are
+  the cause (pipeline and tensor-parallel groups chain waits). A lag in a group whose leaders all answered and
+  none waits in the collective at the top holds no one up (it completed without the laggard: a pipeline's send,
+  while the laggard waits for its receive) and names no one either. The culprits are the lagging ranks that are
   not inside any collective: they stopped outside, in compute, I/O or a deadlock of their own.
 - If no rank lags, the verdict says so ("every rank is inside the same collective") and lists the ranks
   that did not answer. It never guesses.
@@ -149,12 +151,15 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
             if pos.seq < top:
                 lags.append(Lag(rank=rank, group=key, desc=lead.desc, seq=pos.seq, peer_seq=top, op=lead.op,
                                 waiting=waiting, blocked=rank in in_flight))
-    culprits = tuple(sorted({g.rank for g in lags if not g.blocked}))
+    # a lag holds someone up only where a rank waits in the collective it never entered: when the group's leaders
+    # all answered and none is inside it, it completed without the laggard (a pipeline's send, which gloo records
+    # as an op of its own), and the laggard is where it is for a reason elsewhere
+    culprits = tuple(sorted({g.rank for g in lags if not g.blocked and g.waiting}))
     stacks = {r: answered[r].stack for r in culprits if answered[r].stack}
     if culprits:
         parts = []
         for rank in culprits:
-            g = next(g for g in lags if g.rank == rank and not g.blocked)
+            g = next(g for g in lags if g.rank == rank and not g.blocked and g.waiting)
             where = f" at {answered[rank].stack[0]}" if answered[rank].stack else ""
             parts.append(f"rank {rank} never entered {g.op} #{g.peer_seq} of group {g.desc or g.group} "
                          f"(its last is #{g.seq}; ranks {_ranks(g.waiting)} wait in it){where}")
@@ -166,7 +171,7 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
         summary = _unresponsive_summary(unresponsive, answered, in_flight)
     elif lags:
         summary = (f"ranks {_ranks(sorted({g.rank for g in lags}))} lag but each waits inside another "
-                   f"collective: the cause is outside the answering ranks{silent}")
+                   f"collective or holds up no answering rank: the cause is outside the answering ranks{silent}")
     elif in_flight == set(answered):
         summary = f"no lagging rank: every rank is inside the same collective{silent}"
     else:
