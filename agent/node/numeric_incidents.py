@@ -33,7 +33,7 @@ _OUTCOMES = {
     "alerted": (IncidentState.RESOLVED, "none taken (numeric policy alert): the update applied, the weights may "
                 "hold NaN from this step on"),
 }
-_WHAT = {"nan": "not finite", "loss_spike": "a loss spike"}
+_WHAT = {"nan": "not finite", "loss_spike": "a loss spike", "sdc": "computed wrong (silent data corruption)"}
 
 
 class NumericIncidents:
