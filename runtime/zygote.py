@@ -37,8 +37,8 @@ import socket
 import struct
 import sys
 
-from trainwarden.agent.proto.contract import WARM_PARENT_PID_ENV
-from trainwarden.agent.proto.parent_death import die_with_parent
+from trainwarden.agent.shared.contract import WARM_PARENT_PID_ENV
+from trainwarden.agent.shared.parent_death import die_with_parent
 
 from .zygote_client import CLIENT_PID_ENV, FORWARDED_SIGNALS, client_main, recv_exact, send_frame
 
@@ -311,7 +311,7 @@ def _arm_auto_instrumentation() -> None:
     at a cold worker's start (which a forked child never has). The client that asked for it ran that
     bootstrap itself and marked its environment as its own; this child is the worker, so the mark is its.
     The one place the agent's code imports the runtime: from here on this process is the user's worker."""
-    from trainwarden.agent.proto.contract import AUTO_OWNER_ENV
+    from trainwarden.agent.shared.contract import AUTO_OWNER_ENV
 
     if os.environ.get(AUTO_OWNER_ENV) == str(os.environ.get(CLIENT_PID_ENV, "")):
         os.environ.pop(AUTO_OWNER_ENV)
@@ -328,7 +328,7 @@ def _arm_auto_instrumentation() -> None:
 def worker_title(env, argv: list[str]) -> str:
     """What ``ps`` and ``pgrep -f`` show for a warm worker: who it is (its command line is the zygote's, and
     ``/proc/PID/environ`` holds the zygote's environment, not the rank's)."""
-    from trainwarden.agent.proto.contract import JOB_ENV
+    from trainwarden.agent.shared.contract import JOB_ENV
 
     who = " ".join(f"{name}={env[key]}" for name, key in (("job", JOB_ENV), ("rank", "RANK"),
                                                          ("local_rank", "LOCAL_RANK")) if env.get(key))
@@ -367,7 +367,7 @@ def _become(job: _Job) -> None:
     request = job.request
     os.environ.clear()
     os.environ.update(request["env"])
-    from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV
+    from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV
 
     if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())

@@ -4,7 +4,7 @@ gather returns the other replicas' digests; the real collective runs in tests/in
 import pytest
 import torch
 
-from trainwarden.agent.proto.fault_spec import parse_faults
+from trainwarden.agent.shared.fault_spec import parse_faults
 from trainwarden.runtime.faults import FaultInjector, flip_gradient_bit
 from trainwarden.runtime.sdc_check import ReplicaProbe, SdcCheck, digest
 
