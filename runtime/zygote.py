@@ -112,8 +112,10 @@ def _pdeathsig(sig: int = signal.SIGKILL) -> None:
 class _Job:
     """What a forked worker runs (returned from the serve loop in the child only)."""
 
-    def __init__(self, request: dict, fds: list[int]) -> None:
+    def __init__(self, request: dict, fds: list[int], parent: int) -> None:
         self.request, self.fds = request, fds
+        self.parent = parent
+        """The zygote's pid: the worker dies with it, even when it died before the worker asked (``_become``)."""
 
 
 def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
@@ -259,6 +261,7 @@ class _Zygote:
     def _fork(self, conn: socket.socket, client_pid: int, request: dict, fds: list[int]) -> _Job | None:
         sys.stdout.flush()
         sys.stderr.flush()
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
             self.listener.close()
@@ -269,7 +272,7 @@ class _Zygote:
                     other.close()
             conn.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            return _Job(request, fds)
+            return _Job(request, fds, zygote)
         for fd in fds:
             os.close(fd)
         with open(os.path.join(self.map_dir, str(pid)), "w") as f:
@@ -359,7 +362,7 @@ def _title_setter():
 
 def _become(job: _Job) -> None:
     """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
-    _pdeathsig()
+    die_with_parent(signal.SIGKILL, job.parent)  # a zygote killed right after the fork: this worker goes too
     set_title = _title_setter()
     for target, fd in zip((0, 1, 2), job.fds):
         os.dup2(fd, target)
