@@ -165,6 +165,9 @@ class TelemetryClient:
         self._where_since = 0.0  # (monotonic) since when it has been there
         self._still_said = False  # the agent was last told the thread is still
         self._still_sent: tuple[float, int] | None = None  # when (monotonic) it was told, and of which collective
+        self._nothing_pending_until = 0.0  # (monotonic) a dump found no collective in flight: none needed before
+        self.still_reads = 0
+        self.still_read_cpu_s = 0.0
         self._queue: deque = deque(maxlen=config.queue_size)
         self._maxlen = config.queue_size
         self.dropped = 0
@@ -341,6 +344,7 @@ class TelemetryClient:
         messages: list[pb.WorkerMessage] = []
         steps = pb.Steps()
         q = self._queue
+        stepped = False  # a step ended since the last drain: the training thread is not still
         while q:
             try:
                 item = q.popleft()
@@ -348,6 +352,7 @@ class TelemetryClient:
                 break
             kind = item[0]
             if kind == STEP_RECORD:
+                stepped = True
                 _, index, start_wall_ns, duration_ns, tokens, phases = item
                 self._reducer.add_step(start_wall_ns, start_wall_ns + duration_ns)
                 steps.steps.add(index=index, start_unix=start_wall_ns / 1e9, duration_seconds=duration_ns / 1e9,
@@ -378,7 +383,7 @@ class TelemetryClient:
                     kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
-        still = self._training_thread_still()
+        still = self._training_thread_still(stepped)
         if still is not None:
             messages.append(still)
         now = time.time()
@@ -405,7 +410,7 @@ class TelemetryClient:
                                                                   reconnects=self.reconnects)))
         return messages
 
-    def _training_thread_still(self) -> pb.WorkerMessage | None:
+    def _training_thread_still(self, stepped: bool = False) -> pb.WorkerMessage | None:
         """Where the training thread is, when the agent should hear of it: once its innermost frame and
         instruction have not changed for `STILL_REPORT_AFTER_S` (with how long its oldest collective has been in
         flight), again when that collective changes or `STILL_REFRESH_S` has passed, and once when the thread
@@ -417,19 +422,31 @@ class TelemetryClient:
         kept to the frame (its locals would stay alive); a Flight Recorder dump only while the thread is still.
         The sample is taken when this thread gets the GIL, so a tight Python loop, which hands the GIL over at
         the same few instructions of a frame that is freed and reallocated at the same address, can look still
-        too, and so can a loop of short native calls from one line: the collective in flight is what says
-        waiting, and it only matters while no rank of the job makes a step."""
+        too, and so can a loop of short native calls from one line (a CPU step's matmuls): the collective in
+        flight is what says waiting, and it only matters while no rank of the job makes a step.
+
+        What keeps that cheap (a dump of the whole ring costs 1.5-6 ms with the GIL held; every flush of a
+        matmul-bound CPU job used to pay one, more than the periodic reads, issue 48): a step that ended since
+        the last flush (``stepped``) means the thread moves, whatever the sample says; and once a dump found no
+        collective of the thread in flight, the next comes no sooner than `STILL_REFRESH_S` later while the
+        thread stays where it is (inside one call it enqueues nothing new; a collective it blocks in was in the
+        ring before it blocked, so a hang's first dump finds it, and every flush dumps while one is pending)."""
         frame = sys._current_frames().get(self._training_thread)
         where = None if frame is None else (id(frame), frame.f_lasti)
         del frame
         now = time.monotonic()
-        if where != self._where:
+        if where != self._where or stepped:
             self._where, self._where_since = where, now
+            self._nothing_pending_until = 0.0
         still = now - self._where_since if where is not None else 0.0
         if still >= STILL_REPORT_AFTER_S:
             since = 0
-            if self._fr is not None and self._fr.available:
+            if self._fr is not None and self._fr.available and now >= self._nothing_pending_until:
+                cpu = time.thread_time()
                 since = self._fr.oldest_pending_ns(self._training_thread) or 0
+                self.still_reads += 1
+                self.still_read_cpu_s += time.thread_time() - cpu
+                self._nothing_pending_until = 0.0 if since else now + STILL_REFRESH_S
             sent = self._still_sent
             if sent is not None and sent[1] == since and now - sent[0] < STILL_REFRESH_S:  # the agent knows
                 return None

@@ -33,6 +33,11 @@ Kinds (all checked at step boundaries, before the step's first collective):
            host memory gone bad, for the restore's checksum verification (runtime/checkpoint/memory_sums.py) to find.
            The copy sent to a peer node is sent from the same file after this, so it carries the flip too.
 
+``gradflip`` at ``step`` the rank computes its gradients wrong: one bit of the largest gradient tensor of the
+           silent-corruption check's recompute (``flip_gradient_bit``, asked once through ``take_gradflip``) is inverted, a
+           high mantissa bit, so the value stays finite and the numeric guard cannot see it: what a faulty node does,
+           for the check (runtime/sdc_check.py) to name.
+
 Common keys: ``rank`` (global rank; required), ``step``, ``repeat=1`` (fire again after a restart).
 
 A fault fires once per job, not again after torchrun restarts the workers: before it fires, the rank
@@ -59,7 +64,8 @@ from trainwarden.agent.shared.fault_spec import ENV_VAR, Fault, FaultSpecError, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_VAR", "Fault", "FaultInjector", "FaultSpecError", "InjectedFault", "parse_faults"]
+__all__ = ["ENV_VAR", "Fault", "FaultInjector", "FaultSpecError", "InjectedFault", "flip_gradient_bit",
+           "parse_faults"]
 
 class InjectedFault(RuntimeError):
     """Raised by the ``exception`` fault."""
@@ -93,6 +99,7 @@ class FaultInjector:
         self._injected = 0.0  # seconds of delay injected at the last step boundary
         self._poison: float | None = None  # a `nan` or `spike` fault fired at this step's boundary: the loss's factor
         self._flipped: set[int] = set()  # the snapflip faults that fired in this process
+        self._gradflip_step: int | None = None  # a gradflip fault fired at this step's boundary
         if self._faults:
             logger.warning("rank %d: fault injection armed: %s", rank,
                            "; ".join(f.describe() for f in self._faults))
@@ -125,6 +132,12 @@ class FaultInjector:
                     self._injected += delay
             elif fault.kind not in ("slow_save", "snapflip") and fault.step == step and self._claim(fault):
                 self._fire(fault, step)
+
+    def take_gradflip(self, step: int) -> bool:
+        """Once in the step at whose boundary a ``gradflip`` fault fired: True, and the gradient this rank computes
+        next is to be corrupted (``flip_gradient_bit``); a recompute of it is not (a transient fault)."""
+        due, self._gradflip_step = self._gradflip_step == step, None
+        return due
 
     def take_poison(self) -> float | None:
         """Once after a ``nan`` or ``spike`` fault fired at the last step boundary: what to multiply this step's loss
@@ -181,8 +194,22 @@ class FaultInjector:
             self._poison = float("nan")
         elif fault.kind == "spike":
             self._poison = fault.factor
+        elif fault.kind == "gradflip":
+            self._gradflip_step = step
         elif fault.kind == "exception":
             raise InjectedFault(f"injected fault {fault.describe()} at step {step}")
+
+
+def flip_gradient_bit(grads: list) -> str:
+    """Invert bit 22 (the highest mantissa bit) of the middle element of the largest float32 tensor in ``grads``, in
+    place: the value changes by up to half its magnitude but stays finite. What was flipped, for the log."""
+    import torch  # only where the fault fires
+
+    index, grad = max(enumerate(grads), key=lambda item: item[1].numel() if item[1].dtype == torch.float32 else -1)
+    flat = grad.view(-1).view(torch.int32)  # the same bytes, as integers
+    where = flat.numel() // 2
+    flat[where] ^= 1 << 22
+    return f"bit 22 of element {where} of gradient {index} ({tuple(grad.shape)})"
 
 
 def _flip_a_tensor_byte(path: str) -> int:

@@ -7,7 +7,8 @@ step, closed at once by what the policy did:
 - ``rolled_back``: resolved; every rank skipped the step's update, training goes on with the next batch;
 - ``stopped``: failed; the job stopped with the evidence (the ``stop`` policy, or non-finite values again soon
   after a rollback), and the launcher spends no restart on it;
-- ``alerted``: resolved with "none taken": the update applied and the weights may be NaN from then on.
+- ``alerted``: resolved with "none taken": the update applied and the weights may be NaN from then on (for kind
+  ``sdc``, the silent-corruption check of runtime/sdc_check.py, it says that the rank's node computed wrong).
 
 A report repeated for the same (job, kind, step, action), after a restart that replays the step, counts once. A
 ``TelemetryListener`` on the node's ``JobTelemetry``, like checkpoint_incidents.py: nothing here waits.
@@ -33,7 +34,7 @@ _OUTCOMES = {
     "alerted": (IncidentState.RESOLVED, "none taken (numeric policy alert): the update applied, the weights may "
                 "hold NaN from this step on"),
 }
-_WHAT = {"nan": "not finite", "loss_spike": "a loss spike"}
+_WHAT = {"nan": "not finite", "loss_spike": "a loss spike", "sdc": "computed wrong (silent data corruption)"}
 
 
 class NumericIncidents:
@@ -61,6 +62,9 @@ class NumericIncidents:
             while len(self._seen) > 4096:
                 self._seen.popitem(last=False)
         state, outcome = _OUTCOMES.get(action, (IncidentState.RESOLVED, f"the workers said: {action or 'nothing'}"))
+        if kind == "sdc":  # a check, not the step's gradient: nothing to roll back, the node is what to act on
+            outcome = ("none taken: the update applied; the rank's node computed a gradient wrong: drain it if it is "
+                       "named again (docs/OPERATIONS.md, TrainwardenNumericEvents)")
         now = self._wall()
         where = f"first on rank {first_rank}" if first_rank >= 0 else "on every rank"
         incident = self._record(Incident(

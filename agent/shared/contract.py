@@ -93,8 +93,9 @@ NUMERIC_POLICY_ENV = "TRAINWARDEN_NUMERIC_POLICY"
 NUMERIC_POLICIES = ("rollback", "stop", "alert")
 """``rollback`` (the default): every rank skips the step's update, so the state is the one before it and the step's
 batch is not trained on; ``stop``: the job stops with the evidence; ``alert``: an incident only, the update applies."""
-NUMERIC_KINDS = ("nan", "loss_spike")
-"""What a worker's Numeric record reports: a non-finite loss or gradient, or a loss far out of its recent range."""
+NUMERIC_KINDS = ("nan", "loss_spike", "sdc")
+"""What a worker's Numeric record reports: a non-finite loss or gradient, a loss far out of its recent range, or a
+rank whose recomputed gradient differs bitwise from its replicas' (silent data corruption: runtime/sdc_check.py)."""
 
 # ---- how a worker leaves ------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ _KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "nan": (frozenset({"rank", "step"}), frozenset({"repeat"})),
     "spike": (frozenset({"rank", "step", "factor"}), frozenset({"repeat"})),
     "snapflip": (frozenset({"rank", "step"}), frozenset({"repeat"})),
+    "gradflip": (frozenset({"rank", "step"}), frozenset({"repeat"})),
 }
 
 
@@ -38,7 +39,7 @@ class Fault:
     index: int
     """Position in the specification; names the fault's once-per-job marker."""
     kind: str
-    """One of crash, stop, hang, exception, slow, slow_save, nan, spike, snapflip."""
+    """One of crash, stop, hang, exception, slow, slow_save, nan, spike, snapflip, gradflip."""
     rank: int
     """Global rank the fault applies to."""
     step: int | None = None

@@ -25,7 +25,9 @@ every step, before any collective.
 Between the backward pass and the optimizer step, :class:`trainwarden.runtime.numeric.NumericGuard` checks every
 rank's own loss and gradients and the ranks agree on what they saw: a step with a non-finite value is rolled back
 (its update skipped on every rank, its batch not trained on), or stops the run, or is only reported
-(``--numeric-policy``). The ``nan`` fault poisons a rank's loss to test it.
+(``--numeric-policy``). The ``nan`` fault poisons a rank's loss to test it. With ``--sdc-every N`` the data-parallel
+replicas recompute one micro-batch's gradient every N steps and compare it bitwise
+(:mod:`trainwarden.runtime.sdc_check`); the ``gradflip`` fault corrupts one to test it.
 
 With ``TRAINWARDEN_TIMINGS`` set, every rank marks the end of its start-up phases (imports done, default
 process group up, mesh up, model built, checkpoint restored, first step) for the restart breakdown benchmark
@@ -116,6 +118,9 @@ class TrainConfig:
     numeric_policy: str = "rollback"
     """What a step whose loss or gradients are not finite leads to (runtime/numeric.py): ``rollback`` skips its
     update on every rank, ``stop`` ends the run (EXIT_NUMERIC_STOP), ``alert`` only reports it."""
+    sdc_every: int = 0
+    """Every this many steps the data-parallel replicas recompute one micro-batch's gradient and compare it bitwise
+    (runtime/sdc_check.py: silent data corruption; 0: never). Needs --pp 1 and --dp 2 or more."""
     micro_batch_size: int = 0
     """Sequences per micro-batch on a data-parallel rank (0: ``mesh.micro_batches`` fixed instead). Fixed, the
     micro-batch count follows the world: when data parallelism shrinks after a node loss, each rank takes
@@ -128,6 +133,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_every < 0:
             raise ValueError(f"--snapshot-every must be >= 0, got {self.snapshot_every}")
+        if self.sdc_every < 0 or (self.sdc_every and self.mesh.pp > 1):
+            raise ValueError(f"--sdc-every {self.sdc_every}: must be >= 0, and the check needs --pp 1 (it recomputes "
+                             "on a whole replica of the model)")
         if self.warmup < 0 or not self.lr > 0:
             raise ValueError(f"need --lr > 0 and --warmup >= 0, got lr={self.lr} warmup={self.warmup}")
 
@@ -175,6 +183,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a step whose loss or gradients are not finite: rollback (skip its update on every rank and train on), "
              "stop, or alert (default: $TRAINWARDEN_NUMERIC_POLICY, which `trainwarden run --numeric-policy` sets; "
              "else rollback)")
+    add("--sdc-every", type=int, default=0, metavar="N",
+        help="every N steps, the data-parallel replicas recompute one micro-batch's gradient and compare it "
+             "bitwise; a rank that computes wrong is a numeric incident (kind sdc) naming its node (default 0: never; "
+             "needs --pp 1)")
     add("--allow-fresh-start", action="store_true",
         help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
     return p
@@ -196,7 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         micro_batch_size=a.micro_batch_size,
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start,
-        snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes,
+        snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes, sdc_every=a.sdc_every,
         numeric_policy=a.numeric_policy or policy_from_env())
 
 
@@ -259,6 +271,7 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
 
     rt = trainwarden.runtime.init(mesh={"pp": cfg.mesh.pp, "dp": cfg.mesh.dp, "tp": cfg.mesh.tp})
     guard = rt.numeric_guard(policy=cfg.numeric_policy, device=device)
+    sdc = _sdc_check(cfg, pm, device, rt) if cfg.sdc_every else None
 
     timings.mark("model_built")
     ckpt_state = {"app": train_state, "rng": RNGState()}
@@ -303,6 +316,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
             applied = guard.check(step, loss=pm.local_loss, parameters=pm.model.parameters())
             if applied:
                 optimizer.step()  # else every rank skips the update: the state stays the one before this step
+            if sdc is not None and sdc[0].due(step):
+                _check_replicas(step, sdc, pm, inputs, targets, flip=faults.take_gradflip(step))
         train_state.step = step
         if step == start:
             timings.mark("first_step")
@@ -324,6 +339,50 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     if pm.is_reporter:
         log.info("done steps=%d final_loss=%.6f", cfg.steps, loss_value)
     return loss_value if pm.is_reporter else math.nan
+
+
+def _sdc_check(cfg: TrainConfig, pm, device: torch.device, rt):
+    """The silent-corruption check and its probe (a plain replica of the model), or None without replicas."""
+    if cfg.mesh.dp < 2:
+        log.warning("--sdc-every %d: no data-parallel replica to compare with (--dp 1): the check is off",
+                    cfg.sdc_every)
+        return None
+    from trainwarden.runtime.examples.model import build_model
+    from trainwarden.runtime.examples.parallel import lm_loss
+    from trainwarden.runtime.sdc_check import ReplicaProbe, SdcCheck
+
+    replica = build_model(cfg.model, seed=cfg.seed).to(device)
+    return SdcCheck(rt, every=cfg.sdc_every, group=pm.mesh["dp"].get_group()), ReplicaProbe(pm.model, replica, lm_loss)
+
+
+def _check_replicas(step: int, sdc, pm, inputs: torch.Tensor, targets: torch.Tensor, *, flip: bool) -> None:
+    """Every data-parallel replica computes the gradient of one replica's first micro-batch (rotating) on the
+    current weights, and the check compares them bitwise. ``flip``: the ``gradflip`` fault corrupts this rank's
+    first result."""
+    from trainwarden.runtime.faults import flip_gradient_bit
+
+    check, probe = sdc
+    began = time.perf_counter()
+    group = pm.mesh["dp"].get_group()
+    size = max(1, len(inputs) // max(1, pm.cfg.micro_batches))
+    shared = [inputs[:size].to(pm.device).contiguous(), targets[:size].to(pm.device).contiguous()]
+    for t in shared:  # the owner's micro-batch, on every replica
+        dist.broadcast(t, group=group, group_src=check.owner(step))
+    probe.load()
+    calls = [0]
+
+    def compute():
+        grads = probe.gradients(*shared)
+        if flip and calls[0] == 0:
+            log.warning("injecting fault gradflip at step %d: %s", step, flip_gradient_bit(grads))
+        calls[0] += 1
+        return grads
+
+    event = check.check(step, compute)
+    if pm.is_reporter:
+        log.info("silent-corruption check at step %d: %s (%.1f ms on this rank)", step,
+                 "the replicas agree" if event is None else f"rank(s) {', '.join(map(str, event.ranks))} differ",
+                 (time.perf_counter() - began) * 1e3)
 
 
 class _RankFilter(logging.Filter):

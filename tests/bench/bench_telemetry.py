@@ -92,6 +92,26 @@ def _runqueue_wait_s() -> float:
         return 0.0
 
 
+def _threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of each thread of this process (Linux schedstat), keyed by its Python name where it has one
+    (the telemetry sender, gRPC's Python threads), else by its kernel name (gloo's and gRPC's native threads)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    found: dict[str, float] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as f:
+                ran_ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{task}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended
+        name = names.get(int(task)) or f"native:{comm}"
+        found[name] = found.get(name, 0.0) + ran_ns / 1e9
+    return found
+
+
 def calibrate_cuda(step_ms: float) -> int:
     """`torch.cuda._sleep` cycles for about `step_ms` on this GPU (timed with CUDA events)."""
     import torch
@@ -149,6 +169,7 @@ def child(mode: str, steps: int, repeats: int) -> dict:
             with rt.step(i, tokens=1):
                 one_step(i)
             i += 1
+    threads0 = _threads_cpu_s()
     walls, cpu0, main0, queued0 = [], time.process_time(), time.thread_time(), _runqueue_wait_s()
     for i in range(20, 20 + steps):
         w0 = time.perf_counter()
@@ -161,6 +182,7 @@ def child(mode: str, steps: int, repeats: int) -> dict:
     cpu = (time.process_time() - cpu0) / steps
     main_cpu = (time.thread_time() - main0) / steps
     queued = (_runqueue_wait_s() - queued0) / steps
+    threads = {name: (cpu_s - threads0.get(name, 0.0)) / steps for name, cpu_s in _threads_cpu_s().items()}
     background = cpu - main_cpu  # CPU of every thread but the training thread
     result = {"mode": mode, "wall_median_s": statistics.median(walls), "wall_mean_s": statistics.fmean(walls),
               "cpu_per_step_s": cpu, "background_cpu_per_step_s": background,
@@ -170,6 +192,7 @@ def child(mode: str, steps: int, repeats: int) -> dict:
               # of which ready to run but not running (preempted by another thread or process); the rest it
               # was blocked: in gloo, or waiting for the GIL
               "runqueue_per_step_s": queued,
+              "threads_cpu_per_step_s": {k: v for k, v in threads.items() if v > 0 and k != "MainThread"},
               "stats": rt.stats, "read_pace_s": client._schedule.interval_s if client is not None else None}
     if mode == "alive":
         n = 100_000
@@ -295,6 +318,12 @@ def main() -> None:
               f"{base_cpu * 1e3:.1f} ms CPU ({total / base_wall * 100:.3f} % of its {base_wall * 1e3:.1f} ms wall); "
               f"training thread lost {lost * 1e6:+7.1f} us/step ({lost / base_wall * 100:+.3f} %; in the run queue "
               f"{(statistics.median(r['runqueue_per_step_s'] for r in results[mode]) - base_queued) * 1e6:+6.1f} us)")
+    for mode in others:  # where the background CPU goes (clock ticks: coarse, a median over rounds)
+        names = sorted({n for r in results[mode] for n in r.get("threads_cpu_per_step_s", {})})
+        shares = {n: statistics.median(r.get("threads_cpu_per_step_s", {}).get(n, 0.0) for r in results[mode])
+                  for n in names}
+        print(f"{mode:10s}: threads' CPU/step " + ", ".join(f"{n} {v * 1e6:.0f} us" for n, v in
+                                                          sorted(shares.items(), key=lambda kv: -kv[1]) if v))
     print(f"hot path (with rt.step(): pass): {hot:.2f} us/step")
     from trainwarden.runtime.agent_client import ClientConfig
 

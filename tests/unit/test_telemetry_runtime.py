@@ -33,7 +33,8 @@ def test_without_an_agent_socket_the_session_is_a_no_op_with_the_same_api():
         with rt.step(3):
             raise Boom()
     assert rt.poll_command() is None and not rt.take_checkpoint_request()
-    assert rt.stats == {"dropped": 0, "reconnects": 0, "sent": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0, "fr_missed": 0}
+    assert rt.stats == {"dropped": 0, "reconnects": 0, "sent": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0, "fr_missed": 0,
+                        "still_reads": 0, "still_read_cpu_s": 0.0}
     rt.close()
 
 
@@ -240,3 +241,80 @@ def test_a_training_thread_inside_one_native_call_is_reported_still_with_its_col
     finally:
         stop.set()
         thread.join(10)
+
+def _still_thread_client(tmp_path, work, entries=()):
+    """A client watching a thread that runs ``work(stop)``, its Flight Recorder a fake that counts its dumps."""
+    import threading
+
+    stop = threading.Event()
+    thread = threading.Thread(target=work, args=(stop,), daemon=True)
+    thread.start()
+    dumps = []
+
+    def dump(stacks):
+        dumps.append(time.monotonic())
+        return pickle.dumps({"entries": list(entries)})
+
+    client = TelemetryClient(ClientConfig(socket_path=str(tmp_path / "absent.sock")), pb.Hello(job="j"),
+                             on_command=lambda c: None, flight_recorder=FlightRecorder(recorders={"gloo": dump}),
+                             training_thread=thread.ident)
+    return client, dumps, stop, thread
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_that_makes_steps_between_flushes_costs_no_flight_recorder_dump(tmp_path):
+    """A CPU step's matmuls are short native calls from one line: sampled when the sender gets the GIL, the
+    thread's frame looks the same at every flush. A step that ended since the last flush says it moves, so the
+    still check dumps nothing (issue 48: such dumps, each of the whole ring with the GIL held, cost a busy job's
+    flushes more than the periodic reads)."""
+    import hashlib
+
+    client = None
+
+    def steps(stop):
+        index = 0
+        while not stop.is_set():
+            for _ in range(20):
+                hashlib.pbkdf2_hmac("sha256", b"w", b"s", 2_000)  # native, the GIL released, one line
+            index += 1
+            if client is not None:
+                client.record((STEP_RECORD, index, time.time_ns(), 1_000_000, 1, None))
+
+    client, dumps, stop, thread = _still_thread_client(tmp_path, steps)
+    try:
+        reports = []
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            reports += [m for m in client._drain() if m.WhichOneof("record") == "training_thread"]
+        still_dumps = len(dumps) - client.fr_reads  # the periodic reads aside
+        assert still_dumps == 0 and not reports, (still_dumps, reports)
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_still_thread_with_no_collective_in_flight_is_dumped_for_once_per_refresh(tmp_path):
+    """Inside one native call with no collective of its own in flight, the thread enqueues nothing new: after
+    the dump that found none, the next comes no sooner than STILL_REFRESH_S later (the agent hears it is still
+    once); a collective in flight is looked at every flush (the test above this one's neighbour)."""
+    import hashlib
+
+    from trainwarden.runtime.agent_client import STILL_REFRESH_S
+
+    def native(stop):
+        hashlib.pbkdf2_hmac("sha256", b"w", b"s", 10_000_000)  # seconds in one call, the GIL released
+
+    done = [{"record_id": 0, "thread_id": "1", "time_created_ns": time.time_ns(), "state": "scheduled",
+             "retired": True, "profiling_name": "gloo:all_reduce"}]
+    client, dumps, stop, thread = _still_thread_client(tmp_path, native, done)
+    try:
+        reports = _training_thread_reports(client, 1.5)
+        assert thread.is_alive(), "the native call ended too soon for this machine: make it longer"
+        assert len(reports) == 1 and reports[0].still_seconds >= 0.5 and not reports[0].collective_pending_seconds
+        assert len(dumps) - client.fr_reads == 1, dumps  # the periodic reads aside
+        assert 1.5 < STILL_REFRESH_S
+    finally:
+        stop.set()
+        thread.join(60)
