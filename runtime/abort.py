@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Callable
 
-from trainwarden.agent.proto.contract import EXIT_ABORTED
+from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 __all__ = ["EXIT_ABORTED", "abort_collectives", "abort_process"]
 

@@ -38,9 +38,9 @@ from typing import Callable, Iterator
 
 import grpc
 
-from trainwarden.agent.proto import contract
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import EXIT_ABORTED
+from trainwarden.agent.shared import contract
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 from .agent_requests import fetch_peer_token
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity

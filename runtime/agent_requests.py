@@ -13,8 +13,8 @@ import socket
 
 import grpc
 
-from trainwarden.agent.proto import contract
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.shared import contract
+from trainwarden.agent.shared import telemetry_pb2 as pb
 
 __all__ = ["ask_checkpoint_record", "ask_commit", "ask_memory_held", "ask_memory_steps", "fetch_peer_token"]
 

@@ -42,7 +42,7 @@ import time
 import weakref
 from typing import Callable, Mapping
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, AUTO_OWNER_ENV,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, AUTO_OWNER_ENV,
                                              TOKENS_PER_STEP_ENV)
 
 STEP_RECORD = "step"

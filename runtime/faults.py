@@ -30,7 +30,7 @@ Kinds (all checked at step boundaries, before the step's first collective):
 ``snapflip`` one byte in the middle of the largest floating-point tensor of the rank's first memory
            snapshot of ``step`` or later is inverted once the file is written and its sums recorded
            (``after_snapshot``, which the ``Checkpointer`` calls on its writer thread; once a process):
-           host memory gone bad, for the restore's checksum verification (runtime/memory_sums.py) to find.
+           host memory gone bad, for the restore's checksum verification (runtime/checkpoint/memory_sums.py) to find.
            The copy sent to a peer node is sent from the same file after this, so it carries the flip too.
 
 Common keys: ``rank`` (global rank; required), ``step``, ``repeat=1`` (fire again after a restart).
@@ -54,8 +54,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from trainwarden.agent.proto.contract import STATE_DIR_ENV
-from trainwarden.agent.proto.fault_spec import ENV_VAR, Fault, FaultSpecError, parse_faults
+from trainwarden.agent.shared.contract import STATE_DIR_ENV
+from trainwarden.agent.shared.fault_spec import ENV_VAR, Fault, FaultSpecError, parse_faults
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class FaultInjector:
 def _flip_a_tensor_byte(path: str) -> int:
     """Invert the middle byte of the largest floating-point tensor of the snapshot file ``path`` in place; its
     offset."""
-    from trainwarden.runtime.memory_snapshot import MappedSnapshot  # torch: only where the fault fires
+    from trainwarden.runtime.checkpoint.memory_snapshot import MappedSnapshot  # torch: only where the fault fires
 
     snapshot = MappedSnapshot(path)
     # a weight or an optimizer moment rather than the RNG state: the largest floating-point tensor

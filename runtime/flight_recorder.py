@@ -77,7 +77,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from trainwarden.agent.proto.contract import FLIGHT_RECORDER_ENV
+from trainwarden.agent.shared.contract import FLIGHT_RECORDER_ENV
 
 __all__ = ["FLIGHT_RECORDER_ENV", "RECORDER_DUMPS", "ArrivalBatch", "ArrivalLog", "CollectiveReducer",
            "CollectiveSummary", "FlightRecorder", "ReadSchedule", "ring_capacity", "torch_recorders"]
@@ -400,7 +400,7 @@ def _group_name(entry: dict) -> str:
 
 
 def _internal(entry: dict) -> bool:
-    """An entry of trainwarden's own background traffic (the peer copy of memory snapshots: runtime/memory_peer.py),
+    """An entry of trainwarden's own background traffic (the peer copy of memory snapshots: runtime/checkpoint/memory_peer.py),
     never the job's collectives: left out of what is read."""
     return _group_name(entry).startswith(INTERNAL_GROUP_PREFIX)
 

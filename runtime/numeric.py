@@ -57,7 +57,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from trainwarden.agent.proto.contract import NUMERIC_POLICIES, NUMERIC_POLICY_ENV
+from trainwarden.agent.shared.contract import NUMERIC_POLICIES, NUMERIC_POLICY_ENV
 
 __all__ = ["GradientWatch", "NumericEvent", "NumericGuard", "NumericStop", "RECUR_WINDOW", "SpikeDetector",
            "policy_from_env"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from trainwarden.agent.proto.contract import PEER_FAILURE_MARKERS, PEER_FAILURE_TYPES
+from trainwarden.agent.shared.contract import PEER_FAILURE_MARKERS, PEER_FAILURE_TYPES
 
 __all__ = ["peer_failure"]
 

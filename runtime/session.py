@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, NUMERIC_KINDS, stacks_file,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, JOB_ENV, MAIN_THREAD_HEADER, NUMERIC_KINDS, stacks_file,
                                              trace_file, validate_job_name)
 
-from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, die_with_parent
+from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV, die_with_parent
 
 from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
@@ -62,7 +62,7 @@ from .abort import abort_process
 from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, NUMERIC_RECORD, STEP_RECORD, ClientConfig,
                            TelemetryClient)
 from .agent_requests import ask_checkpoint_record, ask_commit, ask_memory_held, ask_memory_steps
-from trainwarden.agent.proto import telemetry_pb2 as _pb
+from trainwarden.agent.shared import telemetry_pb2 as _pb
 
 __all__ = ["AGENT_SOCKET_ENV", "JOB_ENV", "Command", "EXIT_ABORTED", "Session", "current", "goodbye", "init"]
 
@@ -324,21 +324,21 @@ class Session:
     def committed_record(self) -> tuple[int | None, str, str]:
         """(step, path, source) of the checkpoint etcd's job record says was committed, asked of the node
         agent; (None, "", why) when none or unknown (no agent, or one without etcd). A restore's evidence
-        (runtime/resume_evidence.py)."""
+        (runtime/checkpoint/resume_evidence.py)."""
         if self._client is None:
             return None, "", "unknown (no node agent)"
         return ask_checkpoint_record(self._client.config.socket_path, self.job)
 
     def memory_steps(self, world_size: int) -> list[int]:
         """The steps of this rank's in-memory snapshots at ``world_size`` that its node agent (which owns the
-        memory) holds, newest first (runtime/memory_snapshot.py); empty without an agent or snapshots."""
+        memory) holds, newest first (runtime/checkpoint/memory_snapshot.py); empty without an agent or snapshots."""
         if self._client is None:
             return []
         return ask_memory_steps(self._client.config.socket_path, self.job, world_size, self.rank)
 
     def memory_held(self, world_size: int) -> list[tuple[int, int, int]]:
         """(world size, rank, step) of every in-memory snapshot file its node agent vouches for, of every rank on
-        this node (runtime/memory_reshard.py); empty without an agent or snapshots."""
+        this node (runtime/checkpoint/memory_reshard.py); empty without an agent or snapshots."""
         if self._client is None:
             return []
         return ask_memory_held(self._client.config.socket_path, self.job, world_size, self.rank)
@@ -454,7 +454,7 @@ def init(job: str | None = None, *, mesh: Mapping[str, int] | None = None,
     except ValueError as exc:  # the agent would refuse the stream: say so here, and train on without telemetry
         log.error("trainwarden: %s; telemetry is off for this worker (set %s to a valid name)", exc, JOB_ENV)
         return _remember(Session(job=job, rank=rank, world_size=world_size, client_config=None))
-    from trainwarden.agent.proto import telemetry_pb2 as pb
+    from trainwarden.agent.shared import telemetry_pb2 as pb
 
     hello = pb.Hello(job=job, rank=rank, local_rank=int(env.get("LOCAL_RANK", "0")), world_size=world_size,
                      mesh=dict(mesh or {}), pid=os.getpid(),

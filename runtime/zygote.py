@@ -37,8 +37,8 @@ import socket
 import struct
 import sys
 
-from trainwarden.agent.proto.contract import WARM_PARENT_PID_ENV
-from trainwarden.agent.proto.parent_death import die_with_parent
+from trainwarden.agent.shared.contract import WARM_PARENT_PID_ENV
+from trainwarden.agent.shared.parent_death import die_with_parent
 
 from .zygote_client import CLIENT_PID_ENV, FORWARDED_SIGNALS, client_main, recv_exact, send_frame
 
@@ -112,8 +112,10 @@ def _pdeathsig(sig: int = signal.SIGKILL) -> None:
 class _Job:
     """What a forked worker runs (returned from the serve loop in the child only)."""
 
-    def __init__(self, request: dict, fds: list[int]) -> None:
+    def __init__(self, request: dict, fds: list[int], parent: int) -> None:
         self.request, self.fds = request, fds
+        self.parent = parent
+        """The zygote's pid: the worker dies with it, even when it died before the worker asked (``_become``)."""
 
 
 def serve(path: str, map_dir: str, script: list[str]) -> _Job | None:
@@ -259,6 +261,7 @@ class _Zygote:
     def _fork(self, conn: socket.socket, client_pid: int, request: dict, fds: list[int]) -> _Job | None:
         sys.stdout.flush()
         sys.stderr.flush()
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:  # the worker
             self.listener.close()
@@ -269,7 +272,7 @@ class _Zygote:
                     other.close()
             conn.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            return _Job(request, fds)
+            return _Job(request, fds, zygote)
         for fd in fds:
             os.close(fd)
         with open(os.path.join(self.map_dir, str(pid)), "w") as f:
@@ -311,7 +314,7 @@ def _arm_auto_instrumentation() -> None:
     at a cold worker's start (which a forked child never has). The client that asked for it ran that
     bootstrap itself and marked its environment as its own; this child is the worker, so the mark is its.
     The one place the agent's code imports the runtime: from here on this process is the user's worker."""
-    from trainwarden.agent.proto.contract import AUTO_OWNER_ENV
+    from trainwarden.agent.shared.contract import AUTO_OWNER_ENV
 
     if os.environ.get(AUTO_OWNER_ENV) == str(os.environ.get(CLIENT_PID_ENV, "")):
         os.environ.pop(AUTO_OWNER_ENV)
@@ -328,7 +331,7 @@ def _arm_auto_instrumentation() -> None:
 def worker_title(env, argv: list[str]) -> str:
     """What ``ps`` and ``pgrep -f`` show for a warm worker: who it is (its command line is the zygote's, and
     ``/proc/PID/environ`` holds the zygote's environment, not the rank's)."""
-    from trainwarden.agent.proto.contract import JOB_ENV
+    from trainwarden.agent.shared.contract import JOB_ENV
 
     who = " ".join(f"{name}={env[key]}" for name, key in (("job", JOB_ENV), ("rank", "RANK"),
                                                          ("local_rank", "LOCAL_RANK")) if env.get(key))
@@ -359,7 +362,7 @@ def _title_setter():
 
 def _become(job: _Job) -> None:
     """In the forked child: take the client's streams, environment and arguments, reseed, run the script."""
-    _pdeathsig()
+    die_with_parent(signal.SIGKILL, job.parent)  # a zygote killed right after the fork: this worker goes too
     set_title = _title_setter()
     for target, fd in zip((0, 1, 2), job.fds):
         os.dup2(fd, target)
@@ -367,7 +370,7 @@ def _become(job: _Job) -> None:
     request = job.request
     os.environ.clear()
     os.environ.update(request["env"])
-    from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV
+    from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV
 
     if LAUNCHER_PID_ENV in os.environ:  # the runtime dies with its parent: here the zygote, not torchrun
         os.environ[LAUNCHER_PID_ENV] = str(os.getppid())

@@ -15,7 +15,7 @@ import socket
 import struct
 import sys
 
-from trainwarden.agent.proto.contract import WARM_SOCKET_ENV, WARM_WAIT_ENV, WARM_ZYGOTE_PID_ENV
+from trainwarden.agent.shared.contract import WARM_SOCKET_ENV, WARM_WAIT_ENV, WARM_ZYGOTE_PID_ENV
 
 __all__ = ["CLIENT_PID_ENV", "FORWARDED_SIGNALS", "client_main", "recv_exact", "recv_frame", "send_frame"]
 

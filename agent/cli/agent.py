@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from trainwarden.agent.cli.args import add_etcd_security
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.launch_options import LAUNCH_OPTIONS
 
 __all__ = ["SETTINGS", "add_parser", "resolve_settings"]
 
@@ -34,8 +35,7 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "etcd_password_file": (str, None),
     "etcd_admin_user": (str, None),
     "etcd_admin_password_file": (str, None),
-    "straggler_policy": (str, "alert"),
-    "hang_floor": (float, None),
+    **{option.setting: (option.kind, option.default) for option in LAUNCH_OPTIONS if option.setting},
     "local_addr": (str, None),
     "run_jobs": (bool, True),
     "webhook_listen": (str, None),
@@ -54,7 +54,10 @@ SETTINGS: dict[str, tuple[type, Any]] = {
     "job_groups": (str, None),
     "privileged_groups": (str, "docker,disk,lxd,sudo,wheel,adm,root"),
 }
-"""Every setting: its type and default (the flag of each is ``--`` and the key with dashes)."""
+"""Every setting: its type and default (the flag of each is ``--`` and the key with dashes). The launch options
+that are settings too (``straggler_policy``, ``hang_floor``) come from their one declaration
+(agent/common/launch_options.py), with its type, default, help and check."""
+SETTING_OPTIONS = {option.setting: option for option in LAUNCH_OPTIONS if option.setting}
 
 
 def add_parser(sub) -> None:
@@ -116,12 +119,9 @@ def add_parser(sub) -> None:
                    help="close a telemetry stream that sends no Hello within S seconds (default 5)")
     p.add_argument("--telemetry-max-streams-per-uid", type=int, default=None, metavar="N",
                    help="telemetry streams one uid may hold at once; more are refused (default 64)")
-    p.add_argument("--straggler-policy", choices=["alert", "exclude"],
-                   help="on a straggler: alert (default) or exclude (also ask for the node's exclusion at the "
-                        "job's next rendezvous)")
-    p.add_argument("--hang-floor", type=float, metavar="S",
-                   help="shortest time without a step, a collective, CPU or I/O on any rank of a job before it "
-                        "counts as hung (default 1.5)")
+    for key, option in SETTING_OPTIONS.items():  # None: the flag was not given (the setting's sources decide)
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=option.kind, choices=option.choices or None,
+                       metavar=option.metavar, help=option.help)
     w = p.add_argument_group("Alertmanager webhook (alerts resume failed jobs; needs --etcd)")
     w.add_argument("--webhook-listen", metavar="HOST:PORT",
                    help="serve POST /v1/alertmanager here (Alertmanager's webhook_configs url; e.g. 0.0.0.0:9480)")
@@ -169,6 +169,9 @@ def resolve_settings(args: argparse.Namespace, environ: Mapping[str, str] = os.e
             settings[key] = from_file[key]
         else:
             settings[key] = default
+    for key, option in SETTING_OPTIONS.items():  # checked as `trainwarden run` and a spec check them
+        if (why := option.problem(settings[key])) is not None:
+            raise ValueError(f"setting {key!r} {why}")
     return settings
 
 
@@ -211,10 +214,6 @@ def _cmd_agent(args) -> int:
     socket_path = Path(s["socket"])
     if args.check:
         return check(socket_path)
-    if s["straggler_policy"] not in ("alert", "exclude"):
-        print(f"trainwarden agent: straggler_policy {s['straggler_policy']!r}: must be alert or exclude",
-              file=sys.stderr)
-        return exit_codes.EXIT_USAGE
     try:
         config = AgentConfig(socket_path=socket_path.absolute(), metrics_host=s["metrics_host"],
                              metrics_port=s["metrics_port"], health_host=s["health_host"],

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from trainwarden.agent.proto.contract import validate_job_name, validate_node_name
+from trainwarden.agent.shared.contract import validate_job_name, validate_node_name
 
 __all__ = ["EtcdCommandError", "add_etcd_security", "connect_etcd", "etcd_security", "job_name", "positive_float",
            "positive_int"]
 
 
 def job_name(text: str) -> str:
-    """A job name by the one rule (agent/proto/contract.py); argparse says what is wrong and exits 2."""
+    """A job name by the one rule (agent/shared/contract.py); argparse says what is wrong and exits 2."""
     try:
         return validate_job_name(text)
     except ValueError as exc:
@@ -20,7 +20,7 @@ def job_name(text: str) -> str:
 
 
 def node_name(text: str) -> str:
-    """A node name (agent/proto/contract.py); argparse says what is wrong and exits 2."""
+    """A node name (agent/shared/contract.py); argparse says what is wrong and exits 2."""
     try:
         return validate_node_name(text)
     except ValueError as exc:

@@ -4,8 +4,8 @@ Lists a job's checkpoint directory as an operator needs it at 3 AM: what is comm
 one the ``latest`` pointer names), what restore or a fenced commit set aside and why (from each directory's
 QUARANTINE.json), and what is in flight or unfinished. ``restore-aside`` puts a set-aside checkpoint back
 once the storage is fixed; it must be complete again (``--force`` to put it back anyway). ``--verify`` reads
-every committed checkpoint's files against the sums recorded at commit (agent/proto/checkpoint_sums.py) and exits
-8 when one differs. Works on plain directories (agent/proto/checkpoint_layout.py), without an agent, etcd or torch.
+every committed checkpoint's files against the sums recorded at commit (agent/shared/checkpoint_sums.py) and exits
+8 when one differs. Works on plain directories (agent/shared/checkpoint_layout.py), without an agent, etcd or torch.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TextIO
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.paths import job_checkpoint_dir
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto import checkpoint_sums
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_sums
 
 __all__ = ["add_parser", "checkpoint_rows", "format_rows"]
 

@@ -20,8 +20,9 @@ from typing import Mapping, TextIO
 
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.launch_options import OPTIONS, add_argument
 from trainwarden.agent.launch.torchrun import worker_bootstrap_dir
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, FLIGHT_RECORDER_ENV, JOB_ENV,
                                              TOKENS_PER_STEP_ENV)
 
 __all__ = ["add_parser", "torchrun_environment"]
@@ -55,16 +56,15 @@ def add_parser(sub) -> None:
                    help="the job's name: its metric label and incident key (letters, digits, '-', '_', '.')")
     p.add_argument("--socket", default=os.environ.get("TRAINWARDEN_SOCKET", str(DEFAULT_SOCKET)), metavar="PATH",
                    help=f"the node agent's telemetry socket (default $TRAINWARDEN_SOCKET or {DEFAULT_SOCKET})")
-    p.add_argument("--tokens-per-step", type=int, default=0, metavar="N",
-                   help="tokens one step processes on one rank (tokens/s; default: steps/s only)")
+    add_argument(p, "tokens_per_step")  # as `trainwarden run` and a spec take it: agent/common/launch_options.py
     p.add_argument("--json", action="store_true", help="print a JSON object instead of export lines")
     p.set_defaults(func=_cmd_env)
 
 
 def _cmd_env(args, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    if args.tokens_per_step < 0:
-        print(f"trainwarden env: --tokens-per-step must be 0 or more, got {args.tokens_per_step}", file=sys.stderr)
+    if (why := OPTIONS["tokens_per_step"].problem(args.tokens_per_step)) is not None:
+        print(f"trainwarden env: --tokens-per-step {why}", file=sys.stderr)
         return exit_codes.EXIT_USAGE
     try:
         env = torchrun_environment(job=args.job, socket=args.socket, tokens_per_step=args.tokens_per_step)

@@ -8,7 +8,7 @@ import time
 
 from trainwarden.agent.cli.args import add_etcd_security, etcd_security, job_name, node_name
 from trainwarden.agent.common import exit_codes
-from trainwarden.agent.proto.contract import NUMERIC_POLICIES
+from trainwarden.agent.common.launch_options import LAUNCH_OPTIONS, add_arguments
 
 __all__ = ["add_parser"]
 
@@ -39,18 +39,10 @@ def add_parser(sub) -> None:
                     "restarts, fault recovery, a summary at the end.",
         epilog=RUN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
-    p.add_argument("--nnodes", default="1", metavar="MIN:MAX", help="nodes, N or MIN:MAX (default 1)")
-    p.add_argument("--spare-nodes", type=int, default=0, metavar="K",
-                   help="hot spares (--nnodes MIN:N, N >= 2): start N+K nodes; N train, K wait in the rendezvous "
-                        "with their imports loaded, and when a training node is lost a spare takes its ranks in the "
-                        "next round, so the world size stays N; with none left the job shrinks to MIN or more "
-                        "(default 0: the job shrinks at once)")
+    add_arguments(p)  # the launch options, declared once: agent/common/launch_options.py
     p.add_argument("--etcd", metavar="URL", help="use this etcd (host:port, http://host:port or https://host:port; "
                    "several members separated by commas) "
                    "instead of starting an embedded one")
-    p.add_argument("--max-restarts", type=int, default=3, metavar="K",
-                   help="worker-group restarts before the job fails (default 3)")
     p.add_argument("--job", type=job_name, metavar="NAME", help="job name (default: run-<time>)")
     p.add_argument("--node", type=node_name, metavar="NAME", help="this node's name in the job (default: the host "
                    "name); one `trainwarden run` per node and job")
@@ -67,71 +59,13 @@ def add_parser(sub) -> None:
                    help="run without the in-process agent (no telemetry, metrics or watchdog)")
     p.add_argument("--monitor-interval", type=float, default=0.25, metavar="S",
                    help="seconds between torchrun's checks of its workers (default 0.25)")
-    p.add_argument("--straggler-policy", choices=["alert", "exclude"], default="alert",
-                   help="on a straggler: alert (flag, metric, incident; default) or exclude (also ask for this "
-                        "node's exclusion at the job's next rendezvous: jobs/<job>/exclude/<node>)")
-    p.add_argument("--link-policy", choices=["alert", "exclude"], default="alert",
-                   help="on a communication regression whose link check names this node's link slow: alert "
-                        "(incident with the link check's report; default) or exclude (also leave the job at a step "
-                        "boundary after a checkpoint, the others go on, and cordon the node)")
-    p.add_argument("--numeric-policy", choices=list(NUMERIC_POLICIES), default="rollback",
-                   help="on a step whose loss or gradients are not finite (NaN, Inf), as the workers' numeric guard "
-                        "sees it (the reference job's; runtime/numeric.py for your own loop): rollback (default: every "
-                        "rank skips the step's update and its batch, training goes on; NaN again within 10 steps "
-                        "stops the job), stop (the job stops with the evidence, no restart), or alert (an incident "
-                        "only)")
-    p.add_argument("--hang-floor", type=float, default=None, metavar="S",
-                   help="shortest time without a step, a collective, CPU or I/O on any rank before the job counts "
-                        "as hung and is restarted (default 1.5; the deadline is otherwise 5x the p99 step time). "
-                        "Raise it for a script that sleeps between steps")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="more environment for the workers (repeatable)")
-    warm = p.add_mutually_exclusive_group()
-    warm.add_argument("--cold-workers", dest="warm_workers", action="store_false",
-                      help="start every restarted worker as a new interpreter, as plain torchrun does (by default "
-                           "restarted workers fork from a process that has torch and the script's imports loaded: "
-                           "a restart skips the interpreters' start-up; the first round starts cold)")
-    warm.add_argument("--warm-workers", dest="warm_workers", action="store_true", default=True,
-                      help="warm restarts (the default; kept for scripts written for earlier releases)")
-    p.add_argument("--rendezvous-round", choices=["native", "dynamic"], default="native",
-                   help="native (the default): each node joins with a key of its own and one transaction closes the "
-                        "round, which scales to thousands of nodes; dynamic: torch's dynamic rendezvous over etcd "
-                        "(every join a compare-and-set on one shared record; 128 nodes did not gather in 9 minutes)")
-    p.add_argument("--no-memory-snapshots", dest="memory_snapshots", action="store_false",
-                   help="keep no per-step snapshots in shared memory (by default a job that checkpoints with "
-                        "trainwarden's Checkpointer and calls its snapshot() every step restarts from the step before "
-                        "a crash or a hang, from memory; on several nodes each snapshot is also copied to the next "
-                        "node, so a node loss resumes from memory too: TRAINWARDEN_PEER_COPY=0 turns that off)")
-    p.add_argument("--no-auto-instrument", action="store_true",
-                   help="do not instrument the script by itself: without it, a script that never imports "
-                        "trainwarden gets step times (one step per optimizer.step()), collective timing, hang and "
-                        "straggler detection; scripts that call rt.step report their own steps either way")
-    p.add_argument("--tokens-per-step", type=_tokens, default=0, metavar="N",
-                   help="tokens one step processes on one rank: an auto-instrumented script's tokens/s (default: "
-                        "steps/s only)")
-    cost = p.add_mutually_exclusive_group()
-    cost.add_argument("--flops-per-step", type=float, default=0.0, metavar="F",
-                      help="the model's FLOPs per training step, all ranks together (forward and backward): exports "
-                           "trainwarden_mfu_ratio and prints the MFU in the summary")
-    cost.add_argument("--model-params", type=float, default=0.0, metavar="N",
-                      help="or the model's parameter count: a step costs 6*N FLOPs per token the ranks report")
-    p.add_argument("--peak-tflops", type=float, default=0.0, metavar="T",
-                   help="one accelerator's peak TFLOPS for the MFU (default: known GPUs by their NVML name; none on CPU)")
     p.add_argument("--managed", action="store_true", help=argparse.SUPPRESS)  # started by the node daemon
     add_etcd_security(p)
     p.add_argument("script", nargs=argparse.REMAINDER, metavar="-- SCRIPT ARGS...",
                    help="the training script and its arguments, or -m MODULE ARGS...")
     p.set_defaults(func=_cmd_run)
-
-
-def _tokens(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def _cmd_run(args) -> int:
@@ -164,19 +98,12 @@ def _cmd_run(args) -> int:
             print(f"trainwarden run: --env {key}: it {why}; remove it", file=sys.stderr)
             return exit_codes.EXIT_USAGE
     try:
-        opts = RunOptions(script=script, job=job, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                          spare_nodes=args.spare_nodes, etcd=args.etcd, etcd_security=etcd_security(args), max_restarts=args.max_restarts,
-                          monitor_interval=args.monitor_interval,
-                          state_home=args.state_home, local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
+        opts = RunOptions(script=script, job=job, etcd=args.etcd, etcd_security=etcd_security(args),
+                          monitor_interval=args.monitor_interval, state_home=args.state_home,
+                          local_addr=args.local_addr, node=args.node, agent=not args.no_agent,
                           metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-                          straggler_policy=args.straggler_policy, link_policy=args.link_policy, hang_floor_s=args.hang_floor,
-                          numeric_policy=args.numeric_policy,
                           extra_env=extra_env, managed=args.managed,
-                          warm_workers=args.warm_workers, memory_snapshots=args.memory_snapshots,
-                          rendezvous_round=args.rendezvous_round,
-                          auto_instrument=not args.no_auto_instrument,
-                          tokens_per_step=args.tokens_per_step, flops_per_step=args.flops_per_step,
-                          model_params=args.model_params, peak_tflops=args.peak_tflops)
+                          **{option.name: getattr(args, option.name) for option in LAUNCH_OPTIONS})
     except ValueError as exc:
         print(f"trainwarden run: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -29,7 +29,7 @@ from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.endpoints import (DEFAULT_METRICS_URL, AgentUnavailable, fetch_status, resolve_metrics_url,
                                              resolve_socket)
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2 as pb
 
 __all__ = ["add_parser", "fetch_gpu_stats", "format_status", "format_top", "parse_gpu_stats", "status_command", "status_to_json",
            "top_command"]

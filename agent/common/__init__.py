@@ -4,7 +4,7 @@
 the launcher and by the node daemon), ``exit_codes`` (named exit codes of the CLI), ``job_lifecycle``
 (the job's phases and their transition table), ``signals`` (SIGINT/SIGTERM as an event), ``heartbeat`` (a
 background loop's proof of life) and ``sdnotify`` (readiness and keep-alives to systemd). It imports only
-the protocol package (``trainwarden.agent.proto``), so no lower layer ever needs ``launch`` or ``cli``.
+the shared package (``trainwarden.agent.shared``), so no lower layer ever needs ``launch`` or ``cli``.
 """
 
 from trainwarden.agent.common.heartbeat import Heartbeat

@@ -3,7 +3,7 @@
 Shell users and supervisors (systemd, Kubernetes) act on these, so they never change meaning.
 """
 
-from trainwarden.agent.proto.contract import EXIT_ABORTED  # the workers' code, defined with the protocol
+from trainwarden.agent.shared.contract import EXIT_ABORTED  # the workers' code, defined with the protocol
 
 __all__ = [
     "EXIT_OK", "EXIT_JOB_FAILED", "EXIT_RESUME_BLOCKED", "EXIT_USAGE", "EXIT_ETCD_UNAVAILABLE", "EXIT_LAUNCH_FAILED", "EXIT_AGENT_UNAVAILABLE", "EXIT_CONFIG",

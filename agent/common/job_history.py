@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainwarden.agent.common.untrusted_fs import read_small_text
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 

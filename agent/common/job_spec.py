@@ -46,37 +46,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, JOB_ENV, NUMERIC_POLICIES, validate_job_name,
-                                              validate_node_name)
+from trainwarden.agent.common.launch_options import (HANG_FLOOR_RANGE_S, LAUNCH_OPTIONS, MAX_NODES, OPTIONS,
+                                                    cross_problems, hang_floor_problem, launcher_flags, parse_nnodes,
+                                                    spares_problem)
+from trainwarden.agent.shared.contract import CHECKPOINT_DIR_ENV, JOB_ENV, validate_job_name, validate_node_name
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["BOUNDS", "JOB_ENV_ALLOWED", "MAX_STRING", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS", "STRAGGLER_POLICIES", "SUBMISSION_KEYS",
-           "load_job_spec", "parse_job_spec", "parse_nnodes", "read_toml", "reserved_env_problem", "spares_problem",
-           "string_problem", "unknown_key_message"]
+__all__ = ["BOUNDS", "HANG_FLOOR_RANGE_S", "JOB_ENV_ALLOWED", "MAX_STRING", "JobSpec", "JobSpecError", "OPTIONAL_FIELDS",
+           "STRAGGLER_POLICIES", "SUBMISSION_KEYS", "hang_floor_problem", "load_job_spec", "parse_job_spec",
+           "parse_nnodes", "read_toml", "reserved_env_problem", "spares_problem", "string_problem",
+           "unknown_key_message"]
 
-STRAGGLER_POLICIES = ("alert", "exclude")
-LINK_POLICIES = ("alert", "exclude")
-RENDEZVOUS_ROUNDS = ("native", "dynamic")
-HANG_FLOOR_RANGE_S = (0.5, 180.0)
-"""What ``--hang-floor`` and ``hang_floor_s`` accept: at least the runtime's telemetry period (0.5 s), and not
-above the watchdog's checkpoint allowance (180 s), which a larger floor would override."""
+STRAGGLER_POLICIES = OPTIONS["straggler_policy"].choices
 
-
-def hang_floor_problem(seconds: float) -> str | None:
-    """Why ``seconds`` is not a hang floor (``HANG_FLOOR_RANGE_S``), or None: the one check of the spec field, the
-    launcher's option and the agent's setting."""
-    low, high = HANG_FLOOR_RANGE_S
-    return None if low <= seconds <= high else f"must be seconds between {low:g} and {high:g}, got {seconds!r}"
-
-BOUNDS = {"nproc_per_node": 1024, "max_restarts": 1000, "nnodes": 100_000, "tokens_per_step": 2**40,
-          "command": 4096, "env": 1024, "nodes": 100_000}
+BOUNDS = {**{o.name: int(o.most) for o in LAUNCH_OPTIONS if o.kind is int and o.most is not None},
+          "nnodes": MAX_NODES, "command": 4096, "env": 1024, "nodes": 100_000}
 """The largest value a spec may give each of these fields (for lists and tables, the most entries): past them a
 number is a typo or an attack (``nproc_per_node = 1e9`` would have the launcher start a billion workers), never a job.
-``hang_floor_s`` has its own range (``HANG_FLOOR_RANGE_S``)."""
+The launch options' bounds are declared with them (agent/common/launch_options.py); ``hang_floor_s`` has a range."""
 MAX_STRING = 64 * 1024
 """The longest string a spec may hold (an argument, an env value, a path)."""
 
@@ -121,40 +112,6 @@ def reserved_env_problem(key: str) -> str | None:
         return "is the rendezvous's: torchrun sets it for each worker"
     if key == "NOTIFY_SOCKET":
         return "is the daemon's systemd notification socket: a job must not speak for the daemon"
-    return None
-
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """``"N"`` or ``"MIN:MAX"`` -> (min, max); a clear ValueError otherwise."""
-    parts = value.split(":")
-    try:
-        numbers = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with integers, e.g. 1 or 1:4") from None
-    if len(numbers) == 1:
-        numbers = numbers * 2
-    if len(numbers) != 2 or not 1 <= numbers[0] <= numbers[1]:
-        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
-    return numbers[0], numbers[1]
-
-
-def spares_problem(nnodes: str, spare_nodes: int, *, names: tuple[str, str] = ("--spare-nodes", "--nnodes")
-                   ) -> str | None:
-    """Why ``spare_nodes`` hot spares cannot go with ``nnodes`` (the one check of ``--spare-nodes`` and the spec's
-    ``spare_nodes``; ``names``: how the two are called where they were given), or None. With ``nnodes`` M:N a round
-    takes N training nodes when it can and the spares wait behind it; a spare replaces a lost node at the same world
-    size, and with no spare left the job shrinks to M or more, as it would without spares (M == N: it waits)."""
-    spares, size = names
-    if isinstance(spare_nodes, bool) or not isinstance(spare_nodes, int) or spare_nodes < 0:
-        return f"{spares} {spare_nodes!r}: must be a whole number of 0 or more"
-    if spare_nodes == 0:
-        return None
-    _, most = parse_nnodes(nnodes)
-    if most < 2:
-        return (f"{spares} {spare_nodes} with {size} {nnodes}: spares are for jobs of 2 nodes or more (a one-node "
-                f"job restarts on its node); give {size} 2 or more, or leave {spares} out")
-    if most + spare_nodes > BOUNDS["nnodes"]:
-        return f"{spares} {spare_nodes}: at most {BOUNDS['nnodes']} nodes in all are accepted"
     return None
 
 
@@ -224,31 +181,9 @@ class JobSpec:
         return parse_job_spec({k: v for k, v in data.items() if k not in SUBMISSION_KEYS}, source)
 
     def launcher_args(self) -> list[str]:
-        """``trainwarden run`` arguments for this job (the node-specific ones are the caller's)."""
-        args = ["--job", self.name, "--nnodes", self.nnodes, "--nproc-per-node", str(self.nproc_per_node),
-                "--max-restarts", str(self.max_restarts), "--straggler-policy", self.straggler_policy]
-        if self.spare_nodes:
-            args += ["--spare-nodes", str(self.spare_nodes)]
-        if self.link_policy != "alert":
-            args += ["--link-policy", self.link_policy]
-        if self.numeric_policy != "rollback":
-            args += ["--numeric-policy", self.numeric_policy]
-        if not self.warm_workers:
-            args.append("--cold-workers")
-        if not self.memory_snapshots:
-            args.append("--no-memory-snapshots")
-        if self.rendezvous_round != "native":
-            args += ["--rendezvous-round", self.rendezvous_round]
-        if self.hang_floor_s is not None:
-            args += ["--hang-floor", repr(float(self.hang_floor_s))]
-        if not self.auto_instrument:
-            args.append("--no-auto-instrument")
-        if self.tokens_per_step:
-            args += ["--tokens-per-step", str(self.tokens_per_step)]
-        for flag, value in (("--flops-per-step", self.flops_per_step), ("--model-params", self.model_params),
-                            ("--peak-tflops", self.peak_tflops)):
-            if value:
-                args += [flag, repr(float(value))]
+        """``trainwarden run`` arguments for this job (the node-specific ones are the caller's): the launch options
+        that differ from their defaults, as the declaration spells them (``launcher_flags``)."""
+        args = ["--job", self.name, *launcher_flags({o.name: getattr(self, o.name) for o in LAUNCH_OPTIONS})]
         env = dict(self.env)
         if self.checkpoint_dir:  # the workers' TRAINWARDEN_CHECKPOINT_DIR (the reference job's --ckpt-dir default)
             env.setdefault(CHECKPOINT_DIR_ENV, self.checkpoint_dir)
@@ -257,10 +192,10 @@ class JobSpec:
         return [*args, "--", *self.command]
 
 
-_FIELDS = {"name": str, "command": list, "nnodes": (str, int), "spare_nodes": int, "nproc_per_node": int, "checkpoint_dir": str,
-           "env": dict, "max_restarts": int, "straggler_policy": str, "link_policy": str, "numeric_policy": str, "nodes": list, "auto_resume": bool,
-           "warm_workers": bool, "memory_snapshots": bool, "rendezvous_round": str, "hang_floor_s": (int, float), "auto_instrument": bool, "tokens_per_step": int, "user": (str, int),
-           "flops_per_step": (int, float), "model_params": (int, float), "peak_tflops": (int, float)}
+_FIELDS = {"name": str, "command": list, "checkpoint_dir": str, "env": dict, "nodes": list, "auto_resume": bool,
+           "user": (str, int), **{option.name: option.spec_type for option in LAUNCH_OPTIONS}}
+"""Every field and the types it may hold: the job's own, and the launch options as declared once
+(agent/common/launch_options.py)."""
 _REQUIRED = ("name", "command")
 OPTIONAL_FIELDS = tuple(sorted(set(_FIELDS) - set(_REQUIRED)))
 """Fields that may be left out, or given as null: their default applies."""
@@ -294,30 +229,19 @@ def load_job_spec(path: str | Path) -> JobSpec:
 
 def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
     """The JobSpec ``data`` describes; ``JobSpecError`` naming ``source`` and the field otherwise."""
-    for key in data:
-        if key not in _FIELDS:
-            raise JobSpecError(unknown_key_message(key, _FIELDS, source))
-    data = {key: value for key, value in data.items() if value is not None}  # null: the default
-    for key in _REQUIRED:
-        if key not in data:
-            raise JobSpecError(f"{source}: field {key!r} is missing; a job needs at least 'name' and 'command'")
-    for key, value in data.items():
-        kinds = _FIELDS[key]
-        if (kinds is not bool and isinstance(value, bool)) or not isinstance(value, kinds):
-            raise JobSpecError(f"{source}: field {key!r} must be {_TYPE_NAMES[kinds]}, got {type(value).__name__} "
-                               f"{value!r}")
+    data = _present_and_typed(data, source)
 
     def fail(key: str, why: str) -> JobSpecError:
         return JobSpecError(f"{source}: field {key!r} {why}")
 
-    for key, value in data.items():
-        _check_strings(key, value, fail)
-        bound = BOUNDS.get(key)
-        if bound is not None and isinstance(value, (list, dict)) and len(value) > bound:
-            raise fail(key, f"has {len(value)} entries; at most {bound} are accepted")
-        if bound is not None and isinstance(value, int) and value > bound:
-            raise fail(key, f"must be at most {bound}, got {value}")
-
+    launch = {}
+    for option in LAUNCH_OPTIONS:  # each checked as its declaration says, in the same words as the flag's
+        value = option.read(data.get(option.name, option.default))
+        if (why := option.problem(value)) is not None:
+            raise fail(option.name, why)
+        launch[option.name] = value
+    for why in cross_problems(launch, lambda name: repr(name)):
+        raise JobSpecError(f"{source}: field {why}")
     try:
         name = validate_job_name(data["name"])
     except ValueError as exc:
@@ -328,39 +252,6 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
                               "or [\"-m\", \"my.module\"]")
     if command[0] == "-m" and len(command) < 2:
         raise fail("command", "names no module after \"-m\"")
-    nnodes = str(data.get("nnodes", "1"))
-    try:
-        most = parse_nnodes(nnodes)[1]
-    except ValueError as exc:
-        raise fail("nnodes", f"{nnodes!r}: {exc}") from None
-    if most > BOUNDS["nnodes"]:
-        raise fail("nnodes", f"{nnodes!r}: at most {BOUNDS['nnodes']} nodes are accepted")
-    spare_nodes = data.get("spare_nodes", 0)
-    if (why := spares_problem(nnodes, spare_nodes, names=("'spare_nodes'", "'nnodes'"))) is not None:
-        raise JobSpecError(f"{source}: field {why}")
-    nproc = data.get("nproc_per_node", 1)
-    if nproc < 1:
-        raise fail("nproc_per_node", f"must be at least 1, got {nproc}")
-    restarts = data.get("max_restarts", 3)
-    if restarts < 0:
-        raise fail("max_restarts", f"must be 0 or more, got {restarts}")
-    policy = data.get("straggler_policy", "alert")
-    if policy not in STRAGGLER_POLICIES:
-        raise fail("straggler_policy", f"must be one of {', '.join(STRAGGLER_POLICIES)}, got {policy!r}")
-    link_policy = data.get("link_policy", "alert")
-    if link_policy not in LINK_POLICIES:
-        raise fail("link_policy", f"must be one of {', '.join(LINK_POLICIES)}, got {link_policy!r}")
-    numeric_policy = data.get("numeric_policy", "rollback")
-    if numeric_policy not in NUMERIC_POLICIES:
-        raise fail("numeric_policy", f"must be one of {', '.join(NUMERIC_POLICIES)}, got {numeric_policy!r}")
-    rendezvous_round = data.get("rendezvous_round", "native")
-    if rendezvous_round not in RENDEZVOUS_ROUNDS:
-        raise fail("rendezvous_round", f"must be one of {', '.join(RENDEZVOUS_ROUNDS)}, got {rendezvous_round!r}")
-    hang_floor = data.get("hang_floor_s")
-    if hang_floor is not None:
-        if (why := hang_floor_problem(hang_floor)) is not None:
-            raise fail("hang_floor_s", why)
-        hang_floor = float(hang_floor)
     env = data.get("env", {})
     for key, value in env.items():
         if not key or "=" in key or not isinstance(value, str):
@@ -368,26 +259,7 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         why = reserved_env_problem(key)
         if why is not None:
             raise fail("env", f"entry {key!r} {why}; remove it from [env]")
-    nodes = data.get("nodes", [])
-    for node in nodes:
-        try:
-            validate_node_name(node if isinstance(node, str) else repr(node))
-        except ValueError as exc:
-            raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
-    least, named = parse_nnodes(nnodes)[0], len(set(nodes))
-    if nodes and named < least:
-        raise fail("nodes", f"names {named} node{'s' if named != 1 else ''} but nnodes {nnodes!r} needs at "
-                            f"least {least}: the job could never gather; name more nodes, lower nnodes, or leave "
-                            "'nodes' out (any node)")
-    tokens = data.get("tokens_per_step", 0)
-    if tokens < 0:
-        raise fail("tokens_per_step", f"must be 0 or more, got {tokens}")
-    cost = {key: float(data.get(key, 0)) for key in ("flops_per_step", "model_params", "peak_tflops")}
-    for key, value in cost.items():
-        if not value >= 0 or value == float("inf"):
-            raise fail(key, f"must be a finite number of 0 or more, got {data[key]!r}")
-    if cost["flops_per_step"] and cost["model_params"]:
-        raise fail("model_params", "and 'flops_per_step' both say what a step costs; give one")
+    nodes = _nodes(data.get("nodes", []), launch["nnodes"], fail)
     checkpoint_dir = data.get("checkpoint_dir")
     if checkpoint_dir is not None and not checkpoint_dir:
         raise fail("checkpoint_dir", "is empty; leave it out for the launcher's default")
@@ -399,12 +271,48 @@ def parse_job_spec(data: Mapping[str, Any], source: str) -> JobSpec:
         raise fail("user", f"must be a user name or a uid of 0 or more, got {user}")
     if isinstance(user, str) and (not user or any(c.isspace() or c in ":/" for c in user)):
         raise fail("user", f"{user!r} is not a user name (e.g. \"alice\" or a uid such as 1000)")
-    return JobSpec(name=name, command=tuple(command), nnodes=nnodes, spare_nodes=spare_nodes, nproc_per_node=nproc,
-                   checkpoint_dir=checkpoint_dir, env=dict(env), max_restarts=restarts, straggler_policy=policy, link_policy=link_policy,
-                   numeric_policy=numeric_policy,
-                   nodes=tuple(nodes), auto_resume=data.get("auto_resume", True),
-                   warm_workers=data.get("warm_workers", True), memory_snapshots=data.get("memory_snapshots", True), rendezvous_round=rendezvous_round,
-                   hang_floor_s=hang_floor, auto_instrument=data.get("auto_instrument", True), tokens_per_step=tokens, user=user, **cost)
+    return JobSpec(name=name, command=tuple(command), checkpoint_dir=checkpoint_dir, env=dict(env), nodes=nodes,
+                   auto_resume=data.get("auto_resume", True), user=user, **launch)
+
+
+def _present_and_typed(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``data`` without its nulls (a null is the field's default), once every key is known, the required ones are
+    there, every value has its field's type and no string or list is past its bound."""
+    for key in data:
+        if key not in _FIELDS:
+            raise JobSpecError(unknown_key_message(key, _FIELDS, source))
+    data = {key: value for key, value in data.items() if value is not None}
+    for key in _REQUIRED:
+        if key not in data:
+            raise JobSpecError(f"{source}: field {key!r} is missing; a job needs at least 'name' and 'command'")
+
+    def fail(key: str, why: str) -> JobSpecError:
+        return JobSpecError(f"{source}: field {key!r} {why}")
+
+    for key, value in data.items():
+        kinds = _FIELDS[key]
+        if (kinds is not bool and isinstance(value, bool)) or not isinstance(value, kinds):
+            raise fail(key, f"must be {_TYPE_NAMES[kinds]}, got {type(value).__name__} {value!r}")
+        _check_strings(key, value, fail)
+        bound = BOUNDS.get(key)
+        if bound is not None and isinstance(value, (list, dict)) and len(value) > bound:
+            raise fail(key, f"has {len(value)} entries; at most {bound} are accepted")
+    return data
+
+
+def _nodes(nodes: list, nnodes: str, fail) -> tuple[str, ...]:
+    """The spec's ``nodes``, each a node name, and enough of them for ``nnodes``'s minimum."""
+    for node in nodes:
+        try:
+            validate_node_name(node if isinstance(node, str) else repr(node))
+        except ValueError as exc:
+            raise fail("nodes", f"entry {node!r} is not a node name: {exc}") from None
+    least, named = parse_nnodes(nnodes)[0], len(set(nodes))
+    if nodes and named < least:
+        raise fail("nodes", f"names {named} node{'s' if named != 1 else ''} but nnodes {nnodes!r} needs at "
+                            f"least {least}: the job could never gather; name more nodes, lower nnodes, or leave "
+                            "'nodes' out (any node)")
+    return tuple(nodes)
 
 
 def _check_strings(key: str, value: Any, fail) -> None:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from trainwarden.agent.common.untrusted_fs import read_small_text
-from trainwarden.agent.proto.contract import JOB_NAME_RE, validate_job_name  # the one rule, shared with workers
+from trainwarden.agent.shared.contract import JOB_NAME_RE, validate_job_name  # the one rule, shared with workers
 
 __all__ = ["CHECKPOINT_DIR_RECORD", "JOB_NAME_RE", "default_checkpoint_dir", "default_state_home", "job_checkpoint_dir",
            "job_records_dir",

@@ -3,7 +3,7 @@ that fails and is restarted until the budget is spent.
 
 - The script exists (a path), or the top-level package of ``-m MODULE`` can be found (found, not imported:
   importing a user's package could be slow or have effects).
-- ``TRAINWARDEN_FAULTS``, if set, parses (agent/proto/fault_spec.py: the workers parse it the same way).
+- ``TRAINWARDEN_FAULTS``, if set, parses (agent/shared/fault_spec.py: the workers parse it the same way).
 
 A failure that only shows once the workers run, the same way twice before any step, is caught by the
 supervisor instead (agent/launch/run.py); both end with ``EXIT_CONFIG``. The node daemon runs the same checks
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from trainwarden.agent.proto.fault_spec import ENV_VAR as FAULTS_ENV, FaultSpecError, parse_faults
+from trainwarden.agent.shared.fault_spec import ENV_VAR as FAULTS_ENV, FaultSpecError, parse_faults
 
 __all__ = ["preflight"]
 

@@ -4,7 +4,7 @@
 settings); ``keys`` builds every key under ``/trainwarden/v1``; ``embedded`` runs the single-member etcd that
 ``trainwarden run`` starts when no ``--etcd`` is given (``embedded_auth``: its root password); ``job_credentials``
 makes an etcd user confined to one job's keys; ``job_records`` reads and writes a job's spec, state and checkpoint
-pointer. It imports ``common`` and ``proto`` only.
+pointer. It imports ``common`` and ``shared`` only.
 """
 
 from trainwarden.agent.etcd.client import (EtcdAccessDenied, EtcdConfig, EtcdError, EtcdUnavailable, open_etcd,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trainwarden.agent.etcd import embedded_auth
 from trainwarden.agent.etcd.client import EtcdSecurity, is_loopback_host
-from trainwarden.agent.proto.parent_death import exec_dying_with_parent
+from trainwarden.agent.shared.parent_death import exec_dying_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 directory, a copy in etcd), the fleet's view read back from etcd (``fleet``), their counters (``counters``), and
 the attribution of worker failures reported by torchrun to the rank that failed first (``worker_failures``).
 
-It imports ``etcd`` (the key layout), ``common`` and ``proto``.
+It imports ``etcd`` (the key layout), ``common`` and ``shared``.
 """
 
 from trainwarden.agent.incidents.counters import IncidentCollector

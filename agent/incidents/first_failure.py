@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from trainwarden.agent.proto.contract import PEER_FAILURE_MARKERS, PEER_FAILURE_TYPES, PEER_GONE
+from trainwarden.agent.shared.contract import PEER_FAILURE_MARKERS, PEER_FAILURE_TYPES, PEER_GONE
 
 __all__ = ["FirstFailure", "first_failure", "says_peer_gone"]
 

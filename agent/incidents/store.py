@@ -23,7 +23,7 @@ from trainwarden.agent.common.untrusted_fs import read_small
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 from trainwarden.agent.incidents.counters import IncidentCollector
 from trainwarden.agent.incidents.record import Incident
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 
 __all__ = ["IncidentStore", "list_incidents"]
 

@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.incidents.first_failure import first_failure
-from trainwarden.agent.proto.contract import EXIT_ABORTED
+from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 __all__ = ["WorkerFailureRecorder", "describe_exit", "describe_failures"]
 

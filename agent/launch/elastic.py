@@ -56,9 +56,9 @@ import time
 from typing import Any
 
 from trainwarden.agent.launch.exit_clock import ExitClock
-from trainwarden.agent.proto.contract import (EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, WARM_MAP_DIR_ENV, WARM_SOCKET_ENV,
+from trainwarden.agent.shared.contract import (EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, WARM_MAP_DIR_ENV, WARM_SOCKET_ENV,
                                               WARM_PARENT_PID_ENV, WARM_ZYGOTE_PID_ENV, ZYGOTE_MODULE)
-from trainwarden.agent.proto.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
+from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
 __all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
 

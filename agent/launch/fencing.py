@@ -24,7 +24,7 @@ from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_erro
 from trainwarden.agent.etcd.cluster import advance_round, commit_in_round, round_id
 from trainwarden.agent.etcd.membership import should_fence
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
-from trainwarden.agent.proto.contract import warm_parent, warm_paths
+from trainwarden.agent.shared.contract import warm_parent, warm_paths
 
 __all__ = ["FENCED", "Fencing"]
 

@@ -2,18 +2,18 @@
 
 `trainwarden run` makes one private directory in shared memory (``/dev/shm``) for the job on this node and gives
 it to the workers (``MEMORY_DIR_ENV``). Each rank writes its snapshot there after every step and reports the file
-(checkpoint stage ``snapshot``; runtime/memory_snapshot.py). This class hears those reports and answers the
+(checkpoint stage ``snapshot``; runtime/checkpoint/memory_snapshot.py). This class hears those reports and answers the
 restoring ranks which of their snapshots it holds (the CheckpointRecord RPC's ``memory_steps``); the ranks agree on
-the newest step all of them have (runtime/checkpoint.py), so a restart after a crash or a hang resumes from the step
+the newest step all of them have (runtime/checkpoint/checkpointer.py), so a restart after a crash or a hang resumes from the step
 before the fault, from memory. Each node's agent answers for the files in its own directory only (``held``: of
 every rank on the node, for a restore into another world size or numbering, whose ranks exchange the chunks among
-themselves: runtime/memory_reshard.py); agents never talk to each other about them.
+themselves: runtime/checkpoint/memory_reshard.py); agents never talk to each other about them.
 
 What it trusts:
 
 - only reports of this run's workers (the telemetry server checks who holds each rank) naming files inside
   its own directory: of the reporting rank, or a copy it received of a rank of another node (``world-N/peer/``,
-  runtime/memory_peer.py);
+  runtime/checkpoint/memory_peer.py);
 - only what it heard in its own life: the record is in this process, and the directory is this process's
   (scratch-marked with its pid). A run that restarts (the daemon relaunching a launcher, an agent restart)
   starts with no record and removes the directories of runs that are gone, so a snapshot is never used after
@@ -34,8 +34,8 @@ from collections import deque
 from pathlib import Path
 
 from trainwarden.agent.common.scratch import scratch_dir, sweep
-from trainwarden.agent.proto.contract import MEMORY_DIR_ENV
-from trainwarden.agent.proto.snapshot_layout import KEEP, parse_peer, parse_snapshot
+from trainwarden.agent.shared.contract import MEMORY_DIR_ENV
+from trainwarden.agent.shared.snapshot_layout import KEEP, parse_peer, parse_snapshot
 
 __all__ = ["DEFAULT_ROOT", "ROOT_ENV", "MemoryTier", "start_memory_tier"]
 
@@ -123,7 +123,7 @@ class MemoryTier:
 
     def held(self, job: str) -> list[tuple[int, int, int]]:
         """(world size, rank, step) of every snapshot file this agent heard reported and still keeps: a restore
-        into another world size, or with the ranks numbered anew, reads them (runtime/memory_reshard.py)."""
+        into another world size, or with the ranks numbered anew, reads them (runtime/checkpoint/memory_reshard.py)."""
         if job != self.job:
             return []
         with self._lock:

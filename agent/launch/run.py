@@ -62,18 +62,18 @@ from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.summary import print_summary
-from trainwarden.agent.common.job_spec import spares_problem
+from trainwarden.agent.common.launch_options import LAUNCH_OPTIONS, OPTIONS, cross_problems
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              validate_launch, worker_environment)
 from trainwarden.agent.metrics.exporter import ExporterError
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
-                                              NUMERIC_POLICIES, NUMERIC_POLICY_ENV, validate_node_name, warm_parent,
+from trainwarden.agent.shared.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
+                                              NUMERIC_POLICY_ENV, validate_node_name, warm_parent,
                                               warm_paths)
-from trainwarden.agent.proto.parent_death import SUPERVISOR_PID_ENV
+from trainwarden.agent.shared.parent_death import SUPERVISOR_PID_ENV
 from trainwarden.agent.telemetry.job_telemetry import steps_from
 from trainwarden.agent.telemetry.server import TelemetryServerError
 
@@ -151,19 +151,14 @@ class RunOptions:
     """One accelerator's peak; 0: from the GPU's NVML name."""
 
     def __post_init__(self) -> None:
+        for option in LAUNCH_OPTIONS:  # each as declared once (agent/common/launch_options.py), as a spec's field
+            if (why := option.problem(getattr(self, option.name))) is not None:
+                raise ValueError(f"{option.flag} {why}")
+        for why in cross_problems({o.name: getattr(self, o.name) for o in LAUNCH_OPTIONS}, lambda n: OPTIONS[n].flag):
+            raise ValueError(why)
         validate_launch(self)
         if self.node is not None:
             validate_node_name(self.node)
-        if self.flops_per_step and self.model_params:
-            raise ValueError("--flops-per-step and --model-params both say what a step costs; give one")
-        if min(self.flops_per_step, self.model_params, self.peak_tflops) < 0:
-            raise ValueError("--flops-per-step, --model-params and --peak-tflops must be positive")
-        watchdog_config(self.straggler_policy, self.hang_floor_s)  # a bad value is the command line's error
-        if self.numeric_policy not in NUMERIC_POLICIES:
-            raise ValueError(f"--numeric-policy {self.numeric_policy!r}: expected one of {', '.join(NUMERIC_POLICIES)}")
-        spare_problem = spares_problem(self.nnodes, self.spare_nodes)
-        if spare_problem is not None:
-            raise ValueError(spare_problem)
         if parse_nnodes(self.nnodes)[1] > 1 and self.etcd is None:
             raise ValueError(f"--nnodes {self.nnodes}: a job of several nodes needs an etcd they all reach; "
                              "pass --etcd HOST:PORT[,HOST:PORT...] (the embedded etcd listens on loopback only)")

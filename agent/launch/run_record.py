@@ -10,7 +10,7 @@ first (``adopt_or_clear``):
   a leftover of that run and is SIGKILLed (its process group too when it leads one, as torchrun's workers
   do), and the new run waits until they are gone; one that will not go is an error naming it.
 
-Children normally die with their supervisor (agent/proto/parent_death.py); this is the second line, for
+Children normally die with their supervisor (agent/shared/parent_death.py); this is the second line, for
 what the first could not reach (a script without the runtime whose torchrun was itself killed hard).
 Only processes this record names by pid and start time are ever signalled.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 

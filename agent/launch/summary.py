@@ -11,7 +11,7 @@ from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
 from trainwarden.agent.launch.goodput import Goodput
 from trainwarden.agent.launch.progress import JobProgress
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 
 __all__ = ["print_summary"]
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from trainwarden.agent.proto.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
+from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT_ENV, CHECKPOINT_DIR_ENV,
                                              FLIGHT_RECORDER_ENV, JOB_ENV, STATE_DIR_ENV, TOKENS_PER_STEP_ENV,
                                              WARM_MAP_DIR_ENV, WARM_SOCKET_ENV, ZYGOTE_MODULE, validate_job_name,
                                              warm_paths)
 
-from trainwarden.agent.common.job_spec import parse_nnodes
+from trainwarden.agent.common.launch_options import OPTIONS, parse_nnodes
 from trainwarden.agent.common.paths import default_checkpoint_dir
 
 logger = logging.getLogger(__name__)
@@ -60,13 +60,11 @@ def validate_launch(spec) -> None:
     validate_job_name(spec.job)
     if not spec.script or spec.script == ["-m"]:
         raise ValueError("nothing to run: give a script path or -m MODULE after the options")
-    if spec.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {spec.nproc_per_node}")
-    if spec.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {spec.max_restarts}")
+    for name in ("nproc_per_node", "max_restarts", "nnodes"):  # as declared once: agent/common/launch_options.py
+        if (why := OPTIONS[name].problem(getattr(spec, name))) is not None:
+            raise ValueError(f"{OPTIONS[name].flag} {why}")
     if spec.monitor_interval <= 0:
         raise ValueError(f"--monitor-interval must be > 0, got {spec.monitor_interval}")
-    parse_nnodes(spec.nnodes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from trainwarden.agent.proto.contract import NUMERIC_KINDS
+from trainwarden.agent.shared.contract import NUMERIC_KINDS
 
 from trainwarden.agent.telemetry.job_telemetry import STEP_BUCKETS, JobTelemetry
 

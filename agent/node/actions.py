@@ -20,7 +20,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from trainwarden.agent.incidents import Incident, IncidentStore
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2 as pb
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.culprit import process_state

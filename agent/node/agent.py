@@ -54,7 +54,6 @@ from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
 from trainwarden.agent.watchdog.hang import HangConfig
-from trainwarden.agent.common.job_spec import hang_floor_problem
 from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -123,7 +122,8 @@ QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
 
 def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None = None) -> WatchdogConfig:
     """The watchdog's configuration for a straggler policy name (``alert`` or ``exclude``) and, when given, the
-    hang deadline's floor in seconds (``--hang-floor``; default ``HangConfig.floor_s``)."""
+    hang deadline's floor in seconds (``--hang-floor``; default ``HangConfig.floor_s``), already checked where it
+    was given (its declaration: agent/common/launch_options.py)."""
     try:
         policy = StragglerPolicy(straggler_policy)
     except ValueError:
@@ -138,13 +138,7 @@ def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None 
     except ValueError:
         raise ValueError(f"{QUIET_READ_PERIOD_ENV}={pace!r}: expected seconds between 0 (never ask the workers "
                          f"to read their Flight Recorders slowly) and 30") from None
-    hang = HangConfig()
-    if hang_floor_s is not None:
-        if (why := hang_floor_problem(hang_floor_s)) is not None:
-            raise ValueError(f"hang floor {hang_floor_s:g} s: {why.replace('must be', 'expected')} (the shortest "
-                             f"time without a step, a collective, CPU or I/O that counts as a hang; default "
-                             f"{HangConfig.floor_s:g})")
-        hang = HangConfig(floor_s=hang_floor_s)
+    hang = HangConfig() if hang_floor_s is None else HangConfig(floor_s=hang_floor_s)
     return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None,
                           quiet_read_period_s=quiet, hang=hang)
 

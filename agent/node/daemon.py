@@ -177,7 +177,6 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
     """Serve until SIGTERM/SIGINT (or `stop` is set, for callers on other threads); returns an exit code.
     ``notifier``: where readiness and keep-alives go (default: systemd's, from the environment)."""
     from trainwarden.agent.metrics.exporter import ExporterError
-    from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
     from trainwarden.agent.telemetry.health_endpoint import HealthEndpointError
     from trainwarden.agent.telemetry.server import TelemetryServerError
 
@@ -195,79 +194,27 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
 
         config = dataclasses.replace(config, records_home=records_home(config.state_home))
     client, writer, admin = None, None, None
-    if options.etcd:
-        try:
-            client = _connect_etcd(options.etcd_config)
-            if options.etcd_admin is not None and options.run_jobs:
-                from trainwarden.agent.node.job_etcd_identity import open_admin
-
-                admin = open_admin(options.etcd_admin, options.etcd_config)
-        except ValueError as exc:
-            if client is not None:
-                client.close()
-            err.write(f"trainwarden agent: {exc}\n")
-            return exit_codes.EXIT_USAGE
-        except EtcdAccessDenied as exc:
-            err.write(f"trainwarden agent: {exc}\n")
-            return exit_codes.EXIT_ETCD_UNAVAILABLE
-        except EtcdUnavailable as exc:
-            cause = type(exc.__cause__).__name__ if exc.__cause__ else "no answer"
-            err.write(f"trainwarden agent: cannot reach etcd at {options.etcd} ({cause}); start it, or leave out "
-                      "--etcd to keep incidents on local disk only\n")
-            return exit_codes.EXIT_ETCD_UNAVAILABLE
     try:
+        client, admin = _open_etcd(options)
         with StopOnSignals() if stop is None else ExternalStop(stop) as signals:
             writer = EtcdWriter(client, endpoint=options.etcd, node=config.node) if client is not None else None
             agent = NodeAgent(config, etcd=writer)
             try:
                 agent.start()
             except (ExporterError, HealthEndpointError, TelemetryServerError, ValueError) as exc:
-                err.write(f"trainwarden agent: cannot start: {exc}\n")
-                return exit_codes.EXIT_USAGE
+                raise _Refused(exit_codes.EXIT_USAGE, f"cannot start: {exc}") from None
             except OSError as exc:  # the socket's directory cannot be created (permissions, read-only fs)
-                err.write(f"trainwarden agent: cannot create the socket {config.socket_path}: "
-                          f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; run as a user "
-                          "who may write there (systemd: RuntimeDirectory=trainwarden) or pass another --socket\n")
-                return exit_codes.EXIT_USAGE
-            runner, webhook = None, None
+                raise _Refused(exit_codes.EXIT_USAGE,
+                               f"cannot create the socket {config.socket_path}: {exc.strerror or exc}"
+                               f"{f' ({exc.filename})' if exc.filename else ''}; run as a user who may write there "
+                               "(systemd: RuntimeDirectory=trainwarden) or pass another --socket") from None
             try:
-                if client is not None and options.run_jobs:
-                    runner = _job_runner(options, client, agent, admin)
-                    runner.start()
-                    agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
-                    agent.registry.register(_relay(runner, config))  # each running job's own series
-                if options.webhook is not None:
-                    webhook = _webhook(options, client, agent)
-                    try:
-                        webhook.start()
-                    except (OSError, ssl.SSLError) as exc:
-                        err.write(f"trainwarden agent: cannot serve the webhook on {options.webhook.listen}: "
-                                  f"{getattr(exc, 'strerror', None) or exc}; pick another --webhook-listen (or fix "
-                                  "the TLS files)\n")
-                        return exit_codes.EXIT_USAGE
-                    agent.registry.register(webhook)  # trainwarden_webhook_decisions_total, _requests_total
-                serving = (f"socket unix:{config.socket_path}, metrics {agent.metrics_url or 'off'}, "
-                           f"health check {agent.health_url or 'off'}"
-                           f"{f', incidents to etcd {options.etcd}' if options.etcd else ''}"
-                           f"{f', running the jobs submitted for node {config.node}' if runner else ''}"
-                           f"{f', Alertmanager webhook {webhook.url}' if webhook else ''}")
-                logger.info("trainwarden agent %s serving: %s", config.node, serving)
-                keepalive = _keepalive(notifier, agent, runner, webhook, status=f"serving: {serving}")
-                keepalive.tick()
-                while not signals.event.wait(keepalive.wait_s(1.0)):  # timed: signal handlers run between waits
-                    keepalive.tick()
-                name = signal.Signals(signals.received).name if signals.received else "stop requested"
-                logger.info("trainwarden agent: %s; stopping", name)
-                keepalive.stopping(name)
+                _serve(options, config, client, admin, agent, signals, notifier)
             finally:
-                if webhook is not None:
-                    webhook.stop()
-                if runner is not None:
-                    running = runner.stop()
-                    if running:
-                        logger.info("jobs %s keep running on this node; the next `trainwarden agent` adopts them "
-                                    "(`trainwarden stop JOB` stops one)", ", ".join(running))
                 agent.stop()
+    except _Refused as refused:
+        err.write(f"trainwarden agent: {refused.message}\n")
+        return refused.code
     finally:
         if writer is not None:
             writer.stop(5.0)
@@ -276,6 +223,91 @@ def run_daemon(options: DaemonOptions, *, err: TextIO | None = None, stop: threa
         if admin is not None:
             admin.close()
     return exit_codes.EXIT_OK
+
+
+class _Refused(Exception):
+    """The daemon cannot serve: it exits with ``code`` after saying ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _open_etcd(options: DaemonOptions):
+    """The daemon's etcd client and, when it runs jobs with an admin credential, the admin's; (None, None) without
+    ``--etcd``. ``_Refused`` saying what to do when etcd cannot be used."""
+    from trainwarden.agent.etcd.job_records import EtcdAccessDenied, EtcdUnavailable
+
+    if not options.etcd:
+        return None, None
+    client = None
+    try:
+        client = _connect_etcd(options.etcd_config)
+        admin = None
+        if options.etcd_admin is not None and options.run_jobs:
+            from trainwarden.agent.node.job_etcd_identity import open_admin
+
+            admin = open_admin(options.etcd_admin, options.etcd_config)
+        return client, admin
+    except ValueError as exc:
+        if client is not None:
+            client.close()
+        raise _Refused(exit_codes.EXIT_USAGE, str(exc)) from None
+    except EtcdAccessDenied as exc:
+        if client is not None:
+            client.close()
+        raise _Refused(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
+    except EtcdUnavailable as exc:
+        if client is not None:
+            client.close()
+        cause = type(exc.__cause__).__name__ if exc.__cause__ else "no answer"
+        raise _Refused(exit_codes.EXIT_ETCD_UNAVAILABLE,
+                       f"cannot reach etcd at {options.etcd} ({cause}); start it, or leave out --etcd to keep "
+                       "incidents on local disk only") from None
+
+
+def _serve(options: DaemonOptions, config: AgentConfig, client, admin, agent: NodeAgent, signals,
+           notifier: SdNotifier) -> None:
+    """With the agent started: this node's job runner and the webhook, then keep-alives until a signal; what it
+    started is stopped on the way out (the jobs keep running, for the next daemon to adopt)."""
+    runner, webhook = None, None
+    try:
+        if client is not None and options.run_jobs:
+            runner = _job_runner(options, client, agent, admin)
+            runner.start()
+            agent.registry.register(runner)  # trainwarden_node_cordoned, trainwarden_node_jobs
+            agent.registry.register(_relay(runner, config))  # each running job's own series
+        if options.webhook is not None:
+            webhook = _webhook(options, client, agent)
+            try:
+                webhook.start()
+            except (OSError, ssl.SSLError) as exc:
+                raise _Refused(exit_codes.EXIT_USAGE,
+                               f"cannot serve the webhook on {options.webhook.listen}: "
+                               f"{getattr(exc, 'strerror', None) or exc}; pick another --webhook-listen (or fix "
+                               "the TLS files)") from None
+            agent.registry.register(webhook)  # trainwarden_webhook_decisions_total, _requests_total
+        serving = (f"socket unix:{config.socket_path}, metrics {agent.metrics_url or 'off'}, "
+                   f"health check {agent.health_url or 'off'}"
+                   f"{f', incidents to etcd {options.etcd}' if options.etcd else ''}"
+                   f"{f', running the jobs submitted for node {config.node}' if runner else ''}"
+                   f"{f', Alertmanager webhook {webhook.url}' if webhook else ''}")
+        logger.info("trainwarden agent %s serving: %s", config.node, serving)
+        keepalive = _keepalive(notifier, agent, runner, webhook, status=f"serving: {serving}")
+        keepalive.tick()
+        while not signals.event.wait(keepalive.wait_s(1.0)):  # timed: signal handlers run between waits
+            keepalive.tick()
+        name = signal.Signals(signals.received).name if signals.received else "stop requested"
+        logger.info("trainwarden agent: %s; stopping", name)
+        keepalive.stopping(name)
+    finally:
+        if webhook is not None:
+            webhook.stop()
+        if runner is not None:
+            running = runner.stop()
+            if running:
+                logger.info("jobs %s keep running on this node; the next `trainwarden agent` adopts them "
+                            "(`trainwarden stop JOB` stops one)", ", ".join(running))
 
 
 def _keepalive(notifier: SdNotifier, agent: NodeAgent, runner, webhook=None, *, status: str) -> KeepAlive:

@@ -16,8 +16,8 @@ from typing import Mapping
 
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.untrusted_fs import read_small_text
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SERVICE_NAME, STATUS_METHOD
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SERVICE_NAME, STATUS_METHOD
 
 __all__ = [
     "AGENT_METRICS_RECORD", "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV",

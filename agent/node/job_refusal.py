@@ -35,7 +35,7 @@ from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.etcd.jobs import JobControl, JobView
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.node.job_user import JobUser, launch_identity
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentS
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.job_refusal import JobRefusals, node_problems
 from trainwarden.agent.node import job_user
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from trainwarden.agent.common.bounded_http import BoundedHTTPServer
 from trainwarden.agent.common.job_lifecycle import JobPhase
-from trainwarden.agent.proto.contract import validate_job_name
+from trainwarden.agent.shared.contract import validate_job_name
 from trainwarden.agent.etcd.jobs import JobConflict, JobControl
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 

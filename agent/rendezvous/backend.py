@@ -82,7 +82,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, SECURITY_ENV, EtcdAccessDenied, EtcdConfig,
                                           EtcdUnavailable, describe_etcd_error, open_etcd, read_password_file,
                                           with_failover)
-from trainwarden.agent.proto.contract import validate_job_name
+from trainwarden.agent.shared.contract import validate_job_name
 from trainwarden.agent.rendezvous.members import close_when_members_rejoin
 from trainwarden.agent.rendezvous.store import Etcd3Store
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, rdzv_key
@@ -396,7 +396,7 @@ def _parse_token(token: Token) -> int | None:
 
 
 def _check_run_id(run_id: str) -> None:
-    """The rendezvous id is the job's name: the one job-name rule (agent/proto/contract.py)."""
+    """The rendezvous id is the job's name: the one job-name rule (agent/shared/contract.py)."""
     try:
         validate_job_name(run_id)
     except ValueError as exc:

@@ -2,7 +2,7 @@
 its state directory: its history (step times, rounds, failures, goodput), incidents and checkpoints.
 
 ``data`` gathers and thins it (no plotly); ``page`` draws it with plotly, imported only when a page is drawn, so
-the agent never loads plotly unless a page is drawn. It imports ``common``, ``incidents`` and ``proto``;
+the agent never loads plotly unless a page is drawn. It imports ``common``, ``incidents`` and ``shared``;
 the CLI imports it.
 """
 

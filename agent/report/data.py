@@ -2,7 +2,7 @@
 
 ``gather`` reads the job's history (agent/common/job_history.py: step times, the launcher's events, the latest
 goodput), its incident records (agent/incidents/store.py) and its checkpoint directory
-(agent/proto/checkpoint_layout.py) into one ``ReportData``; page.py draws it. Every problem a person can fix is a
+(agent/shared/checkpoint_layout.py) into one ``ReportData``; page.py draws it. Every problem a person can fix is a
 ``ReportError`` whose message says what to do.
 
 The step times are thinned for the page (``downsample``): a trace keeps at most ``POINTS_PER_TRACE`` points,
@@ -25,7 +25,7 @@ from trainwarden.agent.common.paths import default_state_home, job_checkpoint_di
 from trainwarden.agent.incidents.record import Incident
 from trainwarden.agent.launch.goodput import CAUSE_LABELS
 from trainwarden.agent.incidents.store import list_incidents
-from trainwarden.agent.proto import checkpoint_layout as layout
+from trainwarden.agent.shared import checkpoint_layout as layout
 
 __all__ = ["CheckpointRow", "MAX_RANK_TRACES", "POINTS_PER_TRACE", "ReportData", "ReportError", "StepSeries",
            "TOTAL_POINTS", "cause_label", "checkpoint_rows", "downsample", "gather", "step_series", "timed_events"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from trainwarden.agent import __version__
-from trainwarden.agent.proto.atomic_file import atomic_write
+from trainwarden.agent.shared.atomic_file import atomic_write
 from trainwarden.agent.report.data import ReportData, ReportError, StepSeries, cause_label, gather
 
 __all__ = ["build_report", "render", "write_report"]

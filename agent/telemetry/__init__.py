@@ -2,7 +2,7 @@
 (``job_telemetry``), the matching of collective arrivals across a node's ranks (``arrivals``) and the
 agent's health on a TCP port for probes (``health_endpoint``).
 
-Readers (metrics, the watchdog, ``status``) work on ``JobTelemetry.snapshot()``. It imports ``proto`` only.
+Readers (metrics, the watchdog, ``status``) work on ``JobTelemetry.snapshot()``. It imports ``shared`` only.
 """
 
 from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint, HealthEndpointError

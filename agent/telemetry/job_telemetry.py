@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Protocol
 
-from trainwarden.agent.proto.contract import CHECKPOINT_STAGES, NUMERIC_KINDS
+from trainwarden.agent.shared.contract import CHECKPOINT_STAGES, NUMERIC_KINDS
 from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import psutil
 
-from trainwarden.agent.proto.contract import peer_credential_socket
+from trainwarden.agent.shared.contract import peer_credential_socket
 
 log = logging.getLogger(__name__)
 

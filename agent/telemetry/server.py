@@ -59,8 +59,8 @@ from trainwarden.agent.telemetry.admission import UNIDENTIFIED, HelloDeadlines, 
 from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import JOB_NAME_RE, NUMERIC_KINDS, PEER_TOKEN_METADATA, SERVICE_NAME
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import JOB_NAME_RE, NUMERIC_KINDS, PEER_TOKEN_METADATA, SERVICE_NAME
 
 __all__ = ["DEFAULT_HELLO_TIMEOUT_S", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_STREAMS_PER_UID", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 

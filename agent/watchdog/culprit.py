@@ -37,8 +37,8 @@ from typing import Iterable, Mapping
 
 import psutil
 
-from trainwarden.agent.proto.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
-from trainwarden.agent.proto.regular_file import read_regular
+from trainwarden.agent.shared.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
+from trainwarden.agent.shared.regular_file import read_regular
 
 log = logging.getLogger(__name__)
 

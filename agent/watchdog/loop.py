@@ -51,7 +51,7 @@ from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, n
 from trainwarden.agent.telemetry.job_telemetry import STARTUP_STEPS, JobSnapshot, RankSnapshot
 from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
-from trainwarden.agent.proto.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, trace_file
+from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
@@ -639,7 +639,7 @@ class Watchdog:
 
 
 def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
-    """Rank -> pipeline stage: runtime/parallel.py builds the ("pp", "dp", "tp") mesh, pp outermost."""
+    """Rank -> pipeline stage: runtime/examples/parallel.py builds the ("pp", "dp", "tp") mesh, pp outermost."""
     pp = int(snap.mesh.get("pp", 1) or 1)
     if pp <= 1 or snap.world_size % pp:
         return {r.rank: 0 for r in snap.ranks}

@@ -4,8 +4,8 @@
         -m trainwarden.runtime.examples.gpt --dp 2 --tp 2 --pp 2 --steps 20 --ckpt-dir /tmp/ckpt
 
 Every rank builds the same full model from ``--seed``, keeps its pipeline stage and shards it
-(:mod:`trainwarden.runtime.parallel`); data is a pure function of ``(seed, step, sample)``
-(:mod:`trainwarden.runtime.data`). Steps are numbered from 1. The last stage's first rank logs one line per
+(:mod:`trainwarden.runtime.examples.parallel`); data is a pure function of ``(seed, step, sample)``
+(:mod:`trainwarden.runtime.examples.data`). Steps are numbered from 1. The last stage's first rank logs one line per
 step (``step S loss L time Ts tok/s R``, loss with six decimals so that runs compare exactly) and finally
 ``done steps=N final_loss=L``.
 
@@ -15,7 +15,7 @@ which saves it asynchronously as checkpoint "step s". At start-up the newest com
 restored and training resumes at ``s + 1``. Model and optimizer go through
 ``torch.distributed.checkpoint.state_dict`` so they are keyed by fully-qualified parameter names and DCP
 reshards them into a different mesh. After every step (``--snapshot-every``) the same state is also snapshotted into
-the node agent's shared memory when ``trainwarden run`` keeps one (:mod:`trainwarden.runtime.memory_snapshot`):
+the node agent's shared memory when ``trainwarden run`` keeps one (:mod:`trainwarden.runtime.checkpoint.memory_snapshot`):
 a restart after a crash or a hang resumes from the step before it instead of the last disk checkpoint. Because the data and the learning rate depend only on the step, a
 resumed run reproduces an uninterrupted one bit for bit on the same mesh.
 
@@ -29,7 +29,7 @@ rank's own loss and gradients and the ranks agree on what they saw: a step with 
 
 With ``TRAINWARDEN_TIMINGS`` set, every rank marks the end of its start-up phases (imports done, default
 process group up, mesh up, model built, checkpoint restored, first step) for the restart breakdown benchmark
-(:mod:`trainwarden.runtime.timings`, tests/bench/bench_restart.py); unset, nothing is recorded.
+(:mod:`trainwarden.runtime.examples.timings`, tests/bench/bench_restart.py); unset, nothing is recorded.
 """
 
 from __future__ import annotations
@@ -49,18 +49,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_
 from torch.distributed.checkpoint.stateful import Stateful
 
 import trainwarden.runtime
-from trainwarden.agent.proto.contract import (CHECKPOINT_DIR_ENV, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, NUMERIC_POLICIES,
+from trainwarden.agent.shared.contract import (CHECKPOINT_DIR_ENV, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED, NUMERIC_POLICIES,
                                               PEER_GONE)
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointUnloadableError, RNGState
-from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
+from trainwarden.runtime.examples.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.runtime.faults import FaultInjector, FaultSpecError
-from trainwarden.runtime.model import ModelConfig, ModelConfigError
+from trainwarden.runtime.examples.model import ModelConfig, ModelConfigError
 from trainwarden.runtime.numeric import NumericStop, policy_from_env
-from trainwarden.runtime.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
+from trainwarden.runtime.examples.parallel import (MeshConfig, MeshError, backend_for, build_mesh,
                                           build_parallel_model, pick_device)
-from trainwarden.runtime.state_dict_reader import StateDictReader
-from trainwarden.runtime.timings import PhaseTimings
+from trainwarden.runtime.checkpoint.state_dict_reader import StateDictReader
+from trainwarden.runtime.examples.timings import PhaseTimings
 
 _IMPORTED_AT = time.time()
 """When this module's imports (torch among them) were done: the restart benchmark's "torch imported" mark."""
@@ -242,7 +242,7 @@ class TrainState(Stateful):
 def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | None = None) -> float:
     """Run (or resume) training up to ``cfg.steps`` in the initialised process group; the final loss
     on the reporting rank, NaN elsewhere or if no step ran. ``timings`` marks the start-up phases
-    (runtime/timings.py; off unless ``TRAINWARDEN_TIMINGS`` is set)."""
+    (runtime/examples/timings.py; off unless ``TRAINWARDEN_TIMINGS`` is set)."""
     if timings is None:
         timings = PhaseTimings(None, rank=dist.get_rank())
     faults = FaultInjector.from_env(rank=dist.get_rank())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainwarden.agent.etcd.client import EtcdConfig, open_etcd
 from trainwarden.agent.etcd.embedded import find_etcd_binary, free_port
-from trainwarden.agent.proto.parent_death import exec_dying_with_parent
+from trainwarden.agent.shared.parent_death import exec_dying_with_parent
 
 METRIC = re.compile(r"^(etcd_\w+)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
 

@@ -57,10 +57,10 @@ def build(layers: int, width: int, world: int):
 def build_reference(args, world: int):
     """The reference job's model (runtime/examples/gpt.py) on a pp2 x tp2 x dp2 mesh, after one step,
     wrapped in the job's own checkpoint state (TrainState)."""
-    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
     from trainwarden.runtime.examples.gpt import TrainState
-    from trainwarden.runtime.model import ModelConfig, build_model
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+    from trainwarden.runtime.examples.model import ModelConfig, build_model
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
 
     if world != 8:
         raise SystemExit("--model reference needs 8 ranks (pp2 x tp2 x dp2)")

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto import checkpoint_sums
-from trainwarden.runtime import checkpoint as checkpoint_module
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_sums
+from trainwarden.runtime.checkpoint import checkpointer as checkpoint_module
 from trainwarden.runtime.checkpoint import Checkpointer
 
 

@@ -27,8 +27,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from trainwarden.agent.metrics.exporter import MetricsExporter
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import PEER_TOKEN_METADATA, STREAM_METHOD
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import PEER_TOKEN_METADATA, STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.agent_requests import fetch_peer_token

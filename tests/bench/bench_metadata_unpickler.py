@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto.metadata_unpickler import load_metadata
-from trainwarden.runtime.model import ModelConfig, build_model
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared.metadata_unpickler import load_metadata
+from trainwarden.runtime.examples.model import ModelConfig, build_model
 
 
 def reference_checkpoint(directory: Path, layers: int) -> Path:

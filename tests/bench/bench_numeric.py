@@ -1,6 +1,6 @@
 """What the numeric guard costs a training step (issue 48: watching under 0.25 % of the training thread).
 
-Runs the reference job's model (runtime/parallel.py, the demo's shape unless told otherwise) under torchrun with gloo
+Runs the reference job's model (runtime/examples/parallel.py, the demo's shape unless told otherwise) under torchrun with gloo
 on CPU, ``--ranks`` processes, and trains rounds of ``--steps`` steps alternately with the guard between backward and
 the optimizer step and without it, in the same processes. Prints, per kind, the median step time over the rounds, the
 guard's own time per step (its norms, one collective of three integers and the read of the result), and the shares:
@@ -35,10 +35,10 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainwarden.runtime.data import DataConfig, SyntheticData
-    from trainwarden.runtime.model import ModelConfig
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.model import ModelConfig
     from trainwarden.runtime.numeric import NumericGuard
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

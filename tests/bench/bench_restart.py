@@ -7,7 +7,7 @@ ranks, gloo, 30 steps, a checkpoint every 10) with ``crash:rank=5,step=16`` (ran
 start of step 16) and ``--max-restarts 1``, each with its own defaults otherwise (monitor interval: 1 s for
 `trainwarden run`, 0.1 s for torchrun). Plain torchrun runs ``--standalone`` (c10d) with the shared-store
 workaround (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). The workers get ``TRAINWARDEN_TIMINGS``, so each rank
-marks the end of its start-up phases (runtime/timings.py).
+marks the end of its start-up phases (runtime/examples/timings.py).
 
 Phases of the crash -> restart, as wall-clock times since the fault, in the order they happen:
 
@@ -64,7 +64,7 @@ from _proctree import Worker, WorkerWatch
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from gpt_helpers import gpt_env  # noqa: E402
 
-from trainwarden.runtime.timings import TIMINGS_ENV, read_marks  # noqa: E402
+from trainwarden.runtime.examples.timings import TIMINGS_ENV, read_marks  # noqa: E402
 
 FAULT = "crash:rank=5,step=16"
 FAULT_STEP = 16
@@ -82,7 +82,7 @@ LABELS = {"detected": "detected", "old_gone": "old gone", "rdzv": "rdzv closed",
           "imported": "imported", "pg_up": "pg up", "mesh_up": "mesh up", "model_built": "model built",
           "restored": "restored", "first_step": "first step"}
 MARKED = ("imported", "pg_up", "mesh_up", "model_built", "restored")
-"""Phases the workers mark themselves (runtime/timings.py); the latest rank's time counts."""
+"""Phases the workers mark themselves (runtime/examples/timings.py); the latest rank's time counts."""
 
 STEP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bstep (\d+) loss ", re.M)
 RESUMED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bresumed from checkpoint step (\d+)", re.M)

@@ -6,7 +6,7 @@ Run under torchrun (8 ranks, gloo on CPU; the reference job's shape, pp2 x tp2 x
         tests/bench/bench_snapshot.py --width 64 --layers 4 --vocab 256 --blocks 6 --block-steps 8
 
 ``--ranks-per-node 4`` pretends the 8 ranks are two nodes: every snapshot is also copied to the other "node"
-(runtime/memory_peer.py), so the "with snapshots" steps pay for the copies too. The defaults are the reference
+(runtime/checkpoint/memory_peer.py), so the "with snapshots" steps pay for the copies too. The defaults are the reference
 job's own model (``runtime/examples/gpt.py``: dim 64, 4 layers, vocabulary 256);
 ``--width 512 --layers 8 --vocab 8192`` is a larger one. In one process, blocks of ``--block-steps`` training steps
 alternate between "snapshot after every step" (``Checkpointer.snapshot``, written to a tmpfs directory as under
@@ -16,7 +16,7 @@ median step of each, the ratio, the snapshot call's own time (the copy into the 
 waits for) and the background write's (the header and the rename: the tensors are in the file already).
 
 ``--compare-sums``: the blocks alternate between snapshots whose tensors are hashed (XXH3-64 in the background
-write, runtime/memory_sums.py: the product) and snapshots without sums, instead of "snapshot" and "no snapshot", and
+write, runtime/checkpoint/memory_sums.py: the product) and snapshots without sums, instead of "snapshot" and "no snapshot", and
 it prints both modes' step, snapshot call (the stall) and background write.
 
 Then it restores the same state from the newest snapshot and from a disk checkpoint (DCP, the same
@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_checkpoint import per_rank  # noqa: E402
 
-from trainwarden.agent.proto.snapshot_layout import rank_snapshots  # noqa: E402
+from trainwarden.agent.shared.snapshot_layout import rank_snapshots  # noqa: E402
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState  # noqa: E402
 
 
@@ -53,7 +53,7 @@ class _FilesAsAgent:
 
     def memory_held(self, world_size: int) -> list[tuple[int, int, int]]:
         """This rank's files; with ``others``, every rank's but its own: no rank holds its own file, so the restore
-        goes through DCP and each rank's own chunks come from another rank (runtime/memory_reshard.py)."""
+        goes through DCP and each rank's own chunks come from another rank (runtime/checkpoint/memory_reshard.py)."""
         ranks = [r for r in range(self.world) if r != self.rank] if self.others else [self.rank]
         return [(world_size, r, step) for r in ranks for step, _ in rank_snapshots(self.memory_dir, world_size, r)]
 
@@ -76,16 +76,16 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=8)
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="pretend the ranks are on nodes of this many (e.g. 4): each snapshot is also copied to the "
-                         "next 'node' (runtime/memory_peer.py), and its cost is in the step times")
+                         "next 'node' (runtime/checkpoint/memory_peer.py), and its cost is in the step times")
     ap.add_argument("--shm", default="/dev/shm", help="the tmpfs the snapshots go to (as TRAINWARDEN_MEMORY_ROOT)")
     ap.add_argument("--compare-sums", action="store_true",
                     help="alternate snapshots with and without checksums (the step and the background write)")
     args = ap.parse_args()
 
-    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
     from trainwarden.runtime.examples.gpt import TrainState
-    from trainwarden.runtime.model import ModelConfig
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+    from trainwarden.runtime.examples.model import ModelConfig
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -5,10 +5,10 @@ Run under torchrun (8 ranks, gloo on CPU; the reference job's shape, pp2 x tp2 x
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone \\
         --nproc-per-node 8 tests/bench/bench_state_dict.py
 
-A memory snapshot after every step asks the job for its state dict every step (runtime/memory_snapshot.py).
+A memory snapshot after every step asks the job for its state dict every step (runtime/checkpoint/memory_snapshot.py).
 After two training steps, every rank times ``--calls`` calls of each, alternating in ``--rounds`` rounds, all ranks
 at once as in a job; it prints the slowest rank's mean per call for each round and the ratio of the medians, and
-checks that both give the same keys and the same tensors (runtime/state_dict_reader.py compares them itself too).
+checks that both give the same keys and the same tensors (runtime/checkpoint/state_dict_reader.py compares them itself too).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    from trainwarden.runtime.data import DataConfig, SyntheticData
+    from trainwarden.runtime.examples.data import DataConfig, SyntheticData
     from trainwarden.runtime.examples.gpt import _SD_OPTIONS, TrainState
-    from trainwarden.runtime.model import ModelConfig
-    from trainwarden.runtime.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
-    from trainwarden.runtime.state_dict_reader import _difference
+    from trainwarden.runtime.examples.model import ModelConfig
+    from trainwarden.runtime.examples.parallel import MeshConfig, build_mesh, build_parallel_model, pick_device
+    from trainwarden.runtime.checkpoint.state_dict_reader import _difference
 
     dist.init_process_group("gloo")
     if dist.get_world_size() != 8:

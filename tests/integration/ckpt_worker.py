@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainwarden.agent.proto.snapshot_layout import parse_peer, parse_snapshot
+from trainwarden.agent.shared.snapshot_layout import parse_peer, parse_snapshot
 from trainwarden.runtime.checkpoint import Checkpointer, ModelState, RNGState
 from trainwarden.runtime.faults import FaultInjector, parse_faults
 

@@ -24,8 +24,8 @@ import grpc
 import pytest
 
 from procs import wait_for
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.contract import STREAM_METHOD
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.contract import STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.session import init
@@ -38,7 +38,7 @@ CLI = [sys.executable, "-m", "trainwarden.agent.cli"]
 IDLER = textwrap.dedent("""
     import os, sys, threading
     import grpc
-    from trainwarden.agent.proto.contract import PEER_TOKEN_METADATA, STREAM_METHOD
+    from trainwarden.agent.shared.contract import PEER_TOKEN_METADATA, STREAM_METHOD
     from trainwarden.runtime.agent_requests import fetch_peer_token
 
     sock, count, with_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

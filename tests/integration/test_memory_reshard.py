@@ -1,4 +1,4 @@
-"""Restoring memory snapshots at another world size, or from files on other nodes (runtime/memory_reshard.py).
+"""Restoring memory snapshots at another world size, or from files on other nodes (runtime/checkpoint/memory_reshard.py).
 
 Real torchrun, gloo on CPU, FSDP2 (``ckpt_worker.py``). The training run is 4 ranks on two simulated nodes, each
 node a memory directory of its own; it snapshots every step and checkpoints to disk every 2 steps, so after 5

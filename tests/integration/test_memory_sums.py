@@ -1,4 +1,4 @@
-"""Memory snapshots carry checksums and a restore verifies them (issue 48, item 1; runtime/memory_sums.py).
+"""Memory snapshots carry checksums and a restore verifies them (issue 48, item 1; runtime/checkpoint/memory_sums.py).
 
 Real torchrun, gloo on CPU, FSDP2 (``ckpt_worker.py``), each simulated node a memory directory of its own. A byte of
 one rank's snapshot flipped after it was written (the ``snapflip`` fault, or the test itself after the run) is found
@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from integration.test_checkpoint import assert_same_state, load, torchrun
-from trainwarden.runtime.memory_snapshot import MappedSnapshot
+from trainwarden.runtime.checkpoint.memory_snapshot import MappedSnapshot
 
 pytestmark = pytest.mark.integration
 

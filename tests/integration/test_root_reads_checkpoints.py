@@ -28,7 +28,7 @@ from job_users import unavailable, shared_dir
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_history import JobHistory
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD, job_state_dir
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer
 
 pytestmark = pytest.mark.integration

@@ -25,9 +25,9 @@ import grpc
 import pytest
 
 from procs import wait_for
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto import telemetry_pb2_grpc
-from trainwarden.agent.proto.contract import STREAM_METHOD
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2_grpc
+from trainwarden.agent.shared.contract import STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.agent_requests import fetch_peer_token
@@ -40,8 +40,8 @@ NOBODY = 65534
 ATTACKER = textwrap.dedent("""
     import json, os, sys
     import grpc
-    from trainwarden.agent.proto import telemetry_pb2 as pb
-    from trainwarden.agent.proto.contract import STREAM_METHOD
+    from trainwarden.agent.shared import telemetry_pb2 as pb
+    from trainwarden.agent.shared.contract import STREAM_METHOD
     from trainwarden.runtime.agent_requests import ask_commit, fetch_peer_token
 
     sock, job, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -228,8 +228,8 @@ def test_a_replaced_streams_late_records_are_dropped(tmp_path):
 STREAMER = textwrap.dedent("""
     import json, os, sys
     import grpc
-    from trainwarden.agent.proto import telemetry_pb2 as pb
-    from trainwarden.agent.proto.contract import STREAM_METHOD
+    from trainwarden.agent.shared import telemetry_pb2 as pb
+    from trainwarden.agent.shared.contract import STREAM_METHOD
     from trainwarden.runtime.agent_requests import fetch_peer_token
 
     sock, job = sys.argv[1], sys.argv[2]

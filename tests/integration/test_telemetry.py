@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import wait_for
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto import telemetry_pb2_grpc
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2_grpc
 from trainwarden.agent.telemetry.server import SERVICE_NAME, TelemetryServer
 from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
 from trainwarden.runtime.session import init

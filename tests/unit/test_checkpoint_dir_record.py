@@ -9,7 +9,7 @@ from pathlib import Path
 
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD, job_checkpoint_dir
 from trainwarden.agent.launch.run import RunOptions, _JobRun
-from trainwarden.agent.proto.contract import CHECKPOINT_DIR_ENV
+from trainwarden.agent.shared.contract import CHECKPOINT_DIR_ENV
 
 
 def _run(tmp_path: Path, *script: str) -> _JobRun:

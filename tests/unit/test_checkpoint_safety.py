@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
 pytestmark = pytest.mark.timeout(60)
@@ -226,7 +226,7 @@ def test_damaged_pickled_bytes_are_described_by_what_failed_not_by_torchs_advice
     import io
     import pickle
 
-    from trainwarden.runtime.checkpoint_errors import describe
+    from trainwarden.runtime.checkpoint.errors import describe
 
     with pytest.raises(pickle.UnpicklingError) as err:  # the damage DCP meets in a .distcp's pickled entry
         torch.load(io.BytesIO(b"\xff" * 64), weights_only=True)

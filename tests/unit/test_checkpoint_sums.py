@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto import checkpoint_sums
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_sums
 from trainwarden.runtime.checkpoint import Checkpointer
 
 
@@ -106,7 +106,7 @@ def test_checkpoints_verify_names_the_damaged_file_and_exits_8(tmp_path):
 
 
 def test_the_hashing_stream_hashes_what_it_writes_and_falls_back_to_the_file_after_a_seek(tmp_path):
-    from trainwarden.runtime.checkpoint_sums import HashingFileSystem
+    from trainwarden.runtime.checkpoint.sums import HashingFileSystem
 
     sums: dict = {}
     fs = HashingFileSystem(sums)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import (
     CheckpointInfo,
     CheckpointNotFoundError,

@@ -113,8 +113,10 @@ def test_hang_floor_is_a_setting_of_the_agent_and_an_option_of_run(tmp_path):
 
     assert watchdog_config().hang.floor_s == HangConfig.floor_s == 1.5
     assert watchdog_config("alert", 7.5).hang.floor_s == 7.5
-    with pytest.raises(ValueError, match="hang floor 0.1 s: expected seconds between 0.5 and 180"):
-        watchdog_config("alert", 0.1)
+    with pytest.raises(ValueError, match="setting 'hang_floor' must be seconds between 0.5 and 180, got 0.1"):
+        resolve_settings(build_parser().parse_args(["agent", "--hang-floor", "0.1"]), environ={})
+    with pytest.raises(ValueError, match="setting 'straggler_policy' must be one of alert, exclude, got 'kill'"):
+        resolve_settings(build_parser().parse_args(["agent"]), environ={"TRAINWARDEN_STRAGGLER_POLICY": "kill"})
     config = tmp_path / "agent.toml"
     config.write_text("hang_floor = 4\n")
     args = build_parser().parse_args(["agent", "--config", str(config)])
@@ -125,8 +127,8 @@ def test_hang_floor_is_a_setting_of_the_agent_and_an_option_of_run(tmp_path):
     with pytest.raises(ValueError, match="key 'hang_floor' must be a number"):
         resolve_settings(args, environ={})
     args = build_parser().parse_args(["run", "--hang-floor", "6", "--", "train.py"])
-    assert args.hang_floor == 6.0
-    with pytest.raises(ValueError, match="hang floor 900 s"):
+    assert args.hang_floor_s == 6.0
+    with pytest.raises(ValueError, match="--hang-floor must be seconds between 0.5 and 180, got 900"):
         RunOptions(script=["train.py"], job="j", hang_floor_s=900)
 
 

@@ -57,7 +57,7 @@ def test_reader_returns_each_retired_entry_once_and_counts_overwritten_ones():
 
 @pytest.mark.timeout(10)
 def test_trainwardens_own_background_traffic_is_never_read_as_the_jobs():
-    """The peer copy of memory snapshots (runtime/memory_peer.py) sends and receives on a group of its own; a
+    """The peer copy of memory snapshots (runtime/checkpoint/memory_peer.py) sends and receives on a group of its own; a
     receive waiting for the next snapshot is pending for a whole step and must not count as a collective."""
     dump = FakeDump()
     fr = FlightRecorder(dump)

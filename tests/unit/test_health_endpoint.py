@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainwarden.agent.node.agent import AgentConfig, NodeAgent
-from trainwarden.agent.proto.contract import SERVICE_NAME, STATUS_METHOD
+from trainwarden.agent.shared.contract import SERVICE_NAME, STATUS_METHOD
 from trainwarden.agent.telemetry import HealthEndpoint, HealthEndpointError, JobTelemetry, TelemetryServer
 
 pytestmark = pytest.mark.timeout(30)

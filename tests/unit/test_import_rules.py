@@ -1,7 +1,7 @@
 """The import graph keeps its rules (docs/ARCHITECTURE.md, "Layers"):
 
 - the agent never imports the runtime (``trainwarden.runtime``);
-- the runtime imports nothing of the agent but the protocol package (``trainwarden.agent.proto``), the leaf
+- the runtime imports nothing of the agent but the shared package (``trainwarden.agent.shared``), the leaf
   both sides share;
 - inside the agent, a sub-package imports only sub-packages of its own layer or below, and no two
   sub-packages import each other (one way only).
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = {
-    "proto": 0,
+    "shared": 0,
     "common": 1,
     "etcd": 2,
     "health": 3, "telemetry": 3, "incidents": 3, "rendezvous": 3,
@@ -32,7 +32,7 @@ LAYERS = {
     "cli": 7,
 }
 """Sub-packages of trainwarden.agent, lowest first: CLI -> launch, report -> node -> watchdog/metrics ->
-telemetry, incidents, rendezvous, health -> etcd -> common -> proto."""
+telemetry, incidents, rendezvous, health -> etcd -> common -> shared."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -96,8 +96,8 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             if source.startswith("trainwarden.agent") and target.startswith("trainwarden.runtime"):
                 problems.append(f"{source} imports the runtime ({target}): the agent never does")
             if source.startswith("trainwarden.runtime") and target.startswith("trainwarden.agent") \
-                    and not target.startswith("trainwarden.agent.proto") and target != "trainwarden.agent":
-                problems.append(f"{source} imports {target}: the runtime may import only trainwarden.agent.proto")
+                    and not target.startswith("trainwarden.agent.shared") and target != "trainwarden.agent":
+                problems.append(f"{source} imports {target}: the runtime may import only trainwarden.agent.shared")
             src, dst = subpackage(source), subpackage(target)
             if src is None or dst is None or src == dst or dst not in LAYERS:
                 continue
@@ -143,5 +143,5 @@ def test_an_agent_module_importing_the_runtime_is_caught(tmp_path):
     (tmp_path / "agent" / "etcd" / "client.py").write_text("from ..node import agent\n")
     problems = violations(graph(tmp_path))
     assert any("trainwarden.agent.watchdog.loop imports the runtime" in p for p in problems), problems
-    assert any("runtime may import only trainwarden.agent.proto" in p for p in problems), problems
+    assert any("runtime may import only trainwarden.agent.shared" in p for p in problems), problems
     assert any("etcd (layer 2) may not import node (layer 5)" in p for p in problems), problems

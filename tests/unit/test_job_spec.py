@@ -199,10 +199,10 @@ def test_the_workers_own_knobs_and_a_pythonpath_stay_allowed():
 
 def test_the_allowed_worker_knobs_are_the_names_the_runtime_reads():
     from trainwarden.agent.common.job_spec import JOB_ENV_ALLOWED
-    from trainwarden.agent.proto.fault_spec import ENV_VAR as FAULTS_ENV
-    from trainwarden.runtime.restore_plan import READ_BACKOFF_ENV
+    from trainwarden.agent.shared.fault_spec import ENV_VAR as FAULTS_ENV
+    from trainwarden.runtime.checkpoint.restore_plan import READ_BACKOFF_ENV
     from trainwarden.runtime.session import FR_DUTY_ENV
-    from trainwarden.runtime.timings import TIMINGS_ENV
+    from trainwarden.runtime.examples.timings import TIMINGS_ENV
 
     assert JOB_ENV_ALLOWED == {FAULTS_ENV, TIMINGS_ENV, FR_DUTY_ENV, READ_BACKOFF_ENV}
 

@@ -52,8 +52,8 @@ def test_parse_nnodes(value, expected):
     ({"nnodes": "a"}, "expected N or MIN:MAX"),
     ({"job": "Demo!"}, "job name 'Demo!' is invalid"),
     ({"script": []}, "nothing to run"),
-    ({"nproc_per_node": 0}, "--nproc-per-node must be >= 1"),
-    ({"max_restarts": -1}, "--max-restarts must be >= 0"),
+    ({"nproc_per_node": 0}, "--nproc-per-node must be at least 1, got 0"),
+    ({"max_restarts": -1}, "--max-restarts must be 0 or more, got -1"),
 ])
 def test_bad_launch_specs(kw, words):
     with pytest.raises(ValueError) as err:

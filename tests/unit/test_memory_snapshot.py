@@ -1,5 +1,5 @@
-"""Per-step memory snapshots (issue 26 item 3): the rank's side (runtime/memory_snapshot.py), the agent's record
-(agent/launch/memory_tier.py) and the Checkpointer's choice between memory and disk (runtime/checkpoint.py).
+"""Per-step memory snapshots (issue 26 item 3): the rank's side (runtime/checkpoint/memory_snapshot.py), the agent's record
+(agent/launch/memory_tier.py) and the Checkpointer's choice between memory and disk (runtime/checkpoint/checkpointer.py).
 
 Real tensors, a real optimizer and real files in a temporary directory; the node agent is a small fake session
 that answers what the CheckpointRecord RPC would (the integration test runs the real one:
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from trainwarden.agent.launch.memory_tier import MemoryTier
-from trainwarden.agent.proto.snapshot_layout import parse_snapshot, rank_snapshots, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import parse_snapshot, rank_snapshots, snapshot_path
 from trainwarden.runtime.checkpoint import Checkpointer, RNGState
 from trainwarden.runtime.examples.gpt import TrainState
-from trainwarden.runtime.memory_snapshot import MemorySnapshots
+from trainwarden.runtime.checkpoint.memory_snapshot import MemorySnapshots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,7 +165,7 @@ def test_an_agent_that_restarts_drops_the_snapshots_of_the_one_before(tmp_path):
                             "import os, signal\n"
                             "from pathlib import Path\n"
                             "from trainwarden.agent.launch.memory_tier import MemoryTier\n"
-                            "from trainwarden.agent.proto.snapshot_layout import snapshot_path\n"
+                            "from trainwarden.agent.shared.snapshot_layout import snapshot_path\n"
                             f"tier = MemoryTier.open('j', root=Path({str(tmp_path)!r}))\n"
                             "p = snapshot_path(tier.path, 1, 0, 3); p.parent.mkdir(); p.write_bytes(b'x')\n"
                             "print(tier.path, flush=True)\n"
@@ -255,7 +255,7 @@ def test_a_snapshot_that_fails_to_load_falls_back_to_the_disk(tmp_path):
 def test_the_file_format_round_trips_every_dtype_and_refuses_what_is_not_a_snapshot(tmp_path):
     import pickle
 
-    from trainwarden.runtime.memory_snapshot import _MAGIC, _PREFIX, _load
+    from trainwarden.runtime.checkpoint.memory_snapshot import _MAGIC, _PREFIX, _load
 
     state = {"a": torch.arange(5, dtype=torch.bfloat16), "b": torch.tensor(3.5), "c": torch.empty(0, 4),
              "d": torch.tensor([True, False]), "e": {"f": [torch.ones(2, 3, dtype=torch.int64), 7, "x", None]},

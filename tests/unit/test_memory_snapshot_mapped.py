@@ -1,4 +1,4 @@
-"""Memory snapshots staged straight into files mapped from the tmpfs (runtime/memory_snapshot.py, issue 26): each
+"""Memory snapshots staged straight into files mapped from the tmpfs (runtime/checkpoint/memory_snapshot.py, issue 26): each
 rank's files are reused across steps, the newest complete one is never touched while another is filled, a state
 whose tensors change gets new files, a full tmpfs turns snapshots off (never a SIGBUS in the step), and the loader
 refuses a file that is not the one it asked for."""
@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from trainwarden.agent.proto.snapshot_layout import partial_path, rank_partials, rank_snapshots, snapshot_path
-from trainwarden.runtime.memory_snapshot import MemorySnapshots, _load
+from trainwarden.agent.shared.snapshot_layout import partial_path, rank_partials, rank_snapshots, snapshot_path
+from trainwarden.runtime.checkpoint.memory_snapshot import MemorySnapshots, _load
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,7 +88,7 @@ def test_a_worker_killed_midway_through_a_copy_leaves_the_newest_snapshot_and_th
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import trainwarden.runtime.memory_snapshot as ms
+        import trainwarden.runtime.checkpoint.memory_snapshot as ms
         from test_memory_snapshot_mapped import _state
         snaps = ms.MemorySnapshots({str(tmp_path)!r}, rank=0, world_size=1)
         for step in (1, 2):
@@ -197,8 +197,8 @@ def test_a_full_tmpfs_turns_snapshots_off_and_never_crashes_the_step(small_tmpfs
     (a mapped page the tmpfs cannot supply) would show as its exit, not kill the test run."""
     script = textwrap.dedent(f"""
         import json, logging, torch
-        import trainwarden.runtime.memory_snapshot as ms
-        from trainwarden.agent.proto.snapshot_layout import snapshot_path
+        import trainwarden.runtime.checkpoint.memory_snapshot as ms
+        from trainwarden.agent.shared.snapshot_layout import snapshot_path
         logging.basicConfig(level=logging.WARNING)
         snaps = ms.MemorySnapshots({str(small_tmpfs)!r}, rank=0, world_size=1)
         state = {{"w": torch.ones(150_000)}}

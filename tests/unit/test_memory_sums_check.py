@@ -1,4 +1,4 @@
-"""Checksums of memory snapshots (issue 48, item 1; runtime/memory_sums.py): recorded by the writer thread, verified
+"""Checksums of memory snapshots (issue 48, item 1; runtime/checkpoint/memory_sums.py): recorded by the writer thread, verified
 before a restore uses a file; a mismatch sets the file aside and the restore takes the next source.
 
 Real tensors, a real optimizer, real snapshot files in a temporary directory; the byte is flipped by the ``snapflip``
@@ -13,11 +13,11 @@ import pytest
 import torch
 import xxhash
 
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint import Checkpointer
 from trainwarden.runtime.faults import FaultInjector, parse_faults
-from trainwarden.runtime.memory_snapshot import MappedSnapshot, MemorySnapshots
-from trainwarden.runtime.memory_sums import CORRUPT_SUFFIX, SnapshotCorrupt
+from trainwarden.runtime.checkpoint.memory_snapshot import MappedSnapshot, MemorySnapshots
+from trainwarden.runtime.checkpoint.memory_sums import CORRUPT_SUFFIX, SnapshotCorrupt
 
 from unit.test_memory_snapshot import _Agent, _job, _params, _train
 
@@ -80,7 +80,7 @@ def test_the_peer_copy_carries_the_sums_and_its_corruption_is_named_as_the_peers
     [mismatch] = MappedSnapshot(copy).verify()
     assert mismatch.copy == "peer" and mismatch.rank == 0
     with pytest.raises(SnapshotCorrupt, match="rank 0's peer copy of step 2"):
-        from trainwarden.runtime.memory_snapshot import _load
+        from trainwarden.runtime.checkpoint.memory_snapshot import _load
         _load(copy)
 
 
@@ -162,8 +162,8 @@ def test_snapflip_fires_once_on_the_first_snapshot_of_its_step_or_later_never_at
 def test_dcp_through_the_reader_refuses_a_corrupt_tensor_and_keeps_what_it_found(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS
-    from trainwarden.runtime.memory_reshard import SnapshotReader, open_files
+    from trainwarden.runtime.checkpoint.errors import SAVE_LOAD_ERRORS
+    from trainwarden.runtime.checkpoint.memory_reshard import SnapshotReader, open_files
 
     _snapshotted(tmp_path)
     path = snapshot_path(tmp_path, 1, 0, 2)

@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.agent.proto.metadata_unpickler import ALLOWED_GLOBALS, MetadataRefused, load_metadata
-from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
-from trainwarden.runtime.metadata_reader import AllowListReader
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.shared.metadata_unpickler import ALLOWED_GLOBALS, MetadataRefused, load_metadata
+from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
+from trainwarden.runtime.checkpoint.metadata_reader import AllowListReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,7 +131,7 @@ def test_the_workers_restore_reads_metadata_through_the_allow_list(tmp_path):
 
 
 def test_a_flight_recorder_dump_that_is_a_link_or_a_fifo_is_not_read(tmp_path):
-    from trainwarden.agent.proto.contract import stacks_file, trace_file
+    from trainwarden.agent.shared.contract import stacks_file, trace_file
     from trainwarden.agent.watchdog.culprit import read_diagnostics
 
     elsewhere = tmp_path / "elsewhere.fr"
@@ -149,7 +149,7 @@ def test_verify_reads_only_the_checkpoints_own_regular_files(tmp_path):
     user's, so a path out of the directory is not read, and a FIFO neither blocks nor is hashed."""
     import json
 
-    from trainwarden.agent.proto import checkpoint_sums
+    from trainwarden.agent.shared import checkpoint_sums
 
     path = make_checkpoint(tmp_path, 3)
     sums = {name: {"sum": "0", "bytes": 1, "rank": 0} for name in ("/dev/zero", "../../etc/shadow")}

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from trainwarden.runtime.data import DataConfig, DataConfigError, SyntheticData
+from trainwarden.runtime.examples.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.examples.gpt import parse_args
-from trainwarden.runtime.model import (ModelConfig, ModelConfigError, build_model, split_for_stage,
+from trainwarden.runtime.examples.model import (ModelConfig, ModelConfigError, build_model, split_for_stage,
                                        stage_layer_ids)
-from trainwarden.runtime.parallel import MeshConfig, MeshError, ParallelModel, lm_loss, stage_shapes
+from trainwarden.runtime.examples.parallel import MeshConfig, MeshError, ParallelModel, lm_loss, stage_shapes
 
 CFG = ModelConfig(vocab=32, dim=16, heads=4, layers=4, seq=12)
 

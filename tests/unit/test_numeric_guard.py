@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from trainwarden.agent.incidents import IncidentKind, IncidentState
 from trainwarden.agent.metrics.job_collector import JobMetricsCollector
 from trainwarden.agent.node.numeric_incidents import NumericIncidents
-from trainwarden.agent.proto import telemetry_pb2 as pb
-from trainwarden.agent.proto.fault_spec import FaultSpecError, parse_faults
+from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.fault_spec import FaultSpecError, parse_faults
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.telemetry.server import TelemetryServer
 from trainwarden.runtime.faults import FaultInjector

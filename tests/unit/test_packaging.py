@@ -32,7 +32,7 @@ def test_the_wheel_holds_every_package_and_its_entry_points_work(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in _packages():
         assert package.replace(".", "/") + "/__init__.py" in names, f"{package} is missing from the wheel"
-    assert "trainwarden/agent/proto/telemetry.proto" in names
+    assert "trainwarden/agent/shared/telemetry.proto" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "trainwarden = trainwarden.agent.cli:entry" in text

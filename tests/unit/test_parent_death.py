@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from trainwarden.agent.proto.parent_death import exec_dying_with_parent
+from trainwarden.agent.shared.parent_death import exec_dying_with_parent
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")]

@@ -1,10 +1,10 @@
-"""runtime/timings.py: the start-up phase marks the restart benchmark reads; off (and free) by default."""
+"""runtime/examples/timings.py: the start-up phase marks the restart benchmark reads; off (and free) by default."""
 
 import os
 
 import pytest
 
-from trainwarden.runtime.timings import TIMINGS_ENV, PhaseTimings, read_marks
+from trainwarden.runtime.examples.timings import TIMINGS_ENV, PhaseTimings, read_marks
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The committed generated code matches what protoc produces from agent/proto/telemetry.proto."""
+"""The committed generated code matches what protoc produces from agent/shared/telemetry.proto."""
 
 import re
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PROTO_DIR = Path(__file__).resolve().parents[2] / "agent" / "proto"
+PROTO_DIR = Path(__file__).resolve().parents[2] / "agent" / "shared"
 GENERATED = ("telemetry_pb2.py", "telemetry_pb2_grpc.py", "telemetry_pb2.pyi")
 ABSOLUTE_IMPORT = "import telemetry_pb2 as telemetry__pb2"
 RELATIVE_IMPORT = "from . import telemetry_pb2 as telemetry__pb2"
@@ -33,13 +33,13 @@ def test_regenerating_gives_identical_files(tmp_path):
     grpc_file.write_text(text.replace(ABSOLUTE_IMPORT, RELATIVE_IMPORT))
     for name in GENERATED:
         assert (tmp_path / name).read_text() == (PROTO_DIR / name).read_text(), (
-            f"agent/proto/{name} is stale: regenerate it (see agent/proto/telemetry.proto's header)"
+            f"agent/shared/{name} is stale: regenerate it (see agent/shared/telemetry.proto's header)"
         )
 
 
 @pytest.mark.timeout(30)
 def test_generated_modules_import_as_a_package():
-    from trainwarden.agent.proto import telemetry_pb2, telemetry_pb2_grpc
+    from trainwarden.agent.shared import telemetry_pb2, telemetry_pb2_grpc
 
     msg = telemetry_pb2.WorkerMessage(hello=telemetry_pb2.Hello(job="j", rank=3, mesh={"dp": 2}))
     again = telemetry_pb2.WorkerMessage.FromString(msg.SerializeToString())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainwarden.agent.proto import checkpoint_layout as store
+from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
 from test_checkpoint_safety import Box, Events, saved

@@ -1,4 +1,4 @@
-"""Memory snapshots read through DCP (runtime/memory_reshard.py): which step the ranks take, what the agent vouches
+"""Memory snapshots read through DCP (runtime/checkpoint/memory_reshard.py): which step the ranks take, what the agent vouches
 for across ranks, and a snapshot loaded by ``dcp.load`` through ``SnapshotReader`` in one process.
 
 The several-process cases (another world size, files on another node, the exchange between nodes) run real
@@ -11,10 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainwarden.agent.launch.memory_tier import MemoryTier
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
 from trainwarden.runtime.checkpoint import ModelState
-from trainwarden.runtime.memory_reshard import SnapshotReader, choose, metadata, open_files
-from trainwarden.runtime.memory_snapshot import MemorySnapshots
+from trainwarden.runtime.checkpoint.memory_reshard import SnapshotReader, choose, metadata, open_files
+from trainwarden.runtime.checkpoint.memory_snapshot import MemorySnapshots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +59,7 @@ def test_the_agent_tells_every_file_it_vouches_for_on_its_node(tmp_path):
 
 
 def test_the_agent_vouches_for_the_copies_its_ranks_received_of_another_nodes_ranks(tmp_path):
-    """Ranks 0 and 1 live here; rank 0 received copies of rank 2's files, rank 1 of rank 3's (runtime/memory_peer)."""
+    """Ranks 0 and 1 live here; rank 0 received copies of rank 2's files, rank 1 of rank 3's (runtime/checkpoint/memory_peer.py)."""
     tier = MemoryTier.open("j", root=tmp_path)
     for receiver, owner, step in ((0, 2, 4), (0, 2, 5), (0, 2, 6), (1, 3, 6)):
         tier.on_checkpoint("j", receiver, "snapshot", step, str(peer_path(tier.path, 4, owner, step)), 0)

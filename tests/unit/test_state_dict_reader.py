@@ -1,4 +1,4 @@
-"""``StateDictReader`` (runtime/state_dict_reader.py) gives what ``get_state_dict`` gives, the short way only while
+"""``StateDictReader`` (runtime/checkpoint/state_dict_reader.py) gives what ``get_state_dict`` gives, the short way only while
 what it learnt still holds. Every case compares with torch's own ``get_state_dict`` called beside it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from trainwarden.runtime.state_dict_reader import StateDictReader, _difference
+from trainwarden.runtime.checkpoint.state_dict_reader import StateDictReader, _difference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,7 +217,7 @@ def test_a_model_whose_keys_are_not_its_names_asks_get_state_dict_every_time(cap
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optimizer)
     reader = StateDictReader(model, optimizer)
-    with caplog.at_level("INFO", logger="trainwarden.runtime.state_dict_reader"):
+    with caplog.at_level("INFO", logger="trainwarden.runtime.checkpoint.state_dict_reader"):
         for _ in range(3):
             _assert_as_torch_gives(reader)
     assert reader.fast_reads == 0

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from fake_nvml import FakeGpu, FakeNvml
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2 as pb
 from trainwarden.agent.cli.status import (
     fetch_gpu_stats, format_status, format_top, parse_gpu_stats, status_command, status_to_json, top_command,
 )

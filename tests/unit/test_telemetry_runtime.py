@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from trainwarden.agent.proto import telemetry_pb2 as pb
+from trainwarden.agent.shared import telemetry_pb2 as pb
 from trainwarden.runtime import EXIT_ABORTED, Session, init
 from trainwarden.runtime.flight_recorder import FlightRecorder
 from trainwarden.runtime.agent_client import STEP_RECORD, ClientConfig, TelemetryClient
@@ -86,7 +86,7 @@ def test_agent_commands_are_handled_and_polled(tmp_path):
 @pytest.mark.timeout(60)
 def test_abort_exits_the_process_with_the_named_code():
     code = textwrap.dedent("""
-        from trainwarden.agent.proto import telemetry_pb2 as pb
+        from trainwarden.agent.shared import telemetry_pb2 as pb
         from trainwarden.runtime.session import Session
         rt = Session(job="j", rank=0, world_size=1, client_config=None)
         rt._on_command(pb.AgentCommand(abort=pb.Abort(reason="hang detected in pg 0")))

@@ -60,7 +60,7 @@ def test_a_zygote_whose_launcher_is_already_gone_exits_before_it_serves(tmp_path
     import subprocess
     import sys
 
-    from trainwarden.agent.proto.contract import WARM_PARENT_PID_ENV, ZYGOTE_MODULE
+    from trainwarden.agent.shared.contract import WARM_PARENT_PID_ENV, ZYGOTE_MODULE
 
     env = {**os.environ, WARM_PARENT_PID_ENV: "1"}  # not this zygote's parent: its launcher went before it asked
     done = subprocess.run([sys.executable, "-m", ZYGOTE_MODULE, "--serve", str(tmp_path / "z.sock"),

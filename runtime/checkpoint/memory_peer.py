@@ -2,10 +2,10 @@
 
 A node that is lost takes its agent's memory with it. So each rank also sends its newest finished snapshot file
 to the same local rank on the next node (rank ``r`` to ``(r + ranks_per_node) % world``), which writes it into
-its own node's memory directory (``world-N/peer/``, agent/proto/snapshot_layout.py) and reports it; that node's
+its own node's memory directory (``world-N/peer/``, agent/shared/snapshot_layout.py) and reports it; that node's
 agent vouches for it as for its own ranks' files. After a node loss the survivors then hold every old rank's file
 of a recent step between them, and the restore reads them through DCP into the smaller world
-(runtime/memory_reshard.py) instead of the disk.
+(runtime/checkpoint/memory_reshard.py) instead of the disk.
 
 The transport is the job's own: a gloo group of its own (``trainwarden-peer-copy``, so its traffic never
 interleaves with the Checkpointer's collectives and the Flight Recorder's readers leave it out), point to point,
@@ -43,9 +43,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainwarden.agent.proto.snapshot_layout import KEEP, peer_path, peer_snapshots
+from trainwarden.agent.shared.snapshot_layout import KEEP, peer_path, peer_snapshots
 from trainwarden.runtime.flight_recorder import INTERNAL_GROUP_PREFIX
-from trainwarden.runtime.memory_snapshot import MappedSnapshot, MemorySnapshots
+from trainwarden.runtime.checkpoint.memory_snapshot import MappedSnapshot, MemorySnapshots
 
 __all__ = ["GROUP_DESC", "PeerCopy"]
 

@@ -1,6 +1,6 @@
 """Restore memory snapshots whose files are not each rank's own: ``choose`` and ``SnapshotReader``.
 
-A rank's snapshot file (runtime/memory_snapshot.py) holds what that rank owned: the local shards of its DTensors. The
+A rank's snapshot file (runtime/checkpoint/memory_snapshot.py) holds what that rank owned: the local shards of its DTensors. The
 same rank at the same world size loads it directly. Two restarts cannot: one into another world size (a node lost or
 back: the shards are cut differently), and one where a rank's file is on another node than the rank (the ranks were
 numbered anew). For them each file also records, once per layout, DCP's view of its state (``_dcp_view``: each
@@ -19,7 +19,7 @@ same metadata.
 What it refuses (the caller then restores from disk): a file that is torn, rewritten while read, or made before this
 format recorded DCP's view; a body whose structure no longer matches the view; a value that holds tensors in a file
 on another node. Each tensor a rank reads from a file on its node (for itself, or to send) is verified against its
-sum first (runtime/memory_sums.py): a mismatch fails the load and is kept in ``SnapshotReader.mismatches``, and the
+sum first (runtime/checkpoint/memory_sums.py): a mismatch fails the load and is kept in ``SnapshotReader.mismatches``, and the
 caller sets the file aside and chooses again. What it does not restore: RNG states (per-rank, like a disk checkpoint at another world size).
 """
 
@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from trainwarden.runtime.memory_snapshot import MappedSnapshot, follow, holds_tensor_mark
-from trainwarden.runtime.memory_sums import Mismatch
+from trainwarden.runtime.checkpoint.memory_snapshot import MappedSnapshot, follow, holds_tensor_mark
+from trainwarden.runtime.checkpoint.memory_sums import Mismatch
 
 __all__ = ["Choice", "SnapshotReader", "choose"]
 
@@ -135,7 +135,7 @@ class SnapshotReader(StorageReader):
         self._rank, self._group = rank, group
         self.sent_bytes = self.received_bytes = 0
         self.mismatches: list[Mismatch] = []
-        """The tensors of files on this node whose bytes differ from their sums (runtime/memory_sums.py)."""
+        """The tensors of files on this node whose bytes differ from their sums (runtime/checkpoint/memory_sums.py)."""
         self._verified: set[tuple[int, int]] = set()
 
     # -- StorageReader ---------------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class SnapshotReader(StorageReader):
     def _check(self, rank: int, indices) -> None:
         """Verify old rank ``rank``'s tensors at ``indices`` in the file on this node against their sums, each once:
         a mismatch is kept in ``mismatches`` and raised, so DCP fails the load on every rank and nothing of it is
-        used (runtime/checkpoint_memory.py then sets the file aside and chooses again)."""
+        used (runtime/checkpoint/memory.py then sets the file aside and chooses again)."""
         todo = [i for i in indices if (rank, i) not in self._verified]
         if not todo:
             return

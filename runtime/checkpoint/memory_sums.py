@@ -1,17 +1,17 @@
 """Checksums of memory snapshots (issue 48, item 1): a flipped byte in host memory is found before it is trained on.
 
-A memory snapshot (runtime/memory_snapshot.py) is a file in the node agent's shared memory holding each tensor's bytes
+A memory snapshot (runtime/checkpoint/memory_snapshot.py) is a file in the node agent's shared memory holding each tensor's bytes
 at an offset of its own. When the writer thread finishes a file (off the training thread, after the step's copy into
 the file's mapping) it hashes each tensor's bytes from that mapping, the bytes in hand (never a second read of the
-GPU), with XXH3-64, the disk checkpoints' algorithm (agent/proto/checkpoint_sums.py), and records the sums in the
+GPU), with XXH3-64, the disk checkpoints' algorithm (agent/shared/checkpoint_sums.py), and records the sums in the
 file's header (``{"algorithm": "xxh3_64", "tensors": [hex, ...]}``, one per entry of the tensor table). The copy a peer
-node keeps (runtime/memory_peer.py) is the same bytes, header included, so it carries the same sums.
+node keeps (runtime/checkpoint/memory_peer.py) is the same bytes, header included, so it carries the same sums.
 
 A restore from memory verifies every tensor it is about to use against its sum (``verify``): the own file before
 ``MemorySnapshots.load`` copies anything out of it, and each file a rank serves in a resharded restore
-(runtime/memory_reshard.py). A mismatch is a ``Mismatch`` naming the file, the snapshot's rank, which copy it is
+(runtime/checkpoint/memory_reshard.py). A mismatch is a ``Mismatch`` naming the file, the snapshot's rank, which copy it is
 (``own`` or ``peer``), the buffer (its key in the state) and both sums. The ranks gather the verdicts and decide
-together (runtime/checkpoint_memory.py): the file is set aside (``set_aside``: renamed ``<name>.corrupt``, which no
+together (runtime/checkpoint/memory.py): the file is set aside (``set_aside``: renamed ``<name>.corrupt``, which no
 reader opens and the agent removes with its directory), one ``set_aside`` incident names it, and the restore chooses
 again: another copy of the step (the peer's), an older step still in memory, else the disk's checkpoints. A file
 written before sums were recorded is used unverified.
@@ -30,8 +30,8 @@ from typing import Any, Iterable
 
 import xxhash
 
-from trainwarden.agent.proto.checkpoint_sums import ALGORITHM
-from trainwarden.agent.proto.snapshot_layout import parse_peer
+from trainwarden.agent.shared.checkpoint_sums import ALGORITHM
+from trainwarden.agent.shared.snapshot_layout import parse_peer
 
 __all__ = ["ALGORITHM", "CORRUPT_SUFFIX", "Mismatch", "SnapshotCorrupt", "record", "set_aside", "verify"]
 
@@ -121,7 +121,7 @@ def _mismatch(header: dict, path: str | os.PathLike, index: int, expected: str, 
 
 def _names(state: Any, prefix: str = "") -> dict[int, str]:
     """Each tensor index of a header's state -> its key path (``train/model/0.weight``); found only for a report."""
-    from trainwarden.runtime.memory_snapshot import _mark_index  # not at the top: that module imports this one
+    from trainwarden.runtime.checkpoint.snapshot_file import _mark_index  # not at the top: that module imports this one
 
     index = _mark_index(state)
     if index is not None:

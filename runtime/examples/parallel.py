@@ -4,7 +4,7 @@ The world is laid out as a ``DeviceMesh`` with dimensions ``("pp", "dp", "tp")``
 tensor-parallel peers are adjacent ranks, then data-parallel replicas, then pipeline stages). Each rank
 
 1. builds the whole model with the shared seed and cuts out its pipeline stage
-   (:func:`trainwarden.runtime.model.split_for_stage`): one stage per ``pp`` rank;
+   (:func:`trainwarden.runtime.examples.model.split_for_stage`): one stage per ``pp`` rank;
 2. shards attention ``wq/wk/wv`` column-wise and ``wo`` row-wise, MLP ``w1`` column-wise and ``w2``
    row-wise over the ``tp`` mesh (Megatron style: one all-reduce after attention and one after the MLP;
    heads are split across tp ranks, so ``heads`` must be divisible by ``tp``);
@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainwarden.runtime.model import ModelConfig, Transformer, build_model, split_for_stage
+from trainwarden.runtime.examples.model import ModelConfig, Transformer, build_model, split_for_stage
 
 __all__ = ["MeshConfig", "MeshError", "ParallelModel", "pick_device", "backend_for", "build_mesh",
            "apply_tensor_parallel", "apply_fsdp", "lm_loss", "stage_shapes", "build_parallel_model"]

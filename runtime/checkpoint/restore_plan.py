@@ -7,7 +7,7 @@ directory without ``.metadata``: a lagging filesystem) is looked at again after 
 if it still cannot be read and it is newer than what would load, the plan is ``blocked``: nothing is set aside,
 a read error is not corruption. Unfinished saves newer than anything that would load, and corrupt checkpoints
 newer than the newest complete one, are set aside through the caller's ``quarantine``. The ``Checkpointer``
-(runtime/checkpoint.py) broadcasts the plan and every rank follows it together.
+(runtime/checkpoint/checkpointer.py) broadcasts the plan and every rank follows it together.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.runtime import resume_evidence
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.runtime.checkpoint import resume_evidence
 
 __all__ = ["DEFAULT_READ_BACKOFF_S", "READ_BACKOFF_ENV", "RestorePlan", "plan_restore", "read_backoff_from_env"]
 

@@ -19,8 +19,8 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from trainwarden.agent.proto.metadata_unpickler import MAX_METADATA_BYTES, load_metadata
-from trainwarden.agent.proto.regular_file import read_regular
+from trainwarden.agent.shared.metadata_unpickler import MAX_METADATA_BYTES, load_metadata
+from trainwarden.agent.shared.regular_file import read_regular
 
 __all__ = ["AllowListReader"]
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainwarden.agent.proto.checkpoint_layout import atomic_write
+from trainwarden.agent.shared.checkpoint_layout import atomic_write
 
 __all__ = ["ModelState", "RNGState", "load_sidecar", "write_sidecar"]
 
@@ -92,7 +92,7 @@ def load_sidecar(path: Path, entries: Mapping[str, RNGState]) -> bool:
 class ModelState(Stateful):
     """Model and optimizer(s) as one DCP Stateful, through torch's distributed state-dict API (works for
     FSDP2/DTensor-sharded and plain modules; DCP reshards on load). ``state_dict()`` is ``get_state_dict``'s
-    result, the parameter names worked out once (runtime/state_dict_reader.py): a snapshot asks every step."""
+    result, the parameter names worked out once (runtime/checkpoint/state_dict_reader.py): a snapshot asks every step."""
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | list | None = None) -> None:
         self.model = model
@@ -101,7 +101,7 @@ class ModelState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         if self._reader is None:  # imported on first use, as get_state_dict was: it imports torch's FSDP modules
-            from trainwarden.runtime.state_dict_reader import StateDictReader
+            from trainwarden.runtime.checkpoint.state_dict_reader import StateDictReader
 
             self._reader = StateDictReader(self.model, self.optimizers)
         model_sd, optim_sd = self._reader.read()

@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainwarden.agent.proto import checkpoint_layout as store
-from trainwarden.runtime.checkpoint_errors import causes
+from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.runtime.checkpoint.errors import causes
 
 logger = logging.getLogger("trainwarden.runtime.checkpoint")
 

@@ -1,4 +1,4 @@
-"""Hashing a checkpoint's files while DCP writes them (issue 48; the record and the check: agent/proto/checkpoint_sums.py).
+"""Hashing a checkpoint's files while DCP writes them (issue 48; the record and the check: agent/shared/checkpoint_sums.py).
 
 ``HashingFileSystem`` is DCP's ``FileSystem`` whose write streams feed every byte they pass on to an XXH3 hasher:
 the bytes are hashed once, from the buffer in hand, not read back, in the background of an async save (a large
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from trainwarden.agent.proto import checkpoint_sums
+from trainwarden.agent.shared import checkpoint_sums
 
 logger = logging.getLogger("trainwarden.runtime.checkpoint")
 

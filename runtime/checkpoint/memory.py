@@ -1,10 +1,10 @@
 """The Checkpointer's memory side: per-step snapshots, their copy on the next node, and restoring from them.
 
-A mixin of ``Checkpointer`` (runtime/checkpoint.py), which keeps the disk side: saving, committing, retention and
+A mixin of ``Checkpointer`` (runtime/checkpoint/checkpointer.py), which keeps the disk side: saving, committing, retention and
 the restore's plan and disk candidates. ``restore`` asks here first (``_memory_choice``) and falls back to the
-disk when nothing here serves. What the memory holds and how it is read: runtime/memory_snapshot.py (the files),
-runtime/memory_reshard.py (another world size or numbering, through DCP), runtime/memory_peer.py (the copy),
-runtime/memory_sums.py (each tensor's checksum, verified before a restore uses it: a corrupt file is set aside and
+disk when nothing here serves. What the memory holds and how it is read: runtime/checkpoint/memory_snapshot.py (the files),
+runtime/checkpoint/memory_reshard.py (another world size or numbering, through DCP), runtime/checkpoint/memory_peer.py (the copy),
+runtime/checkpoint/memory_sums.py (each tensor's checksum, verified before a restore uses it: a corrupt file is set aside and
 the choice made again, so the peer's copy, an older step in memory or the disk serves instead).
 """
 
@@ -20,14 +20,14 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainwarden.agent.proto.contract import PEER_COPY_ENV
-from trainwarden.agent.proto.snapshot_layout import peer_path, snapshot_path
-from trainwarden.runtime.checkpoint_errors import SAVE_LOAD_ERRORS, describe
-from trainwarden.runtime.checkpoint_state import RNGState, put_back
-from trainwarden.runtime.memory_peer import PeerCopy
-from trainwarden.runtime.memory_reshard import Choice, SnapshotReader, choose, open_files
-from trainwarden.runtime.memory_snapshot import MemorySnapshots, memory_dir_from_env
-from trainwarden.runtime.memory_sums import Mismatch, set_aside
+from trainwarden.agent.shared.contract import PEER_COPY_ENV
+from trainwarden.agent.shared.snapshot_layout import peer_path, snapshot_path
+from trainwarden.runtime.checkpoint.errors import SAVE_LOAD_ERRORS, describe
+from trainwarden.runtime.checkpoint.state import RNGState, put_back
+from trainwarden.runtime.checkpoint.memory_peer import PeerCopy
+from trainwarden.runtime.checkpoint.memory_reshard import Choice, SnapshotReader, choose, open_files
+from trainwarden.runtime.checkpoint.memory_snapshot import MemorySnapshots, memory_dir_from_env
+from trainwarden.runtime.checkpoint.memory_sums import Mismatch, set_aside
 from trainwarden.runtime.session import current as current_session
 
 __all__ = ["MemoryRestore"]
@@ -56,7 +56,7 @@ class MemoryRestore:
         self.resumed_from_memory = False
         self._held: list[tuple[int, int, int]] = []  # the memory snapshot files this rank's node holds (restore)
         self.peer: PeerCopy | None = None
-        """Sends this rank's newest snapshot to the next node and keeps that node's copy (runtime/memory_peer.py);
+        """Sends this rank's newest snapshot to the next node and keeps that node's copy (runtime/checkpoint/memory_peer.py);
         None on one node, without memory snapshots on every rank, or with ``TRAINWARDEN_PEER_COPY=0``."""
         if self._distributed:
             self.peer = self._start_peer_copy(ranks_per_node)
@@ -209,7 +209,7 @@ class MemoryRestore:
 
     def _restore_resharded(self, choice: Choice, state: Mapping[str, Any], began: float) -> tuple[bool, bool]:
         """Collective: load the memory snapshots of ``choice`` through DCP (another world size, or files on other
-        nodes: runtime/memory_reshard.py); (whether every rank did, whether a file was corrupt and set aside).
+        nodes: runtime/checkpoint/memory_reshard.py); (whether every rank did, whether a file was corrupt and set aside).
         Each tensor a rank reads from a file on its node, for itself or to send, is verified first (SnapshotReader)."""
         held = {r: path for w, r, s in self._held
                 if (w, s) == (choice.world, choice.step) and (path := self._memory_file(w, r, s)) is not None}

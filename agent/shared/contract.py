@@ -1,6 +1,6 @@
 """What the runtime (inside workers) and the agent must agree on, beyond the wire format: one place each.
 
-The runtime imports nothing of the agent but this package (``trainwarden.agent.proto``); every fact both
+The runtime imports nothing of the agent but this package (``trainwarden.agent.shared``); every fact both
 sides use lives here, so no constant is defined twice and a change to one is a change to both. No torch,
 no gRPC: plain constants and one name rule.
 """
@@ -23,7 +23,7 @@ __all__ = [
 # ---- the gRPC service ----------------------------------------------------------------------------------
 
 SERVICE_NAME = "trainwarden.v1.Telemetry"
-"""The telemetry service (agent/proto/telemetry.proto); also the name its health status is kept under."""
+"""The telemetry service (agent/shared/telemetry.proto); also the name its health status is kept under."""
 STREAM_METHOD = f"/{SERVICE_NAME}/Stream"
 STATUS_METHOD = f"/{SERVICE_NAME}/Status"
 COMMIT_METHOD = f"/{SERVICE_NAME}/Commit"
@@ -53,10 +53,10 @@ STATE_DIR_ENV = "TRAINWARDEN_STATE_DIR"
 CHECKPOINT_DIR_ENV = "TRAINWARDEN_CHECKPOINT_DIR"
 """The default checkpoint directory of the job."""
 MEMORY_DIR_ENV = "TRAINWARDEN_MEMORY_DIR"
-"""The node agent's shared-memory directory for the workers' per-step snapshots (agent/proto/snapshot_layout.py);
+"""The node agent's shared-memory directory for the workers' per-step snapshots (agent/shared/snapshot_layout.py);
 unset: no memory snapshots."""
 PEER_COPY_ENV = "TRAINWARDEN_PEER_COPY"
-"""``0``: the workers do not copy their memory snapshots to the next node (runtime/memory_peer.py); on by default
+"""``0``: the workers do not copy their memory snapshots to the next node (runtime/checkpoint/memory_peer.py); on by default
 when the job spans nodes and every rank keeps snapshots."""
 FLUSH_INTERVAL_S = 0.5
 """How often a worker sends what it queued (the runtime's ``ClientConfig.flush_interval_s``): a step or a
@@ -103,7 +103,7 @@ EXIT_ABORTED = 75
 EXIT_RESUME_BLOCKED = 76
 """A worker exits with this code when its job may not resume: checkpoints exist (or were committed) but none
 can be read or loaded. The launcher stops the job at once, without spending a restart: a restart would meet
-the same checkpoints (runtime/checkpoint.py, ``CheckpointUnloadableError``)."""
+the same checkpoints (runtime/checkpoint/checkpointer.py, ``CheckpointUnloadableError``)."""
 EXIT_NUMERIC_STOP = 77
 """A worker exits with this code when its training computed non-finite values and the numeric policy says stop (the
 ``stop`` policy, or a NaN that came back after a rollback): the launcher stops the job without a restart, which
@@ -128,7 +128,7 @@ CHECKPOINT_STAGES = ("save_start", "staged", "written", "committed", "restore_st
                      "held", "resume_blocked", "snapshot")
 """Checkpoint stages a worker reports, in the order of a save and of a restore (proto enum CheckpointStage
 has the same names, upper-case). ``snapshot``: a rank's in-memory snapshot of a step is written (its path says
-which; agent/proto/snapshot_layout.py); it is not a stage of the disk checkpoint and does not change the rank's.
+which; agent/shared/snapshot_layout.py); it is not a stage of the disk checkpoint and does not change the rank's.
 ``written``: every rank's own part of a save is on disk (its background write ended; rank 0 then commits): the
 watchdog keeps the steps that overlapped a write out of the step time a hang's deadline follows."""
 

@@ -48,9 +48,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainwarden.agent.proto.atomic_file import atomic_write
-from trainwarden.agent.proto.metadata_unpickler import MAX_METADATA_BYTES, MetadataRefused, load_metadata
-from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
+from trainwarden.agent.shared.atomic_file import atomic_write
+from trainwarden.agent.shared.metadata_unpickler import MAX_METADATA_BYTES, MetadataRefused, load_metadata
+from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
 
 from typing import Iterable, Sequence
 
@@ -515,7 +515,7 @@ def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
 
 def mark_committed(path: Path, step: int, *, sums: dict | None = None) -> None:
     """Write the commit marker into checkpoint ``path`` (after it validated, before the pointer names it), with
-    the sums of its files where they were recorded (agent/proto/checkpoint_sums.py)."""
+    the sums of its files where they were recorded (agent/shared/checkpoint_sums.py)."""
     record = {"step": step, "time": time.time(), **({"sums": sums} if sums else {})}
     atomic_write(path / COMMIT_MARKER, (json.dumps(record) + "\n").encode())
 

@@ -1,6 +1,6 @@
 """Checksums of a checkpoint's files (issue 48, item 1): a flipped byte is found before it is trained on.
 
-Each rank hashes the data files it writes while it writes them (runtime/checkpoint_sums.py, on DCP's writer
+Each rank hashes the data files it writes while it writes them (runtime/checkpoint/sums.py, on DCP's writer
 threads, never the training thread) and writes ``.sums-rank-R.json`` before DCP's gather of write results, so the
 sidecars exist before ``.metadata`` does. At commit rank 0 merges them into the commit marker (``COMMITTED``:
 ``{"sums": {"algorithm": "xxh3_64", "files": {name: {"sum", "bytes", "rank"}}}}``). A restore verifies every file
@@ -25,7 +25,7 @@ from typing import Iterable
 
 import xxhash
 
-from trainwarden.agent.proto.regular_file import NotARegularFile, read_regular
+from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
 
 __all__ = ["ALGORITHM", "Mismatch", "hasher", "file_sum", "merge_sidecars", "recorded_sums", "sidecar_name",
            "verify"]
@@ -82,7 +82,7 @@ def merge_sidecars(path: Path) -> dict | None:
 def recorded_sums(path: Path) -> dict[str, dict] | None:
     """The sums recorded in checkpoint ``path``'s commit marker: {file: {sum, bytes, rank}}; None when it has
     none (unverified), or the marker is missing or unreadable."""
-    from trainwarden.agent.proto.checkpoint_layout import COMMIT_MARKER
+    from trainwarden.agent.shared.checkpoint_layout import COMMIT_MARKER
 
     try:
         raw = json.loads(read_regular(path / COMMIT_MARKER, _MARKER_BYTES))
