@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import grpc
 
 from trainwarden.agent.shared import contract
 from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.peer_token import fetch_peer_token, token_metadata
 
 __all__ = ["ask_checkpoint_record", "ask_commit", "ask_memory_held", "ask_memory_steps", "fetch_peer_token"]
 
 log = logging.getLogger(__name__)
-
-
-def fetch_peer_token(socket_path: str, timeout: float = 1.0) -> str:
-    """A single-use token from the agent's ``<socket>.cred``, bound by the kernel to this process's pid
-    (agent/telemetry/peer_credentials.py); "" when there is none to be had. Runs on the sender thread."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout)
-            conn.connect(contract.peer_credential_socket(socket_path))
-            return conn.recv(128).decode("ascii", errors="replace").strip()
-    except OSError:
-        return ""
 
 
 def ask_commit(socket_path: str, request: pb.CommitRequest, timeout: float = 30.0) -> pb.CommitReply | None:
@@ -68,7 +56,8 @@ def _checkpoint_record(socket_path: str, request, timeout: float):
         call = channel.unary_unary(contract.CHECKPOINT_RECORD_METHOD,
                                    request_serializer=pb.CheckpointRecordRequest.SerializeToString,
                                    response_deserializer=pb.CheckpointRecordReply.FromString)
-        return call(request, timeout=timeout)
+        # the token says whose process asks: an agent answers only about a job of the asker's uid
+        return call(request, timeout=timeout, metadata=token_metadata(socket_path))
     except grpc.RpcError as exc:
         return f"the node agent did not answer: {exc.code() if hasattr(exc, 'code') else exc}"
     finally:

@@ -6,8 +6,11 @@ generation and node (each node's daemon grants and revokes its own launcher's), 
 keys only (agent/etcd/keys.py):
 
 * readwrite on ``rdzv/<job>/`` (its rendezvous: torch's state, the c10d store, the native rounds, ``closed``);
-* readwrite on ``jobs/<job>/`` except ``jobs/<job>/spec``, which it may read only: the spec names the user the daemon
-  starts the job as, so a launcher that rewrote it would choose who its next generation runs as.
+* readwrite on ``jobs/<job>/`` except ``spec``, ``control`` and ``autoresume/``, which it may read only
+  (``READ_ONLY_PARTS``): the spec names the user the daemon starts the job as, so a launcher that rewrote it would
+  choose who its next generation runs as; ``control`` holds an operator's stop, which a launcher could otherwise
+  delete to run on; ``autoresume/`` is the webhook's once-only record. It writes its job's ``state`` (its phases);
+  a stop request holds whatever generation that state is made to say (``JobView.stop_requested``).
 * read on ``<prefix>/_probe``, the key every client reads once to learn that etcd serves it (agent/etcd/job_records.py
   ``connect``; nobody writes it).
 
@@ -23,8 +26,8 @@ from etcd3.etcdrpc import auth_pb2
 
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, PROBE_KEY, job_key, rdzv_key
 
-__all__ = ["JOB_USER_PREFIX", "grant_job_user", "job_permissions", "job_user_name", "job_user_names", "parse_job_user_name",
-           "revoke_job_user"]
+__all__ = ["JOB_USER_PREFIX", "READ_ONLY_PARTS", "grant_job_user", "job_permissions", "job_user_name", "job_user_names",
+           "parse_job_user_name", "revoke_job_user"]
 
 JOB_USER_PREFIX = "trainwarden-job-"
 
@@ -51,19 +54,27 @@ def _prefix_end(key: str) -> str:
     return key[:-1] + chr(ord(key[-1]) + 1)
 
 
+READ_ONLY_PARTS = ("autoresume/", "control", "spec")
+"""What a launcher reads under ``jobs/<job>/`` but may not write (sorted; a part ending in '/' is a prefix): the
+spec names the user the daemon starts the job as; ``control`` holds an operator's stop (a launcher that deleted it
+would run on); ``autoresume/`` the once-only record of each alert's resume (the webhook's)."""
+
+
 def job_permissions(job: str, *, prefix: str = DEFAULT_PREFIX) -> list[auth_pb2.Permission]:
     """The key ranges of ``job``'s role (module docstring)."""
-    rdzv, jobs, spec = rdzv_key(job, prefix=prefix) + "/", job_key(job, prefix=prefix) + "/", job_key(
-        job, "spec", prefix=prefix)
+    rdzv, jobs = rdzv_key(job, prefix=prefix) + "/", job_key(job, prefix=prefix) + "/"
     rw, read = auth_pb2.Permission.READWRITE, auth_pb2.Permission.READ
     probe = prefix.rstrip("/") + "/" + PROBE_KEY
-    return [
-        auth_pb2.Permission(permType=rw, key=rdzv.encode(), range_end=_prefix_end(rdzv).encode()),
-        auth_pb2.Permission(permType=rw, key=jobs.encode(), range_end=spec.encode()),
-        auth_pb2.Permission(permType=rw, key=(spec + "\0").encode(), range_end=_prefix_end(jobs).encode()),
-        auth_pb2.Permission(permType=read, key=spec.encode()),
-        auth_pb2.Permission(permType=read, key=probe.encode()),
-    ]
+    grants = [auth_pb2.Permission(permType=rw, key=rdzv.encode(), range_end=_prefix_end(rdzv).encode()),
+              auth_pb2.Permission(permType=read, key=jobs.encode(), range_end=_prefix_end(jobs).encode())]
+    start = jobs  # readwrite on the gaps between the read-only parts
+    for part in READ_ONLY_PARTS:
+        key = jobs + part
+        grants.append(auth_pb2.Permission(permType=rw, key=start.encode(), range_end=key.encode()))
+        start = _prefix_end(key) if part.endswith("/") else key + "\0"
+    grants.append(auth_pb2.Permission(permType=rw, key=start.encode(), range_end=_prefix_end(jobs).encode()))
+    grants.append(auth_pb2.Permission(permType=read, key=probe.encode()))
+    return grants
 
 
 def _call(client, method: str, request):

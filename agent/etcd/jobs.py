@@ -89,8 +89,9 @@ class JobView:
 
     @property
     def stop_requested(self) -> bool:
-        c = self.control or {}
-        return c.get("action") == "stop" and int(c.get("generation", -1)) == self.generation
+        # a stop request holds until a submit or resume deletes it (each does, in the transaction that makes a new
+        # generation): never compared with the state's generation, which a running job's launcher writes
+        return (self.control or {}).get("action") == "stop"
 
     def job_spec(self) -> JobSpec:
         return JobSpec.from_json(self.spec, f"etcd jobs/{self.name}/spec")

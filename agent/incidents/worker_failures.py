@@ -16,7 +16,10 @@ failed first and lists the others in ``evidence["collateral"]``: the rule is ``f
 beats an exit code, the earliest exit (the launcher's exit time, else when its telemetry stream ended)
 breaks ties. When every failed rank here left because a peer was gone, the failure is on another node:
 a ``restart`` naming no rank here. The ended telemetry streams (who said goodbye, and why) are kept as
-evidence.
+evidence: only those of the failed round's own workers, the ones that ended after the round started
+(``round_started``). A restart the watchdog's abort or a regroup caused records no incident here, and the
+old round's workers' streams break (SIGKILL, no goodbye) after it: seen in the soak, where such a stream,
+39 s older than the failure, named a rank of the survivors as "its stream broke first, without a goodbye".
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ class WorkerFailureRecorder:
                            **({"error": str(f["message"])[:500]} if f.get("message") else {}),
                            **({"exited_at": float(f["exited_at"])} if f.get("exited_at") is not None else {})}
                           for f in failures]
+
+    def round_started(self, at: float) -> None:
+        """A worker round started at wall time ``at``: streams that ended before it are an earlier round's."""
+        self._since = max(self._since, at)
 
     def restarting(self) -> None:
         """The launcher restarts the group after the failure: the incident is acting until a step completes."""

@@ -79,6 +79,9 @@ from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where torch keeps its compile cache (inductor, triton): a directory of the run unless the user chose one."""
+
 __all__ = ["RunOptions", "run"]
 
 
@@ -461,6 +464,17 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 env["GLOO_SOCKET_IFNAME"] = interface
         return env
 
+    def _compile_cache_env(self, cleanup: ExitStack) -> dict[str, str]:
+        """The workers' torch compile cache in a scratch directory of this run, removed when it ends (swept by the
+        next run after a SIGKILL): importing ``torch.distributed.pipelining`` makes ``$TMPDIR/torchinductor_<user>``
+        otherwise, which outlives the job. A cache directory the user chose (TORCHINDUCTOR_CACHE_DIR) is kept."""
+        if INDUCTOR_CACHE_ENV in os.environ or INDUCTOR_CACHE_ENV in self.opts.extra_env:
+            return {}
+        sweep("tw-inductor-")
+        cache = scratch_dir("tw-inductor-")
+        cleanup.callback(shutil.rmtree, cache, True)
+        return {INDUCTOR_CACHE_ENV: str(cache)}
+
     def claim(self, signals: StopOnSignals, cleanup: ExitStack) -> None:
         """Enter the job in etcd as this node (agent/etcd/membership.py): refused while another live run holds
         this node; the first node of a (new) generation records the spec and resets the rendezvous, the
@@ -470,7 +484,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             job=opts.job, script=opts.script, rdzv_endpoint=self.endpoint, state_dir=self.state_dir,
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
-            monitor_interval=opts.monitor_interval, extra_env=self._network_env(), local_addr=self.local_addr,
+            monitor_interval=opts.monitor_interval, local_addr=self.local_addr,
+            extra_env={**self._network_env(), **self._compile_cache_env(cleanup)},
             rdzv_conf=self.rdzv_conf, warm_dir=self._warm_dir(cleanup), auto_instrument=opts.auto_instrument,
             tokens_per_step=opts.tokens_per_step,
         )
@@ -687,6 +702,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
                                  daemon=True).start()
             self.progress.round_started(at)
+            if self.failures is not None:  # a later failure's evidence: this round's streams only
+                self.failures.round_started(at)
             self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
             self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]

@@ -18,6 +18,7 @@ from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.common.untrusted_fs import read_small_text
 from trainwarden.agent.shared import telemetry_pb2 as pb
 from trainwarden.agent.shared.contract import AGENT_SOCKET_ENV as SOCKET_ENV, SERVICE_NAME, STATUS_METHOD
+from trainwarden.agent.shared.peer_token import token_metadata
 
 __all__ = [
     "AGENT_METRICS_RECORD", "AGENT_SOCKET_RECORD", "DEFAULT_METRICS_URL", "DEFAULT_SOCKET", "SOCKET_ENV",
@@ -98,7 +99,10 @@ def fetch_status(socket_path: str | os.PathLike, job: str | None = None, *, time
         call = channel.unary_unary(STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
                                    response_deserializer=pb.StatusReply.FromString)
         try:
-            return call(pb.StatusRequest(job=job or ""), timeout=timeout, wait_for_ready=False)
+            # the agent shows a caller only the jobs of its own uid (root and the agent's user: every job), which
+            # it learns from this token
+            return call(pb.StatusRequest(job=job or ""), timeout=timeout, wait_for_ready=False,
+                        metadata=token_metadata(str(path)))
         except grpc.RpcError as exc:
             raise _unavailable(path, exc.code().name.lower()) from exc
 

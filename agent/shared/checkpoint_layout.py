@@ -216,9 +216,10 @@ def _referenced_sizes(metadata) -> dict[str, int]:
     return need
 
 
-def _open_dir(path: Path) -> int:
-    """A descriptor of checkpoint directory ``path``, opened without following a link or blocking."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _open_dir(path: Path, *, dir_fd: int | None = None) -> int:
+    """A descriptor of checkpoint directory ``path`` (relative to ``dir_fd`` when given), opened without following
+    a link or blocking."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
 def _exists(name: str, dir_fd: int) -> bool:
@@ -523,24 +524,56 @@ def mark_committed(path: Path, step: int, *, sums: dict | None = None) -> None:
 def restore_aside(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, str]:
     """Put a set-aside checkpoint back as ``step-N`` (an operator, after fixing the storage): its new path and
     what ``classify`` finds in it now. Refused, naming what to do, when ``step-N`` exists, when ``name`` is not
-    a set-aside directory, or when it is still not complete (unless ``force``)."""
+    a set-aside directory, or when it is still not complete (unless ``force``).
+
+    Root runs this in a directory the job's user owns, so every step is by descriptor: the checkpoint directory
+    and the set-aside one are opened without following a link, ``classify`` reads the one opened, the renames are
+    ``renameat`` within them; a link planted as the set-aside name (or swapped in meanwhile) is refused, never
+    followed, so root renames nothing outside the tree."""
     directory = Path(directory)
     source = directory / name
     match = _ASIDE_RE.match(name)
-    if not match or not source.is_dir():
+    if not match or "/" in name:
         raise CheckpointError(f"{source} is not a set-aside checkpoint (step-NNNNNNNN.<state>); "
                               f"`trainwarden checkpoints` lists them")
-    target = step_dir(directory, int(match.group(1)))
-    if target.exists():
+    try:
+        parent = _open_dir(directory)
+    except OSError as exc:
+        raise CheckpointError(f"{directory} cannot be opened as a directory of its own ({exc.strerror}): a "
+                              "checkpoint directory is never reached through a link; give its real path with --dir") \
+            from None
+    try:
+        try:
+            aside = _open_dir(Path(name), dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CheckpointError(f"{source} is a symbolic link or not a directory: a set-aside checkpoint is "
+                                      "put back only from a directory of its own, never through a link") from None
+            raise CheckpointError(f"{source} is not a set-aside checkpoint ({exc.strerror}); "
+                                  f"`trainwarden checkpoints` lists them") from None
+        try:
+            return _restore_open(directory, parent, name, aside, int(match.group(1)), force)
+        finally:
+            os.close(aside)
+    finally:
+        os.close(parent)
+
+
+def _restore_open(directory: Path, parent: int, name: str, aside: int, step: int, force: bool) -> tuple[Path, str]:
+    target = step_dir(directory, step)
+    if _exists(target.name, parent):
         raise CheckpointError(f"{target} exists: set it aside or remove it before putting {name} back")
-    state, problems = classify(source)
+    state, problems = _classify_open(directory / name, aside)
     if state != COMPLETE and not force:
-        raise CheckpointError(f"{source} is still {state}: {'; '.join(problems)[:500]}. Fix it first, or put it "
-                              "back anyway with --force")
-    os.replace(source, target)
-    note = target / QUARANTINE_NOTE
-    if note.exists():
-        os.replace(note, target / f"{QUARANTINE_NOTE}.restored")
+        raise CheckpointError(f"{directory / name} is still {state}: {'; '.join(problems)[:500]}. Fix it first, or "
+                              "put it back anyway with --force")
+    os.rename(name, target.name, src_dir_fd=parent, dst_dir_fd=parent)
+    moved, opened = os.stat(target.name, dir_fd=parent, follow_symlinks=False), os.fstat(aside)
+    if (moved.st_dev, moved.st_ino) != (opened.st_dev, opened.st_ino):
+        raise CheckpointError(f"{directory / name} was replaced while it was being put back: {target} is not the "
+                              "directory that was checked; look at it before the job restores")
+    if _exists(QUARANTINE_NOTE, aside):  # inside the directory opened above, wherever it is now
+        os.rename(QUARANTINE_NOTE, f"{QUARANTINE_NOTE}.restored", src_dir_fd=aside, dst_dir_fd=aside)
     return target, state
 
 

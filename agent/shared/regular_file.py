@@ -18,14 +18,16 @@ __all__ = ["NotARegularFile", "read_regular"]
 
 
 class NotARegularFile(OSError):
-    """A file root was to read in a job's tree is a symbolic link, a FIFO, a device or a directory, or is larger
-    than the bound: it is not read. Retrying does not help; the job's user put it there."""
+    """A file root was to read in a job's tree is a symbolic link, a FIFO, a device or a directory, is larger than
+    the bound or belongs to another uid than expected: it is not read. Retrying does not help; the job's user put it
+    there."""
 
 
-def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None) -> bytes:
+def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None, uid: int | None = None) -> bytes:
     """The bytes of ``path`` (relative to ``dir_fd`` when given), opened with ``O_NOFOLLOW | O_NONBLOCK``; raises
-    ``NotARegularFile`` when it is a symbolic link or not a regular file or holds more than ``limit`` bytes,
-    ``FileNotFoundError`` when absent, another ``OSError`` when it cannot be read."""
+    ``NotARegularFile`` when it is a symbolic link or not a regular file or holds more than ``limit`` bytes (or,
+    with ``uid``, belongs to another uid), ``FileNotFoundError`` when absent, another ``OSError`` when it cannot be
+    read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
@@ -38,6 +40,8 @@ def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = No
         if not stat.S_ISREG(st.st_mode):
             raise NotARegularFile(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}); only regular "
                                   "files are read there")
+        if uid is not None and st.st_uid != uid:
+            raise NotARegularFile(f"{path} belongs to uid {st.st_uid}, not {uid} who was to write it; it is not read")
         if st.st_size > limit:
             raise NotARegularFile(f"{path} holds {st.st_size} bytes, more than the {limit} read at most")
         chunks, left = [], limit + 1

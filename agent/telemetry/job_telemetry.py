@@ -704,6 +704,12 @@ class JobTelemetry:
         with self._lock:
             return dict(self._overflow)
 
+    def owner_uid(self, job: str) -> int | None:
+        """The kernel's uid of the job's first verified stream (the job's owner), None when unknown."""
+        with self._lock:
+            state = self._jobs.get(job)
+            return state.owner_uid if state is not None else None
+
     def snapshot(self, job: str | None = None) -> tuple[JobSnapshot, ...]:
         with self._lock:
             now = self._clock()

@@ -57,6 +57,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from trainwarden.agent.telemetry.admission import UNIDENTIFIED, HelloDeadlines, StreamAdmission
 from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
+from trainwarden.agent.telemetry.read_access import ANONYMOUS, ReadAccess
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
 from trainwarden.agent.shared import telemetry_pb2 as pb
@@ -131,6 +132,7 @@ class TelemetryServer:
         self._hello_deadlines = HelloDeadlines(hello_timeout_s, clock=clock,
                                                on_expired=lambda: job_telemetry.count_rejected("no_hello"))
         self._job_telemetry = job_telemetry
+        self._reads = ReadAccess(getattr(job_telemetry, "owner_uid", lambda job: None))
         self._max_message_bytes = max_message_bytes
         self._max_streams = max_streams
         self._node = node or socket.gethostname()
@@ -522,11 +524,25 @@ class TelemetryServer:
     def _status(self, request, context) -> pb.StatusReply:
         if isinstance(request, _Rejected):
             self._reject(context, request)
+        uid = self._reader_uid(context)
         now = self._clock()
         reply = pb.StatusReply(node=self._node)
         for job in self._job_telemetry.snapshot(request.job or None):
-            reply.jobs.append(_job_status(job, now))
+            if self._reads.may_see(uid, job.job):  # another uid's job is left out as if absent (read_access.py)
+                reply.jobs.append(_job_status(job, now))
         return reply
+
+    def _reader_uid(self, context) -> int | None:
+        """The kernel's uid of a reading caller, from the peer token in its call's metadata; ``ANONYMOUS`` without
+        one; an unknown or used token aborts the call."""
+        token = dict(context.invocation_metadata() or ()).get(PEER_TOKEN_METADATA, "")
+        if not token:
+            return ANONYMOUS
+        cred = self._credentials.take(token) if self._credentials else None
+        if cred is None:
+            self._reject(context, _Rejected("invalid", "unknown, used or expired peer token in the call's metadata: "
+                                            "fetch a new one from the agent's .cred socket for every call"))
+        return cred.uid
 
 
     def _commit(self, request, context) -> pb.CommitReply:
@@ -580,6 +596,9 @@ class TelemetryServer:
         memory snapshots of the asking rank."""
         if isinstance(request, _Rejected):
             self._reject(context, request)
+        if not self._reads.may_see(self._reader_uid(context), request.job):
+            return pb.CheckpointRecordReply(known=False, source=f"job {request.job} streams as another uid than the "
+                                                                "asking process's: its records are its own")
         reply = self._etcd_checkpoint_record(request.job)
         if self.memory_steps is not None and request.world_size > 0:
             try:

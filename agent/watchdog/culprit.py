@@ -13,7 +13,9 @@ no positions. `name_culprit` is a pure function of that evidence:
   sequences are a separate key ``<name>/p2p``), a member that answered and whose last sequence id is below
   the group's highest lags. The collective the others wait in is the one at the highest id.
 - A lagging rank that is itself waiting inside an unfinished collective of another group is blocked, not
-  the cause (pipeline and tensor-parallel groups chain waits). The culprits are the lagging ranks that are
+  the cause (pipeline and tensor-parallel groups chain waits). A lag in a group whose leaders all answered and
+  none waits in the collective at the top holds no one up (it completed without the laggard: a pipeline's send,
+  while the laggard waits for its receive) and names no one either. The culprits are the lagging ranks that are
   not inside any collective: they stopped outside, in compute, I/O or a deadlock of their own.
 - If no rank lags, the verdict says so ("every rank is inside the same collective") and lists the ranks
   that did not answer. It never guesses.
@@ -38,11 +40,11 @@ from typing import Iterable, Mapping
 import psutil
 
 from trainwarden.agent.shared.contract import MAIN_THREAD_HEADER, stacks_file, trace_file
-from trainwarden.agent.shared.regular_file import read_regular
+from trainwarden.agent.shared.regular_file import NotARegularFile, read_regular
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "main_thread_frames",
+__all__ = ["ANSWERED", "GroupPosition", "Lag", "RankEvidence", "Verdict", "give_to_writers", "main_thread_frames",
            "name_culprit", "positions_from_trace", "process_state", "read_diagnostics"]
 
 ANSWERED = "answered"
@@ -149,12 +151,15 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
             if pos.seq < top:
                 lags.append(Lag(rank=rank, group=key, desc=lead.desc, seq=pos.seq, peer_seq=top, op=lead.op,
                                 waiting=waiting, blocked=rank in in_flight))
-    culprits = tuple(sorted({g.rank for g in lags if not g.blocked}))
+    # a lag holds someone up only where a rank waits in the collective it never entered: when the group's leaders
+    # all answered and none is inside it, it completed without the laggard (a pipeline's send, which gloo records
+    # as an op of its own), and the laggard is where it is for a reason elsewhere
+    culprits = tuple(sorted({g.rank for g in lags if not g.blocked and g.waiting}))
     stacks = {r: answered[r].stack for r in culprits if answered[r].stack}
     if culprits:
         parts = []
         for rank in culprits:
-            g = next(g for g in lags if g.rank == rank and not g.blocked)
+            g = next(g for g in lags if g.rank == rank and not g.blocked and g.waiting)
             where = f" at {answered[rank].stack[0]}" if answered[rank].stack else ""
             parts.append(f"rank {rank} never entered {g.op} #{g.peer_seq} of group {g.desc or g.group} "
                          f"(its last is #{g.seq}; ranks {_ranks(g.waiting)} wait in it){where}")
@@ -166,7 +171,7 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
         summary = _unresponsive_summary(unresponsive, answered, in_flight)
     elif lags:
         summary = (f"ranks {_ranks(sorted({g.rank for g in lags}))} lag but each waits inside another "
-                   f"collective: the cause is outside the answering ranks{silent}")
+                   f"collective or holds up no answering rank: the cause is outside the answering ranks{silent}")
     elif in_flight == set(answered):
         summary = f"no lagging rank: every rank is inside the same collective{silent}"
     else:
@@ -269,36 +274,66 @@ MAX_TRACE_BYTES = 64 * 1024 * 1024
 MAX_STACKS_BYTES = 4 * 1024 * 1024
 
 
-def read_diagnostics(directory: str | Path, ranks: Iterable[int], *,
-                     max_trace_bytes: int = MAX_TRACE_BYTES) -> dict[int, RankEvidence]:
+def give_to_writers(directory: str | Path, uid: int | None) -> None:
+    """Let the job's workers write their dumps into `directory`, a fresh directory the agent made for one hang:
+    when the agent is root and the job's streams were verified as another uid, that uid gets the directory (by
+    descriptor, never through a link). Its parent stays the agent's, so the workers cannot move the directory or
+    put a link in its place; what they put in it is read by `read_diagnostics`, which trusts none of it."""
+    if uid is None or uid == os.geteuid() or os.geteuid() != 0:
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, uid, -1)
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
+
+
+def read_diagnostics(directory: str | Path, ranks: Iterable[int], *, max_trace_bytes: int = MAX_TRACE_BYTES,
+                     uid: int | None = None) -> dict[int, RankEvidence]:
     """Evidence of the ranks whose diagnostics are in `directory` (ranks without any file are left out).
 
     A rank answered when its ``.fr`` dump parses, or when only ``.stacks`` exist (no Flight Recorder). A dump
     over ``max_trace_bytes`` is skipped with a warning; stacks are read up to ``MAX_STACKS_BYTES``.
+
+    The workers write these files, and the reader may be root: `directory` is opened without following a link
+    (``O_NOFOLLOW|O_DIRECTORY``) and each file relative to it with ``O_NOFOLLOW|O_NONBLOCK``; only a regular file
+    within its bound, and with ``uid`` only one owned by that uid (the job's), is read. A link, a FIFO, a device or
+    another uid's file counts as no file: it never blocks the watchdog nor makes it read a file the workers name.
     """
     directory = Path(directory)
     found: dict[int, RankEvidence] = {}
-    for rank in ranks:
-        stacks_path, fr_path = directory / stacks_file(rank), directory / trace_file(rank)
-        positions: dict[str, GroupPosition] = {}
-        try:
-            size = fr_path.stat().st_size
-            if size > max_trace_bytes:
-                log.warning("not reading %s: %d bytes, over the %d-byte limit", fr_path, size, max_trace_bytes)
-                raise ValueError("dump too large")
-            trace = _NoGlobals(io.BytesIO(read_regular(fr_path, max_trace_bytes))).load()  # no link, no FIFO
-            positions = positions_from_trace(trace) if isinstance(trace, dict) else {}
-            fr_ok = True
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError):
-            fr_ok = False
-        try:
-            with open(stacks_path, errors="replace") as f:
-                stack = main_thread_frames(f.read(MAX_STACKS_BYTES))
-        except OSError:
-            if not fr_ok:
-                continue
-            stack = ()
-        found[rank] = RankEvidence(rank=rank, positions=positions, stack=stack, recorded=fr_ok)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("not reading the diagnostics in %s: %s (a directory of its own is expected, never a link)",
+                    directory, exc)
+        return found
+    try:
+        for rank in ranks:
+            positions: dict[str, GroupPosition] = {}
+            try:
+                trace = _NoGlobals(io.BytesIO(read_regular(trace_file(rank), max_trace_bytes, dir_fd=dir_fd,
+                                                           uid=uid))).load()
+                positions = positions_from_trace(trace) if isinstance(trace, dict) else {}
+                fr_ok = True
+            except NotARegularFile as exc:
+                log.warning("not reading rank %d's Flight Recorder dump: %s", rank, exc)
+                fr_ok = False
+            except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError):
+                fr_ok = False
+            try:
+                text = read_regular(stacks_file(rank), MAX_STACKS_BYTES, dir_fd=dir_fd, uid=uid)
+                stack = main_thread_frames(text.decode("utf-8", "replace"))
+            except OSError as exc:
+                if isinstance(exc, NotARegularFile):
+                    log.warning("not reading rank %d's stacks: %s", rank, exc)
+                if not fr_ok:
+                    continue
+                stack = ()
+            found[rank] = RankEvidence(rank=rank, positions=positions, stack=stack, recorded=fr_ok)
+    finally:
+        os.close(dir_fd)
     return found
 
 

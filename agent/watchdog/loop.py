@@ -32,6 +32,7 @@ since progress per job.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -42,9 +43,9 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from trainwarden.agent.watchdog.culprit import (RankEvidence, name_culprit, process_cpu_seconds, process_io_bytes,
-                                                process_own_cpu_seconds,
-                                               process_state, read_diagnostics)
+from trainwarden.agent.watchdog.culprit import (RankEvidence, give_to_writers, name_culprit, process_cpu_seconds,
+                                                process_io_bytes, process_own_cpu_seconds, process_state,
+                                                read_diagnostics)
 from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
 from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
@@ -389,13 +390,15 @@ class Watchdog:
         connected = [r.rank for r in snap.ranks if r.connected]
         log.error("job %s hung: no %s for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
                   _silent(check), check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
+        owner = self._owner_uid(job)
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            give_to_writers(directory, owner)
             reached = list(self._actions.request_diagnostics(job, connected, directory))
         except Exception:
             log.exception("requesting diagnostics for job %s failed", job, extra={"job": job})
             reached = []
-        evidence = self._collect(directory, reached, {r.rank: r.pid for r in snap.ranks})
+        evidence = self._collect(directory, reached, {r.rank: r.pid for r in snap.ranks}, owner)
         for r in snap.ranks:
             if r.rank not in evidence:
                 # the process says more than the stream: a SIGSTOPped rank's stream may have been dropped
@@ -517,7 +520,12 @@ class Watchdog:
             log.exception("aborting the workers of job %s failed", job, extra={"job": job})
             return False, repr(exc)
 
-    def _collect(self, directory: Path, ranks: list[int], pids: Mapping[int, int]) -> dict[int, RankEvidence]:
+    def _owner_uid(self, job: str) -> int | None:
+        owner = getattr(self._job_telemetry, "owner_uid", None)
+        return owner(job) if owner is not None else None
+
+    def _collect(self, directory: Path, ranks: list[int], pids: Mapping[int, int],
+                 owner: int | None = None) -> dict[int, RankEvidence]:
         """The dumps of `ranks`, waiting up to `diagnostics_wait_s` for them; a rank whose process is stopped
         (SIGSTOP, a debugger) or dead can never answer, so the wait ends once only such ranks are silent (it
         delayed the incident of a stopped rank by the whole wait: BENCHMARKS.md, auto-instrumentation)."""
@@ -525,11 +533,12 @@ class Watchdog:
         while ranks and self._clock() < deadline and not self._stop.is_set():
             # a rank writes its stacks, then its trace, each under a temporary name renamed when complete: once
             # the trace is there, both are whole (waiting 0.1 s more for "the last writes" cost every hang that)
-            silent = [r for r in ranks if not (directory / trace_file(r)).exists()]
+            silent = [r for r in ranks if not os.path.lexists(directory / trace_file(r))]
             if not silent or all(pids.get(r, 0) > 0 and self._probe(pids[r]) in ("stopped", "dead") for r in silent):
                 break
             self._sleep(_POLL_S)
-        return read_diagnostics(directory, ranks)
+        # the workers wrote them: only regular files of the job's uid (ours when no stream was verified) are read
+        return read_diagnostics(directory, ranks, uid=os.geteuid() if owner is None else owner)
 
     def _resolve_hang(self, snap: JobSnapshot) -> None:
         incident, aborted_at = self._acting.pop(snap.job)

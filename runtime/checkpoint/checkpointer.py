@@ -229,7 +229,10 @@ class Checkpointer(MemoryRestore):
             target = store.quarantine(path, state=store.FENCED, reason=refusal)
             logger.error("checkpoint step %d not committed: %s; set aside as %s. The job's latest checkpoint is "
                          "unchanged.", step, refusal, target, extra={"event": "checkpoint_fenced", "step": step})
-            self._report("failed", step, path=str(target), detail=f"fenced: {refusal}"[:1000])
+            # said once a streak, like any failed save (save_failures.py): an etcd without quorum refuses each save
+            if self._save_failures.failed(step, path, f"fenced: {refusal}", CheckpointSaveError(refusal),
+                                          advice="The next save commits once the node agent can confirm the round."):
+                self._report("failed", step, path=str(target), detail=f"fenced: {refusal}"[:1000])
             return None
         # from here on this directory is never an "unfinished save"; the marker records every file's sum
         store.mark_committed(path, step, sums=checkpoint_sums.merge_sidecars(path))

@@ -60,14 +60,14 @@ class SaveFailures:
     def in_streak(self) -> bool:
         return self._streak is not None
 
-    def failed(self, step: int, path: Path, cause: str, exc: BaseException) -> bool:
+    def failed(self, step: int, path: Path, cause: str, exc: BaseException, *, advice: str | None = None) -> bool:
         self._remove_partial(step, path)
         space = space_error(exc)
         what = f"{space}: {cause}" if space else cause
         if self._streak is None:
             self._streak = _Streak(first_step=step)
-            advice = ("Free space there (or raise the quota); the next save after that commits."
-                      if space else f"Check free space and permissions of {self.directory}.")
+            advice = advice or ("Free space there (or raise the quota); the next save after that commits."
+                                if space else f"Check free space and permissions of {self.directory}.")
             logger.error("checkpoint save of step %d to %s failed: %s. Training continues; the latest committed "
                          "checkpoint is unchanged and is never deleted to make room. %s Further failures are "
                          "logged as warnings until a save commits again.", step, path, what, advice,

@@ -23,6 +23,9 @@ RESUMED = re.compile(rf"^{TS} \[rank 0\] [\w.]+: resumed from (?:checkpoint step
                      r"(\d+)", re.M)
 COMMIT = re.compile(rf"^{TS} .*checkpoint step (\d+) committed: (\S+) ", re.M)
 SHRANK = re.compile(r"world size 8, now 4|taken at world size 8")
+TIMED = re.compile(rf"^{TS} \[rank \d+\] [\w.]+: step (\d+) loss \S+ time ([\d.]+)s", re.M)
+ROUND = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: \d+ stages", re.M)
+"""Rank 0 starts a worker round (any world size)."""
 FULL = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: 2 stages, 2 micro-batches", re.M)
 """Rank 0 starts a round of the full world (dp 2: two micro-batches of two sequences a rank; dp 1 takes four)."""
 GROW_BOUND_S = 240.0
@@ -64,6 +67,13 @@ class Job:
 
     def steps_logged(self) -> list[tuple[float, int, float]]:
         return sorted((_stamp(t), int(s), float(loss)) for t, s, loss in STEP.findall(self.text()))
+
+    def step_runs(self) -> list[tuple[float, int, float]]:
+        """Every logged run of a step: (end time, step, its duration as the logging rank timed it)."""
+        return sorted((_stamp(t), int(s), float(d)) for t, s, d in TIMED.findall(self.text()))
+
+    def round_starts(self) -> list[float]:
+        return sorted(_stamp(t) for t in ROUND.findall(self.text()))
 
     def last_step(self) -> int:
         return max((s for _, s, _ in self.steps_logged()), default=0)
@@ -154,6 +164,21 @@ class Sampler(threading.Thread):
                         self.samples.append((time.time(), f"{node} {what} {p.pid}", values))
                 except psutil.Error:
                     continue
+
+
+def fill(directory: Path) -> tuple[Path, int]:
+    """Fill the file system of ``directory`` (the checkpoints' own tmpfs) with one file, to the last byte."""
+    filler = directory / "soak-filler"
+    written = 0
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: the write that does not fit fails, not the close
+        for chunk in (1 << 20, 4096, 1):
+            block = b"\0" * chunk
+            while True:
+                try:
+                    written += f.write(block)
+                except OSError:
+                    break
+    return filler, written
 
 
 def corrupt(path: Path, how: str) -> str:

@@ -14,25 +14,30 @@ the fault's recovery). Kinds: rank crash (SIGKILL of the worker), SIGSTOP of a w
 a slow rank (x3 for 30 steps), a NaN loss, node n1 killed and started again, n1 partitioned and healed, n1's agent
 (its `trainwarden run`) SIGKILLed and started again, one etcd member killed and restarted, the newest committed
 checkpoint truncated or a byte flipped followed by a power loss of both nodes (a restore from disk must pass it
-over). Left out (not yet injected): degraded link, daemon SIGKILL, etcd quorum lost, checkpoint directory full.
+over), n1's link degraded (``_soak_plan.DEGRADED_RATE`` both ways) until a comm_regression is recorded, etcd's quorum
+lost (two of three members stopped for 20 s), the checkpoint directory full (its own tmpfs filled until a save fails,
+then freed). Left out: daemon SIGKILL (the soak has no daemon-run variant).
 
 Invariants, each printed as ``invariant NAME: ok|FAILED (detail)``: the job finishes; its final loss equals the
 fault-free run's (bit-equal at the logged precision unless the world changed size; ``_soak_plan.LOSS_TOLERANCE``
 otherwise); no committed checkpoint lost or silently replaced, no step 1 after a commit; every fault exactly its
-incident(s) naming its rank or node, nothing else an incident (``restart`` records are actions, not counted); n0's
-goodput ledger against the step log within 2 %; the agents' and launchers' RSS, threads and fds within 10 % of
-their level after the first restart; nothing left behind (processes, namespaces, TMPDIR and shared-memory
-directories). Ends with ``soak: F faults of K kinds in M min; invariants broken: B``; exit 0 only when B is 0.
+incident(s) naming its rank or node, nothing else an incident but the consequences ``_soak_plan.CONSEQUENCES``
+accepts and says why (``restart`` records are actions, not counted); n0's goodput ledger against the step log within
+2 % on what every rank measures alike (``_soak_plan.in_round_seconds``); the agents' and launchers' RSS, threads and
+fds within 10 % of their level after the first restart; nothing left behind (processes, namespaces, TMPDIR and
+shared-memory directories). Ends with ``soak: F faults of K kinds in M min; invariants broken: B``; exit 0 only when B is 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,10 +47,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from _soak_plan import (CATALOGUE, LEFT_OUT, SLOW_STEPS, Verdict, checkpoints_kept, draw, faults_env,  # noqa: E402
-                        flat, loss_matches, match_incidents, no_fresh_start)
-from bench_chaos import agreement, independent  # noqa: E402
-from _soak_job import GROW_BOUND_S, JOB, NODES, SHRANK, Job, Sampler, corrupt  # noqa: E402
+from _soak_plan import (CATALOGUE, DEGRADED_RATE, LEFT_OUT, QUORUM_LOST_S, SLOW_STEPS, Verdict,  # noqa: E402
+                        checkpoints_kept, draw, faults_env, flat, ledger_agrees, loss_matches, match_incidents,
+                        no_fresh_start)
+from _soak_job import GROW_BOUND_S, JOB, NODES, SHRANK, Job, Sampler, corrupt, fill  # noqa: E402
 from testbed import TestBed  # noqa: E402
 
 
@@ -133,7 +138,67 @@ class Soak:
             except TimeoutError:
                 fault.failed = f"the job did not train on both nodes within {GROW_BOUND_S:.0f} s of their restart"
                 fault.notes.append(fault.failed)
+        elif fault.kind == "degrade":
+            self._degrade(fault)
+        elif fault.kind == "quorum":
+            members = fault.variant.split(",")
+            fault.at = time.time()
+            for member in members:
+                bed.kill(member)
+            time.sleep(QUORUM_LOST_S)
+            for member in members:
+                bed.start_etcd_member(member)
+            for member in members:
+                self.wait(f"{member} healthy", lambda: bed.etcd_healthy(member), 60)
+            fault.notes.append(f"{fault.variant} down for {time.time() - fault.at:.1f} s")
+            later = job.last_step() + 3
+            self.wait("steps after the quorum's return", lambda: job.last_step() >= later)
+            fault.recovered_at = time.time()
+        elif fault.kind == "enospc":
+            fault.at = time.time()
+            filler, written = fill(job.ckpt)
+            try:
+                failed = self.wait("a failed save", lambda: self._incident("checkpoint_failed", fault.at), 180)
+                fault.notes.append(f"filled with {written >> 10} KiB; the save of step "
+                                   f"{failed['evidence'].get('step')} failed")
+            finally:
+                filler.unlink()
+            freed = time.time()
+            commit = self.wait("a commit after the space returned",
+                               lambda: [c for c in job.commits() if c[0] > freed], 180)[0]
+            fault.notes.append(f"step {commit[1]} committed {commit[0] - freed:.1f} s after the space returned")
+            fault.recovered_at = time.time()
         fault.notes.append(f"recovered after {fault.recovered_at - fault.at:.1f} s")
+
+    def _incident(self, kind: str, since: float) -> dict | None:
+        return next((i for i in _incidents(self.job.work) if i["kind"] == kind and i["detected_at"] >= since), None)
+
+    def _degrade(self, fault) -> None:
+        """n1's link slowed both ways until a comm_regression is recorded (at most 90 s), then restored; recovered
+        when that incident is resolved (the steps back near their pace) or, without one, 5 steps later."""
+        job, bed = self.job, self.job.bed
+        fault.at = time.time()
+        bed.degrade(fault.node, DEGRADED_RATE)
+        try:
+            seen = self.wait("a comm_regression incident", lambda: self._incident("comm_regression", fault.at), 90)
+            fault.notes.append(f"comm_regression on {seen['node']} {seen['detected_at'] - fault.at:.1f} s after")
+        except TimeoutError:
+            seen = None
+            fault.notes.append("no comm_regression within 90 s")
+        finally:
+            bed.restore_link(fault.node)
+        restored = time.time()
+        if seen is not None:
+            try:
+                self.wait("the comm_regression's end", lambda: all(
+                    i["state"] in ("resolved", "failed") for i in _incidents(job.work)
+                    if i["kind"] == "comm_regression" and i["detected_at"] >= fault.at), 180)
+            except TimeoutError:
+                fault.notes.append("its comm_regression still open 180 s after the link was restored")
+        later = job.last_step() + 5
+        self.wait("steps after the link's restore", lambda: job.last_step() >= later)
+        fault.notes.append(f"link restored after {restored - fault.at:.1f} s")
+        fault.recovered_at = time.time()
 
 
 def _incidents(work: Path) -> list[dict]:
@@ -149,7 +214,8 @@ def _incidents(work: Path) -> list[dict]:
 def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s: float) -> dict:
     """One run of the job on a fresh bed; with ``faults`` the soak injects them. What was seen, for the verdicts."""
     out: dict = {"work": str(work)}
-    with TestBed(nodes=2, etcd_members=3, workdir=work / "bed") as bed:
+    small_disk = any(f.kind == "enospc" for f in faults)
+    with TestBed(nodes=2, etcd_members=3, workdir=work / "bed") as bed, _checkpoint_disk(work / "ckpt", small_disk):
         job = Job(bed, work, steps, spec, shm)
         launched = time.time()
         for node in NODES:
@@ -164,8 +230,8 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
                 print(f"[{time.time() - launched:6.0f} s]   {'; '.join(fault.notes)}", flush=True)
             soak.wait(f"step {steps}", lambda: job.last_step() >= steps, budget_s)
             out["exit"] = job.wait_exit(120)
-        except (RuntimeError, TimeoutError) as exc:
-            out["error"] = f"{exc}"
+        except Exception as exc:  # SIGTERM (Stopped), a wait that timed out, or the soak's own bug: judge what was seen
+            out["error"] = f"{type(exc).__name__}: {exc}"
             print(f"soak stopped: {exc}", flush=True)
         finally:
             sampler.done.set()
@@ -173,11 +239,31 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
         out.update(launched=launched, steps=job.steps_logged(), commits=job.commits(), text_shrank=bool(
             SHRANK.search(job.text())), samples=sampler.samples, incidents=_incidents(work), logs=[str(p) for p in job.logs])
         out["present"] = {str(p) for p in job.ckpt.glob("*") if p.is_dir()}
-        out["step_log"] = independent(job.text(), launched, None)
+        out.update(runs=job.step_runs(), round_starts=job.round_starts())
         ledger = work / "state" / "n0" / "jobs" / JOB / "history" / "goodput.json"
         out["ledger"] = json.loads(ledger.read_text()) if ledger.exists() else None
     out["leftovers"] = bed.leftovers()
     return out
+
+
+@contextlib.contextmanager
+def _checkpoint_disk(path: Path, small: bool):
+    """The checkpoints' own small tmpfs (``CKPT_DISK``) when the draw fills it (``enospc``), unmounted at the end."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not small:
+        yield
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={CKPT_DISK},mode=0755", "tmpfs", str(path)], check=True)
+    try:
+        yield
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+CKPT_DISK = "96m"
+"""The checkpoint tmpfs of an ``enospc`` draw: the 3 kept checkpoints (4 MiB each), a save in flight and whatever
+restores set aside, with room to spare until the soak fills it."""
 
 
 def _left_behind(work: Path, shm: Path, bed_leftovers: list[str]) -> Verdict:
@@ -208,15 +294,7 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     out.append(match_incidents(faults, soak["incidents"]))
     late = [f"{f.describe()}: {f.failed}" for f in faults if getattr(f, "failed", None)]
     out.append(Verdict("recoveries", not late, "; ".join(late) or "every fault recovered, nodes back in the world"))
-    ledger, row = soak["ledger"], soak["step_log"]
-    if ledger and "error" not in row:
-        check = agreement(ledger, row)
-        ok = abs(check["kept_rel"]) <= 0.02 and abs(check["wall_rel"]) <= 0.02
-        out.append(Verdict("goodput_ledger", ok, f"kept steps {check['ledger_kept_s']:.1f} s vs {row['productive_s']:.1f}"
-                           f" s ({100 * check['kept_rel']:+.1f} %), wall {ledger['wall_s']:.1f} s vs {row['wall_s']:.1f}"
-                           f" s ({100 * check['wall_rel']:+.1f} %)"))
-    else:
-        out.append(Verdict("goodput_ledger", False, f"no ledger ({ledger is not None}) or no step log ({row})"))
+    out.append(ledger_agrees(soak["ledger"], soak["runs"], soak["round_starts"], soak["launched"]))
     first = min((f.recovered_at for f in faults if f.recovered_at and CATALOGUE[f.kind].restarts), default=None)
     out.append(flat(soak["samples"], first or float("inf")))
     out.append(_left_behind(work, shm, soak["leftovers"] + ref["leftovers"]))

@@ -44,9 +44,15 @@ def test_a_job_user_writes_its_own_jobs_keys_only_and_goes_with_its_generation(a
                         f"{P}/jobs/a/spec2"):
                 assert _put(job, key) == "written", key
             assert job.get(f"{P}/jobs/a/spec")[0] == b'{"user": "alice"}'  # it reads its spec
+            root.put(f"{P}/jobs/a/control", '{"action": "stop", "generation": 1}')
+            assert job.get(f"{P}/jobs/a/control")[0] == b'{"action": "stop", "generation": 1}'  # and its control
+            with pytest.raises(Exception, match="permission denied"):
+                job.delete(f"{P}/jobs/a/control")
             assert job.get(f"{P}/_probe")[0] is None  # the key every client reads to check that etcd serves it
             assert "permission denied" in _put(job, f"{P}/_probe")
-            for key in (f"{P}/jobs/a/spec",  # but cannot choose who its next generation runs as
+            for key in (f"{P}/jobs/a/spec",  # but cannot choose who its next generation runs as,
+                        f"{P}/jobs/a/control",  # delete or rewrite an operator's stop,
+                        f"{P}/jobs/a/autoresume/00000001",  # nor the webhook's once-only resume record
                         f"{P}/jobs/b/spec", f"{P}/jobs/b/state", f"{P}/jobs/ab/state", f"{P}/rdzv/b/state",
                         f"{P}/rdzv/ab/state", f"{P}/nodes/n0", f"{P}/jobs/.index/a", "/elsewhere"):
                 refused = _put(job, key)

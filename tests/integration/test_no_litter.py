@@ -67,3 +67,23 @@ def test_what_a_sigkilled_run_left_in_tmp_is_removed_by_the_next_run(procs, tmp_
                       log=tmp_path / "run.log", env=env)
     assert run.wait(180) == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert _everything(tmp) == [] and _everything(shm) == []
+
+
+def test_a_pipeline_parallel_jobs_compile_cache_lives_and_ends_with_the_run(procs, tmp_path):
+    """Importing ``torch.distributed.pipelining`` makes torch's compile cache, ``$TMPDIR/torchinductor_<user>``:
+    the soak's pipeline-parallel job left one in every node's TMPDIR. The workers' cache is a directory of the
+    run, removed when it ends."""
+    tmp, home, shm = tmp_path / "tmp", tmp_path / "state", tmp_path / "shm"
+    tmp.mkdir()
+    shm.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "TRAINWARDEN_STATE_HOME": str(home), "OMP_NUM_THREADS": "1",
+           "TRAINWARDEN_MEMORY_ROOT": str(shm)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    worker = tmp_path / "pipeline_worker.py"
+    worker.write_text("import os\nimport torch.distributed.pipelining  # noqa: F401\n"
+                      "print('compile cache:', os.environ.get('TORCHINDUCTOR_CACHE_DIR'), flush=True)\n")
+    run = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+                       "--nproc-per-node", "1", "--job", "pipe", "--", str(worker)], log=tmp_path / "run.log", env=env)
+    assert run.wait(180) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert _everything(tmp) == [] and _everything(shm) == []
+    assert "compile cache: " + str(tmp / "tw-inductor-") in (tmp_path / "run.log").read_text()

@@ -129,3 +129,28 @@ def test_root_trainwarden_checkpoints_verify_reads_only_the_checkpoints_files(pl
     assert rows[4]["state"] == "CORRUPT" and "/dev/zero" in rows[4]["verified"]
     assert "not a file name in the checkpoint directory: not read" in rows[4]["verified"]
     assert rows[8]["state"] == "unreadable" and not marker.exists()
+
+
+def test_root_restore_aside_renames_nothing_through_a_planted_link(planted, tmp_path):
+    """``checkpoints restore-aside`` (root, after fixing storage) renames in the job user's checkpoint directory.
+    nobody plants a set-aside name that is a link to a root-only directory; with ``--force`` root renamed that
+    directory's QUARANTINE.json before (and left step-12 a link to root's directory). Now it refuses by name."""
+    home, _ = planted
+    ckpt = home.parent / "user-ckpt"
+    root_only = tmp_path / "root-only"
+    root_only.mkdir(mode=0o700)
+    (root_only / store.QUARANTINE_NOTE).write_text('{"reason": "root\'s own"}')
+    _as_nobody('ln -s "$2" "$1/step-00000012.corrupt"', str(ckpt), str(root_only))
+    done = _cli("checkpoints", "--job", JOB, "--state-home", str(home), "restore-aside", "step-00000012.corrupt",
+                "--force")
+    assert sorted(p.name for p in root_only.iterdir()) == [store.QUARANTINE_NOTE]
+    assert not os.path.lexists(ckpt / "step-00000012")
+    assert done.returncode == exit_codes.EXIT_USAGE, done.stdout
+    assert "is a symbolic link or not a directory" in done.stderr
+
+    # a real set-aside directory of the user's is still put back, its note renamed inside it
+    _as_nobody('mkdir "$1/step-00000016.corrupt" && echo "{}" > "$1/step-00000016.corrupt/QUARANTINE.json"', str(ckpt))
+    done = _cli("checkpoints", "--job", JOB, "--state-home", str(home), "restore-aside", "step-00000016.corrupt",
+                "--force")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (ckpt / "step-00000016").iterdir()) == [f"{store.QUARANTINE_NOTE}.restored"]

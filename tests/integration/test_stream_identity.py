@@ -26,6 +26,7 @@ import pytest
 
 from procs import wait_for
 from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.peer_token import token_metadata
 from trainwarden.agent.shared import telemetry_pb2_grpc
 from trainwarden.agent.shared.contract import STREAM_METHOD
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
@@ -109,7 +110,8 @@ def _rank(js, job, rank):
 
 def _status(srv, job):
     with grpc.insecure_channel(srv.address) as channel:
-        return telemetry_pb2_grpc.TelemetryStub(channel).Status(pb.StatusRequest(job=job), timeout=5)
+        return telemetry_pb2_grpc.TelemetryStub(channel).Status(pb.StatusRequest(job=job), timeout=5,
+                                                               metadata=token_metadata(str(srv.socket_path)))
 
 
 def test_another_uid_cannot_take_a_rank_report_a_step_or_commit_for_it(shared_server, procs, tmp_path, caplog):
@@ -292,3 +294,72 @@ def test_a_launchers_job_takes_streams_only_from_its_descendants(tmp_path, procs
         assert json.loads(other.stdout.strip().splitlines()[-1]) == ["OK", ""]  # a job without a launcher here
     finally:
         srv.stop(0.5)
+
+
+READER = textwrap.dedent("""
+    import json, os, sys
+    import grpc
+    from trainwarden.agent.node.endpoints import fetch_status
+    from trainwarden.agent.shared import telemetry_pb2 as pb
+    from trainwarden.agent.shared.contract import STATUS_METHOD, STREAM_METHOD
+    from trainwarden.runtime.agent_requests import ask_checkpoint_record, fetch_peer_token
+
+    sock, uid = sys.argv[1], int(sys.argv[2])
+    with grpc.insecure_channel("unix:" + sock + ".absent") as warm:  # gRPC's lazy imports while files are readable
+        try:
+            warm.unary_unary(STREAM_METHOD)(b"", timeout=0.2)
+        except grpc.RpcError:
+            pass
+    os.setresuid(uid, uid, uid)
+    out = {"uid": os.getuid()}
+    with grpc.insecure_channel("unix:" + sock) as channel:  # its own job: a stream of its own, left open
+        hello = pb.Hello(job="mine", rank=0, world_size=1, pid=os.getpid(), peer_token=fetch_peer_token(sock))
+        messages = iter([pb.WorkerMessage(hello=hello), pb.WorkerMessage(step=pb.Step(index=1, duration_seconds=0.1))])
+        call = channel.stream_stream(STREAM_METHOD, request_serializer=pb.WorkerMessage.SerializeToString,
+                                     response_deserializer=pb.AgentCommand.FromString)(messages, timeout=30)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as exc:
+            out["stream"] = exc.code().name
+    out["status"] = sorted(j.job for j in fetch_status(sock).jobs)
+    out["status_victim"] = [j.job for j in fetch_status(sock, "victim").jobs]
+    out["record_victim"] = list(ask_checkpoint_record(sock, "victim"))
+    out["record_mine"] = list(ask_checkpoint_record(sock, "mine"))
+    with grpc.insecure_channel("unix:" + sock) as channel:
+        tokenless = channel.unary_unary(STATUS_METHOD, request_serializer=pb.StatusRequest.SerializeToString,
+                                        response_deserializer=pb.StatusReply.FromString)(pb.StatusRequest(), timeout=5)
+    out["tokenless"] = sorted(j.job for j in tokenless.jobs)
+    print(json.dumps(out), flush=True)
+""")
+
+
+def test_status_and_checkpoint_records_show_another_uid_only_its_own_jobs(shared_server, procs, tmp_path):
+    """Reads through the socket (issue 44, round 2): before, any member of the socket's group read every job's
+    status (ranks, pids, hosts, steps) and etcd's checkpoint record of any job. Now a caller proves its uid with a
+    peer token and sees its own jobs; root sees all; a caller without a token sees no owned job."""
+    srv, js = shared_server
+    srv.checkpoint_record = lambda job: {"step": 42, "path": f"/ckpt/{job}/step-42"}
+    rt = init("victim", socket_path=str(srv.socket_path), env={"RANK": "0", "WORLD_SIZE": "1"}, flush_interval_s=0.05)
+    try:
+        with rt.step(0):
+            pass
+        wait_for(lambda: (_rank(js, "victim", 0) or None) and _rank(js, "victim", 0).last_step == 0, 20,
+                 what="root's worker's step")
+        script = tmp_path / "reader.py"
+        script.write_text(READER)
+        proc = procs.spawn([sys.executable, str(script), str(srv.socket_path), str(NOBODY)],
+                           log=tmp_path / "reader.log")
+        assert proc.wait(90) == 0, proc.log_path.read_text()
+        out = json.loads(proc.log_path.read_text().strip().splitlines()[-1])
+
+        assert out["uid"] == NOBODY and "stream" not in out, out
+        assert out["status"] == ["mine"], out  # before: ["mine", "victim"]
+        assert out["status_victim"] == [], out
+        assert out["record_victim"][0] is None and "another uid" in out["record_victim"][2], out  # before: 42
+        assert out["record_mine"][:2] == [42, "/ckpt/mine/step-42"], out
+        assert out["tokenless"] == [], out
+        # root (an operator with sudo) still sees every job
+        assert sorted(j.job for j in _status(srv, "").jobs) == ["mine", "victim"]
+    finally:
+        rt.close()

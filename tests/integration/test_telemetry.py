@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from procs import wait_for
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
 from trainwarden.agent.shared import telemetry_pb2 as pb
+from trainwarden.agent.shared.peer_token import token_metadata
 from trainwarden.agent.shared import telemetry_pb2_grpc
 from trainwarden.agent.telemetry.server import SERVICE_NAME, TelemetryServer
 from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
@@ -88,7 +89,8 @@ def test_malformed_oversized_and_helloless_streams_are_rejected_and_counted(serv
                     pass
             wait_for(lambda: (rank_state(js, "good", 0) or None) and rank_state(js, "good", 0).last_step == 2,
                      10, what="steps from the well-behaved worker")
-            reply = telemetry_pb2_grpc.TelemetryStub(channel).Status(pb.StatusRequest(job="good"), timeout=5)
+            reply = telemetry_pb2_grpc.TelemetryStub(channel).Status(pb.StatusRequest(job="good"), timeout=5,
+                                                                 metadata=token_metadata(str(srv.socket_path)))
             assert [j.job for j in reply.jobs] == ["good"] and reply.jobs[0].ranks[0].last_step == 2
             assert reply.jobs[0].ranks[0].connected
         finally:

@@ -299,3 +299,21 @@ def test_a_rank_whose_checkpoint_directory_moves_under_it_still_finishes_its_sav
     monkeypatch.undo()
     assert ckpt.last_bytes == 0 and ckpt.failed_saves == 0
     ckpt.close()
+
+
+def test_refused_commits_in_a_row_are_said_once_like_any_streak_of_failed_saves(tmp_path):
+    """Seen in the soak: etcd lost its quorum for 20 s, the agent could not check the job's round, and the saves of
+    steps 190 and 200 were refused: two checkpoint_failed incidents for one outage. A refusal is a failed save
+    (save_failures.py): the first of a streak is reported, the next ones are warnings, a commit ends the streak."""
+    unsure = "etcd has not confirmed node n0's membership for 14 s: the job's round cannot be checked"
+    session = _FencingSession([unsure, unsure, None, unsure])
+    box = Box()
+    state = {"box": box}
+    with Checkpointer(tmp_path, session=session) as ckpt:
+        for step in (1, 2, 3, 4):
+            box.n = step
+            ckpt.save(step, state)
+            ckpt.wait()
+    failed = [step for stage, step, _ in session.events if stage == "failed"]
+    assert failed == [1, 4]
+    assert store.read_latest(tmp_path).step == 3 and (tmp_path / "step-00000004.fenced").is_dir()

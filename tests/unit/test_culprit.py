@@ -88,6 +88,22 @@ def test_without_an_unanswering_rank_lagging_blocked_ranks_are_not_named():
     assert verdict.culprits == () and "cause is outside the answering ranks" in verdict.summary
 
 
+def test_ranks_behind_in_a_collective_nobody_waits_in_are_not_named():
+    """Seen in the soak (seed 30, n0 of a pipeline job): rank 7 on n1 was SIGSTOPped; on n0, ranks 2 and 3 were at
+    #37 of a group whose leaders (ranks 0, 1) had done #41 and were inside no collective of it, while 2 and 3 waited
+    for a pipeline receive (`_wait_batch_p2p`, which gloo's recorder does not show as a wait). The hang named
+    ranks 2, 3 and 7; only 7 (n1's verdict) was the culprit."""
+    evidence = {0: _ev(0, _pos("13", 41, "unknown", desc="undefined"), _pos("mesh_tp", 543, in_flight=True)),
+                1: _ev(1, _pos("13", 41, "unknown", desc="undefined"), _pos("mesh_tp", 543, in_flight=True)),
+                2: _ev(2, _pos("13", 37, "unknown", desc="undefined"), _pos("mesh_tp", 543),
+                       stack=("_wait_batch_p2p (torch/distributed/pipelining/schedules.py:683)",)),
+                3: _ev(3, _pos("13", 37, "unknown", desc="undefined"), _pos("mesh_tp", 543),
+                       stack=("_wait_batch_p2p (torch/distributed/pipelining/schedules.py:683)",))}
+    verdict = name_culprit(evidence)
+    assert verdict.culprits == ()
+    assert "cause is outside the answering ranks" in verdict.summary
+
+
 def test_a_stopped_rank_in_a_single_group_job_is_named_in_plain_words():
     """The DDP shape: one all-reduce group, ranks 0,1,3 inside all_reduce #41, rank 2 stopped."""
     evidence = {r: _ev(r, _pos("default_pg", 41, in_flight=True)) for r in (0, 1, 3)}

@@ -86,14 +86,26 @@ def test_a_job_users_name_carries_its_job_generation_and_node_and_nothing_else_p
         assert parse_job_user_name(other) is None, other
 
 
-def test_the_role_reads_its_spec_and_the_connection_probe_and_writes_only_its_jobs_keys():
+def test_the_role_reads_its_jobs_keys_and_the_connection_probe_and_writes_them_but_spec_control_and_autoresume():
     perms = {(p.key.decode(), p.range_end.decode(), p.permType) for p in job_permissions("a")}
     rw, read = 2, 0  # READWRITE, READ
+    j = "/trainwarden/v1/jobs/a/"
     assert perms == {("/trainwarden/v1/rdzv/a/", "/trainwarden/v1/rdzv/a0", rw),
-                     ("/trainwarden/v1/jobs/a/", "/trainwarden/v1/jobs/a/spec", rw),
-                     ("/trainwarden/v1/jobs/a/spec\0", "/trainwarden/v1/jobs/a0", rw),
-                     ("/trainwarden/v1/jobs/a/spec", "", read),
+                     (j, "/trainwarden/v1/jobs/a0", read),
+                     (j, j + "autoresume/", rw), (j + "autoresume0", j + "control", rw),
+                     (j + "control\0", j + "spec", rw), (j + "spec\0", "/trainwarden/v1/jobs/a0", rw),
                      ("/trainwarden/v1/_probe", "", read)}
+
+
+def test_a_stop_request_holds_whatever_generation_the_state_is_made_to_say():
+    """A running job's launcher writes its state; bumping the generation there must not void an operator's stop
+    (submit and resume delete the request in the transaction that makes a new generation)."""
+    from trainwarden.agent.etcd.jobs import JobView
+
+    stop = {"action": "stop", "generation": 3, "by": "op"}
+    assert JobView("j", state={"phase": "running", "generation": 3}, control=stop).stop_requested
+    assert JobView("j", state={"phase": "running", "generation": 4}, control=stop).stop_requested
+    assert not JobView("j", state={"phase": "running", "generation": 4}, control=None).stop_requested
 
 
 def test_a_grant_writes_a_fresh_password_only_the_jobs_user_reads_and_gives_the_launcher_nothing_else(

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from _soak_plan import CATALOGUE, PlannedFault, checkpoints_kept, draw, faults_env, flat, loss_matches, \
-    match_incidents, no_fresh_start  # noqa: E402
+from _soak_plan import CATALOGUE, PlannedFault, checkpoints_kept, draw, faults_env, flat, in_round_seconds, \
+    ledger_agrees, loss_matches, match_incidents, no_fresh_start  # noqa: E402
 
 
 def test_the_draw_is_the_seeds_and_spaces_faults_by_the_gap_in_steps():
@@ -63,8 +63,8 @@ def test_step_one_after_a_commit_is_a_fresh_start():
     assert not no_fresh_start(story + [(4.0, "step", 1)]).ok
 
 
-def _inc(kind, t, node="n0", ranks=()):
-    return {"kind": kind, "detected_at": t, "node": node, "ranks": list(ranks)}
+def _inc(kind, t, node="n0", ranks=(), detail=""):
+    return {"kind": kind, "detected_at": t, "node": node, "ranks": list(ranks), "evidence": {"detail": detail}}
 
 
 def test_every_fault_is_exactly_its_incidents_and_nothing_else_is_one():
@@ -102,3 +102,74 @@ def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():
     assert match_incidents([corrupt], seen).ok
     assert not match_incidents([corrupt], seen + [_inc("node_lost", 106, "n1", [4])]).ok
     assert "no checkpoint_set_aside" in match_incidents([corrupt], seen[1:]).detail
+
+
+
+def test_a_lost_nodes_unfinished_save_and_a_partitions_culpritless_hang_are_consequences_nothing_else_is():
+    cut = PlannedFault(index=0, kind="partition", step=90, node="n1", at=100.0)
+    own = [_inc("node_lost", 110, "n1", [4, 5, 6, 7]), _inc("fenced", 112, "n1")]
+    unfinished = _inc("checkpoint_set_aside", 140, "n0", [0], detail="unfinished: step-00000090: no .metadata")
+    assert match_incidents([cut], own + [unfinished, _inc("hang", 138, "n0")]).ok
+    corrupt = _inc("checkpoint_set_aside", 140, "n0", [0], detail="corrupt: 1 file(s) do not match")
+    assert "unexpected checkpoint_set_aside" in match_incidents([cut], own + [corrupt]).detail
+    assert "unexpected hang" in match_incidents([cut], own + [_inc("hang", 138, "n0", [2])]).detail
+    twice = own + [unfinished, {**unfinished, "detected_at": 150}]
+    assert not match_incidents([cut], twice).ok  # at most one per node
+
+
+def test_a_per_node_observation_may_be_recorded_by_each_node_once():
+    slow = PlannedFault(index=0, kind="degrade", step=90, node="n1", at=100.0)
+    assert match_incidents([slow], [_inc("comm_regression", 130, "n0"), _inc("comm_regression", 131, "n1")]).ok
+    assert match_incidents([slow], [_inc("comm_regression", 130, "n0")]).ok
+    assert "no comm_regression" in match_incidents([slow], []).detail
+    assert "a second comm_regression on n0" in match_incidents(
+        [slow], [_inc("comm_regression", 130, "n0"), _inc("comm_regression", 150, "n0")]).detail
+    full = PlannedFault(index=0, kind="enospc", step=90, at=100.0)
+    assert match_incidents([full], [_inc("checkpoint_failed", 120, "n0", [0]), _inc("checkpoint_failed", 120, "n1", [4])]).ok
+
+
+def test_the_new_kinds_are_drawn_with_their_targets():
+    faults = draw(16, steps=461, step_s=1.3, kinds=["quorum", "enospc", "degrade"])
+    assert {f.kind for f in faults} == {"quorum", "enospc", "degrade"}
+    for f in faults:
+        if f.kind == "quorum":
+            assert len(set(f.variant.split(","))) == 2 and set(f.variant.split(",")) <= {"e0", "e1", "e2"}
+        if f.kind == "degrade":
+            assert f.node == "n1"
+
+
+def test_the_time_in_rounds_on_kept_steps_is_what_every_rank_agrees_on():
+    """Two ranks of one round time their steps differently (a pipeline's stages): rank A's steps last 0.6 s with
+    0.4 s between, rank B's 0.9 s with 0.1 s between; their time in the round on the kept steps is the same."""
+    a = [(10.0 + i, i + 1, 0.6) for i in range(10)]
+    b = [(10.05 + i, i + 1, 0.9) for i in range(10)]
+    assert in_round_seconds(a, [9.0]) == pytest.approx(0.6 + 9.0)
+    assert in_round_seconds(b, [9.0]) == pytest.approx(0.9 + 9.0)
+    # a restart: steps 6-10 redone in a new round from step 5; only their last run counts, the new round's first
+    # step its own duration (the gap before it is the restart's)
+    redo = a + [(40.0 + i, 6 + i, 0.6) for i in range(5)]
+    assert in_round_seconds(redo, [9.0, 38.0]) == pytest.approx((0.6 + 4.0) + (0.6 + 4.0))
+    ledger = {"productive_s": 7.0, "badput_s": {"between_steps": 2.4, "checkpoint_stall": 0.2}, "wall_s": 19.1}
+    assert ledger_agrees(ledger, a, [9.0], 0.0).ok
+    assert not ledger_agrees({**ledger, "productive_s": 6.0}, a, [9.0], 0.0).ok
+    assert not ledger_agrees(ledger, [], [], 0.0).ok
+
+
+def test_a_quorum_loss_may_refuse_one_save_a_node_not_two():
+    lost = PlannedFault(index=0, kind="quorum", step=190, variant="e1,e2", at=100.0)
+    refused = _inc("checkpoint_failed", 120, "n0", [0], detail="fenced: etcd could not check the job's round")
+    assert match_incidents([lost], []).ok
+    assert match_incidents([lost], [refused]).ok
+    assert not match_incidents([lost], [refused, {**refused, "detected_at": 126}]).ok
+    assert not match_incidents([lost], [_inc("checkpoint_failed", 120, "n0", [0], detail="No space left")]).ok
+
+
+def test_a_slow_windows_end_belongs_to_its_start_even_after_the_next_fault():
+    """Seed 30: the slow rank's straggler_end came after the next fault (an agent kill) was injected, and was
+    taken for that fault's false alarm."""
+    slow = PlannedFault(index=0, kind="slow", step=154, rank=2, at=100.0)
+    kill = PlannedFault(index=1, kind="agent_kill", step=191, node="n1", at=200.0)
+    seen = [_inc("straggler_start", 120, "n0", [2]), _inc("node_lost", 215, "n1", [4, 5, 6, 7]),
+            _inc("straggler_end", 212, "n0", [2])]
+    assert match_incidents([slow, kill], seen).ok
+    assert "unexpected straggler_end" in match_incidents([slow, kill], seen[1:]).detail  # no start: not a window's end

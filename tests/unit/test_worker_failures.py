@@ -169,3 +169,30 @@ def test_a_killed_rank_whose_stream_broke_after_its_peers_said_goodbye_is_still_
     rec.restarting()
     assert versions[-1].kind == IncidentKind.CRASH and versions[-1].ranks == (2,)
     assert versions[-1].evidence["collateral"] == [1]
+
+
+def test_streams_of_an_earlier_round_never_name_a_rank_of_a_later_ones_failure():
+    """Seen in the soak (n0, 4 ranks): the watchdog aborted a round (a SIGSTOPped rank; no crash incident), its
+    workers' streams broke without a goodbye; 39 s into the next round n1's agent was SIGKILLed, rank 2 here
+    exited 1 saying a peer was gone and torchrun stopped the rest. The old round's stream of rank 3 ended first
+    and the incident blamed it: "crash, rank 3 (its stream broke first, without a goodbye)"."""
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry, WorkerInfo
+
+    now = [1612.6]
+    js = JobTelemetry(wall=lambda: now[0])
+    for r in range(4):
+        js.connect(WorkerInfo(job="j", rank=r, world_size=8, pid=19911 + r))
+    rec, versions = recorder(ended_streams=lambda since: js.ended_streams("j", since))
+    for r in (3, 1, 2, 0):  # the aborted round's workers, killed: no goodbye
+        js.disconnect("j", r, 19911 + r)
+    rec.round_started(1640.0)  # the next round
+    now[0] = 1650.9
+    for r in range(4):
+        js.connect(WorkerInfo(job="j", rank=r, world_size=8, pid=20398 + r))
+        js.goodbye("j", r, 20398 + r, "peer gone: Read error [10.213.0.11]:2796: Connection reset by peer.")
+        js.disconnect("j", r, 20398 + r)
+    rec.round_failed([failed(0, -15), failed(1, -15), failed(2, 1), failed(3, -15)])
+    rec.restarting()
+    incident = versions[-1]
+    assert incident.kind == IncidentKind.RESTART and incident.ranks == ()
+    assert [s["pid"] for s in incident.evidence["telemetry_streams_ended"]] == [20398, 20399, 20400, 20401]
