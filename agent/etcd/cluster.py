@@ -57,7 +57,7 @@ from trainwarden.agent.etcd.watch import KeyWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GROW_KEY_TTL_S", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "BUSY_TTL_S", "HANG_KEY_TTL_S", "VERDICT_GRACE_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
+__all__ = ["GROW_KEY_TTL_S", "LEAVE_CAUSES", "advance_round", "commit_in_round", "read_leave", "request_leave", "round_id", "LeaveWatch", "PROGRESS_PERIOD_S", "PROGRESS_TTL_S", "BUSY_TTL_S", "HANG_KEY_TTL_S", "VERDICT_GRACE_S", "HangCoordinator", "ProgressPublisher", "agree_checkpoint_step",
            "read_progress"]
 
 BUSY_TTL_S = 10
@@ -105,13 +105,22 @@ def agree_checkpoint_step(client, job: str, round_key: str, proposal: int, node:
         raise ValueError(f"{key} holds no step ({exc}); delete it to let the nodes agree again") from None
 
 
-def request_leave(client, job: str, round_key: str, node: str, proposal: int, *,
-                  prefix: str = DEFAULT_PREFIX) -> dict:
+LEAVE_CAUSES = ("drain", "excluded")
+"""Why a node leaves: an operator's drain (SIGUSR1), or a policy excluded it (``--straggler-policy exclude``,
+``--link-policy exclude``). A hot spare that takes the leaver's ranks counts its swap by it."""
+
+
+def request_leave(client, job: str, round_key: str, node: str, proposal: int, *, cause: str = "drain",
+                  ranks=(), reason: str = "", prefix: str = DEFAULT_PREFIX) -> dict:
     """Ask to leave ``job`` after step ``proposal`` of round ``round_key``; the request that stands (this one,
-    or another node's made first: then this node asks again in the next round)."""
+    or another node's made first: then this node asks again in the next round). ``cause`` (``LEAVE_CAUSES``),
+    the leaver's ``ranks`` in the round and ``reason`` go in the record for the spare that takes its place."""
+    if cause not in LEAVE_CAUSES:
+        raise ValueError(f"leave cause {cause!r}: expected one of {', '.join(LEAVE_CAUSES)}")
     key = job_key(job, "leave", round_key, prefix=prefix)
     lease = with_failover(client, lambda: client.lease(GROW_KEY_TTL_S))
-    mine = {"node": node, "step": int(proposal)}
+    mine = {"node": node, "step": int(proposal), "cause": cause, "ranks": sorted(int(r) for r in ranks),
+            "reason": reason[:500]}
     won, responses = with_failover(client, lambda: client.transaction(
         compare=[client.transactions.version(key) == 0],
         success=[client.transactions.put(key, json.dumps(mine), lease=lease)],
@@ -125,13 +134,17 @@ def request_leave(client, job: str, round_key: str, node: str, proposal: int, *,
 
 
 def read_leave(client, job: str, round_key: str, *, prefix: str = DEFAULT_PREFIX) -> dict | None:
-    """The leave request of round ``round_key`` of ``job``, if any: ``{"node", "step"}``."""
+    """The leave request of round ``round_key`` of ``job``, if any: ``{"node", "step", "cause", "ranks",
+    "reason"}`` (a record without the last three, from an older release: a drain, its ranks unknown)."""
     value, _ = with_failover(client, lambda: client.get(job_key(job, "leave", round_key, prefix=prefix)))
     if value is None:
         return None
     try:
         request = json.loads(value)
-        return {"node": str(request["node"]), "step": int(request["step"])}
+        return {"node": str(request["node"]), "step": int(request["step"]),
+                "cause": str(request.get("cause") or "drain"),
+                "ranks": tuple(sorted(int(r) for r in request.get("ranks") or ())),
+                "reason": str(request.get("reason") or "")}
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -55,6 +55,10 @@ class IncidentKind(str, enum.Enum):
     NODE_LOST = "node_lost"
     """A node of the job stopped renewing its membership lease (killed, powered off, cut off): which node,
     its ranks in the last round, when its lease ended. Recorded once per loss, by one surviving node."""
+    SPARE_SWAP = "spare_swap"
+    """A hot spare took the ranks of a node that a policy excluded (straggler or link policy ``exclude``): which
+    node, why, the step it left after, and the spare. A spare that replaced a lost node names itself in the
+    ``node_lost`` incident instead."""
     AUTO_RESUME = "auto_resume"
     """The daemon's Alertmanager webhook decided on an alert about the job: resumed it (a new generation), or
     not (a duplicate, throttled, rejected), and why."""

@@ -9,6 +9,12 @@ incident's next version, which says "node n2 lost; spare n3 took ranks 2,3". The
 when the lost node's membership lease ends (``MEMBERSHIP_TTL_S``), which may be after the new round started:
 the spare looks again every ``poll_s`` for ``wait_s``.
 
+A node that a policy excluded (``--straggler-policy exclude``, ``--link-policy exclude``) is not lost: it leaves
+at an agreed step (agent/launch/regroup.py) and says so in the round's leave record (``jobs/<job>/leave/<round>``:
+its node, step, ranks and ``cause: excluded``). A spare whose first round follows such a leave, with the leaver's
+ranks, records a ``spare_swap`` incident: "node n1 excluded (link check: ...); spare n2 took ranks 2,3 after step
+40", and counts the swap as ``excluded``.
+
 Nothing here decides anything: the incident only tells who took the ranks. No torch here.
 """
 
@@ -22,10 +28,11 @@ import time
 from typing import Callable, Iterable
 
 from trainwarden.agent.etcd.client import describe_etcd_error, with_failover
+from trainwarden.agent.etcd.cluster import read_leave
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
-from trainwarden.agent.incidents.record import Incident, IncidentKind
+from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 
-__all__ = ["SpareTakeover", "taken_over"]
+__all__ = ["SpareTakeover", "taken_over", "took_excluded"]
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +48,22 @@ def taken_over(incidents: Iterable[Incident], *, node: str, round_: int, ranks: 
     return None
 
 
+def took_excluded(leave: dict | None, *, node: str, ranks: tuple[int, ...]) -> bool:
+    """Whether ``leave`` (the round before's leave record, ``read_leave``) is another node's exclusion whose ranks
+    ``node`` now holds."""
+    return bool(leave) and leave.get("cause") == "excluded" and leave.get("node") != node \
+        and tuple(leave.get("ranks") or ()) == ranks
+
+
 class SpareTakeover:
     """On a node of a job with spares: after each worker round starts, names this node in the loss it replaced."""
 
     def __init__(self, client, job: str, node: str, record: Callable[[Incident], Incident], *,
                  prefix: str = DEFAULT_PREFIX, wait_s: float = 30.0, poll_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_swap: Callable[[Incident], None] | None = None) -> None:
-        """``on_swap(incident)``: told once this node named itself in the loss it replaced (the metrics and the
-        goodput ledger count the swap: agent/launch/spare_swaps.py)."""
+                 on_swap: Callable[[str, Incident], None] | None = None) -> None:
+        """``on_swap(cause, incident)``: told once this node named itself in the loss (``node_lost``) or the
+        exclusion (``excluded``) it replaced (the metrics count the swap: agent/launch/spare_swaps.py)."""
         self._client, self._job, self._node, self._record = client, job, node, record
         self._on_swap = on_swap
         self._prefix, self._wait_s, self._poll_s, self._clock = prefix, wait_s, poll_s, clock
@@ -72,16 +86,20 @@ class SpareTakeover:
     def _name_spare(self, round_: int, ranks: tuple[int, ...]) -> Incident | None:
         deadline = self._clock() + self._wait_s
         while not self._stop.is_set():
+            named, cause = None, "node_lost"
             try:
-                lost = taken_over(self._incidents(), node=self._node, round_=round_, ranks=ranks)
+                leave = read_leave(self._client, self._job, str(round_ - 1), prefix=self._prefix)
+                if took_excluded(leave, node=self._node, ranks=ranks):
+                    named, cause = self._record(self._excluded(leave, round_, ranks)), "excluded"
+                else:
+                    lost = taken_over(self._incidents(), node=self._node, round_=round_, ranks=ranks)
+                    named = self._record(self._named(lost, round_, ranks)) if lost is not None else None
             except Exception as exc:  # etcd away: try again until the deadline
-                log.debug("cannot read job %s's incidents: %s", self._job, describe_etcd_error(exc))
-                lost = None
-            if lost is not None:
-                named = self._record(self._named(lost, round_, ranks))
+                log.debug("cannot read job %s's leave record or incidents: %s", self._job, describe_etcd_error(exc))
+            if named is not None:
                 if self._on_swap is not None:
                     try:
-                        self._on_swap(named)
+                        self._on_swap(cause, named)
                     except Exception:  # noqa: BLE001 - a listener's error is not the incident's
                         log.exception("job %s: the spare swap's listener failed", self._job)
                 return named
@@ -97,6 +115,19 @@ class SpareTakeover:
         return dataclasses.replace(lost, evidence=evidence, updated_at=time.time(),
                                    outcome=f"spare {self._node} took ranks {which} in round {round_}: the job goes on "
                                            "at the same world size")
+
+    def _excluded(self, leave: dict, round_: int, ranks: tuple[int, ...]) -> Incident:
+        which, now = ",".join(map(str, ranks)), time.time()
+        why = f" ({leave['reason']})" if leave.get("reason") else ""
+        return Incident(
+            id=new_incident_id(now), kind=IncidentKind.SPARE_SWAP, job=self._job, node=leave["node"], ranks=ranks,
+            evidence={"excluded_node": leave["node"], "cause": "excluded", "reason": leave.get("reason", ""),
+                      "step": leave["step"], "round": round_ - 1, "spare": self._node, "spare_round": round_,
+                      "summary": f"node {leave['node']} excluded{why}; spare {self._node} took ranks {which} after "
+                                 f"step {leave['step']}"},
+            detected_at=now, state=IncidentState.RESOLVED,
+            action=f"node {leave['node']} left after the checkpoint of step {leave['step']}",
+            outcome=f"spare {self._node} took ranks {which} in round {round_}: the job goes on at the same world size")
 
     def _incidents(self) -> list[Incident]:
         base = job_key(self._job, "incidents", "", prefix=self._prefix)

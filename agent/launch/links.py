@@ -57,4 +57,5 @@ class LinkChecks:
             JobControl(self.client).cordon(self.node, reason, by=f"trainwarden run on {self.node} (--link-policy exclude)")
         except Exception as exc:
             logger.warning("cannot cordon node %s: %s", self.node, describe_etcd_error(exc))
+        self._leave_cause, self._leave_reason = "excluded", reason
         self._leave_asked.set()

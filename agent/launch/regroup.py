@@ -86,11 +86,13 @@ class Regrouping:
             if not self._leave_asked.is_set() and self._leaves.excluded():
                 print(f"trainwarden: node {self.node} is to be left out of job {self.opts.job} (straggler policy "
                       "exclude); it leaves at a step boundary after a checkpoint", file=self.out, flush=True)
+                self._leave_cause, self._leave_reason = "excluded", "straggler policy exclude"
                 self._leave_asked.set()
             standing = None
             if self._leave_asked.is_set() and self._asked_leave_round != round_:
                 self._asked_leave_round = round_
-                standing = request_leave(self.client, self.opts.job, key, self.node, self._step_ahead())
+                standing = request_leave(self.client, self.opts.job, key, self.node, self._step_ahead(),
+                                         cause=self._leave_cause, ranks=self._round_ranks, reason=self._leave_reason)
             request = self._leaves.request(key) or standing
         except Exception as exc:
             logger.debug("cannot read the job's leave requests: %s", describe_etcd_error(exc))

@@ -272,6 +272,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._leave_rounds: set = set()  # rounds whose leave request this node has acted on
         self._leave_done: dict = {}  # round -> Event set once that leave's checkpoint is settled
         self._asked_leave_round = None
+        self._leave_cause, self._leave_reason = "drain", ""  # a policy's exclusion says "excluded" and why
+        self._round_ranks: list[int] = []  # this node's global ranks in the current worker round
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
@@ -413,7 +415,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             cleanup.callback(lost.stop)
             if opts.spare_nodes:  # "node n2 lost; spare n3 took ranks 2,3"
                 self.spares = SpareTakeover(self.client, opts.job, self.node, agent.incidents.record,
-                                            on_swap=lambda _: self.spare_swaps.swapped("node_lost"))
+                                            on_swap=lambda cause, _: self.spare_swaps.swapped(cause))
                 cleanup.callback(self.spares.stop)
         self._write_record(cleanup, AGENT_SOCKET_RECORD, str(agent.config.socket_path))  # `status --job` reads it
         if agent.metrics_url:  # and `top --job` its GPU gauges, whatever port the run got
@@ -705,6 +707,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
             self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
             self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
+            self._round_ranks = sorted(w["global_rank"] for w in event.get("workers") or [])
             self.run_record.set_workers(self._worker_pids)
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
                 self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),

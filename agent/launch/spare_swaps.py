@@ -8,8 +8,8 @@ its nodes and a node that is gone takes its series with it:
 
 ``sum by (job) (trainwarden_job_spare_nodes)`` is the number of spares waiting; a swap is counted once, on the spare
 that took the ranks. ``cause`` is ``node_lost`` (it named itself in the lost node's ``node_lost`` incident:
-agent/incidents/spare_takeover.py) or ``excluded`` (a node that a policy excluded; exported from 0, counted by
-nothing yet: whether a spare takes an excluded node's place is issue 47's item 3). No torch here.
+agent/incidents/spare_takeover.py) or ``excluded`` (it took the place of a node that an exclude policy sent away, as
+the round's leave record says, and recorded a ``spare_swap`` incident). No torch here.
 """
 
 from __future__ import annotations

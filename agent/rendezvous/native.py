@@ -19,7 +19,8 @@ zero-padded so text order is round order:
 **Close**: only the closer watches the round's nodes (N events); every other node watches ``close/`` alone (one
 event). The closer applies ``CloseRule``: at once when ``max_nodes`` have joined; when ``min_nodes`` have and
 every living member of the previous round is back (a restart after a loss); else when ``min_nodes`` have and
-the last call (``last_call_s``) since that moment has passed. During that last call the closer asks etcd every
+the last call (``last_call_s``) since that moment has passed. A previous member whose key went is back, not gone,
+when its key in this round is there (read at once: the two rounds' watches may deliver in either order). During that last call the closer asks etcd every
 ``LEASE_CHECK_S`` how much of each awaited member's lease is left: a member whose lease went two keep-alive periods
 (a third of its TTL each) without renewal is taken for lost (powered off or cut off) without waiting for the
 lease to run out (``CloseRule.presume_lost``). Never while the previous round is intact (a node
@@ -604,13 +605,24 @@ class NativeRendezvous:
                         else:
                             rule.leave(node)
                     elif prev_nodes is not None and key.startswith(prev_nodes) and isinstance(event, DeleteEvent):
-                        rule.previous_gone(key[len(prev_nodes):])
+                        self._back_or_gone(number, key[len(prev_nodes):], rule)
                     elif key == round_prefix + "close/members" and isinstance(event, PutEvent):
                         return self._parse_members(number, event.value)  # closed by a closer that took over
         finally:
             self._wake = None
             for watch_id in watches:
                 self._cancel(watch_id)
+
+    def _back_or_gone(self, number: int, node: str, rule: CloseRule) -> None:
+        """A member of the previous round whose key there went: back if its key in round ``number`` is there (it left
+        to re-join, and ``next_round`` joins before it leaves), else gone. Read, not waited for on the round's watch:
+        etcd may deliver the two watches' events in either order (an unsynced watch catches up in batches), and a
+        closer that took several re-joining members for lost closed at ``min_nodes`` without them."""
+        value, meta = self._call("read whether a member re-joined", lambda: self._client.get(
+            self._key(number, "nodes", node)))
+        if value is not None:
+            rule.join(node, meta.create_revision)
+        rule.previous_gone(node)
 
     def _missed_keep_alives(self, number: int, node: str, lease_id: int) -> bool:
         """Whether ``node``'s lease (its key in the previous round) has gone unrenewed for two of its keep-alive

@@ -49,9 +49,12 @@ steps had no untainted window when saves tainted them: tests/fixtures/comm_regre
 class CommRegressionConfig:
     """When a job's slowdown counts as a communication regression."""
 
-    window_s: float = 10.0
-    """Shortest window of the job's time (agent clock)."""
-    min_window_steps: int = 5
+    window_s: float = 5.0
+    """Shortest window of the job's time (agent clock). With ``persist_windows`` 2, a regression starts 2-3 windows
+    after the fault: 10 s windows took 39 s on the recorded reference job's slow link (gpt_link), 5 s windows of
+    at least 3 steps 11-17 s on every recorded fault, and neither flagged the recorded healthy or straggler jobs
+    (issue 47: a 3x regression named within 30 s)."""
+    min_window_steps: int = 3
     """Steps every rank completes in a window: slow jobs get longer windows."""
     warmup_steps: int = 20
     """Steps of a new worker round before its windows count (start-up, a restore's first steps)."""

@@ -32,9 +32,9 @@ RANKS_RE = re.compile(r"\]   global_ranks=\[([\d, ]*)\]$", re.M)
 WORLDS_RE = re.compile(r"\]   global_world_sizes=\[([\d, ]*)\]$", re.M)
 
 
-def _start(bed: TestBed, tmp_path: Path, node: str, steps: int, ckpt: Path):
+def _start(bed: TestBed, tmp_path: Path, node: str, steps: int, ckpt: Path, *extra: str):
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(tmp_path / node / "state"))
-    return bed.spawn(node, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
+    return bed.spawn(node, [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", *extra,
                             "--nnodes", "2:2", "--spare-nodes", "1", "--nproc-per-node", "2", "--node", node,
                             "--max-restarts", "3", "--job", "sp", "--etcd", bed.etcd_endpoints, "--",
                             "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--batch", "12",
@@ -102,4 +102,67 @@ def test_a_spare_waits_without_restarting_the_job_and_takes_the_lost_nodes_ranks
             f"node {victim} lost; spare n2 took ranks {','.join(map(str, lost_ranks))}"), incident
         print(f"{victim} lost: the spare took ranks {lost_ranks}; resumed from step", resumed,
               "memory" if "resumed from the memory" in text(survivor, "n2") else "disk")
+    assert bed.leftovers() == []
+
+
+def _etcd_put(bed: TestBed, key: str, value: str) -> None:
+    host, port = bed.etcd_endpoints.split(",")[0].split(":")
+    bed.run("n0", [sys.executable, "-c", f"import etcd3; etcd3.client(host={host!r}, port={port}).put({key!r}, "
+                                         f"{value!r})"], check=True)
+
+
+def _metric(bed: TestBed, node: str, url: str, name: str) -> str:
+    """``node``'s exported series of ``name``, read from inside the bed."""
+    read = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    out = bed.run(node, [sys.executable, "-c", read], check=True).stdout
+    return "\n".join(line for line in out.splitlines() if line.startswith(name))
+
+
+def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_ranks(tmp_path):
+    """Issue 47 item 3: under --straggler-policy exclude, the straggler policy's exclusion of n1 (what it writes:
+    ``jobs/<job>/exclude/n1``) makes n1 leave after an agreed step's checkpoint; the spare n2 takes n1's position
+    in the next round: ranks 2,3, world size 4 throughout (no resharding), the job resumes from that step (none
+    lost), a spare_swap incident names both, and the spare counts trainwarden_spare_swaps_total{cause="excluded"}
+    (before, it counted nothing: a spare could not tell an exclusion from a loss, and recorded nothing)."""
+    steps, ckpt = 90, tmp_path / "shared" / "ckpt"
+    policy = ("--straggler-policy", "exclude")
+    with TestBed(nodes=3, etcd_members=1, workdir=tmp_path / "bed") as bed:
+
+        def text(*nodes) -> str:
+            paths = [tmp_path / n / "run.log" for n in nodes or ("n0", "n1", "n2")]
+            return "".join(p.read_text(errors="replace") for p in paths if p.exists())
+
+        runs = {n: _start(bed, tmp_path, n, steps, ckpt, *policy) for n in ("n0", "n1")}
+        wait_for(lambda: _steps(text()) or any(p.poll() is not None for p in runs.values()), 240,
+                 what="n0 and n1 to train")
+        runs["n2"] = _start(bed, tmp_path, "n2", steps, ckpt, *policy)
+        wait_for(lambda: "waits in round" in text("n2") or runs["n2"].poll() is not None, 120,
+                 what="n2 to wait as the spare")
+        wait_for(lambda: max(_steps(text()) or [0]) >= 15 or any(p.poll() is not None for p in runs.values()), 240,
+                 what="the job to reach step 15 with the spare waiting")
+        assert all(p.poll() is None for p in runs.values()), text()[-4000:]
+        _etcd_put(bed, "/trainwarden/v1/jobs/sp/exclude/n1", '{"reason": "straggler: rank 2 is 3.0x slower"}')
+
+        def swap() -> dict | None:
+            return next((i for i in _etcd_incidents(bed, "sp") if i["kind"] == "spare_swap"), None)
+
+        wait_for(lambda: swap() is not None or runs["n2"].poll() is not None, 240, what="the spare's swap incident")
+        incident = swap()
+        assert incident is not None, text("n2")[-4000:]
+        url = re.search(r"agent metrics at (\S+)", text("n2")).group(1)
+        counted = _metric(bed, "n2", url, "trainwarden_spare_swaps_total")
+        assert re.search(r'cause="excluded".*\} 1\.0', counted), counted
+        for node in ("n0", "n1", "n2"):
+            assert runs[node].wait(300) == 0, f"{node}: " + text(node)[-4000:]
+        assert [r for r, _ in _rounds(tmp_path, "n2")] == [[2, 3]], _rounds(tmp_path, "n2")
+        assert {tuple(r) for r, _ in _rounds(tmp_path, "n0")} == {(0, 1)}
+        assert all(w == {4} for n in ("n0", "n1", "n2") for _, w in _rounds(tmp_path, n))
+        step = incident["evidence"]["step"]
+        assert (incident["node"], incident["ranks"], incident["evidence"]["spare"]) == ("n1", [2, 3], "n2")
+        assert incident["evidence"]["summary"] == f"node n1 excluded (straggler policy exclude); spare n2 took ranks " \
+                                                  f"2,3 after step {step}", incident
+        story = _rank0(text())
+        resumed = _check_continuation(story, steps, require_replay=False)
+        assert resumed == step, (resumed, step, story)  # it steps out at the agreed step: no step lost
+        print(f"n1 excluded after step {step}; spare n2 took ranks 2,3 and the job resumed from step {resumed}")
     assert bed.leftovers() == []

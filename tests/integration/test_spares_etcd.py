@@ -172,3 +172,22 @@ def test_a_node_that_comes_back_to_a_full_job_waits_as_a_spare_and_restarts_nobo
     for _ in range(3):  # asked again and again, as torchrun's agent does: nobody restarts for it
         assert [survivor.num_nodes_waiting(), spare.num_nodes_waiting()] == [0, 0]
     assert survivor._rdzv.waiting() == 1  # it is there, counted as a spare, not as a node to admit
+
+
+def test_a_node_that_leaves_on_purpose_is_replaced_by_the_spare_and_every_node_calls_it_a_swap(nodes):
+    """Item 3's first question: under the exclude policies a node leaves at an agreed step (regroup.py: its torchrun
+    gets SIGTERM, which leaves its rendezvous key to its lease) and the others regroup. The spare takes its place
+    at the same world size; the survivors' handlers call the round a swap, a regroup with nobody replaced is not."""
+    *trainers, spare = nodes(4, min_nodes=3, max_nodes=3, last_call_s=3)  # `trainwarden run`'s last call
+    first = _together(trainers)
+    waiting = _Joining(spare)
+    _wait_until(lambda: waiting.waits, "the spare to wait")
+    regroup = _together(trainers)  # a regroup that replaced nobody (the spare waits behind a full round)
+    assert regroup == first and not any(h.spare_swap for h in trainers) and not waiting.done
+    leaver = next(h for h in trainers if first[h][0] == 1)
+    leaver._stop.set()  # SIGTERM: no more keep-alives, its key stays until its lease runs out
+    survivors = [h for h in trainers if h is not leaver]
+    second = _together(survivors)  # asked to regroup (``restart <round>``): they re-join without a loss seen
+    assert {h: second[h] for h in survivors} == {h: first[h] for h in survivors}
+    assert (waiting.result().rank, waiting.result().world_size) == (1, 3)  # the spare takes the leaver's rank
+    assert all(h.spare_swap for h in survivors) and not spare.spare_swap  # the spare knew no round before

@@ -516,3 +516,51 @@ def test_a_member_regrouping_to_let_a_waiting_node_in_joins_before_it_leaves_so_
     grown = member.next_round()
     thread.join(10)
     assert grown.number == 1 and grown.members == result[0].members and set(grown.members) == {"n00", "n07"}
+
+
+def test_members_that_re_join_at_once_are_back_whatever_order_the_closers_two_watches_deliver_in():
+    """Issue 47: n00, n01 and n02 regroup without a loss (min 2, max 3); n00 joins round 1 first and closes it. The
+    others' keys in round 0 go right after their joins in round 1, but the closer watches the two rounds with two
+    watches, and etcd may deliver the second's events first (an unsynced watch catches up in batches, in no order
+    across watches). Taking the deletions for losses, the closer saw round 0's members all gone, closed round 1 as
+    soon as min_nodes had joined, and pushed a living member out to wait in round 2 (the job shrank by a node)."""
+
+    class JoinsLate(FakeEtcd):
+        """Round 1's joins reach the watches 0.3 s after they happened; every other event at once."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.late: list = []
+            threading.Thread(target=self._deliver_late, daemon=True).start()
+
+        def _event(self, event) -> None:
+            if not event.kv.key.startswith(rendezvous_key("j", 1, "nodes").encode()):
+                return super()._event(event)
+            self.history.append(event)
+            due = threading.Event()
+            threading.Timer(0.3, due.set).start()
+            for key, end, callback in list(self.watches.values()):
+                if key <= event.kv.key < end:
+                    self.late.append((due, callback, WatchResponse(
+                        rpc_pb2.ResponseHeader(revision=self.revision), [etcd_events.new_event(event)])))
+
+        def _deliver_late(self) -> None:
+            while True:
+                if self.late and self.late[0][0].wait(5):
+                    _, callback, response = self.late.pop(0)
+                    callback(response)
+                else:
+                    threading.Event().wait(0.01)
+
+    etcd = JoinsLate()
+    nodes = _nodes(etcd, 3, min_nodes=2, max_nodes=3, last_call_s=30.0, join_timeout_s=4.0)
+    _together(nodes)
+    first: list = []
+    closer = threading.Thread(target=lambda: first.append(nodes[0].next_round()))
+    closer.start()
+    while etcd.get(rendezvous_key("j", 1, "close", "by"))[0] is None or len(etcd.watches) < 2:
+        threading.Event().wait(0.01)  # n00 closes round 1 and watches both rounds
+    others = _together(nodes[1:])
+    closer.join(10)
+    assert [(r.number, r.members) if not isinstance(r, Exception) else r for r in first + others] == \
+        [(1, ("n00", "n01", "n02"))] * 3

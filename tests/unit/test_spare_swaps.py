@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trainwarden.agent.etcd.keys import job_key
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState
-from trainwarden.agent.incidents.spare_takeover import SpareTakeover
+from trainwarden.agent.incidents.spare_takeover import SpareTakeover, took_excluded
 from trainwarden.agent.launch.goodput import CAUSE_LABELS, CAUSES, GoodputLedger
 from trainwarden.agent.launch.spare_swaps import SWAP_CAUSES, SpareSwaps
 from trainwarden.agent.rendezvous.native import Round
@@ -97,6 +97,9 @@ class _Etcd:
     def __init__(self):
         self.values: dict[str, bytes] = {}
 
+    def get(self, key):
+        return self.values.get(key), None
+
     def get_prefix(self, prefix):
         return [(v, None) for k, v in sorted(self.values.items()) if k.startswith(prefix)]
 
@@ -107,8 +110,28 @@ def test_the_spare_counts_its_swap_once_it_named_itself_in_the_loss():
                     evidence={"round": 4, "summary": "node n1 stopped renewing"}, detected_at=1.0,
                     state=IncidentState.RESOLVED)
     etcd.values[job_key("j", "incidents", lost.id)] = json.dumps(lost.to_json()).encode()
-    takeover = SpareTakeover(etcd, "j", "n3", lambda i: i, wait_s=5.0, poll_s=0.01, on_swap=swaps.append)
+    takeover = SpareTakeover(etcd, "j", "n3", lambda i: i, wait_s=5.0, poll_s=0.01, on_swap=lambda *swap: swaps.append(swap))
     named = takeover._name_spare(5, (2, 3))
-    assert swaps == [named] and named.evidence["spare"] == "n3"
-    nothing = SpareTakeover(_Etcd(), "j", "n3", lambda i: i, wait_s=0.05, poll_s=0.01, on_swap=swaps.append)
+    assert swaps == [("node_lost", named)] and named.evidence["spare"] == "n3"
+    nothing = SpareTakeover(_Etcd(), "j", "n3", lambda i: i, wait_s=0.05, poll_s=0.01, on_swap=lambda *swap: swaps.append(swap))
     assert nothing._name_spare(5, (2, 3)) is None and len(swaps) == 1  # no loss found: no swap counted
+
+
+def test_a_spare_that_took_an_excluded_nodes_ranks_names_it_and_counts_the_swap_as_excluded():
+    """Issue 47 item 3: the excluder writes why it leaves into the round's leave record; the spare whose first round
+    follows it, with its ranks, records a spare_swap incident and counts cause="excluded" (it counted nothing)."""
+    etcd, swaps = _Etcd(), []
+    etcd.values[job_key("j", "leave", "4")] = json.dumps({
+        "node": "n1", "step": 40, "cause": "excluded", "ranks": [2, 3],
+        "reason": "link check: n1's link is 3.1x slower"}).encode()
+    recorded = []
+    takeover = SpareTakeover(etcd, "j", "n3", lambda i: recorded.append(i) or i, wait_s=1.0, poll_s=0.01,
+                             on_swap=lambda *swap: swaps.append(swap))
+    named = takeover._name_spare(5, (2, 3))
+    assert swaps == [("excluded", named)] and recorded == [named]
+    assert named.kind == IncidentKind.SPARE_SWAP and named.node == "n1" and named.ranks == (2, 3)
+    assert named.evidence["summary"] == ("node n1 excluded (link check: n1's link is 3.1x slower); spare n3 took "
+                                         "ranks 2,3 after step 40")
+    assert takeover._name_spare(6, (2, 3)) is None  # another round's leave: not this swap
+    assert took_excluded({"node": "n1", "step": 1, "cause": "drain", "ranks": (2, 3)}, node="n3", ranks=(2, 3)) \
+        is False  # a drain is no exclusion: the spare that comes in is counted by nothing (a grow-back)

@@ -81,6 +81,9 @@ class _Etcd:
     def __init__(self):
         self.values: dict[str, bytes] = {}
 
+    def get(self, key):  # the round's leave record (an exclusion the spare replaced): none here
+        return self.values.get(key), None
+
     def get_prefix(self, prefix):
         return [(v, None) for k, v in sorted(self.values.items()) if k.startswith(prefix)]
 
