@@ -118,6 +118,7 @@ def _metric(bed: TestBed, node: str, url: str, name: str) -> str:
     return "\n".join(line for line in out.splitlines() if line.startswith(name))
 
 
+@pytest.mark.extended  # about 3.5 min on this machine, like the bed's other spare tests
 def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_ranks(tmp_path):
     """Issue 47 item 3: under --straggler-policy exclude, the straggler policy's exclusion of n1 (what it writes:
     ``jobs/<job>/exclude/n1``) makes n1 leave after an agreed step's checkpoint; the spare n2 takes n1's position
