@@ -412,8 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cfg.mesh.check(world_size=world, model=cfg.model, batch=cfg.batch)
     except (MeshError, ModelConfigError, DataConfigError, ValueError) as exc:   # all ValueErrors
-        if rank == 0:
-            log.error("bad configuration: %s", exc)
+        # every rank says it: the first to exit makes torchrun stop the others, perhaps before rank 0 has said it
+        log.error("bad configuration: %s", exc)
         return EXIT_BAD_CONFIG
     timings = PhaseTimings.from_env(rank=rank)
     timings.mark("imported", _IMPORTED_AT)
