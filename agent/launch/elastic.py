@@ -171,11 +171,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
             pids = super()._start_workers(worker_group)
             exits.watch(pid for pid in pids.values() if pid)
             self._reported_failure = False
-            sink.emit("started", restart_count=self._restart_count(), group_rank=worker_group.group_rank,
-                      group_world_size=worker_group.group_world_size, round=_rendezvous_round(worker_group),
-                      spare_swap=bool(getattr(worker_group.spec.rdzv_handler, "spare_swap", False)),
-                      workers=[{"local_rank": w.local_rank, "global_rank": w.global_rank,
-                                "pid": pids.get(w.local_rank)} for w in worker_group.workers])
+            sink.emit("started", **_started(worker_group, pids, self._restart_count()))
             return pids
 
         _asked_restart = False
@@ -213,11 +209,7 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
 
         def _restart_workers(self, worker_group):
             if not self._reported_failure and replies is not None:  # a healthy round that nodes wait to join
-                round_ = _rendezvous_round(worker_group)
-                sink.emit("membership_pending", round=round_, restart_count=self._restart_count())
-                if not replies.wait_for("go", GROW_WAIT_S):
-                    log.warning("trainwarden: no checkpoint before the membership change within %.0f s; restarting "
-                                "from the latest checkpoint there is", GROW_WAIT_S)
+                _await_checkpoint_for_membership(worker_group, sink, replies, self._restart_count())
             sink.emit("restarting", reason="failed" if self._reported_failure else "membership",
                       restart_count=self._restart_count(), restarts_left=self._remaining_restarts)
             super()._restart_workers(worker_group)
@@ -240,6 +232,24 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                 sink.emit("finished", state=state, restart_count=self._restart_count())
 
     return ReportingElasticAgent
+
+
+def _started(worker_group, pids: dict, restart_count: int) -> dict:
+    """The ``started`` event's fields: the round, this node's place in it, and each worker's ranks and pid."""
+    return dict(restart_count=restart_count, group_rank=worker_group.group_rank,
+                group_world_size=worker_group.group_world_size, round=_rendezvous_round(worker_group),
+                spare_swap=bool(getattr(worker_group.spec.rdzv_handler, "spare_swap", False)),
+                workers=[{"local_rank": w.local_rank, "global_rank": w.global_rank, "pid": pids.get(w.local_rank)}
+                         for w in worker_group.workers])
+
+
+def _await_checkpoint_for_membership(worker_group, sink: EventSink, replies: ReplyChannel, restart_count: int) -> None:
+    """Before a membership restart of a healthy group: say so, and wait (at most ``GROW_WAIT_S``) for the supervisor's
+    ``go``, sent once a checkpoint of the agreed step is committed."""
+    sink.emit("membership_pending", round=_rendezvous_round(worker_group), restart_count=restart_count)
+    if not replies.wait_for("go", GROW_WAIT_S):
+        log.warning("trainwarden: no checkpoint before the membership change within %.0f s; restarting from the "
+                    "latest checkpoint there is", GROW_WAIT_S)
 
 
 def _failure_records(result, exits: ExitClock) -> list[dict]:
