@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 from .agent_requests import fetch_peer_token
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity
+from .thread_watch import STILL_REFRESH_S, STILL_REPORT_AFTER_S, ThreadWatch  # noqa: F401 (re-exported)
 
 __all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient"]
 
@@ -64,14 +64,6 @@ _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size
 _PATIENT_WAIT_S = 30.0
 _MAX_PACE_S = 30.0  # the longest read period an agent may ask for (the ring's coverage bounds it anyway)
 _sender = threading.local()
-STILL_REPORT_AFTER_S = 0.5
-"""The training thread is reported still once its innermost frame has not moved for this long
-(`TelemetryClient._training_thread_still`)."""
-STILL_REFRESH_S = 5.0
-"""While the thread stays still, the agent ages the last report itself; it hears again when the oldest collective
-in flight changes, on a new stream, and at least this often (a report lost with a stream costs no more)."""
-
-
 def _wait_patiently_on_the_sender_thread() -> bool:
     """Let gRPC's blocking waits sleep until woken on the sender thread, instead of waking every 0.1 s.
 
@@ -161,13 +153,7 @@ class TelemetryClient:
         # collectives enqueued by the thread that runs the steps (the one constructing the client)
         self._training_thread = threading.get_ident() if training_thread is None else training_thread
         self._arrivals = ArrivalLog(self._training_thread)
-        self._where: tuple[int, int] | None = None  # the training thread's innermost frame and instruction
-        self._where_since = 0.0  # (monotonic) since when it has been there
-        self._still_said = False  # the agent was last told the thread is still
-        self._still_sent: tuple[float, int] | None = None  # when (monotonic) it was told, and of which collective
-        self._nothing_pending_until = 0.0  # (monotonic) a dump found no collective in flight: none needed before
-        self.still_reads = 0
-        self.still_read_cpu_s = 0.0
+        self._thread_watch = ThreadWatch(self._training_thread, flight_recorder)
         self._queue: deque = deque(maxlen=config.queue_size)
         self._maxlen = config.queue_size
         self.dropped = 0
@@ -192,6 +178,15 @@ class TelemetryClient:
         self._thread = threading.Thread(target=self._run, name="trainwarden-telemetry", daemon=True)
 
     # ---- training thread -----------------------------------------------------------------------------
+
+    @property
+    def still_reads(self) -> int:
+        """Flight Recorder dumps the still-thread check took (``ThreadWatch``)."""
+        return self._thread_watch.reads
+
+    @property
+    def still_read_cpu_s(self) -> float:
+        return self._thread_watch.read_cpu_s
 
     def record(self, item: tuple) -> None:
         """Queue one record (hot path: no lock, no I/O, never raises)."""
@@ -319,7 +314,7 @@ class TelemetryClient:
         hello.CopyFrom(self._hello)
         hello.peer_token = token
         self._pace_asked = self.config.fr_interval_s
-        self._still_sent = None  # a new stream (perhaps a restarted agent) hears where the thread is
+        self._thread_watch.new_stream()  # a new stream (perhaps a restarted agent) hears where the thread is
         yield pb.WorkerMessage(hello=hello)
         while not stream_done.is_set():
             closing = self._closing.is_set()
@@ -383,7 +378,7 @@ class TelemetryClient:
                     kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
         if steps.steps:
             messages.append(pb.WorkerMessage(steps=steps))
-        still = self._training_thread_still(stepped)
+        still = self._thread_watch.check(stepped)
         if still is not None:
             messages.append(still)
         now = time.time()
@@ -409,55 +404,6 @@ class TelemetryClient:
             messages.append(pb.WorkerMessage(stats=pb.ClientStats(dropped=self.dropped,
                                                                   reconnects=self.reconnects)))
         return messages
-
-    def _training_thread_still(self, stepped: bool = False) -> pb.WorkerMessage | None:
-        """Where the training thread is, when the agent should hear of it: once its innermost frame and
-        instruction have not changed for `STILL_REPORT_AFTER_S` (with how long its oldest collective has been in
-        flight), again when that collective changes or `STILL_REFRESH_S` has passed, and once when the thread
-        moves again. The agent ages a report itself, so an idle rank costs no message a flush.
-
-        A rank of a GPU job blocked in a hung collective spins a core inside one CUDA synchronize (`loss.item()`
-        or the next copy waits for NCCL's stream), which looks like work to a CPU reading. Its Python frame does
-        not move, and its collective does not complete. One `sys._current_frames()` per flush, with no reference
-        kept to the frame (its locals would stay alive); a Flight Recorder dump only while the thread is still.
-        The sample is taken when this thread gets the GIL, so a tight Python loop, which hands the GIL over at
-        the same few instructions of a frame that is freed and reallocated at the same address, can look still
-        too, and so can a loop of short native calls from one line (a CPU step's matmuls): the collective in
-        flight is what says waiting, and it only matters while no rank of the job makes a step.
-
-        What keeps that cheap (a dump of the whole ring costs 1.5-6 ms with the GIL held; every flush of a
-        matmul-bound CPU job used to pay one, more than the periodic reads, issue 48): a step that ended since
-        the last flush (``stepped``) means the thread moves, whatever the sample says; and once a dump found no
-        collective of the thread in flight, the next comes no sooner than `STILL_REFRESH_S` later while the
-        thread stays where it is (inside one call it enqueues nothing new; a collective it blocks in was in the
-        ring before it blocked, so a hang's first dump finds it, and every flush dumps while one is pending)."""
-        frame = sys._current_frames().get(self._training_thread)
-        where = None if frame is None else (id(frame), frame.f_lasti)
-        del frame
-        now = time.monotonic()
-        if where != self._where or stepped:
-            self._where, self._where_since = where, now
-            self._nothing_pending_until = 0.0
-        still = now - self._where_since if where is not None else 0.0
-        if still >= STILL_REPORT_AFTER_S:
-            since = 0
-            if self._fr is not None and self._fr.available and now >= self._nothing_pending_until:
-                cpu = time.thread_time()
-                since = self._fr.oldest_pending_ns(self._training_thread) or 0
-                self.still_reads += 1
-                self.still_read_cpu_s += time.thread_time() - cpu
-                self._nothing_pending_until = 0.0 if since else now + STILL_REFRESH_S
-            sent = self._still_sent
-            if sent is not None and sent[1] == since and now - sent[0] < STILL_REFRESH_S:  # the agent knows
-                return None
-            self._still_said, self._still_sent = True, (now, since)
-            pending = max(0.0, time.time() - since / 1e9) if since else 0.0
-            return pb.WorkerMessage(training_thread=pb.TrainingThread(still_seconds=still,
-                                                                      collective_pending_seconds=pending))
-        if self._still_said:
-            self._still_said, self._still_sent = False, None
-            return pb.WorkerMessage(training_thread=pb.TrainingThread())
-        return None
 
     def _collectives(self) -> pb.WorkerMessage:
         fr = self._fr

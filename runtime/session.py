@@ -184,7 +184,7 @@ class Session:
     def stats(self) -> dict[str, int | float]:
         """The telemetry client's counters: records dropped, reconnects, messages sent, Flight Recorder
         reads and the CPU seconds they took, entries overwritten before a read, and the dumps the still-thread
-        check took (`TelemetryClient._training_thread_still`) and their CPU seconds."""
+        check took (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
         c = self._client
         if c is None:
             return {"dropped": 0, "reconnects": 0, "sent": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0, "fr_missed": 0,
