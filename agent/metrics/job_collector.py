@@ -23,7 +23,7 @@ Families (all prefixed trainwarden_):
     checkpoint_age_seconds           gauge      job, node         (since the newest commit)
     checkpoint_last_commit_time_seconds gauge   job, node
     checkpoints_set_aside_total      counter    job, node         (passed over by a restore)
-    numeric_events_total             counter    job, node, kind   (nan, loss_spike: runtime/numeric.py)
+    numeric_events_total             counter    job, node, kind   (nan, loss_spike: runtime/numeric.py; sdc: runtime/sdc_check.py)
     worker_restarts_total            counter    job, node
     worker_up                        gauge      job, node, rank
     telemetry_dropped_total          counter    job, node, rank   (records the worker dropped)
@@ -151,7 +151,9 @@ class _JobFamilies:
                                               "unloadable) or unreadable and left in place.", labels=_JOB)
         self.numeric = CounterMetricFamily("trainwarden_numeric_events", "Steps whose loss or gradients were not "
                                            "finite (kind nan) or whose loss spiked (loss_spike), as the workers' "
-                                           "numeric guard reported them.", labels=_JOB + ["kind"])
+                                           "numeric guard reported them, and ranks whose gradient of a shared "
+                                           "micro-batch differed from their replicas' (sdc).",
+                                           labels=_JOB + ["kind"])
         self.restarts = CounterMetricFamily("trainwarden_worker_restarts", "Worker group restarts of the job.",
                                             labels=_JOB)
 

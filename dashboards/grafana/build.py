@@ -61,6 +61,15 @@ def _dashboard(uid: str, title: str, panels: list[dict], variables: list[dict], 
             "annotations": {"list": annotations}}
 
 
+NUMERIC_EVENTS = (
+    "nan: a loss or gradient that was NaN or infinite; loss_spike: a loss far above its rolling median (both from "
+    "the workers' numeric guard, runtime/numeric.py: under --numeric-policy rollback the step's update was skipped "
+    "on every rank); sdc: silent data corruption, a rank whose recomputed gradient of a shared micro-batch differs "
+    "bitwise from its replicas' (runtime/sdc_check.py, --sdc-every; drain a node named twice). Each numeric "
+    "incident names the step and the first rank.")
+"""What the numeric panels count, by kind (agent/shared/contract.py NUMERIC_KINDS)."""
+
+
 def job_dashboard() -> dict:
     rate = "$__rate_interval"
     panels = [
@@ -124,21 +133,24 @@ def job_dashboard() -> dict:
                description="The model's FLOPs per second over the accelerators' peak, per node (agent/launch/mfu.py): "
                            "only for a job run with --flops-per-step or --model-params, on GPUs the agent knows by "
                            "name or with --peak-tflops."),
-        _panel(14, "Numeric events: NaN, Inf and loss spikes", [
+        _panel(14, "Numeric events by kind: nan, loss_spike, sdc", [
             _target(f"sum by (kind) (increase(trainwarden_numeric_events_total{{{JOB}}}[5m]))", "{{kind}} (5m)")],
-            x=12, y=48,
-            description="Steps whose loss or gradients were not finite (nan) or whose loss spiked, as the workers' "
-                        "numeric guard saw them (runtime/numeric.py). Under --numeric-policy rollback each one's "
-                        "update was skipped on every rank; the numeric incident names the step and the first rank."),
+            x=12, y=48, description=NUMERIC_EVENTS),
         _panel(15, "Hot spares: waiting and swaps", [
             _target(f"sum(trainwarden_job_spare_nodes{{{JOB}}})", "spares waiting"),
             _target(f"sum by (cause) (increase(trainwarden_spare_swaps_total{{{JOB}}}[5m])) > 0",
                     "swaps: {{cause}} (5m)", ref="B")],
-            x=0, y=56,
+            x=0, y=56, w=14,
             description="With --spare-nodes: the nodes waiting in the job's rendezvous as hot spares, and the swaps "
                         "in the last 5 minutes by what the spare replaced (a lost node; an excluded one). A swap "
                         "keeps the world size; its recovery shows as 'spare swap' in the goodput panel. No spare "
                         "left: the next loss shrinks the job (--nnodes MIN:N) or waits for a node (N:N)."),
+        _panel(16, "Numeric events in the time range", [
+            _target(f"sum by (kind) (increase(trainwarden_numeric_events_total{{{JOB}}}[$__range]))", "{{kind}}")],
+            kind="stat", x=14, y=56, w=10, thresholds=[("green", None), ("red", 1)],
+            options={"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value"},
+            description="Each kind's count over the dashboard's time range, every kind shown (0: none; red from "
+                        "1). " + NUMERIC_EVENTS),
     ]
     annotations = [
         {"name": "Incidents", "datasource": DS, "enable": True, "iconColor": "red",

@@ -36,7 +36,7 @@ def gpu_node():
         yield exporter.url.split("//")[1].split("/")[0]
 
 
-VARIABLES = {"job": "prom", "node": ".+", "__rate_interval": "10s"}
+VARIABLES = {"job": "prom", "node": ".+", "__rate_interval": "10s", "__range": "5m"}
 """The dashboards' variables as Grafana would fill them for this job (10 s: ten scrapes)."""
 
 

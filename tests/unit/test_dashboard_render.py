@@ -134,12 +134,39 @@ def test_a_dashboard_picture_from_canned_answers(tmp_path):
     titles = [p["title"] for p in board["panels"]]
     assert all(title in texts for title in titles)
     # panels without canned data say so: checkpoint age and stall, restarts, ranks connected, p99, hang deadline,
-    # communication regression, goodput, MFU, numeric events, hot spares
-    assert texts.count("No data") == 11, texts
+    # communication regression, goodput, MFU, numeric events (over time and in the range), hot spares
+    assert texts.count("No data") == 12, texts
     path = render.save(fig, tmp_path / "dashboard-job.png")
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in board["panels"])
     assert _png_size(path) == (1200, 60 + rows * 30 + layout.gap_px)
     assert 10_000 < path.stat().st_size < 400_000
+
+
+def test_the_job_dashboard_shows_numeric_events_by_every_kind_the_agent_counts():
+    """Issue 48: NaN/Inf (nan), loss spikes and silent data corruption (sdc) each counted over time and over the
+    dashboard's range, every kind shown (0 included: the agent exports each from 0) and red once one occurred; each
+    kind the contract names is one the panels explain."""
+    from trainwarden.agent.shared.contract import NUMERIC_KINDS
+
+    board = _board("job.json")
+    numeric = [p for p in board["panels"] if any("trainwarden_numeric_events_total" in t["expr"]
+                                                 and "by (kind)" in t["expr"] for t in p["targets"])]
+    stat = [p for p in numeric if p["type"] == "stat"]
+    assert len(numeric) == 2 and len(stat) == 1, [p["title"] for p in numeric]
+    assert "[$__range]" in stat[0]["targets"][0]["expr"]
+    for panel in numeric:
+        assert all(f"{kind}:" in panel["description"] for kind in NUMERIC_KINDS), panel["title"]
+
+    answers = {"trainwarden_numeric_events_total": [
+        _matrix({"kind": kind}, lambda t, kind=kind: 1 if kind == "sdc" and t >= 60 else 0) for kind in NUMERIC_KINDS]}
+    data = queries.collect(board, CannedPrometheus(answers), start=START, end=END, step=STEP,
+                           variables={"job": "prom"})
+    fig = render.draw(board, data)
+    big = sorted((t.get_text(), t.get_color()) for t in fig.texts
+                 if t.get_fontweight() == "bold" and t.get_fontsize() > 20)
+    green, red = units.THRESHOLD_COLORS["green"], units.THRESHOLD_COLORS["red"]
+    assert big == [("0", green)] * (len(NUMERIC_KINDS) - 1) + [("1", red)], big
+    assert set(NUMERIC_KINDS) <= {t.get_text() for t in fig.texts}  # each cell's name
 
 
 def test_stat_panels_show_the_last_value_coloured_by_the_panel_thresholds(tmp_path):
