@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable
 
 from trainwarden.agent.shared import telemetry_pb2 as pb
 from trainwarden.runtime.flight_recorder import FlightRecorder
@@ -18,54 +17,14 @@ STILL_REPORT_AFTER_S = 0.5
 STILL_REFRESH_S = 5.0
 """While the thread stays still, the agent ages the last report itself; it hears again when the oldest collective
 in flight changes, on a new stream, and at least this often (a report lost with a stream costs no more)."""
-COMPUTING_SHARE = 0.02
-"""A still thread that used at least this share of a core since the previous check computes: in a process whose
-waits do not spin (no CUDA), it waits in no collective, and no Flight Recorder dump is taken to ask."""
-
-
-def _thread_cpu_seconds(thread: int) -> Callable[[], float | None]:
-    """The CPU seconds of thread ``thread`` (its ``threading.get_ident()``; it must be alive now), or None where
-    that cannot be read: its clock is resolved now, and reads after the thread ended fail (None)."""
-    try:
-        clock = time.pthread_getcpuclockid(thread)
-    except (AttributeError, OSError, OverflowError):
-        return lambda: None
-
-    def read() -> float | None:
-        try:
-            return time.clock_gettime(clock)
-        except OSError:
-            return None
-    return read
-
-
-def _waits_spin(flight_recorder: FlightRecorder | None) -> Callable[[], bool]:
-    """Whether the process's waits for a collective may spin a core: CUDA in use (a synchronize spins while NCCL's
-    stream runs), or an NCCL recorder. A gloo wait blocks: its thread uses no CPU while it waits."""
-    def spins() -> bool:
-        torch = sys.modules.get("torch")
-        try:
-            if torch is not None and torch.cuda.is_initialized():
-                return True
-        except Exception:
-            return True
-        return flight_recorder is not None and "nccl" in flight_recorder.recorders
-    return spins
 
 
 
 class ThreadWatch:
     """The training thread's last known place, and what the agent was last told of it."""
 
-    def __init__(self, thread: int, flight_recorder: FlightRecorder | None, *,
-                 cpu_seconds: Callable[[], float | None] | None = None,
-                 waits_spin: Callable[[], bool] | None = None) -> None:
-        """``cpu_seconds``: the thread's CPU time (default: its clock, ``thread`` must be alive); ``waits_spin``:
-        whether a wait for a collective may spin a core in this process (default: CUDA in use or NCCL recorded)."""
+    def __init__(self, thread: int, flight_recorder: FlightRecorder | None) -> None:
         self._thread, self._fr = thread, flight_recorder
-        self._cpu_seconds = cpu_seconds or _thread_cpu_seconds(thread)
-        self._waits_spin = waits_spin or _waits_spin(flight_recorder)
-        self._cpu_seen: tuple[float, float] | None = None  # (monotonic, the thread's CPU s) at the previous check
         self._where: tuple[int, int] | None = None  # the training thread's innermost frame and instruction
         self._where_since = 0.0  # (monotonic) since when it has been there
         self._still_said = False  # the agent was last told the thread is still
@@ -99,27 +58,18 @@ class ThreadWatch:
         the last flush (``stepped``) means the thread moves, whatever the sample says; and once a dump found no
         collective of the thread in flight, the next comes no sooner than `STILL_REFRESH_S` later while the
         thread stays where it is (inside one call it enqueues nothing new; a collective it blocks in was in the
-        ring before it blocked, so a hang's first dump finds it, and every flush dumps while one is pending); and
-        in a process whose waits block (no CUDA: gloo), a still thread that kept using CPU since the previous check
-        (`COMPUTING_SHARE` of a core) computes and waits in no collective: nothing to dump for (the bench's matmul
-        step on a loaded machine, where steps outlast a flush, dumped the ring at most flushes, issue 48). A thread
-        blocked in a gloo collective uses none, so a gloo hang is dumped as before."""
+        ring before it blocked, so a hang's first dump finds it, and every flush dumps while one is pending)."""
         frame = sys._current_frames().get(self._thread)
         where = None if frame is None else (id(frame), frame.f_lasti)
         del frame
         now = time.monotonic()
-        cpu, seen = self._cpu_seconds(), self._cpu_seen
-        computing = (cpu is not None and seen is not None and now > seen[0]
-                     and cpu - seen[1] >= COMPUTING_SHARE * (now - seen[0]))
-        self._cpu_seen = None if cpu is None else (now, cpu)
         if where != self._where or stepped:
             self._where, self._where_since = where, now
             self._nothing_pending_until = 0.0
         still = now - self._where_since if where is not None else 0.0
         if still >= STILL_REPORT_AFTER_S:
             since = 0
-            if (self._fr is not None and self._fr.available and now >= self._nothing_pending_until
-                    and not (computing and not self._waits_spin())):
+            if self._fr is not None and self._fr.available and now >= self._nothing_pending_until:
                 cpu = time.thread_time()
                 since = self._fr.oldest_pending_ns(self._thread) or 0
                 self.reads += 1
