@@ -1,6 +1,7 @@
 """Per-step overhead of trainwarden telemetry: `rt.step` + the sender thread + Flight Recorder reads.
 
     python tests/bench/bench_telemetry.py [--steps 100] [--rounds 3] [--step-ms 50] [--device cuda] [--json OUT]
+                                          [--before CHECKOUT]
 
 Each mode runs in its own process (so no background thread of another mode competes), and the modes are
 interleaved over several rounds to spread machine noise evenly:
@@ -9,6 +10,8 @@ interleaved over several rounds to spread machine noise evenly:
     alive     rt.step around each step, streaming to an agent (a TelemetryServer in another process)
     alive-nofr  the same with the Flight Recorder off (TORCH_FR_BUFFER_SIZE=0): the stream's share alone
     absent    rt.step with TRAINWARDEN_AGENT_SOCKET pointing at no agent (drop + reconnect path)
+    alive-before  with ``--before CHECKOUT``: alive, with the runtime of another checkout of trainwarden (a
+              ``git worktree`` of the commit before a change), so a change is measured in the same run
 
 The loop is a single-threaded matmul loop sized to about --step-ms per step, plus one gloo all_reduce in
 a world of one (so the Flight Recorder has entries to read). With ``--device cuda`` (`make gpu-check`) the step
@@ -229,6 +232,11 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: a GPU step (torch.cuda._sleep) over NCCL, timed with CUDA events")
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--modes", default=None, metavar="MODE[,MODE]",
+                        help="run only these of baseline, alive, alive-nofr, absent (baseline and alive always run; "
+                             "variants and alive-before are added to them)")
+    parser.add_argument("--before", default=None, metavar="CHECKOUT",
+                        help="also run alive-before: the alive mode with the runtime of this trainwarden checkout")
     parser.add_argument("--child")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -252,9 +260,15 @@ def main() -> None:
                              text=True, start_new_session=True)
     try:
         assert agent.stdout.readline().strip() == "serving"
-        results: dict[str, list[dict]] = {"baseline": [], "alive": [], "alive-nofr": [], "absent": []}
+        modes = {"baseline", "alive", *(args.modes.split(",") if args.modes else ("alive-nofr", "absent"))}
+        results: dict[str, list[dict]] = {m: [] for m in ("baseline", "alive", "alive-nofr", "absent") if m in modes}
         variant_of = {f"alive-{name}": options for name, options in variants.items()}
         results.update((mode, []) for mode in variant_of)
+        if args.before:
+            shim = tmp / "before"  # `trainwarden` there is the other checkout: found before the installed one
+            shim.mkdir()
+            (shim / "trainwarden").symlink_to(Path(args.before).resolve())
+            results["alive-before"] = []
         for round_ in range(args.rounds):
             for mode in results:
                 env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
@@ -270,7 +284,9 @@ def main() -> None:
                     env["TRAINWARDEN_AGENT_SOCKET"] = str(tmp / "nobody.sock")
                 elif mode in variant_of:
                     env["BENCH_CLIENT_OPTIONS"] = json.dumps(variant_of[mode])
-                child_mode = "alive" if mode in variant_of else mode
+                elif mode == "alive-before":
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp / "before"), env.get("PYTHONPATH")]))
+                child_mode = "alive" if mode in variant_of or mode == "alive-before" else mode
                 out = subprocess.run([sys.executable, __file__, "--child", child_mode, "--steps", str(args.steps),
                                       "--repeats", str(repeats)], env=env, capture_output=True,
                                      text=True, timeout=600, start_new_session=True)
