@@ -355,7 +355,7 @@ class TelemetryClient:
                 if phases:
                     steps.steps.add(index=index, start_unix=start_wall_ns / 1e9, duration_seconds=duration_ns / 1e9,
                                     tokens=tokens, phases=phases)
-                else:  # no empty map: filling one goes through Python's MutableMapping (half a step's cost)
+                else:  # no empty map: filling one goes through Python's MutableMapping (half the build)
                     steps.steps.add(index=index, start_unix=start_wall_ns / 1e9, duration_seconds=duration_ns / 1e9,
                                     tokens=tokens)
                 if len(steps.steps) >= _STEPS_PER_MESSAGE:

@@ -183,15 +183,15 @@ class Session:
     @property
     def stats(self) -> dict[str, int | float]:
         """The telemetry client's counters: records dropped, reconnects, messages sent, the sender's wake-ups
-        (``drains``), Flight Recorder reads and the CPU seconds they took, entries overwritten before a read, and the dumps the still-thread
-        check took (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
+        (``drains``), Flight Recorder reads and the CPU seconds they took, entries overwritten before a read, and
+        the dumps the still-thread check took (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
         c = self._client
         if c is None:
-            return {"dropped": 0, "reconnects": 0, "sent": 0, "drains": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0, "fr_missed": 0,
-                    "still_reads": 0, "still_read_cpu_s": 0.0}
+            return {"dropped": 0, "reconnects": 0, "sent": 0, "drains": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0,
+                    "fr_missed": 0, "still_reads": 0, "still_read_cpu_s": 0.0}
         return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent, "drains": c.drains,
-                "fr_reads": c.fr_reads,
-                "fr_read_cpu_s": round(c.fr_read_cpu_s, 6), "fr_missed": self._fr.missed if self._fr else 0,
+                "fr_reads": c.fr_reads, "fr_read_cpu_s": round(c.fr_read_cpu_s, 6),
+                "fr_missed": self._fr.missed if self._fr else 0,
                 "still_reads": c.still_reads, "still_read_cpu_s": round(c.still_read_cpu_s, 6)}
 
     def _gpu_begin(self):
