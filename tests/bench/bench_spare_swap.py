@@ -113,17 +113,27 @@ def spare(workdir: Path, window: int, bound: float) -> dict:
                   workdir)
         except RuntimeError as exc:
             return {**row, "train_s": None, "note": str(exc)}
-        steps = _steps(text())
-        rounds = [(_torch_stamp(*m.groups()[:2]), m.group(3)) for m in TORCH_LOG.finditer(job_logs())]
-        closed = min((t for t, what in rounds if t > killed and what.startswith("Rendezvous complete")), default=None)
-        reached = max(n for t, n, _ in steps if t < restored_at)
-        spare_ranks = [[int(r) for r in found.split(",")] for p in (state / "n2").glob("jobs/*/logs/run.log")
-                       for found in RANKS.findall(p.read_text(errors="replace"))]
-        return {**row, "rdzv_s": round(closed - killed, 1) if closed else None,
-                "restore_s": round(restored_at - killed, 1),
-                "train_s": round(min(t for t, _, _ in steps if t > restored_at) - killed, 1),
-                "lost": reached - restored_step, "spare_ranks": spare_ranks,
-                "source": "memory" if "resumed from the memory" in text() else "disk"}
+        spare_log = "".join(p.read_text(errors="replace") for p in (state / "n2").glob("jobs/*/logs/run.log"))
+        return {**row, **recovery(killed, text(), job_logs(), spare_log)}
+
+
+def recovery(killed: float, text: str, job_logs: str, spare_log: str) -> dict:
+    """Seconds from the kill (``killed``, unix time) to the new round closing (torchrun's lines in the survivors'
+    job logs ``job_logs``), rank 0's restore and its first step after it (the workers' output ``text``, every
+    node's); the steps lost; the global ranks of each round the spare ran (its job log ``spare_log``)."""
+    resumes = [(_stamp(m.group(1)), int(m.group(2))) for m in RANK0_RESUMED_AT.finditer(text)
+               if _stamp(m.group(1)) > killed]
+    restored_at, restored_step = min(resumes)
+    steps = _steps(text)
+    rounds = [(_torch_stamp(*m.groups()[:2]), m.group(3)) for m in TORCH_LOG.finditer(job_logs)]
+    closed = min((t for t, what in rounds if t > killed and what.startswith("Rendezvous complete")), default=None)
+    reached = max(n for t, n, _ in steps if t < restored_at)
+    return {"rdzv_s": round(closed - killed, 1) if closed is not None else None,
+            "restore_s": round(restored_at - killed, 1),
+            "train_s": round(min(t for t, _, _ in steps if t > restored_at) - killed, 1),
+            "lost": reached - restored_step,
+            "spare_ranks": [[int(r) for r in found.split(",")] for found in RANKS.findall(spare_log)],
+            "source": "memory" if "resumed from the memory" in text else "disk"}
 
 
 def no_spare(workdir: Path, first: int, window: int) -> dict:
