@@ -1,6 +1,6 @@
 """Benchmark: a node lost with a hot spare vs plain torchrun's crash recovery, in one run (issue 47).
 
-    python tests/bench/bench_spare_swap.py [--only torchrun-crash,spare,no-spare,torchrun-kill] [--window 60] [--json]
+    python tests/bench/bench_spare_swap.py [--only torchrun-crash,spare,torchrun-kill] [--window 40] [--json]
 
 Parts, each on its own (root: the multi-host test bed, tests/testbed.py, for all but ``torchrun-crash``):
 
@@ -9,14 +9,14 @@ Parts, each on its own (root: the multi-host test bed, tests/testbed.py, for all
   at step 16, ``torchrun --standalone``); seconds from the fault to the first step after it.
 * ``spare``: `trainwarden run --nnodes 2:2 --spare-nodes 1` on three simulated nodes of two CPU ranks each (the
   reference GPT, tp 2 inside a node, dp 2 across, a checkpoint every 5 steps on shared storage, one etcd member):
-  n0 and n1 train, n2 is started once they have and waits as the spare. Once it has waited ``SPARE_WARM_S`` (its
-  zygote's imports done, as for a spare started with the job), rank 0's next ``--window`` steps are the step time
-  *with a spare*; then n1 is killed (SIGKILL of everything in it) and the spare takes its ranks. Seconds after the
-  kill: the new round closed (torchrun's "Rendezvous complete" on a survivor), rank 0 restored, rank 0's first
-  step in the new round (training again at full size: n2's workers hold ranks 2,3, world size 4); steps lost
-  (steps rank 0 had logged before the kill that the new round computes again).
-* ``no-spare``: the same job on n0 and n1 alone (``--nnodes 2:2``, no ``--spare-nodes``), rank 0's step time over
-  the same steps as ``spare``'s window: a spare's cost per step is the difference.
+  n0 and n1 train; rank 0's ``--window`` steps from step ``WARMUP_STEPS`` are the step time *without a spare*.
+  Then n2 is started and waits as the spare; once it has waited ``SPARE_WARM_S`` (its zygote's imports done, as
+  for a spare started with the job), rank 0's next ``--window`` steps are the step time *with a spare* (the same
+  processes, so the difference is the spare's cost per step). Then n1 is killed (SIGKILL of everything in it)
+  and the spare takes its ranks. Seconds after the kill: the new round closed (torchrun's "Rendezvous complete"
+  on a survivor), rank 0 restored, rank 0's first step in the new round (training again at full size: n2's
+  workers hold ranks 2,3, world size 4); steps lost (steps rank 0 had logged before the kill that the new round
+  computes again).
 * ``torchrun-kill``: plain torchrun on the bed, a node killed (bench_node_loss.py's ``torchrun-kill``: three
   nodes, n2 killed at step 12, the c10d store on n0): it shrinks and waits out torch's rendezvous timings.
 
@@ -43,18 +43,20 @@ import bench_restart  # noqa: E402
 from bench_node_loss import RANK0_RESUMED_AT, TORCH_LOG, _stamp, _texts, _torch_stamp  # noqa: E402
 from testbed import TestBed  # noqa: E402
 
-PARTS = ("torchrun-crash", "spare", "no-spare", "torchrun-kill")
+PARTS = ("torchrun-crash", "spare", "torchrun-kill")
+WARMUP_STEPS = 20
+"""``spare``: the step-time window without the spare starts here (start-up and the first checkpoints behind)."""
 SPARE_WARM_S = bench_node_loss.SPARE_WARM_S
 RANK0_STEP_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank 0\] [\w.]+: step (\d+) loss \S+ "
                              r"time ([\d.]+)s", re.M)
 RANKS = re.compile(r"\]   global_ranks=\[([\d, ]*)\]$", re.M)
 
 
-def _command(bed: TestBed, node: str, ckpt: Path, state: Path, spare: bool) -> tuple[list[str], dict]:
+def _command(bed: TestBed, node: str, ckpt: Path, state: Path) -> tuple[list[str], dict]:
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(state / node), LOGLEVEL="INFO", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1")
     return [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "2:2",
-            *(["--spare-nodes", "1"] if spare else []), "--nproc-per-node", "2", "--node", node,
+            "--spare-nodes", "1", "--nproc-per-node", "2", "--node", node,
             "--max-restarts", "3", "--job", "bench", "--etcd", bed.etcd_endpoints, "--",
             *bench_node_loss.GPT, "--steps", "100000", "--ckpt-dir", str(ckpt)], env
 
@@ -77,21 +79,25 @@ def _window(steps: list[tuple[float, int, float]], first: int, count: int) -> li
 
 
 def spare(workdir: Path, window: int, bound: float) -> dict:
-    """The ``spare`` part (module docstring): step time with a spare waiting, then n1 killed."""
+    """The ``spare`` part (module docstring): step time without and with a spare waiting, then n1 killed."""
     ckpt, state = workdir / "ckpt", workdir / "state"
     with TestBed(nodes=3, etcd_members=1, workdir=workdir / "bed") as bed:
         logs = {n: workdir / f"{n}.log" for n in ("n0", "n1", "n2")}
         text = lambda *nodes: _texts(logs, nodes or logs)  # noqa: E731
-        for node in ("n0", "n1", "n2"):
-            if node == "n2":  # the first round is n0 and n1's
-                _wait("the job did not train", lambda: _steps(text()), 300, workdir)
-            cmd, env = _command(bed, node, ckpt, state, True)
+        last = lambda: max((n for _, n, _ in _steps(text())), default=0)  # noqa: E731
+        for node in ("n0", "n1"):
+            cmd, env = _command(bed, node, ckpt, state)
             bed.spawn(node, cmd, log=logs[node], env=env)
+        alone = WARMUP_STEPS
+        _wait(f"rank 0 did not log steps {alone}-{alone + window - 1}", lambda: last() >= alone + window, 300, workdir)
+        without = _window(_steps(text()), alone, window)
+        cmd, env = _command(bed, "n2", ckpt, state)
+        bed.spawn("n2", cmd, log=logs["n2"], env=env)
         _wait("n2 did not wait as the spare", lambda: "waits in round" in text("n2"), 120, workdir)
         time.sleep(SPARE_WARM_S)
-        first = _steps(text())[-1][1] + 1
-        _wait(f"rank 0 did not log steps {first}-{first + window - 1}",
-              lambda: _steps(text())[-1][1] >= first + window, 300, workdir)
+        first = last() + 1
+        _wait(f"rank 0 did not log steps {first}-{first + window - 1}", lambda: last() >= first + window, 300,
+              workdir)
         with_spare = _window(_steps(text()), first, window)
         killed = time.time()
         bed.kill("n1")
@@ -105,7 +111,8 @@ def spare(workdir: Path, window: int, bound: float) -> dict:
             return [(_stamp(m.group(1)), int(m.group(2))) for m in RANK0_RESUMED_AT.finditer(text())
                     if _stamp(m.group(1)) > killed]
 
-        row = {"part": "spare", "window": [first, first + window - 1], "step_s": statistics.median(with_spare)}
+        row = {"part": "spare", "steps_alone": [alone, alone + window - 1], "step_s_alone": statistics.median(without),
+               "steps_with_spare": [first, first + window - 1], "step_s_with_spare": statistics.median(with_spare)}
         try:
             _wait("no resume after the kill", resumed, bound, workdir)
             restored_at, restored_step = min(resumed())
@@ -136,20 +143,6 @@ def recovery(killed: float, text: str, job_logs: str, spare_log: str) -> dict:
             "source": "memory" if "resumed from the memory" in text else "disk"}
 
 
-def no_spare(workdir: Path, first: int, window: int) -> dict:
-    """The ``no-spare`` part: the same job on two nodes without a spare, rank 0's step time over the same steps."""
-    ckpt, state = workdir / "ckpt", workdir / "state"
-    with TestBed(nodes=2, etcd_members=1, workdir=workdir / "bed") as bed:
-        logs = {n: workdir / f"{n}.log" for n in ("n0", "n1")}
-        for node in ("n0", "n1"):
-            cmd, env = _command(bed, node, ckpt, state, False)
-            bed.spawn(node, cmd, log=logs[node], env=env)
-        _wait(f"rank 0 did not log steps {first}-{first + window - 1}",
-              lambda: max((n for _, n, _ in _steps(_texts(logs, logs))), default=0) >= first + window, 600, workdir)
-        return {"part": "no-spare", "window": [first, first + window - 1],
-                "step_s": statistics.median(_window(_steps(_texts(logs, logs)), first, window))}
-
-
 def torchrun_crash(workdir: Path) -> dict:
     row = bench_restart.run_once("torchrun", 8, workdir)
     return {"part": "torchrun-crash", "train_s": row.get("first_step"), "note": row.get("error", "")}
@@ -163,9 +156,8 @@ def torchrun_kill(workdir: Path, bound: float) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default="torchrun-crash,spare,no-spare", help=f"comma-separated parts of {PARTS}")
-    p.add_argument("--window", type=int, default=60, help="steps whose time is compared with and without a spare")
-    p.add_argument("--first", type=int, default=0, help="no-spare alone: the window's first step (spare's)")
+    p.add_argument("--only", default="torchrun-crash,spare", help=f"comma-separated parts of {PARTS}")
+    p.add_argument("--window", type=int, default=40, help="steps whose time is compared without and with a spare")
     p.add_argument("--bound", type=float, default=120.0, help="seconds to wait for training after the kill")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -176,7 +168,7 @@ def main(argv=None) -> int:
     if (reason := TestBed.unavailable()) and parts != ["torchrun-crash"]:
         print(f"bench_spare_swap: {reason}", file=sys.stderr)
         return 2
-    rows, first = {}, args.first
+    rows = {}
     load = os.getloadavg()[0]
     for part in parts:
         with tempfile.TemporaryDirectory(prefix=f"spareswap-{part}-") as tmp:
@@ -186,9 +178,6 @@ def main(argv=None) -> int:
                     rows[part] = torchrun_crash(Path(tmp))
                 elif part == "spare":
                     rows[part] = spare(Path(tmp), args.window, args.bound)
-                    first = rows[part]["window"][0]
-                elif part == "no-spare":
-                    rows[part] = no_spare(Path(tmp), first or 150, args.window)
                 else:
                     rows[part] = torchrun_kill(Path(tmp), args.bound)
             finally:
@@ -203,8 +192,8 @@ def main(argv=None) -> int:
         print(f"{part:15} " + " ".join(f"{k}={v}" for k, v in row.items() if k != "part"))
     if crash and swap:
         print(f"spare swap / plain torchrun's crash recovery: {swap / crash:.2f} (goal <= 0.5)")
-    if "spare" in rows and "no-spare" in rows:
-        with_s, without = rows["spare"]["step_s"], rows["no-spare"]["step_s"]
+    if "spare" in rows:
+        with_s, without = rows["spare"]["step_s_with_spare"], rows["spare"]["step_s_alone"]
         print(f"step time with a spare waiting / without: {with_s:.3f} / {without:.3f} s = {with_s / without:.3f}")
     return 0
 
