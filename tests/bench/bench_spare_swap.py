@@ -111,8 +111,8 @@ def spare(workdir: Path, window: int, bound: float) -> dict:
             return [(_stamp(m.group(1)), int(m.group(2))) for m in RANK0_RESUMED_AT.finditer(text())
                     if _stamp(m.group(1)) > killed]
 
-        row = {"part": "spare", "steps_alone": [alone, alone + window - 1], "step_s_alone": statistics.median(without),
-               "steps_with_spare": [first, first + window - 1], "step_s_with_spare": statistics.median(with_spare)}
+        row = {"part": "spare", "steps_alone": [alone, alone + window - 1], "step_s_alone": round(statistics.median(without), 3),
+               "steps_with_spare": [first, first + window - 1], "step_s_with_spare": round(statistics.median(with_spare), 3)}
         try:
             _wait("no resume after the kill", resumed, bound, workdir)
             restored_at, restored_step = min(resumed())
