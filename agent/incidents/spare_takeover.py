@@ -9,11 +9,12 @@ incident's next version, which says "node n2 lost; spare n3 took ranks 2,3". The
 when the lost node's membership lease ends (``MEMBERSHIP_TTL_S``), which may be after the new round started:
 the spare looks again every ``poll_s`` for ``wait_s``.
 
-A node that a policy excluded (``--straggler-policy exclude``, ``--link-policy exclude``) is not lost: it leaves
-at an agreed step (agent/launch/regroup.py) and says so in the round's leave record (``jobs/<job>/leave/<round>``:
-its node, step, ranks and ``cause: excluded``). A spare whose first round follows such a leave, with the leaver's
-ranks, records a ``spare_swap`` incident: "node n1 excluded (link check: ...); spare n2 took ranks 2,3 after step
-40", and counts the swap as ``excluded``.
+A node that a policy excluded (``--straggler-policy exclude``, ``--link-policy exclude``) or that was drained
+(SIGUSR1) is not lost: it leaves at an agreed step (agent/launch/regroup.py) and says so in the round's leave record
+(``jobs/<job>/leave/<round>``: its node, step, ranks and ``cause``: ``excluded`` or ``drain``). A spare whose first
+round follows such a leave, with the leaver's ranks, records a ``spare_swap`` incident: "node n1 excluded (link
+check: ...); spare n2 took ranks 2,3 after step 40" or "node n1 drained; spare n2 took ranks 2,3 after step 40",
+and counts the swap as ``excluded`` or ``drained``.
 
 Nothing here decides anything: the incident only tells who took the ranks. No torch here.
 """
@@ -32,7 +33,7 @@ from trainwarden.agent.etcd.cluster import read_leave
 from trainwarden.agent.etcd.keys import DEFAULT_PREFIX, job_key
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 
-__all__ = ["SpareTakeover", "taken_over", "took_excluded"]
+__all__ = ["LEAVE_SWAP_CAUSES", "SpareTakeover", "taken_over", "took_left"]
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,16 @@ def taken_over(incidents: Iterable[Incident], *, node: str, round_: int, ranks: 
     return None
 
 
-def took_excluded(leave: dict | None, *, node: str, ranks: tuple[int, ...]) -> bool:
-    """Whether ``leave`` (the round before's leave record, ``read_leave``) is another node's exclusion whose ranks
-    ``node`` now holds."""
-    return bool(leave) and leave.get("cause") == "excluded" and leave.get("node") != node \
-        and tuple(leave.get("ranks") or ()) == ranks
+LEAVE_SWAP_CAUSES = {"excluded": "excluded", "drain": "drained"}
+"""A leave record's cause (agent/etcd/cluster.py ``LEAVE_CAUSES``) -> the swap's cause (agent/launch/spare_swaps.py)."""
+
+
+def took_left(leave: dict | None, *, node: str, ranks: tuple[int, ...]) -> str | None:
+    """The swap's cause (``excluded``, ``drained``) if ``leave`` (the round before's leave record, ``read_leave``) is
+    another node's leave whose ranks ``node`` now holds; else None."""
+    if not leave or leave.get("node") == node or tuple(leave.get("ranks") or ()) != ranks:
+        return None
+    return LEAVE_SWAP_CAUSES.get(leave.get("cause"))
 
 
 class SpareTakeover:
@@ -62,8 +68,8 @@ class SpareTakeover:
                  prefix: str = DEFAULT_PREFIX, wait_s: float = 30.0, poll_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_swap: Callable[[str, Incident], None] | None = None) -> None:
-        """``on_swap(cause, incident)``: told once this node named itself in the loss (``node_lost``) or the
-        exclusion (``excluded``) it replaced (the metrics count the swap: agent/launch/spare_swaps.py)."""
+        """``on_swap(cause, incident)``: told once this node named itself in the loss (``node_lost``), the
+        exclusion (``excluded``) or the drain (``drained``) it replaced (the metrics count the swap: agent/launch/spare_swaps.py)."""
         self._client, self._job, self._node, self._record = client, job, node, record
         self._on_swap = on_swap
         self._prefix, self._wait_s, self._poll_s, self._clock = prefix, wait_s, poll_s, clock
@@ -89,8 +95,9 @@ class SpareTakeover:
             named, cause = None, "node_lost"
             try:
                 leave = read_leave(self._client, self._job, str(round_ - 1), prefix=self._prefix)
-                if took_excluded(leave, node=self._node, ranks=ranks):
-                    named, cause = self._record(self._excluded(leave, round_, ranks)), "excluded"
+                left = took_left(leave, node=self._node, ranks=ranks)
+                if left is not None:
+                    named, cause = self._record(self._left(leave, left, round_, ranks)), left
                 else:
                     lost = taken_over(self._incidents(), node=self._node, round_=round_, ranks=ranks)
                     named = self._record(self._named(lost, round_, ranks)) if lost is not None else None
@@ -116,14 +123,14 @@ class SpareTakeover:
                                    outcome=f"spare {self._node} took ranks {which} in round {round_}: the job goes on "
                                            "at the same world size")
 
-    def _excluded(self, leave: dict, round_: int, ranks: tuple[int, ...]) -> Incident:
+    def _left(self, leave: dict, cause: str, round_: int, ranks: tuple[int, ...]) -> Incident:
         which, now = ",".join(map(str, ranks)), time.time()
         why = f" ({leave['reason']})" if leave.get("reason") else ""
         return Incident(
             id=new_incident_id(now), kind=IncidentKind.SPARE_SWAP, job=self._job, node=leave["node"], ranks=ranks,
-            evidence={"excluded_node": leave["node"], "cause": "excluded", "reason": leave.get("reason", ""),
+            evidence={"left_node": leave["node"], "cause": cause, "reason": leave.get("reason", ""),
                       "step": leave["step"], "round": round_ - 1, "spare": self._node, "spare_round": round_,
-                      "summary": f"node {leave['node']} excluded{why}; spare {self._node} took ranks {which} after "
+                      "summary": f"node {leave['node']} {cause}{why}; spare {self._node} took ranks {which} after "
                                  f"step {leave['step']}"},
             detected_at=now, state=IncidentState.RESOLVED,
             action=f"node {leave['node']} left after the checkpoint of step {leave['step']}",

@@ -167,6 +167,8 @@ class JobProgress:
     def lost_seconds(self) -> float:
         return sum(f.lost_seconds or 0.0 for f in self.failures)
 
-    def median_step_seconds(self) -> float | None:
+    def median_step_seconds(self, last: int | None = None) -> float | None:
+        """The median step duration of the run (every rank's), or of the ``last`` ones reported."""
         with self._lock:
-            return statistics.median(self._durations) if self._durations else None
+            durations = list(self._durations)[-last:] if last else self._durations
+            return statistics.median(durations) if durations else None

@@ -26,7 +26,7 @@ from trainwarden.agent.etcd.client import describe_etcd_error
 from trainwarden.agent.etcd.cluster import LeaveWatch, agree_checkpoint_step, request_leave
 from trainwarden.agent.launch.elastic import GROW_WAIT_S
 
-__all__ = ["GROW_MARGIN_STEPS", "GROW_MARGIN_S", "Regrouping"]
+__all__ = ["GROW_MARGIN_STEPS", "GROW_MARGIN_S", "RECENT_DURATIONS", "Regrouping"]
 
 logger = logging.getLogger("trainwarden.agent.launch.run")  # the run's log, as before the split
 
@@ -34,6 +34,12 @@ GROW_MARGIN_STEPS, GROW_MARGIN_S = 5, 3.0
 """Before the job grows, every worker checkpoints after one agreed step: the proposing node's latest step plus
 at least this many steps and this many seconds of steps, so that no rank on any node has passed it by the time
 the request reaches it (ranks of a synchronous job are within a step or two of each other)."""
+
+RECENT_DURATIONS = 20
+"""The step durations (every local rank's) ``_step_ahead`` takes the job's pace from: the recent ones, so that a job
+slowed by the fault that makes a node leave (a degraded link: steps several times longer) gets a margin of
+GROW_MARGIN_S at its pace now, not at its healthy pace (issue 47: at 3x slower, 11 steps of a healthy 0.3 s took
+about 16 s more before the spare could step in)."""
 
 _LEFT = object()
 """``supervise``'s answer when this node left the job on request (SIGUSR1, a drain); the job goes on."""
@@ -104,7 +110,7 @@ class Regrouping:
 
     def _step_ahead(self) -> int:
         """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
-        median = self.progress.median_step_seconds() or 1.0
+        median = self.progress.median_step_seconds(RECENT_DURATIONS) or 1.0
         # steps arrive in batches (the runtime sends every `ClientConfig.flush_interval_s`): count the ones
         # the ranks have most likely finished since the newest one reported
         behind = min(10.0, max(0.0, time.time() - self._round_step_end)) if self._round_step_end else 0.0

@@ -8,8 +8,9 @@ its nodes and a node that is gone takes its series with it:
 
 ``sum by (job) (trainwarden_job_spare_nodes)`` is the number of spares waiting; a swap is counted once, on the spare
 that took the ranks. ``cause`` is ``node_lost`` (it named itself in the lost node's ``node_lost`` incident:
-agent/incidents/spare_takeover.py) or ``excluded`` (it took the place of a node that an exclude policy sent away, as
-the round's leave record says, and recorded a ``spare_swap`` incident). No torch here.
+agent/incidents/spare_takeover.py), ``excluded`` (it took the place of a node that an exclude policy sent away, as
+the round's leave record says, and recorded a ``spare_swap`` incident) or ``drained`` (the same for a node that was
+drained, SIGUSR1). No torch here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 __all__ = ["SWAP_CAUSES", "SpareSwaps"]
 
-SWAP_CAUSES = ("node_lost", "excluded")
+SWAP_CAUSES = ("node_lost", "excluded", "drained")
 """What a spare replaced: every cause is exported, from 0."""
 
 
@@ -42,7 +43,7 @@ class SpareSwaps:
             self._waiting = bool(spare)
 
     def swapped(self, cause: str) -> None:
-        """This node, a spare, took the ranks of a node that was lost (``node_lost``) or excluded."""
+        """This node, a spare, took the ranks of a node that was lost (``node_lost``), excluded or drained."""
         if cause not in SWAP_CAUSES:
             raise ValueError(f"swap cause {cause!r}: expected one of {', '.join(SWAP_CAUSES)}")
         with self._lock:
@@ -58,7 +59,7 @@ class SpareSwaps:
         spares.add_metric(labels, 1.0 if waiting else 0.0)
         yield spares
         counted = CounterMetricFamily("trainwarden_spare_swaps", "Swaps this node made as a hot spare: it took the "
-                                      "ranks of a node that was lost or excluded, by cause", labels=["job", "node",
+                                      "ranks of a node that was lost, excluded or drained, by cause", labels=["job", "node",
                                                                                                      "cause"])
         for cause in SWAP_CAUSES:
             counted.add_metric([*labels, cause], swaps[cause])

@@ -68,6 +68,11 @@ class CommRegressionConfig:
     """On every rank, collective wait growth / step time growth at least this."""
     max_compute_ratio: float = 1.3
     """On every rank, compute per step / baseline compute at most this."""
+    flat_compute_share: float = 0.25
+    """A rank's compute also counts as flat at or below this share of its window's step time. On an oversubscribed
+    CPU the gloo wait estimate can take the whole healthy step (baseline compute 0); then only a window whose
+    estimate also took it all passed, and a 6x slow link on the bed (4 ranks on 2 busy cores) started a regression
+    after 20 slow steps instead of 2 windows (issue 47). A straggler's own compute is most of its step."""
     persist_windows: int = 2
     """Suspect windows in a row that start a regression."""
     clear_windows: int = 2
@@ -80,6 +85,8 @@ class CommRegressionConfig:
             raise ValueError(f"need 1 <= clear_ratio < start_ratio, got {self.clear_ratio}, {self.start_ratio}")
         if not 0.0 < self.min_comm_share <= 1.0:
             raise ValueError(f"min_comm_share must be in (0, 1], got {self.min_comm_share}")
+        if not 0.0 <= self.flat_compute_share < 1.0:
+            raise ValueError(f"flat_compute_share must be in [0, 1), got {self.flat_compute_share}")
         if self.max_compute_ratio < 1.0:
             raise ValueError(f"max_compute_ratio must be at least 1, got {self.max_compute_ratio}")
         if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0:
@@ -242,5 +249,7 @@ class CommRegressionDetector:
         grown = now.step_s - base.step_s
         if grown <= 0:
             return False
-        compute_ok = now.compute_s <= self.config.max_compute_ratio * max(base.compute_s, 1e-6)
+        cfg = self.config
+        compute_ok = now.compute_s <= max(cfg.max_compute_ratio * max(base.compute_s, 1e-6),
+                                          cfg.flat_compute_share * now.step_s)
         return compute_ok and (now.wait_s - base.wait_s) >= self.config.min_comm_share * grown

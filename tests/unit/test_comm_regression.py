@@ -229,3 +229,13 @@ def test_a_recorded_slow_link_is_a_regression_on_every_node_within_30_s_of_the_f
         if began - start > 30.0:
             late[node] = round(began - start, 1)
     assert late == {}, late
+
+
+def test_a_slow_link_is_a_regression_where_the_wait_estimate_took_the_whole_healthy_step():
+    """Issue 47, the bed: 4 ranks on 2 busy cores, the gloo wait estimate took the whole healthy step (every rank's
+    baseline compute 0); slow windows whose estimate fell short of the step by a little (compute > 0) failed
+    "compute flat", so a 6x slow link started a regression only after 20 slow steps (194 s), not after 2 windows."""
+    det, job = CommRegressionDetector(), Job()
+    assert job.run(det, 90, compute=0.0, wait=1.5) == []
+    events = job.run(det, 30, compute=0.9, wait=8.6)  # 6.3x; 9 % of the step outside the wait estimate
+    assert [e.started for e in events] == [True] and events[0].windows == 2

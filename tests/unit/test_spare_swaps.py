@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trainwarden.agent.etcd.keys import job_key
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState
-from trainwarden.agent.incidents.spare_takeover import SpareTakeover, took_excluded
+from trainwarden.agent.incidents.spare_takeover import SpareTakeover, took_left
 from trainwarden.agent.launch.goodput import CAUSE_LABELS, CAUSES, GoodputLedger
 from trainwarden.agent.launch.spare_swaps import SWAP_CAUSES, SpareSwaps
 from trainwarden.agent.rendezvous.native import Round
@@ -35,7 +35,7 @@ def test_the_spare_gauge_follows_the_node_and_every_swap_cause_is_exported_from_
     node = (("job", "gpt"), ("node", "n3"))
     assert samples[("trainwarden_job_spare_nodes", node)] == 0
     assert {cause: samples[("trainwarden_spare_swaps_total", (("cause", cause), *node))]
-            for cause in SWAP_CAUSES} == {"node_lost": 0, "excluded": 0}
+            for cause in SWAP_CAUSES} == {"node_lost": 0, "excluded": 0, "drained": 0}
     swaps.waiting(True)  # the round closed without it
     assert _samples(swaps)[0][("trainwarden_job_spare_nodes", node)] == 1
     swaps.waiting(False)  # it took a lost node's ranks ...
@@ -43,7 +43,7 @@ def test_the_spare_gauge_follows_the_node_and_every_swap_cause_is_exported_from_
     samples, _ = _samples(swaps)
     assert samples[("trainwarden_job_spare_nodes", node)] == 0
     assert samples[("trainwarden_spare_swaps_total", (("cause", "node_lost"), *node))] == 1
-    with pytest.raises(ValueError, match="swap cause 'slow': expected one of node_lost, excluded"):
+    with pytest.raises(ValueError, match="swap cause 'slow': expected one of node_lost, excluded, drained"):
         swaps.swapped("slow")
 
 
@@ -133,5 +133,27 @@ def test_a_spare_that_took_an_excluded_nodes_ranks_names_it_and_counts_the_swap_
     assert named.evidence["summary"] == ("node n1 excluded (link check: n1's link is 3.1x slower); spare n3 took "
                                          "ranks 2,3 after step 40")
     assert takeover._name_spare(6, (2, 3)) is None  # another round's leave: not this swap
-    assert took_excluded({"node": "n1", "step": 1, "cause": "drain", "ranks": (2, 3)}, node="n3", ranks=(2, 3)) \
-        is False  # a drain is no exclusion: the spare that comes in is counted by nothing (a grow-back)
+    assert took_left({"node": "n3", "step": 1, "cause": "excluded", "ranks": (2, 3)}, node="n3", ranks=(2, 3)) \
+        is None  # its own leave (the ranks came back to it): no swap
+
+
+def test_a_spare_that_took_a_drained_nodes_ranks_names_it_and_counts_the_swap_as_drained():
+    """Issue 47: a node drained (SIGUSR1: the leave record's cause ``drain``) and replaced by the spare is a swap too,
+    counted as cause="drained" with a spare_swap incident that says so; before, the spare counted and recorded
+    nothing (only an exclusion was taken for a swap)."""
+    etcd, swaps, recorded = _Etcd(), [], []
+    etcd.values[job_key("j", "leave", "4")] = json.dumps({
+        "node": "n1", "step": 33, "cause": "drain", "ranks": [2, 3], "reason": ""}).encode()
+    takeover = SpareTakeover(etcd, "j", "n3", lambda i: recorded.append(i) or i, wait_s=1.0, poll_s=0.01,
+                             on_swap=lambda *swap: swaps.append(swap))
+    named = takeover._name_spare(5, (2, 3))
+    assert named is not None, "the spare took a drained node's ranks and recorded nothing"
+    assert swaps == [("drained", named)] and recorded == [named]
+    assert named.kind == IncidentKind.SPARE_SWAP and named.node == "n1" and named.ranks == (2, 3)
+    assert named.evidence["cause"] == "drained" and named.evidence["step"] == 33
+    assert named.evidence["summary"] == "node n1 drained; spare n3 took ranks 2,3 after step 33"
+    assert named.action == "node n1 left after the checkpoint of step 33"
+    counted = SpareSwaps("j", node="n3")
+    counted.swapped(swaps[0][0])
+    assert _samples(counted)[0][("trainwarden_spare_swaps_total", (("cause", "drained"), ("job", "j"),
+                                                                   ("node", "n3")))] == 1

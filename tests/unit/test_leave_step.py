@@ -1,0 +1,39 @@
+"""The step a leave (a drain, an exclusion) or a grow agrees on (agent/launch/regroup.py ``_step_ahead``): far enough
+ahead that no rank has passed it when the request reaches every node, and no further, at the job's pace now."""
+
+from __future__ import annotations
+
+import time
+
+from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.launch.regroup import GROW_MARGIN_STEPS, Regrouping
+
+
+class _Run(Regrouping):
+    def __init__(self, progress: JobProgress, step: int, step_end: float) -> None:
+        self.progress, self._round_step, self._round_step_end = progress, step, step_end
+
+
+def _progress(*paces: tuple[int, float]) -> tuple[JobProgress, int]:
+    """Two local ranks' steps: ``count`` steps of ``seconds`` for each (count, seconds); the last step's index."""
+    progress, index, now = JobProgress(), 0, time.time() - 1000
+    progress.round_started(now)
+    for count, seconds in paces:
+        for _ in range(count):
+            index, now = index + 1, now + seconds
+            for pid in (11, 12):
+                progress.step(index, now, seconds, worker=pid)
+    return progress, index
+
+
+def test_a_healthy_job_is_asked_for_three_seconds_of_steps():
+    progress, last = _progress((300, 0.25))
+    assert _Run(progress, last, time.time())._step_ahead() == last + 13  # int(3 s / 0.25 s) + 1
+
+
+def test_a_job_slowed_by_the_fault_gets_its_margin_at_its_pace_now():
+    """Issue 47: a degraded link made every step 5x longer; n1 is excluded and the spare waits for the agreed step.
+    The margin was taken from the median of every step the run had seen (0.25 s: 13 steps, 19.5 s at the slow
+    pace); it is from the recent ones (5 steps, 7.5 s)."""
+    progress, last = _progress((400, 0.25), (12, 1.5))
+    assert _Run(progress, last, time.time())._step_ahead() == last + GROW_MARGIN_STEPS
