@@ -1,7 +1,8 @@
 """trainwarden's torchrun: torch's launcher and elastic agent, reporting what happens to the workers as
 structured events instead of log lines.
 
-``trainwarden run`` starts ``python -m trainwarden.agent.launch.elastic <torchrun arguments>``, which is
+``trainwarden run`` starts ``python -m trainwarden.agent.launch.elastic [--warm-zygote] <torchrun arguments>``
+(``--warm-zygote``: start the warm workers' zygote first, ``WARM_ZYGOTE_FLAG``), which is
 ``torch.distributed.run.main`` with every flag and behaviour of torchrun, plus one thing: the elastic agent
 is ``ReportingElasticAgent``, a ``LocalElasticAgent`` that writes one JSON line per event to the pipe whose
 descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
@@ -60,12 +61,16 @@ from trainwarden.agent.shared.contract import (EXIT_NUMERIC_STOP, EXIT_RESUME_BL
                                               WARM_PARENT_PID_ENV, WARM_ZYGOTE_PID_ENV, ZYGOTE_MODULE)
 from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV, SUPERVISOR_PID_ENV, die_with_parent
 
-__all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "main", "reporting_agent_class"]
+__all__ = ["EVENTS_FD_ENV", "EventSink", "GROW_WAIT_S", "REPLY_FD_ENV", "ReplyChannel", "WARM_ZYGOTE_FLAG", "main",
+           "own_options", "reporting_agent_class"]
 
 log = logging.getLogger(__name__)
 
 EVENTS_FD_ENV = "TRAINWARDEN_LAUNCH_EVENTS_FD"
 REPLY_FD_ENV = "TRAINWARDEN_LAUNCH_REPLY_FD"
+WARM_ZYGOTE_FLAG = "--warm-zygote"
+"""This module's own option, first in its argv (taken off before torchrun's): start the warm workers' zygote
+(``_start_zygote``). ``torchrun_command`` gives it with a warm directory; nothing is read from the script's name."""
 _LOOP_TICK_S = 0.001
 """torch's monitor loop sleeps this between polls; ``_monitor_workers`` does the waiting (for a worker's exit,
 or ``--monitor-interval`` at most)."""
@@ -288,9 +293,10 @@ def main(argv: list[str] | None = None) -> None:
     fd = os.environ.pop(EVENTS_FD_ENV, None)
     reply_fd = os.environ.pop(REPLY_FD_ENV, None)
     argv = sys.argv[1:] if argv is None else argv
+    warm, argv = own_options(argv)
     # the zygote first: its imports (torch's among them) then run beside this process's own import of torch,
     # which otherwise came first and delayed every launch's first workers by one whole import
-    zygote = _start_zygote(argv)
+    zygote = _start_zygote(argv) if warm else None
     try:
         from torch.distributed import run as torchrun
         from torch.distributed.launcher import api as launcher_api
@@ -308,20 +314,36 @@ def main(argv: list[str] | None = None) -> None:
                 zygote.kill()
 
 
+def own_options(argv: list[str]) -> tuple[bool, list[str]]:
+    """This module's own option (``WARM_ZYGOTE_FLAG``, first when given) and torchrun's arguments after it."""
+    return (True, argv[1:]) if argv[:1] == [WARM_ZYGOTE_FLAG] else (False, list(argv))
+
+
 def _start_zygote(argv: list[str]):
-    """With warm workers (torchrun's script is the zygote's client, ``-m ZYGOTE_MODULE SCRIPT...``: runtime/zygote.py),
-    the process they fork from, started here, from the main thread and before torch's agent starts any thread (its
-    parent-death signal follows the thread that started it)."""
+    """The process warm workers fork from (runtime/zygote.py), started here, from the main thread and before torch's
+    agent starts any thread (its parent-death signal follows the thread that started it). Asked for by
+    ``WARM_ZYGOTE_FLAG``; torchrun's script is then the zygote's client, ``-m ZYGOTE_MODULE SCRIPT...``
+    (``torchrun_command``), and SCRIPT is what the zygote prepares for."""
     import subprocess
 
     path, map_dir = os.environ.get(WARM_SOCKET_ENV), os.environ.get(WARM_MAP_DIR_ENV)
-    if ZYGOTE_MODULE not in argv or not path or not map_dir:
-        return None
-    script = argv[argv.index(ZYGOTE_MODULE) + 1:]
+    script = _warm_script(argv)
+    if not path or not map_dir or script is None:
+        raise SystemExit(f"trainwarden: {WARM_ZYGOTE_FLAG} needs {WARM_SOCKET_ENV} and {WARM_MAP_DIR_ENV} in the "
+                         f"environment and '-m {ZYGOTE_MODULE} SCRIPT...' as torchrun's script; start warm workers "
+                         "with `trainwarden run --warm-workers`, which sets both")
     zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, "--serve", path, map_dir, *script],
                               env={**os.environ, WARM_PARENT_PID_ENV: str(os.getpid())})
     os.environ[WARM_ZYGOTE_PID_ENV] = str(zygote.pid)  # torch's agent passes it on: clients wait only while it lives
     return zygote
+
+
+def _warm_script(argv: list[str]) -> list[str] | None:
+    """The script after torchrun's ``-m ZYGOTE_MODULE`` (the client as torchrun's script), None without one."""
+    for i in range(len(argv) - 1):
+        if argv[i] in ("-m", "--module") and argv[i + 1] == ZYGOTE_MODULE:
+            return argv[i + 2:]
+    return None
 
 
 if __name__ == "__main__":

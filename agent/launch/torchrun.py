@@ -33,6 +33,7 @@ from trainwarden.agent.shared.contract import (AGENT_SOCKET_ENV, AUTO_INSTRUMENT
 
 from trainwarden.agent.common.launch_options import OPTIONS, parse_nnodes
 from trainwarden.agent.common.paths import default_checkpoint_dir
+from trainwarden.agent.launch.elastic import WARM_ZYGOTE_FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class LaunchSpec:
 def torchrun_command(spec: LaunchSpec, python: str = sys.executable) -> list[str]:
     cmd = [
         python, "-m", "trainwarden.agent.launch.elastic",  # torchrun, reporting structured events
+        *([WARM_ZYGOTE_FLAG] if spec.warm_dir else []),  # which starts the warm workers' zygote first
         "--nnodes", spec.nnodes,
         "--nproc-per-node", str(spec.nproc_per_node),
         "--rdzv-backend", "etcd3",

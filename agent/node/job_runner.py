@@ -6,18 +6,13 @@ Each round (``reconcile_once``) the runner decides from its copy of the jobs in 
 launcher on this node unless the node is cordoned: ``trainwarden run --managed --node NODE --etcd ...`` with the
 job's arguments, in a session of its own (so neither a signal to the daemon's process group nor the daemon's death
 reaches it), its output in ``<state home>/daemon/logs/<job>.log``. The launcher's pid and start time go to
-``<state home>/daemon/launchers/<job>.json``.
+``<state home>/daemon/launchers/<job>.json`` (agent/node/launcher_records.py).
 
-**Watching, not polling** (issue 28). The runner learns of changes from etcd watches, so a quiet fleet costs etcd
-next to nothing however many nodes it has: ``jobs/.index/`` (every submit, stop, resume and refusal rewrites the job's
-entry there; the runner then reads that job's spec, state and control), ``jobs/<job>/state`` of each live job (the
-phase, taken from the event itself) and ``nodes/<node>/cordon``. An event wakes the loop at once. Local work (reaping
-launchers, the GPU health check) still runs every ``interval_s``; so does a check that the watches live, which asks
-etcd nothing (agent/etcd/watch.py: python3-etcd3 never tells a callback that its stream broke). A dead watch, a
-failed keep-alive and every ``SAFETY_REREAD_S`` make the runner read the index, the jobs that may have changed and
-the cordon again and watch anew. The first read after the daemon starts lists every job (``JobControl.jobs``) and
-indexes the ones submitted before the index existed. The node record is put when it changes and otherwise only its
-lease is kept alive (every ``NODE_RECORD_KEEPALIVE_S``).
+**Watching, not polling** (issue 28). The runner decides from a copy of the jobs and the cordon that etcd watches
+keep up to date (agent/node/watched_jobs.py), so a quiet fleet costs etcd next to nothing however many nodes it has;
+an event wakes the loop at once. Local work (reaping launchers, the GPU health check) still runs every
+``interval_s``. The node record (agent/node/node_record.py) is put when it changes and otherwise only its lease is
+kept alive (every ``NODE_RECORD_KEEPALIVE_S``).
 
 **Re-adoption.** A daemon that starts (after a crash, a SIGKILL, an upgrade) reads those files and adopts every
 launcher whose pid still has the recorded start time: it is watched, stopped on request, never launched twice.
@@ -51,67 +46,40 @@ daemon, and the new one adopts the launchers.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import psutil
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from trainwarden.agent import __version__
 from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.common.job_spec import JobSpecError
-from trainwarden.agent.etcd.client import describe_etcd_error, refresh_lease, with_failover
+from trainwarden.agent.etcd.client import describe_etcd_error
 from trainwarden.agent.etcd.jobs import JobControl, JobView
-from trainwarden.agent.etcd.watch import KeyWatch
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.job_refusal import JobRefusals, node_problems
 from trainwarden.agent.node import job_user
-from trainwarden.agent.shared.atomic_file import atomic_write
+from trainwarden.agent.node.launcher_records import LauncherFiles, LauncherRecord, alive
+from trainwarden.agent.node.node_record import NODE_RECORD_KEEPALIVE_S, NODE_RECORD_TTL_S, NodeRecord
+from trainwarden.agent.node.watched_jobs import LIVE_PHASES, SAFETY_REREAD_S, WatchedJobs
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["JobRunner", "LauncherRecord", "NODE_RECORD_KEEPALIVE_S", "NODE_RECORD_TTL_S", "SAFETY_REREAD_S",
            "STALL_S"]
 
-NODE_RECORD_TTL_S = 15
-"""Lease of ``nodes/<node>``: a daemon gone this long drops out of `trainwarden nodes`."""
-NODE_RECORD_KEEPALIVE_S = NODE_RECORD_TTL_S / 3
-"""How often the node record's lease is kept alive: three tries before it lapses. The record itself is put only when
-it changes (a job started or ended here, a cordon), not every round: the keep-alive is what says the node lives."""
-SAFETY_REREAD_S = 60.0
-"""How often the runner reads the index, the live jobs and the cordon again although its watches live: the net
-under what no check sees (a watch stream that broke without a word, an event lost). A change then reaches the
-daemon within this long at worst; normally within a watch event's delivery (milliseconds). 4,000 daemons at 60 s make
-67 reads of the small index a second."""
 STALL_S = 120.0
 """A round that has not finished after this long is wedged: a slow one makes a few etcd calls, each bounded by the
 client's timeout and retried once on each other member, and starts a few processes."""
-_LIVE = {JobPhase.PENDING.value, JobPhase.STARTING.value, JobPhase.RUNNING.value, JobPhase.RESTARTING.value}
-
-
-@dataclass
-class LauncherRecord:
-    """What the daemon knows of one launcher it started (``<state home>/daemon/launchers/<job>.json``)."""
-
-    job: str
-    generation: int
-    pid: int
-    started: float
-    """The process's start time (psutil ``create_time``): with the pid, the launcher's identity."""
-    log: str
-    relaunches: int = 0
 
 
 class JobRunner:
@@ -139,7 +107,7 @@ class JobRunner:
         self._home = Path(state_home)
         self._dir = self._home / "daemon"
         self._local_addr, self._endpoints = local_addr, dict(endpoints or {})
-        self._interval, self._python, self._gpus = interval_s, python, gpus
+        self._interval, self._python = interval_s, python
         self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
         self._lineage, self._identities = lineage, identities
@@ -147,26 +115,17 @@ class JobRunner:
         self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
         self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
         self._launchers: dict[str, LauncherRecord] = {}
+        self._files = LauncherFiles(self._dir / "launchers")
         self._phases: dict[str, tuple[int, str]] = {}  # job -> (generation, phase) of the jobs targeting this node
         self._phases_next: dict[str, tuple[int, str]] = {}
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
         self._terminated: set[int] = set()  # pids this daemon asked to stop
         self._draining: set[int] = set()  # pids this daemon asked to leave their job (a drain)
-        self._lease = None
-        self._lease_at: float | None = None  # monotonic time of the node record's last put or keep-alive
-        self._written: dict | None = None  # the node record last put (without its time)
+        self._node_record = NodeRecord(client, self._control, node=node, address=local_addr,
+                                       endpoints=self._endpoints, gpus=gpus, clock=clock)
         self._failing = False
-        self._views: dict[str, JobView] = {}  # the jobs as last read from etcd (spec, state, control; no members)
-        self._indexed: dict[str, int] = {}  # job -> mod revision of its index entry when last read
-        self._cordon_read: dict | None = None
-        self._changed: set[str] = set()  # jobs whose index entry changed since they were read (watch thread)
-        self._events = threading.Lock()
-        self._wake = threading.Event()
-        self._watches: dict[str, KeyWatch] = {}  # "index", "cordon", "state:<job>"
-        self._resync_due = True
-        self._read_at: float | None = None  # monotonic time of the last full read
-        self._listed = False  # whether every job was listed once (the index's back-fill)
+        self._jobs = WatchedJobs(client, self._control, node=node, clock=clock)  # what etcd holds, watched
         self._clock = clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainwarden-jobs", daemon=True)
@@ -177,7 +136,7 @@ class JobRunner:
     # ---- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        (self._dir / "launchers").mkdir(parents=True, exist_ok=True)
+        self._files.directory.mkdir(parents=True, exist_ok=True)
         (self._dir / "logs").mkdir(parents=True, exist_ok=True)
         self._adopt()
         if self._identities is not None:
@@ -188,18 +147,12 @@ class JobRunner:
     def stop(self, timeout: float = 5.0) -> list[str]:
         """Stop watching (the launchers go on); the jobs still running on this node."""
         self._stop.set()
-        self._wake.set()
+        self._jobs.wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        for watch in list(self._watches.values()):
-            watch.stop()
-        self._watches.clear()
-        if self._lease is not None:
-            try:
-                self._lease.revoke()
-            except Exception:  # it expires by itself
-                pass
-        return sorted(job for job, rec in self._launchers.items() if _alive(rec))
+        self._jobs.stop()
+        self._node_record.revoke()
+        return sorted(job for job, rec in self._launchers.items() if alive(rec))
 
     def launchers(self) -> dict[str, LauncherRecord]:
         return dict(self._launchers)
@@ -215,22 +168,22 @@ class JobRunner:
             except Exception:  # one bad round (a launch that cannot write its log) must not end the loop
                 logger.exception("reconciling this node's jobs failed; trying again next round")
             self._heartbeat.beat()
-            self._wake.wait(self._interval)  # a watch event wakes it at once
+            self._jobs.wake.wait(self._interval)  # a watch event wakes it at once
 
     # ---- one round ------------------------------------------------------------------------------------
 
     def reconcile_once(self) -> None:
-        self._wake.clear()
+        jobs = self._jobs
+        jobs.wake.clear()
         self._reap()
         try:
-            self._refresh()
-            views = [self._views[name] for name in sorted(self._views)]
-            cordon = self._cordon_read
+            jobs.refresh()
+            views = [jobs.views[name] for name in sorted(jobs.views)]
+            cordon = jobs.cordon
             if cordon is None:
-                cordon = self._cordon_if_unfit()
-                self._cordon_read = cordon
+                cordon = jobs.cordon = self._cordon_if_unfit()
         except Exception as exc:
-            self._resync_due = True
+            jobs.resync_due = True
             if not self._failing:
                 logger.warning("cannot read the jobs from etcd (%s); the jobs on this node keep running, nothing is "
                                "started or stopped until etcd answers", describe_etcd_error(exc))
@@ -264,7 +217,7 @@ class JobRunner:
             if view.stop_requested and rec.pid not in self._terminated:
                 self._terminate(rec, f"stop requested by {(view.control or {}).get('by', '?')}")
             return
-        live = view.phase in _LIVE and not view.stop_requested
+        live = view.phase in LIVE_PHASES and not view.stop_requested
         try:
             spec = view.job_spec()
         except JobSpecError as exc:  # the same validation as `submit`: a hand-edited record, or a newer field
@@ -313,112 +266,6 @@ class JobRunner:
         if not self._refusals.refused(view) and not view.nodes:
             view.nodes = self._control.members(view.name)
         self._refusals.refuse(view, why)
-
-    # ---- what etcd holds: watched, read again when a watch may have missed something ----------------------
-
-    def _refresh(self) -> None:
-        """Bring the copy of the jobs and the cordon up to date: read what the watches said changed; read
-        everything again (and watch anew) when a watch is gone, a call failed, or ``SAFETY_REREAD_S`` passed."""
-        now = self._clock()
-        if (self._resync_due or self._read_at is None or now - self._read_at >= SAFETY_REREAD_S
-                or not all(w.alive() for w in self._watches.values())):
-            self._resync()
-            return
-        with self._events:
-            changed, self._changed = self._changed, set()
-        for name in sorted(changed):
-            self._read_job(name)
-        self._watch_states()
-
-    def _resync(self) -> None:
-        for watch in self._watches.values():
-            watch.stop()
-        self._watches.clear()
-        with self._events:
-            self._changed.clear()
-        control = self._control
-        index = KeyWatch(self._client, control.index_key(), self._on_index, prefix=True, on_error=self._on_error)
-        index.start()  # before the reads: a change after them arrives as an event, none falls in between
-        self._watches["index"] = index
-        cordon = KeyWatch(self._client, control.node_key(self.node, "cordon"), self._on_cordon,
-                          on_error=self._on_error)
-        cordon.start()
-        self._watches["cordon"] = cordon
-        indexed = control.index()
-        if not self._listed:  # once per daemon: jobs submitted before the index existed get an entry
-            missing = [view for view in control.jobs() if view.managed and view.name not in indexed]
-            for view in missing:
-                control.ensure_indexed(view)
-            if missing:
-                indexed = control.index()
-            self._listed = True
-        for name in list(self._views):
-            if name not in indexed:
-                del self._views[name]
-        for name, revision in sorted(indexed.items()):
-            view = self._views.get(name)
-            if view is None or self._indexed.get(name) != revision or view.phase in _LIVE:
-                self._read_job(name)
-            self._indexed[name] = revision
-        self._cordon_read = control.cordoned(self.node)
-        self._watch_states()
-        self._read_at, self._resync_due = self._clock(), False
-
-    def _read_job(self, name: str) -> None:
-        view = self._control.job(name, members=False)
-        if view is None:
-            self._views.pop(name, None)
-        else:
-            self._views[name] = view
-
-    def _watch_states(self) -> None:
-        """A watch on the state of each live submitted job (its phase, which launchers move on), none on others."""
-        wanted = {f"state:{name}" for name, view in self._views.items() if view.managed and view.phase in _LIVE}
-        for key in [k for k in self._watches if k.startswith("state:") and k not in wanted]:
-            self._watches.pop(key).stop()
-        for key in sorted(wanted - set(self._watches)):
-            name = key.split(":", 1)[1]
-            watch = KeyWatch(self._client, self._control.key(name, "state"),
-                             lambda events, n=name: self._on_state(n, events), on_error=self._on_error)
-            watch.start()
-            self._watches[key] = watch
-            self._read_job(name)  # what changed before the watch began
-
-    # The watch callbacks run on the etcd client's thread: they note what changed and wake the loop, nothing more.
-
-    def _on_index(self, events: list) -> None:
-        root = self._control.index_key()
-        with self._events:
-            self._changed.update(e.key.decode()[len(root):] for e in events)
-        self._wake.set()
-
-    def _on_state(self, name: str, events: list) -> None:
-        with self._events:
-            view = self._views.get(name)
-            for event in events:
-                try:
-                    state = json.loads(event.value) if getattr(event, "value", None) else None
-                except ValueError:
-                    state = None
-                if view is None or not isinstance(state, dict):
-                    self._changed.add(name)  # deleted or unreadable: read the job again
-                else:
-                    view.state = state
-        self._wake.set()
-
-    def _on_cordon(self, events: list) -> None:
-        with self._events:
-            for event in events:
-                try:
-                    self._cordon_read = json.loads(event.value) if getattr(event, "value", None) else None
-                except ValueError:
-                    self._cordon_read = {"unreadable": True}
-        self._wake.set()
-
-    def _on_error(self, exc: BaseException) -> None:
-        logger.info("an etcd watch of the jobs broke (%s); reading them again", describe_etcd_error(exc))
-        self._resync_due = True
-        self._wake.set()
 
     # ---- metrics ---------------------------------------------------------------------------------------
 
@@ -533,7 +380,7 @@ class JobRunner:
                              log=str(log_path), relaunches=relaunches)
         self._children[proc.pid] = proc
         self._launchers[view.name] = rec
-        self._save(rec)
+        self._files.save(rec)
         if self._lineage is not None:
             self._lineage.register_launcher(view.name, proc.pid)
         logger.info("job %s generation %d: started its launcher on node %s as %s (pid %d, log %s)", view.name,
@@ -566,11 +413,11 @@ class JobRunner:
             rc = child.poll() if child is not None else None
             if child is not None and rc is None:
                 continue
-            if child is None and _alive(rec):
+            if child is None and alive(rec):
                 continue
             self._children.pop(rec.pid, None)
             del self._launchers[job]
-            self._forget(job)
+            self._files.forget(job)
             if self._identities is not None:
                 self._identities.revoke(job, rec.generation)
             if self._lineage is not None:
@@ -592,7 +439,7 @@ class JobRunner:
             logger.warning("job %s: cannot read it from etcd to start its launcher again (%s); next round",
                            rec.job, describe_etcd_error(exc))
             return  # not finished: the next round launches it as for a new job
-        if view is None or view.phase not in _LIVE or view.stop_requested or view.generation != rec.generation:
+        if view is None or view.phase not in LIVE_PHASES or view.stop_requested or view.generation != rec.generation:
             self._finished[rec.job] = rec.generation
             return
         logger.warning("job %s: its launcher on node %s was killed; starting it again (%d of %d)", rec.job,
@@ -611,25 +458,9 @@ class JobRunner:
         except Exception:
             return 0
 
-    # ---- state files ------------------------------------------------------------------------------------
-
-    def _path(self, job: str) -> Path:
-        return self._dir / "launchers" / f"{job}.json"
-
-    def _save(self, rec: LauncherRecord) -> None:
-        atomic_write(self._path(rec.job), json.dumps(asdict(rec), indent=1).encode())
-
-    def _forget(self, job: str) -> None:
-        self._path(job).unlink(missing_ok=True)
-
     def _adopt(self) -> None:
-        for path in sorted((self._dir / "launchers").glob("*.json")):
-            try:
-                rec = LauncherRecord(**json.loads(path.read_text()))
-            except (OSError, TypeError, ValueError) as exc:
-                logger.warning("ignoring launcher record %s: %s", path, exc)
-                continue
-            if _alive(rec):
+        for rec in self._files.read_all():
+            if alive(rec):
                 self._launchers[rec.job] = rec
                 self.adopted.append(rec.job)
                 if self._lineage is not None:
@@ -639,45 +470,8 @@ class JobRunner:
             else:
                 logger.info("job %s: its launcher (pid %d) ended while the daemon was away", rec.job, rec.pid)
                 self._finished[rec.job] = rec.generation
-                path.unlink(missing_ok=True)
-
-    # ---- the node record ------------------------------------------------------------------------------
+                self._files.forget(rec.job)
 
     def _publish_node(self, cordon: dict | None) -> None:
-        """Put ``nodes/<node>`` when it changed (or its lease lapsed); otherwise keep its lease alive every
-        ``NODE_RECORD_KEEPALIVE_S``. A failure makes the next round read the jobs again (the watches likely died
-        with the connection)."""
-        client = self._client
-        record = {"node": self.node, "host": socket.gethostname(), "address": self._local_addr or "",
-                  "version": __version__, "pid": os.getpid(),
-                  "gpus": self._gpus() if self._gpus else 0,
-                  "health": ("draining" if self._launchers else "drained") if cordon and cordon.get("drain")
-                  else "cordoned" if cordon else "ok",
-                  "endpoints": self._endpoints,
-                  "jobs": {job: {"pid": rec.pid, "generation": rec.generation} for job, rec in self._launchers.items()}}
-        key = self._control.node_key(self.node)
-        now = self._clock()
-        try:
-            if self._lease is not None and record == self._written:
-                if self._lease_at is not None and now - self._lease_at < NODE_RECORD_KEEPALIVE_S:
-                    return
-                if refresh_lease(client, self._lease):
-                    self._lease_at = now
-                    return
-                self._lease = None  # it lapsed (etcd was away): the record went with it
-            if self._lease is None:
-                self._lease = with_failover(client, lambda: client.lease(NODE_RECORD_TTL_S))
-            value = json.dumps({**record, "at": time.time()}, sort_keys=True)
-            with_failover(client, lambda: client.put(key, value, lease=self._lease))
-            self._written, self._lease_at = record, now
-        except Exception as exc:
-            self._lease, self._written, self._resync_due = None, None, True
-            logger.debug("cannot write the node record: %s", describe_etcd_error(exc))
-
-
-def _alive(rec: LauncherRecord) -> bool:
-    try:
-        proc = psutil.Process(rec.pid)
-        return abs(proc.create_time() - rec.started) <= 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+        if not self._node_record.publish(cordon, self._launchers):
+            self._jobs.resync_due = True  # the watches likely died with the connection

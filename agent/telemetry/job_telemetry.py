@@ -2,7 +2,9 @@
 
 The telemetry server feeds this store from every worker stream on the node; the job metrics collector,
 the `Status` RPC and the watchdog read it. It knows nothing about gRPC or protobuf: the server converts
-messages into the plain calls below, so tests and other readers can drive it directly.
+messages into the plain calls below, so tests and other readers can drive it directly. What readers get is in
+agent/telemetry/snapshots.py; the per-rank and per-job state behind it, and how a snapshot is made of it, in
+agent/telemetry/rank_state.py.
 
 Design:
 
@@ -36,17 +38,21 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Protocol
 
 from trainwarden.agent.shared.contract import CHECKPOINT_STAGES, NUMERIC_KINDS
-from trainwarden.agent.telemetry.arrivals import Arrival, ArrivalMatcher, Interval
+from trainwarden.agent.telemetry.arrivals import Arrival, Interval
+from trainwarden.agent.telemetry.rank_state import (STARTUP_STEPS, STEP_BUCKETS, STEPS_AFTER_WRITE, WRITE_BEGINS,
+                                                    WRITE_ENDS, JobRanks, RankState, job_snapshot)
+from trainwarden.agent.telemetry.snapshots import CollectiveTotals, JobSnapshot, RankSnapshot, WorkerInfo, steps_from
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_STAGES",
     "REJECT_REASONS",
+    "STARTUP_STEPS",
     "STEP_BUCKETS",
     "CollectiveTotals",
     "JobSnapshot",
@@ -54,10 +60,9 @@ __all__ = [
     "TelemetryListener",
     "RankSnapshot",
     "WorkerInfo",
+    "steps_from",
 ]
 
-# Step-duration histogram buckets (seconds): from fast CPU test steps to multi-minute pipeline steps.
-STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Bounded `reason` label values for trainwarden_telemetry_rejected_total.
 REJECT_REASONS = ("malformed", "oversized", "no_hello", "invalid", "unverified", "identity", "limit")
 """``unverified``: a Hello or Commit without peer credentials where they are required; ``identity``: a stream or
@@ -67,253 +72,6 @@ MAX_COLLECTIVE_KEYS = 64
 MAX_OPS = 32
 """Distinct op label values per rank; more fold into "other"."""
 OVERFLOW_KINDS = ("collective_keys", "ops")
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
-    """What a worker says about itself in its Hello."""
-
-    job: str
-    """Job name (bounded label)."""
-    rank: int
-    """Global rank."""
-    local_rank: int = 0
-    """Rank on this node."""
-    world_size: int = 1
-    """Number of ranks in the job."""
-    mesh: Mapping[str, int] = field(default_factory=dict)
-    """Parallelism shape, e.g. {"pp": 2, "tp": 2, "dp": 2}."""
-    pid: int = 0
-    """Worker process id."""
-    restart_count: int = 0
-    """torchrun's restart count when the worker started."""
-    hostname: str = ""
-    """Host the worker runs on."""
-    verified: bool = False
-    """`pid` is the kernel's (peer credentials), not the worker's claim: only then may the agent signal it."""
-    started: float = 0.0
-    """The process's start time when it was verified (a reused pid has another)."""
-    step_source: str = ""
-    """Where its steps come from: "rt.step" or "optimizer hooks" (contract.STEP_SOURCES); "" from older runtimes."""
-    uid: int | None = None
-    """The process's uid from the kernel when `verified`; None for an unverified stream."""
-    gpu_uuid: str = ""
-    """The worker's CUDA device as NVML names it ("GPU-..."); "" until its first CUDA step, or without CUDA."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectiveTotals:
-    """Collective totals for one (process group, op)."""
-
-    process_group: str
-    """Process group name or id."""
-    op: str
-    """Collective name, e.g. "all_reduce"."""
-    count: int
-    """Collectives seen."""
-    wait_seconds: float
-    """Seconds spent in (or estimated waiting for) them."""
-    last_seq_id: int
-    """Highest collective sequence id seen in the group."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankSnapshot:
-    """A rank's state at one instant (agent counters are monotonic across worker restarts)."""
-
-    rank: int
-    local_rank: int
-    pid: int
-    hostname: str
-    connected: bool
-    restart_count: int
-    last_step: int
-    last_seen_monotonic: float
-    step_count: int
-    step_seconds_total: float
-    step_bucket_counts: tuple[int, ...]
-    tokens_total: int
-    compute_seconds_total: float
-    wait_seconds_by_op: Mapping[str, float]
-    collectives: tuple[CollectiveTotals, ...]
-    collective_has_durations: bool
-    checkpoint_stall_seconds: float
-    checkpoint_stage: str
-    step_p50_seconds: float
-    step_p99_seconds: float
-    wait_share: float
-    tokens_per_second: float
-    dropped_total: int
-    flags: tuple[str, ...]
-    straggler_score: float = 0.0
-    steady_step_p99_seconds: float = 0.0
-    """p99 of the steps this worker process took after its first `STARTUP_STEPS` (of all its recent steps
-    until `STARTUP_STEPS` more are in): what the hang deadline follows. Start-up steps (allocation,
-    compilation, a restore's first batch) run under the start-up deadline and would otherwise stretch the
-    steady one for as long as they stay in the window."""
-    steady_steps: int = 0
-    """Steps in that steady window (its first `STARTUP_STEPS` steps left out): under `STARTUP_STEPS`,
-    `steady_step_p99_seconds` still holds the start-up steps."""
-    writing_step_p99_seconds: float = 0.0
-    """p99 of this worker's recent steps that overlapped a checkpoint write of the job's ranks here (from a save's
-    ``save_start`` to its ``written``, the step in which it ended and `STEPS_AFTER_WRITE` more): kept out of the
-    steady window, because a write sharing the host's cores and disk slows them (2-3x the reference job's steps
-    on 2 cores) and one such step would set the deadline of every hang for as long as it stays in the window."""
-    write_pending: bool = False
-    """The step this worker is in may be slowed by a checkpoint write: one is in flight on a rank of the job here,
-    one began or ended since this worker's last step, or it is within `STEPS_AFTER_WRITE` of one. The hang
-    deadline then follows the writing steps too."""
-    verified: bool = False
-    """The pid is the kernel's (see WorkerInfo.verified)."""
-    started: float = 0.0
-    """The process's start time when verified."""
-    last_step_end_unix: float = 0.0
-    """Wall time the newest reported step ended (its own timestamp; 0: none yet)."""
-    streams: int = 0
-    """Streams opened for this rank so far (a reconnect of the same process counts: what the agent told
-    the old stream, the new one does not know)."""
-    step_source: str = ""
-    """Where the rank's steps come from (WorkerInfo.step_source)."""
-    collectives_seen: int = 0
-    """Collectives the rank reported entering (arrivals) or completing (measured totals): monotonic. Their
-    growth is progress too: the hang detector's heartbeat for a loop without steps."""
-    last_collective_unix: float = 0.0
-    """Wall time the newest reported collective was entered (its own timestamp; 0: none or unknown)."""
-    gpu_uuid: str = ""
-    """The rank's GPU (WorkerInfo.gpu_uuid): a GPU fault names the ranks on it (`JobTelemetry.ranks_on_gpus`)."""
-    collective_gap_max_seconds: float = 0.0
-    """The longest time between two consecutive collectives of the rank's current process, over its recent
-    collectives (0: fewer than two seen): how long such a loop may go quiet."""
-    still_seconds: float = 0.0
-    """How long the rank's training thread has stayed inside one call, as of this snapshot (0: it moves, or
-    the worker never said): from its TrainingThread reports, aged since the last one."""
-    collective_pending_seconds: float = 0.0
-    """How long the oldest collective of that training thread has been in flight, as of this snapshot (0: none,
-    or the thread moves). Still, with a collective in flight, the rank waits: its own CPU is not work."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobSnapshot:
-    """A job's state at one instant."""
-
-    job: str
-    world_size: int
-    mesh: Mapping[str, int]
-    ranks: tuple[RankSnapshot, ...]
-    restarts_total: int
-    checkpoint_last_step: int
-    checkpoint_failures_total: int
-    checkpoint_committed_unix: float = 0.0
-    """Wall time the newest checkpoint was committed (as the agent heard it); 0: none yet."""
-    checkpoint_set_aside_total: int = 0
-    """Checkpoints a restore passed over (quarantined, or unreadable and left)."""
-    numeric_events: tuple[tuple[str, int], ...] = ()
-    """(kind, count) of the numeric events the workers reported (NaN, loss spikes), by kind."""
-
-
-STARTUP_STEPS = 3
-COLLECTIVE_GAPS_KEPT = 512
-"""Gaps between a rank's consecutive collectives kept for `RankSnapshot.collective_gap_max_seconds`."""
-"""A worker process's first steps, left out of its steady step time (`RankSnapshot.steady_step_p99_seconds`)."""
-_WRITE_BEGINS = frozenset({"save_start", "staged"})
-_WRITE_ENDS = frozenset({"written", "committed", "failed"})
-"""Checkpoint stages that begin and end a rank's write (`RankSnapshot.writing_step_p99_seconds`). A runtime that
-never reports ``written`` (older than the stage) leaves every rank but the committing one writing: all their steps
-count as writing, and the deadline follows them all, as it did before."""
-STEPS_AFTER_WRITE = 1
-"""Steps after the one in which the job's writes here ended that still count as writing: rank 0 commits, runs its
-retention and the agent publishes the commit in that one (a new worker process's first commit slowed it 2-3x on the
-reference job, 0.36-0.61 s against 0.2 s: `tests/bench/bench_hang.py`'s logs, issue 26)."""
-
-
-def steps_from(ranks: "Iterable[RankSnapshot]") -> str:
-    """Where a job's steps come from, from its ranks' snapshots: "rt.step", "optimizer hooks" (both, joined,
-    when ranks differ), "collectives only" (no step, but collectives: hang detection still has a heartbeat),
-    or "" (nothing reported)."""
-    ranks = list(ranks)
-    sources = sorted({r.step_source or "rt.step" for r in ranks if r.step_count > 0})
-    if sources:
-        return " and ".join(sources)
-    if any(r.collectives_seen > 0 for r in ranks):
-        return "collectives only"
-    return ""
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
-    return sorted_values[index]
-
-
-class _RankTelemetry:
-    def __init__(self, info: WorkerInfo, recent_steps: int, now: float) -> None:
-        self.info = info
-        self.restarts = 0  # new worker processes seen for this rank
-        self.streams = 1  # streams opened for this rank (Hellos), reconnects of the same process included
-        self.connected = True
-        self.last_seen = now
-        self.last_step = -1
-        self.step_count = 0
-        self.step_seconds_total = 0.0
-        self.bucket_counts = [0] * (len(STEP_BUCKETS) + 1)
-        self.tokens_total = 0
-        self.recent = deque(maxlen=recent_steps)  # (start_unix, duration, tokens)
-        self.process_steps = 0  # steps the current worker process reported
-        self.steady = deque(maxlen=recent_steps)  # durations of its steps after the first STARTUP_STEPS
-        self.writing_steps = deque(maxlen=recent_steps)  # those of them that overlapped a checkpoint write
-        self.write_started = -1  # the newest step whose save this worker process began (save_start, staged)
-        self.write_ended = -1  # the newest step whose write ended here (written, committed, failed)
-        self.write_mark = 0  # the job's `write_events` as of this worker's last step
-        self.write_tail = 0  # steps still to count as writing after the job's writes here ended
-        self.wait_by_op: dict[str, float] = {}
-        self.collectives: dict[tuple[str, str], CollectiveTotals] = {}
-        self.prev_cumulative: dict[tuple[str, str], tuple[int, float]] = {}
-        self.has_durations = False
-        self.wait_total = 0.0
-        self.compute_total = 0.0
-        self.share_window = deque(maxlen=16)  # (step_seconds_total, wait_total)
-        self.last_step_end_ns = 0
-        self.interval_mark: tuple[float, float] | None = None  # (step_seconds_total, compute_total)
-        self.checkpoint_stall = 0.0
-        self.checkpoint_stage = ""  # the last stage reported ("" for none); a new worker starts afresh
-        self.dropped_total = 0
-        self.prev_dropped = 0
-        self.flags: set[str] = set()
-        self.goodbye: str | None = None  # the reason the worker gave before its stream ended, if it did
-        self.straggler_score = 0.0  # the watchdog's latest score (0: not scored)
-        self.collectives_seen = 0
-        self.last_collective_ns = 0
-        self.collective_gaps: deque[int] = deque(maxlen=COLLECTIVE_GAPS_KEPT)  # ns, of the current process
-        self.prev_arrival_ns = 0  # the last arrival of an unbroken stretch (0: none)
-        self.still_since = None  # (clock) since when the training thread has not moved; None: it moves
-        self.pending_since = None  # (clock) since when its oldest collective has been in flight, while still
-
-    def update_compute(self) -> None:
-        self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
-
-
-class _JobRanks:
-    def __init__(self, info: WorkerInfo) -> None:
-        self.world_size = info.world_size
-        self.mesh = dict(info.mesh)
-        self.ranks: dict[int, _RankTelemetry] = {}
-        self.restarts_seen = 0
-        self.checkpoint_last_step = -1
-        self.checkpoint_failures = 0
-        self.checkpoint_committed_unix = 0.0
-        self.checkpoint_set_aside = 0
-        self.numeric_events: dict[str, int] = {}
-        self.owner_uid: int | None = None  # the uid of the job's first verified stream (module docstring)
-        self.matcher = ArrivalMatcher()
-        self.write_events = 0  # writes begun or ended on the ranks here: a step that saw one overlapped it
-        self.intervals: dict[int, list[Interval]] = {}  # from measured durations
-
-    def write_overlaps(self, rank: "_RankTelemetry") -> bool:
-        """Whether `rank`'s step in flight overlaps a checkpoint write: one runs on a rank here (a save begun at a
-        newer step than its write last ended), or one began or ended since the rank's last step."""
-        return (rank.write_mark != self.write_events
-                or any(r.write_started > r.write_ended for r in self.ranks.values()))
 
 
 class TelemetryListener(Protocol):
@@ -352,7 +110,7 @@ class JobTelemetry:
         self._ended: dict[str, deque] = {}  # job -> (wall time, rank, pid, goodbye or None) of ended streams
         self._recent_steps = recent_steps
         self._lock = threading.Lock()
-        self._jobs: dict[str, _JobRanks] = {}
+        self._jobs: dict[str, JobRanks] = {}
         self._rejected: dict[str, int] = {reason: 0 for reason in REJECT_REASONS}
         self._overflow: dict[str, int] = {kind: 0 for kind in OVERFLOW_KINDS}
 
@@ -371,32 +129,18 @@ class JobTelemetry:
                 return (f"job {info.job} streams as uid {job.owner_uid}; a stream of uid {info.uid} may not speak "
                         f"for its rank {info.rank}")
             if job is None:
-                job = self._jobs[info.job] = _JobRanks(info)
+                job = self._jobs[info.job] = JobRanks(info)
             if info.uid is not None and job.owner_uid is None:
                 job.owner_uid = info.uid
             job.world_size, job.mesh = info.world_size, dict(info.mesh)
             rank = job.ranks.get(info.rank)
             if rank is None:
-                job.ranks[info.rank] = _RankTelemetry(info, self._recent_steps, now)
+                job.ranks[info.rank] = RankState(info, self._recent_steps, now)
             else:
                 if rank.info.pid != info.pid:  # a new worker process for this rank: restart its deltas
                     job.matcher.reset()  # sequence ids start again in the new round
-                    rank.interval_mark = None
-                    rank.restarts += 1
+                    rank.new_process()
                     job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
-                    rank.prev_cumulative.clear()
-                    rank.goodbye = None
-                    rank.prev_dropped = 0
-                    rank.recent.clear()
-                    rank.process_steps = 0
-                    rank.steady.clear()
-                    rank.writing_steps.clear()
-                    rank.write_started = rank.write_ended = -1
-                    rank.write_tail = 0  # the old process's write ended with it
-                    rank.checkpoint_stage = ""
-                    rank.collective_gaps.clear()
-                    rank.prev_arrival_ns = 0
-                    rank.still_since = rank.pending_since = None
                 rank.info, rank.connected, rank.last_seen = info, True, now
                 rank.streams += 1
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
@@ -551,7 +295,7 @@ class JobTelemetry:
                 target.update_compute()
 
     @staticmethod
-    def _count_arrivals(state: "_RankTelemetry", arrivals: list[Arrival], continues: bool) -> None:
+    def _count_arrivals(state: RankState, arrivals: list[Arrival], continues: bool) -> None:
         """Collective progress and the gaps between consecutive collectives (within unbroken stretches: a
         gap across entries the ring lost would be too long)."""
         if not arrivals:
@@ -566,7 +310,7 @@ class JobTelemetry:
         state.prev_arrival_ns = previous
         state.last_collective_ns = max(state.last_collective_ns, previous)
 
-    def _add_wait(self, state: "_RankTelemetry", op: str, seconds: float) -> None:
+    def _add_wait(self, state: RankState, op: str, seconds: float) -> None:
         if op not in state.wait_by_op and len(state.wait_by_op) >= MAX_OPS:
             self._overflow["ops"] += 1
             op = "other"
@@ -604,10 +348,10 @@ class JobTelemetry:
             else:
                 state.checkpoint_stage = stage
             # a synchronous save reports `written` before `staged`: begun and ended are compared by step, not order
-            if stage in _WRITE_BEGINS:
+            if stage in WRITE_BEGINS:
                 state.write_started = max(state.write_started, int(step))
                 owner.write_events += 1
-            elif stage in _WRITE_ENDS:
+            elif stage in WRITE_ENDS:
                 state.write_ended = max(state.write_ended, int(step))
                 owner.write_events += 1
             if stage == "staged":
@@ -713,65 +457,9 @@ class JobTelemetry:
     def snapshot(self, job: str | None = None) -> tuple[JobSnapshot, ...]:
         with self._lock:
             now = self._clock()
-            return tuple(self._job_snapshot(name, j, now) for name, j in sorted(self._jobs.items())
+            return tuple(job_snapshot(name, j, now) for name, j in sorted(self._jobs.items())
                          if job is None or name == job)
 
-    def _rank(self, job: str, rank: int) -> _RankTelemetry | None:
+    def _rank(self, job: str, rank: int) -> RankState | None:
         owner = self._jobs.get(job)
         return owner.ranks.get(rank) if owner is not None else None
-
-    def _job_snapshot(self, name: str, job: _JobRanks, now: float) -> JobSnapshot:
-        return JobSnapshot(
-            job=name, world_size=job.world_size, mesh=dict(job.mesh),
-            ranks=tuple(self._rank_snapshot(r, now, job) for _, r in sorted(job.ranks.items())),
-            restarts_total=job.restarts_seen, checkpoint_last_step=job.checkpoint_last_step,
-            checkpoint_failures_total=job.checkpoint_failures,
-            checkpoint_committed_unix=job.checkpoint_committed_unix, checkpoint_set_aside_total=job.checkpoint_set_aside,
-            numeric_events=tuple(sorted(job.numeric_events.items())),
-        )
-
-    @staticmethod
-    def _rank_snapshot(r: _RankTelemetry, now: float, job: _JobRanks) -> RankSnapshot:
-        durations = sorted(d for _, d, _ in r.recent)
-        tokens_per_second = 0.0
-        if len(r.recent) >= 2:
-            first, last = r.recent[0], r.recent[-1]
-            span = last[0] + last[1] - first[0]
-            if span > 0:
-                tokens_per_second = sum(t for _, _, t in r.recent) / span
-        wait_share = 0.0
-        if r.share_window:
-            (s0, w0), (s1, w1) = r.share_window[0], r.share_window[-1]
-            if len(r.share_window) == 1 or s1 <= s0:
-                s0 = w0 = 0.0
-            if s1 > s0:
-                wait_share = min(1.0, max(0.0, (w1 - w0) / (s1 - s0)))
-        flags = set(r.flags)
-        if not r.connected:
-            flags.add("disconnected")
-        return RankSnapshot(
-            rank=r.info.rank, local_rank=r.info.local_rank, pid=r.info.pid, hostname=r.info.hostname,
-            verified=r.info.verified, started=r.info.started,
-            connected=r.connected, restart_count=r.info.restart_count, last_step=r.last_step,
-            last_seen_monotonic=r.last_seen, step_count=r.step_count, step_seconds_total=r.step_seconds_total,
-            step_bucket_counts=tuple(r.bucket_counts), tokens_total=r.tokens_total,
-            compute_seconds_total=r.compute_total, wait_seconds_by_op=dict(r.wait_by_op),
-            collectives=tuple(v for _, v in sorted(r.collectives.items())),
-            collective_has_durations=r.has_durations, checkpoint_stall_seconds=r.checkpoint_stall,
-            checkpoint_stage=r.checkpoint_stage,
-            step_p50_seconds=_percentile(durations, 0.5), step_p99_seconds=_percentile(durations, 0.99),
-            wait_share=wait_share, tokens_per_second=tokens_per_second, dropped_total=r.dropped_total,
-            flags=tuple(sorted(flags)), straggler_score=r.straggler_score, last_step_end_unix=r.last_step_end_ns / 1e9,
-            streams=r.streams, step_source=r.info.step_source, collectives_seen=r.collectives_seen,
-            last_collective_unix=r.last_collective_ns / 1e9, gpu_uuid=r.info.gpu_uuid,
-            collective_gap_max_seconds=max(r.collective_gaps, default=0) / 1e9,
-            # until a few steady steps are in, all of them: a job whose every step is long must not be
-            # held to the floor deadline by an empty window
-            steady_step_p99_seconds=(_percentile(sorted(r.steady), 0.99) if len(r.steady) >= STARTUP_STEPS
-                                     else _percentile(durations, 0.99)),
-            steady_steps=len(r.steady),
-            writing_step_p99_seconds=_percentile(sorted(r.writing_steps), 0.99),
-            write_pending=r.write_tail > 0 or job.write_overlaps(r),
-            still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
-            collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
-        )

@@ -20,10 +20,9 @@ Design:
   `max_message_bytes` so that oversized messages reach our check and are counted; messages beyond the
   transport limit are refused by gRPC itself, uncounted.
 - Records with bad values inside a well-formed stream (negative durations, unknown stages) are counted as
-  "invalid" and skipped; the stream goes on.
-- The socket's parent directory is created (0770) and the socket is bound under a umask of 0117, so it is
-  0660 from the moment it exists. A stale socket file left by a killed agent (nobody accepts on it) is
-  removed; a live socket or any other file at the path is an error.
+  "invalid" and skipped; the stream goes on (agent/telemetry/records.py, which turns records into the store's calls).
+- The socket's parent directory is created (0770) and the socket is bound 0660 from the moment it exists; a stale
+  socket file left by a killed agent is removed (agent/telemetry/socket_file.py).
 - Who is streaming is the kernel's answer, not the Hello's: beside the socket, ``<socket>.cred``
   (agent/telemetry/peer_credentials.py) gives each worker a single-use token bound to its SO_PEERCRED pid and
   uid; a Hello with a token gets the verified pid, uid and start time (``WorkerInfo.verified``), one with a bad
@@ -41,27 +40,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import queue
 import socket
-import stat
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from trainwarden.agent.telemetry.commit_check import UNVERIFIED, CommitGuard, commit_identity, guarded_commit
 from trainwarden.agent.telemetry.admission import UNIDENTIFIED, HelloDeadlines, StreamAdmission
 from trainwarden.agent.telemetry.peer_credentials import PeerCredentialServer
 from trainwarden.agent.telemetry.read_access import ANONYMOUS, ReadAccess
-from trainwarden.agent.telemetry.arrivals import Arrival
-from trainwarden.agent.telemetry.job_telemetry import CHECKPOINT_STAGES, CollectiveTotals, JobSnapshot, JobTelemetry, WorkerInfo, steps_from
+from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
+from trainwarden.agent.telemetry.records import apply_record, worker_info
+from trainwarden.agent.telemetry.socket_file import (TelemetryServerError, checked_socket_path, prepare_socket_path,
+                                                     private_umask)
+from trainwarden.agent.telemetry.replies import CheckpointRecordSource, checkpoint_record_reply, job_status
+from trainwarden.agent.telemetry.snapshots import WorkerInfo
 from trainwarden.agent.shared import telemetry_pb2 as pb
-from trainwarden.agent.shared.contract import JOB_NAME_RE, NUMERIC_KINDS, PEER_TOKEN_METADATA, SERVICE_NAME
+from trainwarden.agent.shared.contract import JOB_NAME_RE, PEER_TOKEN_METADATA, SERVICE_NAME
 
 __all__ = ["DEFAULT_HELLO_TIMEOUT_S", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_STREAMS_PER_UID", "SERVICE_NAME", "TelemetryServer", "TelemetryServerError"]
 
@@ -74,12 +75,6 @@ _RESERVED_THREADS = 16
 """Pool threads beyond ``max_streams``: streams never hold them, so unary calls (health, Status, Commit) and the
 refusals of streams past a cap always find one."""
 _TRANSPORT_LIMIT_FLOOR = 4 * 1024 * 1024
-_MAX_UNIX_PATH = 102  # 107 bytes, less the '.cred' of the peer-credential socket beside it
-_STAGE_NAMES = {getattr(pb, s.upper()): s for s in CHECKPOINT_STAGES}
-
-
-class TelemetryServerError(Exception):
-    """The server cannot start (bad socket path, path taken by a non-socket). Retrying will not help."""
 
 
 class _Rejected:
@@ -118,11 +113,7 @@ class TelemetryServer:
         """``allow_unverified``: accept streams (and Commit requests) without peer credentials, marked unverified
         and never signalled (module docstring); off by default: such a Hello is refused. ``hello_timeout_s``: how
         long a new stream may stay silent; ``max_streams_per_uid``: the streams one uid may hold at once."""
-        path = Path(socket_path).absolute()
-        if len(os.fsencode(str(path))) > _MAX_UNIX_PATH:
-            raise TelemetryServerError(
-                f"socket path {path} is longer than {_MAX_UNIX_PATH} bytes; choose a shorter path "
-                "(e.g. under /run/trainwarden)")
+        path = checked_socket_path(socket_path)
         if max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be at least 1024, got {max_message_bytes}")
         if max_streams < 1:
@@ -175,8 +166,7 @@ class TelemetryServer:
     def start(self) -> None:
         if self._server is not None:
             raise TelemetryServerError("telemetry server already started")
-        self.socket_path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
-        _remove_stale_socket(self.socket_path)
+        prepare_socket_path(self.socket_path)
         transport_limit = max(_TRANSPORT_LIMIT_FLOOR, 4 * self._max_message_bytes)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._max_streams + _RESERVED_THREADS,
@@ -201,13 +191,10 @@ class TelemetryServer:
         }),))
         self._health = health.HealthServicer()  # a stopped one stays NOT_SERVING: a fresh one per start
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        old = os.umask(0o117)  # the socket is created 0660: never open to others, not even before a chmod
-        try:
+        with private_umask():  # the socket is created 0660: never open to others, not even before a chmod
             if server.add_insecure_port(self.address) == 0:
                 raise TelemetryServerError(f"cannot bind {self.address}; is another agent using it?")
             server.start()
-        finally:
-            os.umask(old)
         self._credentials = PeerCredentialServer(self.socket_path)
         self._credentials.start()
         self._hello_deadlines.start()
@@ -351,7 +338,7 @@ class TelemetryServer:
         if not JOB_NAME_RE.match(first.hello.job):
             self._reject(context, _Rejected("invalid", f"job name {first.hello.job[:80]!r} breaks the job-name rule "
                                             "(1-63 lowercase letters, digits, '.', '_' or '-'); set TRAINWARDEN_JOB"))
-        info = self._worker_info(first.hello)
+        info = worker_info(first.hello)
         if info is None:
             self._reject(context, _Rejected("invalid", f"invalid Hello: {first.hello}".replace("\n", " ")))
         if first.hello.peer_token:
@@ -372,7 +359,7 @@ class TelemetryServer:
             self._reject(context, _Rejected("invalid", "the Hello carries no peer token but the stream's metadata "
                                             "does: send the same token in both"))
         elif not self._allow_unverified:
-            self._reject(context, _Rejected("unverified", _UNVERIFIED.format(what="a Hello", path=self._cred_path())),
+            self._reject(context, _Rejected("unverified", UNVERIFIED.format(what="a Hello", path=self._cred_path())),
                          grpc.StatusCode.UNAUTHENTICATED)
         guard = self.stream_guard
         refusal = guard(info) if guard is not None else None
@@ -439,87 +426,8 @@ class TelemetryServer:
                 except queue.Empty:
                     pass
 
-    def _apply_arrivals(self, info: WorkerInfo, a: pb.Arrivals) -> None:
-        """Collective arrivals for straggler matching; an inconsistent batch is refused whole."""
-        n = len(a.group)
-        if len(a.seq) != n or len(a.enqueued_ns) != n or any(g < 0 or g >= len(a.groups) for g in a.group) \
-                or (a.op and (len(a.op) != n or any(o < 0 or o >= len(a.ops) for o in a.op))) \
-                or any(not 0 <= r < max(1, info.world_size) for m in a.members for r in m.ranks):
-            self._job_telemetry.count_rejected("invalid")
-            return
-        groups, ops = list(a.groups), list(a.ops)
-        op_of = (ops[o] for o in a.op) if a.op else iter(lambda: "", None)
-        arrivals = [Arrival(groups[g], seq, t, next(op_of)) for g, seq, t in zip(a.group, a.seq, a.enqueued_ns)]
-        self._job_telemetry.record_arrivals(info.job, info.rank, arrivals, continues=a.continues,
-                                       members={m.name: list(m.ranks) for m in a.members})
-
     def _apply(self, info: WorkerInfo, message: pb.WorkerMessage) -> None:
-        kind = message.WhichOneof("record")
-        js, job, rank = self._job_telemetry, info.job, info.rank
-        if kind in ("step", "steps"):
-            for s in (message.step,) if kind == "step" else message.steps.steps:
-                if not (math.isfinite(s.duration_seconds) and s.duration_seconds >= 0 and s.index >= 0):
-                    js.count_rejected("invalid")
-                    continue
-                js.record_step(job, rank, index=s.index, start_unix=s.start_unix,
-                               duration_seconds=s.duration_seconds, tokens=s.tokens)
-        elif kind == "collectives":
-            totals = [CollectiveTotals(process_group=c.process_group, op=c.op, count=c.count,
-                                       wait_seconds=c.wait_seconds, last_seq_id=c.last_seq_id)
-                      for c in message.collectives.ops
-                      if c.count >= 0 and math.isfinite(c.wait_seconds) and c.wait_seconds >= 0]
-            if len(totals) != len(message.collectives.ops):
-                js.count_rejected("invalid")
-            js.record_collectives(job, rank, totals, has_durations=message.collectives.has_durations)
-            if not message.collectives.has_durations and message.collectives.HasField("arrivals"):
-                self._apply_arrivals(info, message.collectives.arrivals)
-        elif kind == "checkpoint":
-            c = message.checkpoint
-            stage = _STAGE_NAMES.get(c.stage)
-            if stage is None or not math.isfinite(c.seconds):
-                js.count_rejected("invalid")
-                return
-            js.record_checkpoint(job, rank, stage=stage, step=c.step, seconds=c.seconds, bytes_=c.bytes, path=c.path[:4096],
-                                 detail=c.detail[:2000])
-        elif kind == "numeric":
-            n = message.numeric
-            if n.kind not in NUMERIC_KINDS or n.step < 0 or not -1 <= n.first_rank < max(1, info.world_size):
-                js.count_rejected("invalid")
-                return
-            js.record_numeric(job, rank, kind=n.kind, step=n.step, first_rank=n.first_rank, action=n.action[:64],
-                              detail=n.detail[:2000])
-        elif kind == "stats":
-            js.record_client_stats(job, rank, dropped=message.stats.dropped)
-        elif kind == "training_thread":
-            t = message.training_thread
-            if not all(math.isfinite(v) and 0 <= v < 1e7 for v in (t.still_seconds, t.collective_pending_seconds)):
-                js.count_rejected("invalid")
-                return
-            js.record_training_thread(job, rank, still_seconds=t.still_seconds,
-                                      collective_pending_seconds=t.collective_pending_seconds)
-        elif kind == "goodbye":
-            js.goodbye(job, rank, info.pid, message.goodbye.reason)
-            log.debug("job %s rank %d said goodbye: %s", job, rank, message.goodbye.reason[:200],
-                      extra={"job": job, "rank": rank})
-        elif kind == "hello":  # a later Hello updates what the worker says of itself (mesh, step source)
-            h = message.hello
-            if (h.job, h.rank) != (job, rank) or (h.pid != info.pid and not info.verified) or len(h.mesh) > 8:
-                js.count_rejected("invalid")  # a stream speaks for one worker
-                return
-            js.update_worker(job, rank, info.pid, mesh=dict(h.mesh), step_source=h.step_source[:32],
-                             gpu_uuid=h.gpu_uuid[:96])
-        else:
-            js.count_rejected("invalid")
-
-    @staticmethod
-    def _worker_info(hello: pb.Hello) -> WorkerInfo | None:
-        if not hello.job or len(hello.job) > 128 or hello.rank < 0 or hello.world_size < 1 \
-                or hello.rank >= hello.world_size or len(hello.mesh) > 8:
-            return None
-        return WorkerInfo(job=hello.job, rank=hello.rank, local_rank=hello.local_rank,
-                          world_size=hello.world_size, mesh=dict(hello.mesh), pid=hello.pid,
-                          restart_count=hello.restart_count, hostname=hello.hostname[:256],
-                          step_source=hello.step_source[:32], gpu_uuid=hello.gpu_uuid[:96])
+        apply_record(self._job_telemetry, info, message)
 
     def _status(self, request, context) -> pb.StatusReply:
         if isinstance(request, _Rejected):
@@ -529,7 +437,7 @@ class TelemetryServer:
         reply = pb.StatusReply(node=self._node)
         for job in self._job_telemetry.snapshot(request.job or None):
             if self._reads.may_see(uid, job.job):  # another uid's job is left out as if absent (read_access.py)
-                reply.jobs.append(_job_status(job, now))
+                reply.jobs.append(job_status(job, now))
         return reply
 
     def _reader_uid(self, context) -> int | None:
@@ -544,52 +452,23 @@ class TelemetryServer:
                                             "fetch a new one from the agent's .cred socket for every call"))
         return cred.uid
 
-
     def _commit(self, request, context) -> pb.CommitReply:
         """May this rank publish the checkpoint as the job's latest? Only the process whose stream holds the rank
-        may ask (``_commit_identity``: the request's own peer token); the guard then gets the pid the kernel
+        may ask (``commit_identity``: the request's own peer token); the guard then gets the pid the kernel
         vouched for on the rank's stream (0 when the rank has no stream), never a pid the request claims."""
         if isinstance(request, _Rejected):
             self._reject(context, request)
         with self._lock:
             handle = self._streams.get((request.job, request.rank))
-        refusal = self._commit_identity(request, handle)
+        take = self._credentials.take if self._credentials else (lambda token: None)
+        refusal = commit_identity(request, handle.info if handle is not None else None, take,
+                                  allow_unverified=self._allow_unverified, cred_path=self._cred_path())
         if refusal is not None:
             self._job_telemetry.count_rejected("unverified" if refusal.startswith("no peer token") else "identity")
             log.warning("commit of job %s rank %d step %d refused: %s", request.job, request.rank, request.step,
                         refusal, extra={"job": request.job, "rank": request.rank})
             return pb.CommitReply(allowed=False, reason=refusal)
-        guard = self.commit_guard
-        if guard is None:
-            return pb.CommitReply(allowed=True)
-        pid = handle.pid if handle is not None else 0
-        try:
-            refusal = guard(request.job, request.rank, pid, request.step, request.path, request.bytes)
-        except Exception as exc:  # a guard that cannot decide refuses: publishing is what a fence forbids
-            log.exception("commit check of job %s step %d failed", request.job, request.step)
-            refusal = f"the agent could not check the job's round: {exc}"
-        return pb.CommitReply(allowed=refusal is None, reason=refusal or "")
-
-
-    def _commit_identity(self, request, handle: _StreamHandle | None) -> str | None:
-        """Why the process asking may not commit for the rank (it is not the one whose stream holds it), or
-        None. A rank with no stream leaves the decision to the guard (which refuses pid 0); a rank held by an
-        unverified stream has no identity to compare."""
-        cred = None
-        if request.peer_token:
-            cred = self._credentials.take(request.peer_token) if self._credentials else None
-            if cred is None:
-                return ("unknown, used or expired peer token: fetch a new one from the agent's .cred socket for every "
-                        "Commit")
-        elif not self._allow_unverified:
-            return "no peer token: " + _UNVERIFIED.format(what="a Commit", path=self._cred_path())
-        if handle is None or not handle.info.verified:
-            return None
-        if cred is None or (cred.pid, cred.started) != (handle.pid, handle.info.started):
-            asker = f"pid {cred.pid} uid {cred.uid}" if cred is not None else "an unverified process"
-            return (f"rank {request.rank} of job {request.job} streams from pid {handle.pid} (uid {handle.info.uid}); "
-                    f"{asker} may not commit for it: only the process whose stream holds the rank may")
-        return None
+        return guarded_commit(self.commit_guard, request, handle.pid if handle is not None else 0)
 
     def _checkpoint_record(self, request, context) -> pb.CheckpointRecordReply:
         """What etcd's record says the job committed (a restore's evidence before any fresh start), and the
@@ -599,7 +478,7 @@ class TelemetryServer:
         if not self._reads.may_see(self._reader_uid(context), request.job):
             return pb.CheckpointRecordReply(known=False, source=f"job {request.job} streams as another uid than the "
                                                                 "asking process's: its records are its own")
-        reply = self._etcd_checkpoint_record(request.job)
+        reply = checkpoint_record_reply(self.checkpoint_record, request.job)
         if self.memory_steps is not None and request.world_size > 0:
             try:
                 reply.memory_steps.extend(self.memory_steps(request.job, request.world_size, request.rank))
@@ -610,61 +489,6 @@ class TelemetryServer:
                 log.exception("cannot tell the memory snapshots of job %s", request.job)
         return reply
 
-    def _etcd_checkpoint_record(self, job: str) -> pb.CheckpointRecordReply:
-        source = self.checkpoint_record
-        if source is None:
-            return pb.CheckpointRecordReply(known=False, source="this agent has no etcd record of the job")
-        try:
-            record = source(job)
-        except Exception as exc:  # etcd away: unknown, never a refusal to answer
-            log.warning("cannot read the checkpoint record of job %s: %s", job, exc)
-            return pb.CheckpointRecordReply(known=False, source=f"etcd could not be read: {exc}"[:500])
-        if record is None:
-            return pb.CheckpointRecordReply(known=True, found=False, source="none recorded")
-        try:
-            step = int(record["step"])
-        except (KeyError, TypeError, ValueError):
-            return pb.CheckpointRecordReply(known=False, source=f"etcd's record is malformed: {record!r}"[:500])
-        return pb.CheckpointRecordReply(known=True, found=True, step=step, path=str(record.get("path", ""))[:4096],
-                                        source="found")
-
-
-_UNVERIFIED = ("{what} without a peer token: this agent requires peer credentials; fetch a single-use token from "
-               "{path} first and send it (trainwarden.runtime does), or start the agent with "
-               "--allow-unverified-streams to accept unverified workers (never signalled)")
-
-CheckpointRecordSource = Callable[[str], "dict | None"]
-"""``job -> etcd's checkpoint record`` (a dict with ``step``), None when none is recorded; raises when etcd
-cannot be read."""
-
-CommitGuard = Callable[[str, int, int, int, str, int], "str | None"]
-"""``(job, rank, pid, step, path, bytes) -> None`` to allow a commit, or why it is refused."""
-
-
-def _job_status(job: JobSnapshot, now: float) -> pb.JobStatus:
-    status = pb.JobStatus(job=job.job, world_size=job.world_size, mesh=dict(job.mesh),
-                          checkpoint_last_step=job.checkpoint_last_step)
-    flags: set[str] = set()
-    for r in job.ranks:
-        status.ranks.append(pb.RankStatus(
-            rank=r.rank, local_rank=r.local_rank, pid=r.pid, hostname=r.hostname, connected=r.connected,
-            last_step=r.last_step, last_seen_seconds_ago=max(0.0, now - r.last_seen_monotonic),
-            step_p50_seconds=r.step_p50_seconds, step_p99_seconds=r.step_p99_seconds,
-            wait_share=r.wait_share, tokens_per_second=r.tokens_per_second,
-            restart_count=r.restart_count, flags=list(r.flags), straggler_score=r.straggler_score))
-        flags.update(r.flags)
-    if job.ranks:
-        p50s = sorted(r.step_p50_seconds for r in job.ranks)
-        status.last_step = max(r.last_step for r in job.ranks)
-        status.step_p50_seconds = p50s[len(p50s) // 2]
-        status.step_p99_seconds = max(r.step_p99_seconds for r in job.ranks)
-        status.tokens_per_second = sum(r.tokens_per_second for r in job.ranks)
-    else:
-        status.last_step = -1
-    status.flags.extend(sorted(flags))
-    status.steps_from = steps_from(job.ranks)
-    return status
-
 
 def _offer(q: queue.Queue, item) -> bool:
     try:
@@ -672,22 +496,3 @@ def _offer(q: queue.Queue, item) -> bool:
         return True
     except queue.Full:
         return False
-
-
-def _remove_stale_socket(path: Path) -> None:
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise TelemetryServerError(f"{path} exists and is not a socket; remove it or choose another path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()  # nobody listens: left behind by an agent that was killed
-        return
-    finally:
-        probe.close()
-    raise TelemetryServerError(f"another process is serving on {path}; stop it or choose another path")
-

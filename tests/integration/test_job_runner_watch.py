@@ -35,7 +35,7 @@ def test_a_submitted_job_reaches_the_runner_through_its_watch_not_a_poll(etcd_se
     control = JobControl(etcd_client)
     runner.start()
     try:
-        wait_for(lambda: runner.liveness() is None and "index" in runner._watches, 30, what="the first read")
+        wait_for(lambda: runner.liveness() is None and "index" in runner._jobs.watches, 30, what="the first read")
         _submit(control, tmp_path, "watched")
         wait_for(lambda: _refused(incidents, "watched"), 30, what="the runner to see the job")
         assert control.job("watched").phase == "refused"
@@ -55,8 +55,8 @@ def test_a_watch_lost_with_its_stream_is_noticed_and_the_jobs_are_read_again(etc
     runner = _runner(client, tmp_path, interval_s=0.2, incidents=incidents)  # the clock is frozen: no safety re-read
     try:
         runner.start()
-        wait_for(lambda: "index" in runner._watches and runner._watches["index"].alive(), 30, what="the watch")
-        first = runner._watches["index"]
+        wait_for(lambda: "index" in runner._jobs.watches and runner._jobs.watches["index"].alive(), 30, what="the watch")
+        first = runner._jobs.watches["index"]
         etcd_server.stop()  # the watch stream breaks; python3-etcd3 tells no callback
         wait_for(lambda: not first.alive(), 30, what="the client to drop the watch")
         etcd_server.start()
@@ -66,7 +66,7 @@ def test_a_watch_lost_with_its_stream_is_noticed_and_the_jobs_are_read_again(etc
         finally:
             other.close()
         wait_for(lambda: _refused(incidents, "after-restart"), 60, what="the runner to read the jobs again")
-        assert runner._watches["index"] is not first and runner._watches["index"].alive()
+        assert runner._jobs.watches["index"] is not first and runner._jobs.watches["index"].alive()
     finally:
         runner.stop(5)
         client.close()

@@ -293,7 +293,7 @@ def test_a_gpu_fault_names_the_ranks_that_run_on_that_gpu():
 
 def test_the_hello_carries_the_workers_gpu_to_the_agent():
     from trainwarden.agent.shared import telemetry_pb2 as pb
-    from trainwarden.agent.telemetry.server import TelemetryServer
+    from trainwarden.agent.telemetry.records import worker_info
 
-    info = TelemetryServer._worker_info(pb.Hello(job="llm", rank=0, world_size=1, pid=7, gpu_uuid="GPU-aaaa"))
+    info = worker_info(pb.Hello(job="llm", rank=0, world_size=1, pid=7, gpu_uuid="GPU-aaaa"))
     assert info.gpu_uuid == "GPU-aaaa"

@@ -100,3 +100,29 @@ def test_the_launchers_reply_channel_waits_for_go_and_gives_up_on_timeout_or_eof
     os.close(write)
     assert not channel.wait_for("go", 5.0)  # the supervisor died: no reason to wait on
     os.close(read)
+
+
+def test_warm_workers_are_asked_for_by_the_launchers_own_option():
+    """The zygote starts because the command says so (``--warm-zygote``), not because torchrun's script is named
+    like the zygote's module."""
+    from trainwarden.agent.launch.elastic import WARM_ZYGOTE_FLAG, own_options
+    from trainwarden.agent.shared.contract import ZYGOTE_MODULE
+
+    warm = torchrun_command(spec(warm_dir="/tmp/tw-warm-x"), python="python")
+    assert warm[3] == WARM_ZYGOTE_FLAG
+    assert warm[-6:] == ["-m", ZYGOTE_MODULE, "-m", "trainwarden.runtime.examples.gpt", "--steps", "3"]
+    assert own_options(warm[3:]) == (True, warm[4:])
+    cold = torchrun_command(spec(), python="python")
+    assert WARM_ZYGOTE_FLAG not in cold
+    named_alike = ["--standalone", "-m", ZYGOTE_MODULE, "train.py"]  # a script named like it, no option: cold
+    assert own_options(named_alike) == (False, named_alike)
+
+
+def test_the_warm_option_without_its_environment_says_what_is_missing(monkeypatch):
+    from trainwarden.agent.launch import elastic
+    from trainwarden.agent.shared.contract import WARM_SOCKET_ENV, ZYGOTE_MODULE
+
+    monkeypatch.delenv(WARM_SOCKET_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        elastic._start_zygote(["--standalone", "-m", ZYGOTE_MODULE, "train.py"])
+    assert WARM_SOCKET_ENV in str(exit_.value) and "--warm-workers" in str(exit_.value)
