@@ -45,10 +45,11 @@ it has a score at all. What the watchdog makes of the flags (one open incident p
 
 A slowdown of the whole peer group is not one rank's: a start also needs the peers' own work to have stayed
 where it was (`max_peer_growth`). A straggler's peers do as much work per collective interval as before and only
-wait longer; when n1's link of the soak's 3-D job was degraded to 8 Mbit/s, its ranks' waits for the data-parallel
-all-reduce across the link landed inside their local intervals (an asynchronous collective is waited for at the
-end of the backward, not at its enqueue), so every rank of the stage looked busier, one more than its peer: rank 3
-scored 1.32 against rank 2 with rank 2's own work per interval about twice its level (seed 30, issue 45). Each
+wait longer. When n1's link of the soak's 3-D job was degraded to 8 Mbit/s, n0's rank 3 was named (the likely
+cause: waits for the data-parallel all-reduce across the link land inside the ranks' local intervals, as an
+asynchronous collective is waited for later than its enqueue, so the whole stage looked busier, one rank more): rank 3
+scored 1.32 against rank 2, busy 74% of steps about 2.5x longer than before the fault, so about twice its work
+per step (seed 30, issue 45; estimated from the incident and the step log: no trace was recorded). Each
 rank's level is the median of its work per interval over its recent ordinary slices (`baseline_slices`, learned
 from each worker round's first scored slices on: `new_round` forgets it; slices that grew more than
 `max_peer_growth` are not learned, so a slowdown that lasts does not become the level). That slowdown itself is
@@ -119,7 +120,7 @@ class StragglerConfig:
     the incidents are counted as suppressed instead of recorded (a flapping detector must not flood anyone)."""
     min_coverage: float = 0.3
     """Share of a slice a rank's intervals must cover for the rank to be scored in it."""
-    max_peer_growth: float = 1.3
+    max_peer_growth: float = 1.5
     """...and its peers' own work per interval at most this times their level (window median): a straggler's peers
     only wait longer; when they work longer too, the whole group is slower (a degraded link, a throttled node)."""
     baseline_slices: int = 20
