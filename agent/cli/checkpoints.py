@@ -19,6 +19,7 @@ from typing import TextIO
 from trainwarden.agent.cli.args import job_name
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.paths import job_checkpoint_dir
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.agent.shared import checkpoint_sums
 
@@ -43,7 +44,7 @@ def checkpoint_rows(directory: Path) -> list[dict]:
             state, detail = status.state, "; ".join(status.problems)
         rows.append({"step": status.step, "state": state, "name": status.path.name, "detail": detail,
                      "time": _mtime(status.path)})
-    for aside in store.list_set_aside(directory):
+    for aside in asides.list_set_aside(directory):
         rows.append({"step": aside.step, "state": f"set aside ({aside.state})", "name": aside.path.name,
                      "detail": aside.reason or "no QUARANTINE.json note", "time": aside.time})
     if latest is not None and not any(r["step"] == latest.step and r["state"] == "committed" for r in rows):
@@ -145,7 +146,7 @@ def _verify_rows(directory: Path, rows: list[dict]) -> int:
 def _cmd_restore_aside(args, out: TextIO = sys.stdout) -> int:
     directory = _directory(args)
     try:
-        target, state = store.restore_aside(directory, args.name, force=args.force)
+        target, state = asides.restore_aside(directory, args.name, force=args.force)
     except (store.CheckpointError, OSError) as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return exit_codes.EXIT_USAGE

@@ -11,6 +11,7 @@ from trainwarden.agent.common.job_lifecycle import JobRecord
 from trainwarden.agent.incidents import list_incidents
 from trainwarden.agent.launch.goodput import Goodput
 from trainwarden.agent.launch.progress import JobProgress
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 
 __all__ = ["print_summary"]
@@ -29,7 +30,7 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
         latest = "none committed"
     except (ValueError, KeyError, TypeError, OSError) as exc:
         latest = f"unreadable pointer {pointer}: {exc}"
-    aside = store.list_set_aside(directory) if directory.is_dir() else []
+    aside = asides.list_set_aside(directory) if directory.is_dir() else []
     if aside:
         latest += f"; {len(aside)} set aside: trainwarden checkpoints --job {job}"
     return latest

@@ -25,6 +25,7 @@ from trainwarden.agent.common.paths import default_state_home, job_checkpoint_di
 from trainwarden.agent.incidents.record import Incident
 from trainwarden.agent.launch.goodput import CAUSE_LABELS
 from trainwarden.agent.incidents.store import list_incidents
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as layout
 
 __all__ = ["CheckpointRow", "MAX_RANK_TRACES", "POINTS_PER_TRACE", "ReportData", "ReportError", "StepSeries",
@@ -223,7 +224,7 @@ def checkpoint_rows(directory: Path) -> list[CheckpointRow]:
             state = "complete (latest)"
         rows.append(CheckpointRow(step=status.step, state=state, bytes=_size(status.path),
                                   time=_mtime(status.path), detail="; ".join(status.problems)))
-    for aside in layout.list_set_aside(directory):
+    for aside in asides.list_set_aside(directory):
         rows.append(CheckpointRow(step=aside.step, state=f"set aside ({aside.state})", bytes=_size(aside.path),
                                   time=aside.time or _mtime(aside.path), detail=aside.reason))
     return sorted(rows, key=lambda r: r.step, reverse=True)

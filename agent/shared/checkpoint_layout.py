@@ -20,7 +20,7 @@ Layout::
     <dir>/step-00000004.superseded  moved aside when a fresh start was allowed on purpose, so the new run's
                                     saves never overwrite it
 
-Nothing restore sets aside is ever deleted (``list_set_aside`` lists it, ``restore_aside`` puts one back); the
+Nothing restore sets aside is ever deleted (checkpoint_aside.py lists it and puts one back); the
 only set-aside kind retention removes is ``.fenced`` (a stale round's save, older than the newest complete
 checkpoint). A directory without ``.metadata`` that holds the ``COMMITTED`` marker is ``unreadable`` (its
 metadata is missing: a lagging or damaged filesystem), never ``unfinished``.
@@ -68,15 +68,10 @@ __all__ = [
     "atomic_write",
     "choose_deletions",
     "COMMIT_MARKER",
-    "SetAside",
     "find_complete",
     "info_for",
     "classify",
-    "list_set_aside",
     "mark_committed",
-    "quarantine",
-    "quarantined_removable",
-    "restore_aside",
     "read_latest",
     "read_manifest",
     "remove_checkpoint",
@@ -437,144 +432,11 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-QUARANTINE_NOTE = "QUARANTINE.json"
-
-
-def quarantine(path: Path, *, state: str, reason: str) -> Path:
-    """Move a checkpoint out of the ``step-*`` namespace, kept whole for inspection: ``step-N.<state>`` (a
-    number appended if taken), with ``QUARANTINE.json`` inside saying why, when and who. Nothing is deleted."""
-    target = path.with_name(f"{path.name}.{state}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.{state}.{n}")
-    os.replace(path, target)
-    note = {"state": state, "reason": reason, "time": time.time(), "host": os.uname().nodename, "pid": os.getpid(),
-            "was": path.name}
-    try:
-        atomic_write(target / QUARANTINE_NOTE, json.dumps(note, indent=1).encode())
-    except OSError as exc:
-        logger.warning("quarantined %s as %s but could not write its note: %s", path, target, exc)
-    return target
-
-
-def quarantined_removable(directory: str | os.PathLike, older_than: int) -> list[tuple[Path, str]]:
-    """Set-aside saves retention may delete, with what they are: only fenced ones (``step-N.fenced*``:
-    written by a round that was no longer the job's, or while etcd could not confirm it), with N below
-    ``older_than``, the newest complete checkpoint. Nothing restore set aside (unfinished, corrupt,
-    unloadable, superseded) is ever deleted: it may be the run's only copy once the storage recovers."""
-    return sorted((aside.path, "fenced checkpoint") for aside in list_set_aside(directory)
-                  if aside.state == FENCED and aside.step < older_than)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SetAside:
-    """A ``step-N.<state>[.k]`` directory: a checkpoint or save moved out of the ``step-*`` namespace."""
-
-    step: int
-    state: str
-    path: Path
-    reason: str
-    """From its QUARANTINE.json; empty when the note is missing or unreadable."""
-    time: float | None
-    """When it was set aside (UNIX seconds), from the note."""
-
-    @property
-    def had_metadata(self) -> bool:
-        """Whether it ever was a finished save: DCP's ``.metadata`` or the commit marker is in it."""
-        return any((self.path / name).exists() for name in (METADATA_NAME, COMMIT_MARKER))
-
-
-def _set_aside_note(entry: Path) -> tuple[str, float | None]:
-    """(reason, time) from ``entry``'s QUARANTINE.json; ("", None) when missing or unreadable. Never read through
-    a link: the directory is the job user's."""
-    if entry.is_symlink():
-        return "a symbolic link, not a set-aside directory: its note was not read", None
-    try:
-        note = json.loads(read_regular(entry / QUARANTINE_NOTE, _SMALL_FILE_BYTES))
-        return str(note.get("reason", "")), float(note.get("time") or 0) or None
-    except (OSError, ValueError, TypeError, AttributeError):
-        return "", None
-
-
-def list_set_aside(directory: str | os.PathLike) -> list[SetAside]:
-    """Every set-aside directory under ``directory``, newest step first, with the reason it was set aside."""
-    directory = Path(directory)
-    found = []
-    try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        match = _ASIDE_RE.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
-        reason, when = _set_aside_note(entry)
-        found.append(SetAside(step=int(match.group(1)), state=match.group(2), path=entry, reason=reason, time=when))
-    return sorted(found, key=lambda a: (a.step, a.path.name), reverse=True)
-
-
 def mark_committed(path: Path, step: int, *, sums: dict | None = None) -> None:
     """Write the commit marker into checkpoint ``path`` (after it validated, before the pointer names it), with
     the sums of its files where they were recorded (agent/shared/checkpoint_sums.py)."""
     record = {"step": step, "time": time.time(), **({"sums": sums} if sums else {})}
     atomic_write(path / COMMIT_MARKER, (json.dumps(record) + "\n").encode())
-
-
-def restore_aside(directory: str | os.PathLike, name: str, *, force: bool = False) -> tuple[Path, str]:
-    """Put a set-aside checkpoint back as ``step-N`` (an operator, after fixing the storage): its new path and
-    what ``classify`` finds in it now. Refused, naming what to do, when ``step-N`` exists, when ``name`` is not
-    a set-aside directory, or when it is still not complete (unless ``force``).
-
-    Root runs this in a directory the job's user owns, so every step is by descriptor: the checkpoint directory
-    and the set-aside one are opened without following a link, ``classify`` reads the one opened, the renames are
-    ``renameat`` within them; a link planted as the set-aside name (or swapped in meanwhile) is refused, never
-    followed, so root renames nothing outside the tree."""
-    directory = Path(directory)
-    source = directory / name
-    match = _ASIDE_RE.match(name)
-    if not match or "/" in name:
-        raise CheckpointError(f"{source} is not a set-aside checkpoint (step-NNNNNNNN.<state>); "
-                              f"`trainwarden checkpoints` lists them")
-    try:
-        parent = _open_dir(directory)
-    except OSError as exc:
-        raise CheckpointError(f"{directory} cannot be opened as a directory of its own ({exc.strerror}): a "
-                              "checkpoint directory is never reached through a link; give its real path with --dir") \
-            from None
-    try:
-        try:
-            aside = _open_dir(Path(name), dir_fd=parent)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise CheckpointError(f"{source} is a symbolic link or not a directory: a set-aside checkpoint is "
-                                      "put back only from a directory of its own, never through a link") from None
-            raise CheckpointError(f"{source} is not a set-aside checkpoint ({exc.strerror}); "
-                                  f"`trainwarden checkpoints` lists them") from None
-        try:
-            return _restore_open(directory, parent, name, aside, int(match.group(1)), force)
-        finally:
-            os.close(aside)
-    finally:
-        os.close(parent)
-
-
-def _restore_open(directory: Path, parent: int, name: str, aside: int, step: int, force: bool) -> tuple[Path, str]:
-    target = step_dir(directory, step)
-    if _exists(target.name, parent):
-        raise CheckpointError(f"{target} exists: set it aside or remove it before putting {name} back")
-    state, problems = _classify_open(directory / name, aside)
-    if state != COMPLETE and not force:
-        raise CheckpointError(f"{directory / name} is still {state}: {'; '.join(problems)[:500]}. Fix it first, or "
-                              "put it back anyway with --force")
-    os.rename(name, target.name, src_dir_fd=parent, dst_dir_fd=parent)
-    moved, opened = os.stat(target.name, dir_fd=parent, follow_symlinks=False), os.fstat(aside)
-    if (moved.st_dev, moved.st_ino) != (opened.st_dev, opened.st_ino):
-        raise CheckpointError(f"{directory / name} was replaced while it was being put back: {target} is not the "
-                              "directory that was checked; look at it before the job restores")
-    if _exists(QUARANTINE_NOTE, aside):  # inside the directory opened above, wherever it is now
-        os.rename(QUARANTINE_NOTE, f"{QUARANTINE_NOTE}.restored", src_dir_fd=aside, dst_dir_fd=aside)
-    return target, state
 
 
 def retention_candidates(statuses: Sequence[CheckpointStatus], keep: int) -> list[CheckpointStatus]:

@@ -52,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.agent.shared import checkpoint_sums
 from trainwarden.runtime.peer_failure import peer_failure
@@ -226,7 +227,7 @@ class Checkpointer(MemoryRestore):
         refusal = self._commit_refusal(step, info)
         if refusal is not None:  # a fenced round: its checkpoint must not become the job's state
             self.failed_saves += 1
-            target = store.quarantine(path, state=store.FENCED, reason=refusal)
+            target = asides.quarantine(path, state=store.FENCED, reason=refusal)
             logger.error("checkpoint step %d not committed: %s; set aside as %s. The job's latest checkpoint is "
                          "unchanged.", step, refusal, target, extra={"event": "checkpoint_fenced", "step": step})
             # said once a streak, like any failed save (save_failures.py): an etcd without quorum refuses each save
@@ -278,7 +279,7 @@ class Checkpointer(MemoryRestore):
                   for s in store.retention_candidates(statuses, self.keep)]
         newest = next((s.step for s in statuses if s.complete), None)
         if newest is not None:
-            doomed += store.quarantined_removable(self.directory, older_than=newest)
+            doomed += asides.quarantined_removable(self.directory, older_than=newest)
         for path, what in doomed:
             try:
                 store.remove_checkpoint(path)
@@ -447,7 +448,7 @@ class Checkpointer(MemoryRestore):
     def _quarantine(self, step: int, path: Path, state: str, reason: str) -> None:
         """Rank 0: move a checkpoint aside (never delete it) and report it."""
         try:
-            target = str(store.quarantine(path, state=state, reason=reason))
+            target = str(asides.quarantine(path, state=state, reason=reason))
         except OSError as exc:
             target = f"nowhere (could not move it: {exc})"
         logger.error("checkpoint %s is %s; moved to %s for inspection (%s)", path, state, target, reason[:500],

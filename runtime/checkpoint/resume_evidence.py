@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 
 __all__ = ["ResumeEvidence", "gather"]
@@ -46,7 +47,7 @@ class ResumeEvidence:
     """Step etcd's ``jobs/<job>/checkpoint`` names; None when absent or unknown (see ``record_source``)."""
     record_source: str = "not asked"
     """Where ``record_step`` came from, or why it is unknown (no agent, etcd unreachable)."""
-    set_aside: tuple[store.SetAside, ...] = ()
+    set_aside: tuple[asides.SetAside, ...] = ()
     """Set-aside directories that ever were finished saves, or unfinished ones at or below a committed step."""
     in_place: tuple[int, ...] = ()
     """Steps of ``step-N`` directories that are complete or unreadable (they exist, whatever loads)."""
@@ -91,7 +92,7 @@ def gather(directory: Path, statuses: Sequence[store.CheckpointStatus], *, recor
     pointer_step = pointer.step if pointer is not None else None
     record_step, record_source = record
     committed = max([s for s in (pointer_step, record_step) if s is not None], default=None)
-    aside = tuple(a for a in store.list_set_aside(directory)
+    aside = tuple(a for a in asides.list_set_aside(directory)
                   if a.state in _FINISHED_ASIDE or a.had_metadata
                   or (committed is not None and a.step <= committed))
     in_place = tuple(s.step for s in statuses if s.state in (store.COMPLETE, store.UNREADABLE))

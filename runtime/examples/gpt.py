@@ -275,30 +275,12 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
 
     timings.mark("model_built")
     ckpt_state = {"app": train_state, "rng": RNGState()}
-    ckpt = None
-    start = 1
-    if cfg.ckpt_dir is not None:
-        # the Checkpointer reports its stages to the agent itself (the watchdog's checkpoint allowance, the
-        # etcd pointer, failure incidents); a slow_save fault blocks inside the save, as slow storage would, and a
-        # snapflip fault corrupts a memory snapshot once it is written
-        ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, session=rt, before_save=faults.before_save,
-                            after_snapshot=faults.after_snapshot)
-        restored = ckpt.restore(ckpt_state, allow_fresh_start=cfg.allow_fresh_start)
-        if restored is not None:
-            if restored != train_state.step:
-                raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
-            start = restored + 1
-            log.info("resumed from checkpoint step %d in %s", restored, cfg.ckpt_dir)
+    ckpt, start = _restore(cfg, ckpt_state, train_state, rt, faults)
     timings.mark("restored")
 
     tokens_per_step = cfg.batch * cfg.model.seq
     if dist.get_rank() == 0:
-        log.info("model: %d parameters in its matmuls, %d tokens per step (for the MFU: trainwarden run "
-                 "--model-params %d)", cfg.model.matmul_params, tokens_per_step, cfg.model.matmul_params)
-        if cfg.mesh.pp > 1:
-            log.info("pipeline: %d stages, %d micro-batches a step; %s", cfg.mesh.pp, cfg.mesh.micro_batches,
-                     f"stages built with their shapes ({micro_batch} sequences a micro-batch)" if micro_batch
-                     else "stages infer their shapes on the first step")
+        _describe_job(cfg, tokens_per_step, micro_batch)
     loss_value = math.nan
     last_seconds: float | None = None
     # this rank's share of the tokens: the job's throughput is the sum over ranks
@@ -339,6 +321,33 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     if pm.is_reporter:
         log.info("done steps=%d final_loss=%.6f", cfg.steps, loss_value)
     return loss_value if pm.is_reporter else math.nan
+
+
+def _restore(cfg: TrainConfig, ckpt_state: dict, train_state: TrainState, rt, faults: FaultInjector):
+    """The job's Checkpointer (None without ``--ckpt-dir``) and the first step to train, after a restore."""
+    if cfg.ckpt_dir is None:
+        return None, 1
+    # the Checkpointer reports its stages to the agent itself (the watchdog's checkpoint allowance, the etcd
+    # pointer, failure incidents); a slow_save fault blocks inside the save, as slow storage would, and a snapflip
+    # fault corrupts a memory snapshot once it is written
+    ckpt = Checkpointer(cfg.ckpt_dir, keep=cfg.keep, session=rt, before_save=faults.before_save,
+                        after_snapshot=faults.after_snapshot)
+    restored = ckpt.restore(ckpt_state, allow_fresh_start=cfg.allow_fresh_start)
+    if restored is None:
+        return ckpt, 1
+    if restored != train_state.step:
+        raise RuntimeError(f"checkpoint 'step {restored}' holds app state for step {train_state.step}")
+    log.info("resumed from checkpoint step %d in %s", restored, cfg.ckpt_dir)
+    return ckpt, restored + 1
+
+
+def _describe_job(cfg: TrainConfig, tokens_per_step: int, micro_batch: int | None) -> None:
+    log.info("model: %d parameters in its matmuls, %d tokens per step (for the MFU: trainwarden run "
+             "--model-params %d)", cfg.model.matmul_params, tokens_per_step, cfg.model.matmul_params)
+    if cfg.mesh.pp > 1:
+        log.info("pipeline: %d stages, %d micro-batches a step; %s", cfg.mesh.pp, cfg.mesh.micro_batches,
+                 f"stages built with their shapes ({micro_batch} sequences a micro-batch)" if micro_batch
+                 else "stages infer their shapes on the first step")
 
 
 def _sdc_check(cfg: TrainConfig, pm, device: torch.device, rt):

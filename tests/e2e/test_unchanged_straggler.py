@@ -20,7 +20,6 @@ def incidents(tmp_path, job) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))] if directory.exists() else []
 
 
-@pytest.mark.extended  # ~53 s; the straggler end to end is test_watchdog_e2e.py's slow rank (the reference job)
 @pytest.mark.timeout(300)
 def test_a_slow_rank_of_an_unchanged_ddp_script_is_flagged_a_straggler(procs, tmp_path):
     log = tmp_path / "slow.log"

@@ -101,11 +101,11 @@ def test_a_job_this_node_cannot_run_is_refused_once_with_one_incident_then_runs_
     wait_for(lambda: _jobs(etcd)["later"]["phase"] != "pending", 60, what="the daemon to decide on the job")
     job = _jobs(etcd)["later"]
     assert job["phase"] == "refused" and "refused by node n0" in job["reason"] and str(script) in job["reason"], job
-    _rounds(etcd_client, "n0", 4)
+    _rounds(etcd_client, "n0", 2)
     daemons.procs.kill(daemons.running["n0"], signal.SIGTERM)  # a restarted daemon does not record it again
     daemons.running["n0"].wait(30)
     daemons.start("n0")
-    _rounds(etcd_client, "n0", 4)
+    _rounds(etcd_client, "n0", 2)
 
     local, remote = _incidents(etcd_client, daemons.home("n0"), "later")
     assert [i["kind"] for i in local] == ["job_refused"] and remote == local, (local, remote)
@@ -140,7 +140,7 @@ def test_an_unreadable_spec_in_etcd_is_refused_once_not_logged_every_poll(daemon
     assert job["phase"] == "refused" and "field 'nproc_per_node' must be a whole number" in job["reason"], job
     job = _jobs(etcd_server.endpoint)["hijack"]
     assert job["phase"] == "refused" and "entry 'TRAINWARDEN_AGENT_SOCKET' is trainwarden's" in job["reason"], job
-    _rounds(etcd_client, "n0", 4)
+    _rounds(etcd_client, "n0", 2)
     for name, word in (("handmade", "nproc_per_node"), ("hijack", "TRAINWARDEN_AGENT_SOCKET")):
         local, remote = _incidents(etcd_client, daemons.home("n0"), name)
         assert [i["kind"] for i in remote] == ["job_refused"] and remote == local

@@ -28,6 +28,7 @@ from job_users import unavailable, shared_dir
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_history import JobHistory
 from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD, job_state_dir
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -139,11 +140,11 @@ def test_root_restore_aside_renames_nothing_through_a_planted_link(planted, tmp_
     ckpt = home.parent / "user-ckpt"
     root_only = tmp_path / "root-only"
     root_only.mkdir(mode=0o700)
-    (root_only / store.QUARANTINE_NOTE).write_text('{"reason": "root\'s own"}')
+    (root_only / asides.QUARANTINE_NOTE).write_text('{"reason": "root\'s own"}')
     _as_nobody('ln -s "$2" "$1/step-00000012.corrupt"', str(ckpt), str(root_only))
     done = _cli("checkpoints", "--job", JOB, "--state-home", str(home), "restore-aside", "step-00000012.corrupt",
                 "--force")
-    assert sorted(p.name for p in root_only.iterdir()) == [store.QUARANTINE_NOTE]
+    assert sorted(p.name for p in root_only.iterdir()) == [asides.QUARANTINE_NOTE]
     assert not os.path.lexists(ckpt / "step-00000012")
     assert done.returncode == exit_codes.EXIT_USAGE, done.stdout
     assert "is a symbolic link or not a directory" in done.stderr
@@ -153,4 +154,4 @@ def test_root_restore_aside_renames_nothing_through_a_planted_link(planted, tmp_
     done = _cli("checkpoints", "--job", JOB, "--state-home", str(home), "restore-aside", "step-00000016.corrupt",
                 "--force")
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in (ckpt / "step-00000016").iterdir()) == [f"{store.QUARANTINE_NOTE}.restored"]
+    assert sorted(p.name for p in (ckpt / "step-00000016").iterdir()) == [f"{asides.QUARANTINE_NOTE}.restored"]

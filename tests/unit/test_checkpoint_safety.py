@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
@@ -67,7 +68,7 @@ def test_restore_quarantines_an_unfinished_newer_save_and_deletes_nothing(tmp_pa
     assert box.n == 10
     moved = tmp_path / "step-00000012.unfinished"
     assert moved.is_dir() and (moved / "__0_0.distcp").read_bytes() == b"half a save"  # kept, not deleted
-    note = json.loads((moved / store.QUARANTINE_NOTE).read_text())
+    note = json.loads((moved / asides.QUARANTINE_NOTE).read_text())
     assert note["state"] == "unfinished" and "no .metadata" in note["reason"]
     assert [(s[0], s[1]) for s in events.of("set_aside")] == [("set_aside", 12)]
     assert events.of("restored")[-1][1] == 10

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.agent.shared import checkpoint_sums
 from trainwarden.runtime.checkpoint import Checkpointer
@@ -72,7 +73,7 @@ def test_a_flipped_byte_sets_the_newest_aside_as_corrupt_and_the_one_before_is_u
     assert float(restored["model"]["w"][0]) == 10.0  # never the corrupted weights
     assert not newest.exists()
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000020.corrupt")]
-    note = json.loads((aside / store.QUARANTINE_NOTE).read_text())
+    note = json.loads((aside / asides.QUARANTINE_NOTE).read_text())
     assert damaged.name in note["reason"] and "written by rank 0" in note["reason"]
     recorded = checkpoint_sums.recorded_sums(aside)[damaged.name]["sum"]
     assert recorded in note["reason"] and checkpoint_sums.file_sum(aside / damaged.name)[0] in note["reason"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import (
     CheckpointInfo,
@@ -263,7 +264,7 @@ def test_a_checkpoint_the_agent_refuses_to_commit_is_set_aside_and_never_restore
         assert session.asked == [1, 2]
         assert store.read_latest(tmp_path).step == 1
         fenced = tmp_path / "step-00000002.fenced"
-        assert fenced.is_dir() and "left behind" in json.loads((fenced / store.QUARANTINE_NOTE).read_text())["reason"]
+        assert fenced.is_dir() and "left behind" in json.loads((fenced / asides.QUARANTINE_NOTE).read_text())["reason"]
         assert ("failed", 2) in [(stage, step) for stage, step, _ in session.events]
         assert any(d.startswith("fenced: ") for _, _, d in session.events)
         box.n = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.runtime.checkpoint import Checkpointer, CheckpointReadError, CheckpointUnloadableError
 
@@ -43,7 +44,7 @@ def test_committed_checkpoints_whose_metadata_vanished_stop_the_job_and_are_neve
     with pytest.raises(CheckpointReadError, match="storage problem"):
         restore(tmp_path, events)
     assert all(store.step_dir(tmp_path, s).is_dir() for s in (4, 8, 12))  # left where they are
-    assert not store.list_set_aside(tmp_path) and not events.of("set_aside")
+    assert not asides.list_set_aside(tmp_path) and not events.of("set_aside")
     # retention after a later commit never takes them for unfinished saves
     with Checkpointer(tmp_path, keep=1, session=Events()) as ckpt:
         ckpt.save(20, {"box": Box()})
@@ -68,7 +69,7 @@ def test_every_checkpoint_corrupt_stops_the_first_attempt_and_every_restart(tmp_
         (store.step_dir(tmp_path, step) / store.METADATA_NAME).write_bytes(b"garbage\n")
     with pytest.raises(CheckpointUnloadableError, match="none could be loaded"):
         restore(tmp_path)
-    assert sorted(a.state for a in store.list_set_aside(tmp_path)) == ["corrupt"] * 3
+    assert sorted(a.state for a in asides.list_set_aside(tmp_path)) == ["corrupt"] * 3
     # torchrun's restart finds no step-N left: it used to train from step 1 and exit 0
     with pytest.raises(CheckpointUnloadableError, match="set-aside checkpoints exist"):
         restore(tmp_path)
@@ -102,7 +103,7 @@ def test_a_read_error_while_loading_stops_the_job_and_quarantines_nothing(tmp_pa
     monkeypatch.setattr(dcp, "load", stale_handle)
     with pytest.raises(CheckpointReadError, match="Stale file handle"):
         restore(tmp_path)
-    assert store.step_dir(tmp_path, 8).is_dir() and not store.list_set_aside(tmp_path)
+    assert store.step_dir(tmp_path, 8).is_dir() and not asides.list_set_aside(tmp_path)
 
 
 def test_retention_never_deletes_what_restore_set_aside(tmp_path):
@@ -114,7 +115,7 @@ def test_retention_never_deletes_what_restore_set_aside(tmp_path):
         for step in (5, 6):
             ckpt.save(step, {"box": Box()})
         ckpt.wait()
-    left = {a.path.name for a in store.list_set_aside(tmp_path)}
+    left = {a.path.name for a in asides.list_set_aside(tmp_path)}
     assert left == {"step-00000002.unfinished", "step-00000003.corrupt", "step-00000001.unloadable",
                     "step-00000002.superseded"}  # only a stale round's fenced save goes
 
@@ -126,7 +127,7 @@ def test_a_fresh_start_on_purpose_keeps_the_old_checkpoints_out_of_the_new_runs_
     with Checkpointer(tmp_path, session=Events(), read_backoff_s=FAST) as ckpt:
         assert ckpt.restore(wrong, allow_fresh_start=True, retry_delay_s=0.01) is None
     assert not store.scan(tmp_path)  # nothing left for the new run's saves to overwrite
-    states = {a.path.name: a.state for a in store.list_set_aside(tmp_path)}
+    states = {a.path.name: a.state for a in asides.list_set_aside(tmp_path)}
     assert states == {"step-00000008.corrupt": "corrupt", "step-00000004.unloadable": "unloadable"}
 
 
@@ -137,13 +138,13 @@ def test_restore_aside_puts_a_repaired_checkpoint_back(tmp_path):
     with pytest.raises(CheckpointUnloadableError):
         restore(tmp_path)
     with pytest.raises(store.CheckpointError, match="still corrupt"):
-        store.restore_aside(tmp_path, "step-00000004.corrupt")
+        asides.restore_aside(tmp_path, "step-00000004.corrupt")
     (tmp_path / "step-00000004.corrupt" / store.METADATA_NAME).write_bytes(good)  # the storage is fixed
-    target, state = store.restore_aside(tmp_path, "step-00000004.corrupt")
+    target, state = asides.restore_aside(tmp_path, "step-00000004.corrupt")
     assert state == store.COMPLETE and target == store.step_dir(tmp_path, 4)
     assert restore(tmp_path) == 4
     with pytest.raises(store.CheckpointError, match="not a set-aside checkpoint"):
-        store.restore_aside(tmp_path, "step-00000004")
+        asides.restore_aside(tmp_path, "step-00000004")
 
 
 def test_a_read_problem_stops_the_job_even_when_a_fresh_start_is_allowed(tmp_path):
