@@ -64,14 +64,29 @@ def _threads(items, target, cap: float) -> list:
 
 
 def _describe(result) -> object:
+    if result is None:
+        return "not done within the cap"
     return f"{type(result).__name__}: {result}"[:300] if isinstance(result, BaseException) else result
+
+
+def _round(result) -> object:
+    """(rank, world size) of a closed round, else what went wrong."""
+    return _describe(result) if result is None or isinstance(result, BaseException) else (result.rank,
+                                                                                          result.world_size)
 
 
 def node_process(k: int, endpoints: list[str], run_id: str, count: int, n: int, cap: float, gate, conn) -> None:
     """``count`` nodes of the job in this process; steps through the phases as the parent's ``gate`` opens."""
     import logging
+    from collections import Counter
 
-    logging.basicConfig(level=logging.ERROR)  # 1,000 nodes' info lines would cost more than the rendezvous
+    warned: Counter = Counter()  # 1,000 nodes' lines would cost more than the rendezvous: counted, not printed
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned[f"{record.levelname} {record.name}: {record.msg}"[:160]] += 1
+
+    logging.basicConfig(level=logging.WARNING, handlers=[Count()])
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -87,14 +102,13 @@ def node_process(k: int, endpoints: list[str], run_id: str, count: int, n: int, 
     conn.send(("ready", [h.node for h in handlers]))
 
     gate.wait()  # floor
-    floor = _threads(handlers, lambda h: h._client.put(f"/bench/floor/{run_id}/{h.node}", "x", lease=h._lease) and None,
+    floor = _threads(handlers, lambda h: h._client.put(f"/bench/floor/{run_id}/{h.node}", "x", lease=h._lease) is not None,
                      cap)
     conn.send(("floor", [(t, _describe(r)) for t, r in floor]))
 
     gate.wait()  # close
     closed = _threads(handlers, lambda h: h.next_rendezvous(), cap)
-    conn.send(("close", [(t, _describe(r) if isinstance(r, BaseException) else (r.rank, r.world_size))
-                         for t, r in closed]))
+    conn.send(("close", [(t, _round(r)) for t, r in closed], dict(warned)))
 
     victim = conn.recv()  # after the idle phase: the node that dies, or None when it is not here
     if victim == "done":  # the parent gave up on an earlier phase
@@ -120,7 +134,8 @@ def node_process(k: int, endpoints: list[str], run_id: str, count: int, n: int, 
         return info.rank, info.world_size
 
     after = _threads(survivors, survive, cap)
-    conn.send(("loss", revoked, [(t, _describe(r), learned.get(h.node)) for (t, r), h in zip(after, survivors)]))
+    conn.send(("loss", revoked, [(t, _describe(r), learned.get(h.node)) for (t, r), h in zip(after, survivors)],
+               dict(warned)))
     conn.recv()  # done: the parent stops etcd after every process has left
     sys.stdout.flush()
     os._exit(0)  # 60 handlers' clients and threads: nothing to finalise, the cluster goes next
@@ -170,6 +185,22 @@ def _gather(conns, tag: str, cap: float) -> list:
     return out
 
 
+def _merge(counts) -> dict:
+    total: dict = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def _print_warned(warned: dict, since: dict | None = None) -> None:
+    """The nodes' log lines at warning and above, counted by their message (only those new ``since``)."""
+    for line, count in sorted(warned.items(), key=lambda kv: -kv[1]):
+        more = count - (since or {}).get(line, 0)
+        if more:
+            print(f"    {more} x {line}", flush=True)
+
+
 def _span(t0: float, ends: list) -> str:
     failed = [r for t, r in ends if t is None or isinstance(r, str)]
     if failed:
@@ -206,10 +237,13 @@ def bench(cluster: LoopbackEtcdCluster, n: int, procs_n: int, cap: float) -> Non
         with Meter(cluster, ps) as meter:
             gate.wait()
             t0 = time.monotonic()
-            ends = [e for (got,) in _gather(conns, "close", cap + 30) for e in got]
+            got = _gather(conns, "close", cap + 30)
+        ends = [e for ends_, _ in got for e in ends_]
+        warned = _merge(w for _, w in got)
         ranks = sorted(r[0] for _, r in ends if isinstance(r, tuple))
         print(f"[per-node] close N={n}: {_span(t0, ends)}; ranks 0..{n - 1} each once: {ranks == list(range(n))}; "
               f"{meter.describe()}", flush=True)
+        _print_warned(warned)
         if ranks != list(range(n)):
             return
 
@@ -223,14 +257,15 @@ def bench(cluster: LoopbackEtcdCluster, n: int, procs_n: int, cap: float) -> Non
         with Meter(cluster, ps) as meter:
             gate.wait()
             results = _gather(conns, "loss", cap + 30)
-        revoked = next(r for r, _ in results if r is not None)
-        ends = [(t, r) for _, got in results for t, r, _ in got]
-        learned = [seen for _, got in results for _, _, seen in got]
+        revoked = next(r for r, _, _ in results if r is not None)
+        ends = [(t, r) for _, got, _ in results for t, r, _ in got]
+        learned = [seen for _, got, _ in results for _, _, seen in got]
         worlds = {r[1] for _, r in ends if isinstance(r, tuple)}
         heard = (f"every survivor counted the loss within {max(learned) - revoked:.2f} s"
                  if all(s is not None for s in learned) else "not every survivor counted the loss")
         print(f"[per-node] after loss N={n}: {_span(revoked, ends)} ({heard}; world sizes {sorted(worlds)}); "
               f"{meter.describe()}", flush=True)
+        _print_warned(_merge(w for _, _, w in results), since=warned)
     finally:
         for conn in conns:
             try:
