@@ -313,6 +313,7 @@ class Watchdog:
                                       for r in snap.ranks if r.connected})
         if not warm:
             intervals = {}  # start-up of a worker round (first steps, restore) is not a straggler's doing
+            self._straggler.new_round(snap.job)
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=groups)
         for event in events:
             self._on_straggler(snap, event)
@@ -557,7 +558,7 @@ class Watchdog:
         now = self._wall()
         evidence = {"score": round(s.score, 4), "compute_share": round(s.compute_share, 4),
                     "peer_compute_share": round(s.peer_compute_share, 4),
-                    "peer_wait_share": round(s.peer_wait_share, 4),
+                    "peer_wait_share": round(s.peer_wait_share, 4), "peer_work_growth": round(s.peer_growth, 3),
                     "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
                     "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
                     "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}

@@ -43,6 +43,19 @@ rank still reporting has data past it, and a rank needs slice scores for at leas
 it has a score at all. What the watchdog makes of the flags (one open incident per rank, at most
 `max_incidents_per_hour` per job) is in agent/watchdog/loop.py.
 
+A slowdown of the whole peer group is not one rank's: a start also needs the peers' own work to have stayed
+where it was (`max_peer_growth`). A straggler's peers do as much work per collective interval as before and only
+wait longer. When n1's link of the soak's 3-D job was degraded to 8 Mbit/s, n0's rank 3 was named (the likely
+cause: waits for the data-parallel all-reduce across the link land inside the ranks' local intervals, as an
+asynchronous collective is waited for later than its enqueue, so the whole stage looked busier, one rank more): rank 3
+scored 1.32 against rank 2, busy 74% of steps about 2.5x longer than before the fault, so about twice its work
+per step (seed 30, issue 45; estimated from the incident and the step log: no trace was recorded). Each
+rank's level is the median of its work per interval over its recent ordinary slices (`baseline_slices`, learned
+from each worker round's first scored slices on: `new_round` forgets it; slices that grew more than
+`max_peer_growth` are not learned, so a slowdown that lasts does not become the level). That slowdown itself is
+the communication-regression watch's (agent/watchdog/comm_regression.py), or, where the ranks' own compute grew
+alike (a throttled node), nobody's in particular.
+
 Policy (`StragglerPolicy`): ``alert`` records and flags; ``exclude`` also records that the node should be
 left out of the next rendezvous (the cluster side acts on it).
 """
@@ -107,6 +120,12 @@ class StragglerConfig:
     the incidents are counted as suppressed instead of recorded (a flapping detector must not flood anyone)."""
     min_coverage: float = 0.3
     """Share of a slice a rank's intervals must cover for the rank to be scored in it."""
+    max_peer_growth: float = 1.5
+    """...and its peers' own work per interval at most this times their level (window median): a straggler's peers
+    only wait longer; when they work longer too, the whole group is slower (a degraded link, a throttled node)."""
+    baseline_slices: int = 20
+    """Ordinary slices a rank's level of work per interval is the median of; until it has `window_steps` // 2 of
+    them in a worker round, its peers are not held to it."""
     policy: StragglerPolicy = StragglerPolicy.ALERT
     """What a flagged straggler leads to."""
 
@@ -130,6 +149,9 @@ class StragglerConfig:
             raise ValueError(f"min_wait_share must be in [0, 1), got {self.min_wait_share}")
         if not 0.0 < self.min_coverage <= 1.0:
             raise ValueError(f"min_coverage must be in (0, 1], got {self.min_coverage}")
+        if not self.max_peer_growth > 1.0 or self.baseline_slices < 1:
+            raise ValueError(f"max_peer_growth must be above 1 and baseline_slices at least 1, got "
+                             f"{self.max_peer_growth}, {self.baseline_slices}")
         object.__setattr__(self, "policy", StragglerPolicy(self.policy))
 
 
@@ -145,6 +167,8 @@ class RankScore:
     """Median compute share of its peers."""
     peer_wait_share: float = 0.0
     """Median share of the job's time its peers waited for it, beyond its own waits."""
+    peer_growth: float = 1.0
+    """Median of its peers' own work per interval against their level (1.0 while they have none)."""
     window_seconds: float
     slices: int
     """Slice scores the median was taken over."""
@@ -167,10 +191,12 @@ class StragglerEvent:
 
 
 class _RankScoring:
-    __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "flagged_at", "score")
+    __slots__ = ("ends", "total", "compute", "slices", "above", "below", "flagged", "flagged_at", "score", "level")
 
     def __init__(self) -> None:
-        self.slices: deque[tuple[float, float, float, float]] = deque()  # (score, share, peer share, peer wait)
+        # (score, share, peer share, peer wait, peer growth)
+        self.slices: deque[tuple[float, float, float, float, float]] = deque()
+        self.level: deque[float] = deque()  # own work per interval (s) in recent ordinary slices of this round
         self.ends: list[int] = []
         self.total: list[int] = [0]     # prefix sums: total[i] = sum of the first i intervals
         self.compute: list[int] = [0]
@@ -187,10 +213,10 @@ class _RankScoring:
         self.total.append(self.total[-1] + interval.total_ns)
         self.compute.append(self.compute[-1] + interval.compute_ns)
 
-    def sums(self, lo: int, hi: int) -> tuple[int, int]:
-        """(total, compute) of the intervals ending in (lo, hi]."""
+    def sums(self, lo: int, hi: int) -> tuple[int, int, int]:
+        """(total, compute, how many) of the intervals ending in (lo, hi]."""
         i, j = bisect.bisect_right(self.ends, lo), bisect.bisect_right(self.ends, hi)
-        return self.total[j] - self.total[i], self.compute[j] - self.compute[i]
+        return self.total[j] - self.total[i], self.compute[j] - self.compute[i], j - i
 
     def trim(self, before: int) -> None:
         k = bisect.bisect_right(self.ends, before)
@@ -273,16 +299,23 @@ class StragglerDetector:
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
+    def new_round(self, job: str) -> None:
+        """A new worker round of `job` (a restart, a new world size): its ranks' levels of work are learned again."""
+        for r in self._jobs.get(job, _JobScoring()).ranks.values():
+            r.level.clear()
+
     def _evaluate(self, job: str, ranks: Mapping[int, _RankScoring], groups: Mapping[int, Hashable], position: int,
                   stride: int) -> list[StragglerEvent]:
         """Score the slice (position - stride, position] and judge every rank on its window of slices."""
         cfg = self.config
         shares: dict[int, float] = {}
         waits: dict[int, float] = {}  # share of the slice the rank spent waiting for its peers
+        growth: dict[int, float] = {}  # own work per interval against the rank's level
         for rank, r in ranks.items():
-            total, compute = r.sums(position - stride, position)
+            total, compute, count = r.sums(position - stride, position)
             if total > 0 and total >= cfg.min_coverage * stride:
                 shares[rank], waits[rank] = compute / total, (total - compute) / stride
+                growth[rank] = self._learn(r, compute / count)
         events = []
         for rank, share in sorted(shares.items()):
             peers = [p for p in shares if p != rank and groups.get(p) == groups.get(rank)]
@@ -291,16 +324,18 @@ class StragglerDetector:
             state = ranks[rank]
             peer_share = max(_MIN_SHARE, statistics.median(shares[p] for p in peers))
             peer_wait = statistics.median(waits[p] for p in peers) - waits[rank]
-            state.slices.append((share / peer_share, share, peer_share, peer_wait))
+            peer_growth = statistics.median(growth[p] for p in peers)
+            state.slices.append((share / peer_share, share, peer_share, peer_wait, peer_growth))
             while len(state.slices) > cfg.window_steps:
                 state.slices.popleft()
             if len(state.slices) * 2 < cfg.window_steps:
                 continue
-            score, _, _, wait = (statistics.median(column) for column in zip(*state.slices))
-            event = self._judge(state, score, wait, stride / 1e9)
+            score, _, _, wait, grew = (statistics.median(column) for column in zip(*state.slices))
+            event = self._judge(state, score, wait, grew, stride / 1e9)
             state.score = RankScore(
                 rank=rank, score=score, compute_share=statistics.median(s[1] for s in state.slices),
                 peer_compute_share=statistics.median(s[2] for s in state.slices), peer_wait_share=wait,
+                peer_growth=grew,
                 window_seconds=stride * cfg.window_steps / 1e9, slices=len(state.slices), flagged=state.flagged)
             if event is not None:
                 events.append(StragglerEvent(job=job, rank=rank, started=event[0], score=state.score,
@@ -308,13 +343,25 @@ class StragglerDetector:
                                              policy=cfg.policy))
         return events
 
-    def _judge(self, state: _RankScoring, score: float, wait: float, slice_s: float) -> tuple[bool, int] | None:
+    def _learn(self, r: _RankScoring, work: float) -> float:
+        """The rank's work per interval in this slice against its level (1.0 while it has too few slices for one);
+        an ordinary slice (within `max_peer_growth`) is learned."""
+        cfg = self.config
+        grew = work / max(statistics.median(r.level), 1e-9) if len(r.level) * 2 >= cfg.window_steps else 1.0
+        if grew <= cfg.max_peer_growth:
+            r.level.append(work)
+            while len(r.level) > cfg.baseline_slices:
+                r.level.popleft()
+        return grew
+
+    def _judge(self, state: _RankScoring, score: float, wait: float, peer_growth: float,
+               slice_s: float) -> tuple[bool, int] | None:
         """Persistence counted in slices and in the job's seconds; a start also needs the peers to lose
-        `min_wait_share` of the time waiting; the flag holds `min_flag_s` of agent time. Returns (started,
-        slices that led to it) on a change."""
+        `min_wait_share` of the time waiting while their own work stays within `max_peer_growth` of its level; the
+        flag holds `min_flag_s` of agent time. Returns (started, slices that led to it) on a change."""
         cfg = self.config
         if not state.flagged:
-            costly = score > cfg.start_score and wait >= cfg.min_wait_share
+            costly = score > cfg.start_score and wait >= cfg.min_wait_share and peer_growth <= cfg.max_peer_growth
             state.above = state.above + 1 if costly else 0
             if state.above >= cfg.persist_steps and state.above * slice_s >= cfg.persist_s:
                 state.flagged, state.below, state.flagged_at = True, 0, self.clock()

@@ -106,6 +106,7 @@ def replay(updates: Iterator[Mapping] | str | os.PathLike, config: StragglerConf
             last_end[rank], intervals[rank] = end, items
         if not u.get("warm", True):
             intervals = {}
+            detector.new_round(job)
         events += detector.update(job, intervals, step_seconds=float(u["step_s"]),
                                   groups={int(r): g for r, g in u["groups"].items()})
     return events, detector

@@ -294,12 +294,20 @@ def match_incidents(faults: list[PlannedFault], incidents: list[dict], *, ignore
     return Verdict("incidents", not problems, detail)
 
 
+ETCD_FAILOVER_ALLOWANCE = 3
+"""Threads and fds a launcher may hold above its level for good reason: after an etcd member's loss python3-etcd3
+can hold a second watcher (its thread and a gRPC thread) until a later failover, and a socket to each member it
+reconnected to. Measured (BENCHMARKS.md "Soak", session 29): 12 restarts left a launcher's threads and fds flat; four
+etcd failovers in a row moved its Python threads 7, 7, 7, 9, 7 and its fds between 23 and 28, never accumulating."""
+
+
 def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack: float = 0.10,
-         settle: float = 60.0) -> Verdict:
+         settle: float = 60.0, allowance: int = ETCD_FAILOVER_ALLOWANCE) -> Verdict:
     """``samples``: (time, process label, {"rss", "threads", "fds"}). Each process's first sample at or after
     ``baseline_after`` (the first restart's recovery; a process started later: its first sample) is its level;
-    its last sample must be within ``slack`` of it on each measure. A process's level is taken no earlier than
-    ``settle`` seconds after its first sample (a launcher started late is sampled while it starts up)."""
+    its last sample must be within ``slack`` of it on each measure, threads and fds within ``allowance`` more where
+    that is more. A process's level is taken no earlier than ``settle`` seconds after its first sample (a launcher
+    started late is sampled while it starts up)."""
     by: dict[str, list[tuple[float, dict]]] = {}
     for t, label, values in samples:
         by.setdefault(label, []).append((t, values))
@@ -310,7 +318,10 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
             continue
         (_, base), (_, last) = after[0], after[-1]
         for measure in ("rss", "threads", "fds"):
-            if base[measure] and last[measure] > base[measure] * (1 + slack):
+            bound = base[measure] * (1 + slack)
+            if measure != "rss":
+                bound = max(bound, base[measure] + allowance)
+            if base[measure] and last[measure] > bound:
                 problems.append(f"{label} {measure} {base[measure]} -> {last[measure]}")
         checked.append(f"{label} rss {base['rss'] / 2**20:.0f}->{last['rss'] / 2**20:.0f} MiB threads "
                        f"{base['threads']}->{last['threads']} fds {base['fds']}->{last['fds']}")

@@ -24,7 +24,7 @@ otherwise); no committed checkpoint lost or silently replaced, no step 1 after a
 incident(s) naming its rank or node, nothing else an incident but the consequences ``_soak_plan.CONSEQUENCES``
 accepts and says why (``restart`` records are actions, not counted); n0's goodput ledger against the step log within
 2 % on what every rank measures alike (``_soak_plan.in_round_seconds``); the agents' and launchers' RSS, threads and
-fds within 10 % of their level after the first restart; nothing left behind (processes, namespaces, TMPDIR and
+fds within 10 % of their level after the first restart (threads and fds: or 3 more, ``_soak_plan.ETCD_FAILOVER_ALLOWANCE``); nothing left behind (processes, namespaces, TMPDIR and
 shared-memory directories). Ends with ``soak: F faults of K kinds in M min; invariants broken: B``; exit 0 only when B is 0.
 """
 

@@ -16,6 +16,7 @@ class Job:
     def __init__(self, ranks=4, compute=0.2, after=0.05, noise=0.0, seed=0):
         self.ranks, self.compute, self.after, self.noise = ranks, compute, after, noise
         self.slow = {r: 1.0 for r in range(ranks)}
+        self.extra = {r: 0.0 for r in range(ranks)}  # seconds a step in a wait the node cannot match (remote peers)
         self.rng = random.Random(seed)
         self.now, self.seq, self.steps = 100.0, 0, 0
         self.matcher = ArrivalMatcher()
@@ -24,7 +25,7 @@ class Job:
     def run(self, steps):
         arrivals = {r: [] for r in range(self.ranks)}
         for _ in range(steps):
-            work = {r: self.compute * self.slow[r] * (1 + self.rng.uniform(-self.noise, self.noise))
+            work = {r: self.compute * self.slow[r] * (1 + self.rng.uniform(-self.noise, self.noise)) + self.extra[r]
                     for r in arrivals}
             for r in arrivals:
                 arrivals[r].append(Arrival("0", self.seq, int((self.now + work[r]) * 1e9)))
@@ -60,6 +61,8 @@ def test_config_validation():
         StragglerConfig(persist_steps=0)
     with pytest.raises(ValueError, match="min_coverage"):
         StragglerConfig(min_coverage=0)
+    with pytest.raises(ValueError, match="max_peer_growth"):
+        StragglerConfig(max_peer_growth=1.0)
     assert StragglerConfig(policy="exclude").policy is StragglerPolicy.EXCLUDE
 
 
@@ -88,6 +91,39 @@ def test_noise_alone_flags_nobody_over_a_long_run():
     job = Job(ranks=8, noise=0.05, seed=3)
     assert _drive(det, job, 100) == []
     assert all(abs(s.score - 1) < 0.1 for s in det.scores()["j"].values())
+
+
+def test_a_group_slowed_by_waits_it_cannot_see_is_not_a_straggler_but_a_rank_that_works_longer_is():
+    """Seed 30 of the soak (issue 45): n1's link degraded, n0's rank 3 was named a straggler (score 1.32, its peer
+    rank 2 busy 74%): the waits of both for the data-parallel all-reduce across the link land inside their local
+    intervals, rank 3's longer. Both ranks then work longer per interval; a straggler's peer does not."""
+    def run(extra, slow):
+        det = StragglerDetector(steps_only(window_steps=10, persist_steps=3))
+        job = Job(ranks=2, noise=0.03)
+        assert _drive(det, job, 10) == []
+        job.extra, job.slow = extra, slow  # rank 1 0.1 s later than rank 0 at the node's all-reduce, every step
+        return det, [(e.rank, e.started) for _, e in _drive(det, job, 12)]
+
+    det, events = run({0: 0.25, 1: 0.35}, {0: 1.0, 1: 1.0})  # both wait remotely, rank 1 longer
+    assert events == [] and det.flagged("j") == []
+    score = det.scores()["j"][1]
+    assert score.score > 1.15 and score.peer_wait_share >= 0.13 and score.peer_growth > 1.9  # held by its peer's work
+    det, events = run({0: 0.0, 1: 0.0}, {0: 1.0, 1: 1.5})  # rank 1 computes 1.5x: its peer only waits longer
+    assert events == [(1, True)] and det.scores()["j"][1].peer_growth == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_new_round_learns_the_ranks_work_again():
+    """A shrink gives every rank more work per interval: not a slowdown of the group, and a straggler in the new
+    round is named once its peers' level is learned again (agent/watchdog/loop.py calls new_round while a round
+    warms up)."""
+    det = StragglerDetector(steps_only(window_steps=10, persist_steps=3))
+    job = Job(ranks=2, noise=0.03)
+    _drive(det, job, 10)
+    job.compute = 0.4  # the new round's share of the work
+    det.new_round("j")
+    assert _drive(det, job, 4) == []
+    job.slow[1] = 1.5
+    assert [(e.rank, e.started) for _, e in _drive(det, job, 10)] == [(1, True)]
 
 
 def test_short_blips_do_not_flag():
