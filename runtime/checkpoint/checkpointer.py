@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
 from trainwarden.agent.shared import checkpoint_sums
+from trainwarden.runtime.checkpoint.group import GroupCollectives
 from trainwarden.runtime.peer_failure import peer_failure
 from trainwarden.agent.shared.checkpoint_layout import (
     CheckpointError,
@@ -128,6 +129,7 @@ class Checkpointer(MemoryRestore):
             process_group = dist.new_group(backend="gloo")
             self._owns_pg = True
         self._pg = process_group
+        self._group = GroupCollectives(process_group, distributed=self._distributed)
         self.rank = dist.get_rank() if self._distributed else 0
         self.world_size = dist.get_world_size() if self._distributed else 1
         if self.rank == 0:
@@ -333,7 +335,7 @@ class Checkpointer(MemoryRestore):
         self.wait()
         began = time.monotonic()
         self._report("restore_start", 0, path=str(self.directory))  # the launcher records where this job checkpoints
-        plan = self._broadcast(self._plan_restore() if self.rank == 0 else None)
+        plan = self._group.broadcast(self._plan_restore() if self.rank == 0 else None)
         if plan.error:
             self._block(plan.error, CheckpointError)
         if plan.blocked:
@@ -350,7 +352,7 @@ class Checkpointer(MemoryRestore):
                 passed_over.append(f"{path}: corrupt ({reason})")
                 if self.rank == 0:
                     self._quarantine(step, Path(path), store.CORRUPT, reason)
-                self._barrier()
+                self._group.barrier()
                 continue
             failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
             if not failed:
@@ -363,7 +365,7 @@ class Checkpointer(MemoryRestore):
             passed_over.append(f"{path}: failed to load on every attempt ({failed})")
             if self.rank == 0:
                 self._quarantine(step, Path(path), store.UNLOADABLE, failed)
-            self._barrier()
+            self._group.barrier()
         self._start_fresh(passed_over, plan.evidence, plan.ever_committed, require=require,
                           allow_fresh_start=allow_fresh_start)
         self._report("restored", 0, seconds=time.monotonic() - began)  # step 0: starting fresh
@@ -373,7 +375,7 @@ class Checkpointer(MemoryRestore):
         """The files of ``path`` whose bytes differ from the sums in its commit marker, checked by every rank for
         its share of the files and gathered, so every rank decides the same; [] when none is recorded."""
         wrong = verify_share(path, self.rank, self.world_size)
-        return sorted({w for found in self._gather(wrong) for w in found})
+        return sorted({w for found in self._group.gather(wrong) for w in found})
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
         self._restore_rng(path, state)
@@ -406,7 +408,7 @@ class Checkpointer(MemoryRestore):
                 self._quarantine(status.step, status.path, store.SUPERSEDED,
                                  "a fresh start was allowed on purpose (allow_fresh_start); kept, never overwritten")
         if ever_committed or passed_over:
-            self._barrier()
+            self._group.barrier()
         logger.warning("no loadable checkpoint in %s; starting fresh (%s)", self.directory, evidence)
 
     def _block(self, message: str, error: type[CheckpointError]) -> None:
@@ -423,7 +425,7 @@ class Checkpointer(MemoryRestore):
         and whether the last failure was a read error (an OSError on some rank) rather than bad content."""
         detail, read_error = "", False
         for attempt in range(1, max(1, attempts) + 1):
-            results = self._gather(self._try_load(path, state))
+            results = self._group.gather(self._try_load(path, state))
             failed = {r: e for r, (e, _) in enumerate(results) if e}
             if not failed:
                 return "", False
@@ -436,7 +438,7 @@ class Checkpointer(MemoryRestore):
                 if self.rank == 0:  # every rank gathered the same results: one of them says it
                     logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s",
                                    path, attempt, attempts, detail, delay * attempt)
-                self._barrier()
+                self._group.barrier()
                 time.sleep(delay * attempt)
         if self.rank == 0:
             logger.error("checkpoint %s failed to load on all %d attempts (%s)%s", path, attempts, detail,
@@ -519,26 +521,6 @@ class Checkpointer(MemoryRestore):
                            "generators keep their current seeds", path, saved, self.world_size)
             return
         load_sidecar(path / store.rng_sidecar_name(self.rank), entries)
-
-    # -- collectives on our group ---------------------------------------------------------------------
-
-    def _broadcast(self, obj):
-        if not self._distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self._pg, group_src=0)
-        return box[0]
-
-    def _gather(self, obj) -> list:
-        if not self._distributed:
-            return [obj]
-        out: list = [None] * dist.get_world_size(self._pg)
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _barrier(self) -> None:
-        if self._distributed:
-            dist.barrier(group=self._pg)
 
     def close(self) -> None:
         """Wait for the in-flight save, then release the stager's buffers, the committer thread and the

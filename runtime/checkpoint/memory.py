@@ -40,7 +40,7 @@ _MEMORY_CHOICES = 4
 
 class MemoryRestore:
     """Needs the Checkpointer's ``rank``, ``world_size``, ``_distributed``, ``_pg``, ``_events``, ``_closed``,
-    ``_last_saved_step``, ``_gather`` and ``_report``."""
+    ``_last_saved_step``, ``_group`` (its collectives) and ``_report``."""
 
     def _init_memory(self, memory_dir: str | Path | None | bool, ranks_per_node: int | None,
                      after_snapshot: Callable[[int, str], None] | None = None) -> None:
@@ -128,7 +128,7 @@ class MemoryRestore:
         if not 0 < ranks_per_node < self.world_size or self.world_size % ranks_per_node:
             return None  # one node (or nodes of different sizes: no next node to pair with)
         wanted = self.memory is not None and os.environ.get(PEER_COPY_ENV, "1").strip() != "0"
-        if not all(self._gather(wanted)):
+        if not all(self._group.gather(wanted)):
             if self.rank == 0 and wanted:
                 logger.info("memory snapshots are not copied to other nodes: not every rank keeps them (a node "
                             "without them, or %s=0 there); a node loss restores from disk", PEER_COPY_ENV)
@@ -141,7 +141,7 @@ class MemoryRestore:
         set aside). Otherwise the next source loads over whatever part of the snapshot was loaded."""
         error = self.memory.load(step, state) if self.memory is not None else "no memory directory"
         corrupt = set_aside(self.memory.mismatches) if self.memory is not None and self.memory.mismatches else []
-        gathered = self._gather((error, corrupt))
+        gathered = self._group.gather((error, corrupt))
         failed = {r: e for r, (e, _) in enumerate(gathered) if e}
         corrupt = [m for _, found in gathered for m in found]
         self._report_corrupt(corrupt)
@@ -198,7 +198,7 @@ class MemoryRestore:
         size or another), or None. A snapshot older than ``floor`` (what the disk holds or etcd says was
         committed) is never used."""
         self._held = self._memory_held()
-        everyone = self._gather(self._held)
+        everyone = self._group.gather(self._held)
         choice = choose(everyone, self.world_size, floor)
         if self.rank == 0 and choice is None and any(everyone):
             newest = choose(everyone, self.world_size, -1)
@@ -216,7 +216,7 @@ class MemoryRestore:
         mapped, errors = open_files(held, choice.step, choice.world)
         mine = {r: mapped[r].header for r, q in choice.holders.items() if q == self.rank and r in mapped}
         missing = [r for r, q in choice.holders.items() if q == self.rank and r not in mapped]
-        gathered = self._gather((mine, {r: errors.get(r, "its file is gone") for r in missing}))
+        gathered = self._group.gather((mine, {r: errors.get(r, "its file is gone") for r in missing}))
         headers = {r: h for part, _ in gathered for r, h in part.items()}
         failed = {r: e for _, part in gathered for r, e in part.items()}
         error, received, corrupt = "", 0, []
@@ -233,7 +233,7 @@ class MemoryRestore:
             except SAVE_LOAD_ERRORS as exc:
                 error = describe(exc)
             found = set_aside(reader.mismatches) if reader is not None and reader.mismatches else []
-            outcomes = self._gather((error, received, found))
+            outcomes = self._group.gather((error, received, found))
             errors_everywhere = {r: e for r, (e, _, _) in enumerate(outcomes) if e}
             received = sum(n for _, n, _ in outcomes)
             corrupt = list(dict.fromkeys(m for _, _, found in outcomes for m in found))  # ranks of a node: once
