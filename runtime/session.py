@@ -185,14 +185,11 @@ class Session:
         """The telemetry client's counters: records dropped, reconnects, messages sent, the sender's wake-ups
         (``drains``), Flight Recorder reads and the CPU seconds they took, entries overwritten before a read, and
         the dumps the still-thread check took (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
-        c = self._client
-        if c is None:
-            return {"dropped": 0, "reconnects": 0, "sent": 0, "drains": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0,
-                    "fr_missed": 0, "still_reads": 0, "still_read_cpu_s": 0.0}
-        return {"dropped": c.dropped, "reconnects": c.reconnects, "sent": c.sent, "drains": c.drains,
-                "fr_reads": c.fr_reads, "fr_read_cpu_s": round(c.fr_read_cpu_s, 6),
-                "fr_missed": self._fr.missed if self._fr else 0,
-                "still_reads": c.still_reads, "still_read_cpu_s": round(c.still_read_cpu_s, 6)}
+        c = self._client  # None: every counter 0
+        counts = {name: getattr(c, name, 0) for name in ("dropped", "reconnects", "sent", "drains", "fr_reads",
+                                                         "still_reads")}
+        seconds = {name: round(getattr(c, name, 0.0), 6) for name in ("fr_read_cpu_s", "still_read_cpu_s")}
+        return {**counts, **seconds, "fr_missed": self._fr.missed if c is not None and self._fr else 0}
 
     def _gpu_begin(self):
         """At a step boundary: a CUDA event token for `_emit_step`, once this process uses CUDA (the timer
