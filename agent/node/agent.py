@@ -52,7 +52,8 @@ from trainwarden.agent.node.endpoints import health_status
 from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerPolicy
 from trainwarden.agent.telemetry.health_endpoint import HealthEndpoint
 from trainwarden.agent.telemetry.server import TelemetryServer
-from trainwarden.agent.watchdog.loop import Watchdog, WatchdogConfig
+from trainwarden.agent.watchdog.interface import WatchdogConfig
+from trainwarden.agent.watchdog.loop import Watchdog
 from trainwarden.agent.watchdog.hang import HangConfig
 from trainwarden.agent.watchdog.straggler_trace import TRACE_DIR_ENV
 

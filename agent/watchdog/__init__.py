@@ -5,6 +5,7 @@ Detectors are pure and clock-injected; the loop acts only through ``WatchdogActi
 them). It imports ``telemetry`` (snapshots and intervals), ``incidents`` and ``common``.
 """
 
-from trainwarden.agent.watchdog.loop import Watchdog, WatchdogActions, WatchdogConfig
+from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
+from trainwarden.agent.watchdog.loop import Watchdog
 
 __all__ = ["Watchdog", "WatchdogActions", "WatchdogConfig"]

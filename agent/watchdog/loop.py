@@ -36,9 +36,9 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 from trainwarden.agent.watchdog.culprit import (RankEvidence, give_to_writers, name_culprit, process_cpu_seconds,
                                                 process_io_bytes, process_own_cpu_seconds, process_state,
                                                 read_diagnostics)
-from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangConfig, HangDetector
+from trainwarden.agent.watchdog.hang import BLOCKING_CHECKPOINT_STAGES, HangCheck, HangDetector
 from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import STARTUP_STEPS, JobSnapshot, RankSnapshot
@@ -54,9 +54,9 @@ from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
-from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
+from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
-from trainwarden.agent.watchdog.straggler import StragglerConfig, StragglerDetector, StragglerEvent, StragglerPolicy
+from trainwarden.agent.watchdog.straggler import StragglerDetector, StragglerEvent, StragglerPolicy
 
 __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
@@ -80,64 +80,6 @@ STALL_S = 120.0
 """An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
 diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
 abort's grace before SIGKILL; about 15 s per hung job."""
-
-
-class WatchdogActions(Protocol):
-    """What the watchdog asks of the agent."""
-
-    def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
-        """Ask `ranks` to write stacks and a Flight Recorder dump into `directory` (it exists); return the
-        ranks the request reached."""
-
-    def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
-        """Make the local workers of `ranks` exit (torchrun restarts the group); True when done."""
-
-    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
-        """Record that `node` should be left out of the job's next rendezvous (straggler policy exclude)."""
-
-    def withdraw_exclusion(self, job: str, node: str) -> None:
-        """Withdraw that request (the straggler recovered)."""
-
-    def record(self, incident: Incident) -> Incident:
-        """Store this version of the incident (same id = same incident, newer state)."""
-
-    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> Sequence[int]:
-        """Ask `ranks` to read their Flight Recorder at most every `period_s` seconds (0: at their own
-        pace); return the ranks the request reached."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class WatchdogConfig:
-    """How the watchdog runs."""
-
-    interval_s: float = 0.25
-    """Seconds between checks: what a hang's detection may lag its deadline (0.5 s until the floor went from 5 s to 2 s)."""
-    diagnostics_wait_s: float = 3.0
-    """How long to wait for the ranks' diagnostics after a hang."""
-    abort_on_hang: bool = True
-    """Abort the local workers after a hang (False: record only)."""
-    hang: HangConfig = field(default_factory=HangConfig)
-    """The hang deadline policy."""
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    """The straggler scoring policy."""
-    comm_regression: CommRegressionConfig = field(default_factory=CommRegressionConfig)
-    """When a job-wide slowdown is a communication regression (agent/watchdog/comm_regression.py)."""
-    straggler_trace_dir: Path | None = None
-    """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
-    quiet_read_period_s: float = 3.0
-    """The Flight Recorder read period the workers are asked for while the straggler detector is not near a
-    decision on their job (0: never ask; they read at their own pace, `ClientConfig.fr_interval_s`). A read
-    holds the worker's GIL for milliseconds; between decisions nothing needs arrivals sooner. Long enough to
-    halve the reads of a job whose ring is not the bound, short enough that a straggler's first slices
-    (`StragglerDetector.near_decision`) arrive while its flag is still slices away."""
-    quiet_after_s: float = 10.0
-    """How long nothing may have been near a decision before the workers are asked to read slowly."""
-
-    def __post_init__(self) -> None:
-        if not self.interval_s > 0:
-            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
-        if not self.diagnostics_wait_s >= 0:
-            raise ValueError(f"diagnostics_wait_s must be 0 or more, got {self.diagnostics_wait_s}")
 
 
 class Watchdog:

@@ -1,0 +1,73 @@
+"""The watchdog's interface to the node: what the loop acts through (``WatchdogActions``, the agent provides
+them) and what it is configured with (``WatchdogConfig``: its pace and its detectors' policies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
+
+from trainwarden.agent.incidents import Incident
+from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
+from trainwarden.agent.watchdog.hang import HangConfig
+from trainwarden.agent.watchdog.straggler import StragglerConfig
+
+__all__ = ["WatchdogActions", "WatchdogConfig"]
+
+
+class WatchdogActions(Protocol):
+    """What the watchdog asks of the agent."""
+
+    def request_diagnostics(self, job: str, ranks: Sequence[int], directory: Path) -> Sequence[int]:
+        """Ask `ranks` to write stacks and a Flight Recorder dump into `directory` (it exists); return the
+        ranks the request reached."""
+
+    def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:
+        """Make the local workers of `ranks` exit (torchrun restarts the group); True when done."""
+
+    def request_exclusion(self, job: str, node: str, request: Mapping[str, Any]) -> None:
+        """Record that `node` should be left out of the job's next rendezvous (straggler policy exclude)."""
+
+    def withdraw_exclusion(self, job: str, node: str) -> None:
+        """Withdraw that request (the straggler recovered)."""
+
+    def record(self, incident: Incident) -> Incident:
+        """Store this version of the incident (same id = same incident, newer state)."""
+
+    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> Sequence[int]:
+        """Ask `ranks` to read their Flight Recorder at most every `period_s` seconds (0: at their own
+        pace); return the ranks the request reached."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchdogConfig:
+    """How the watchdog runs."""
+
+    interval_s: float = 0.25
+    """Seconds between checks: what a hang's detection may lag its deadline (0.5 s until the floor went from 5 s to 2 s)."""
+    diagnostics_wait_s: float = 3.0
+    """How long to wait for the ranks' diagnostics after a hang."""
+    abort_on_hang: bool = True
+    """Abort the local workers after a hang (False: record only)."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """The hang deadline policy."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """The straggler scoring policy."""
+    comm_regression: CommRegressionConfig = field(default_factory=CommRegressionConfig)
+    """When a job-wide slowdown is a communication regression (agent/watchdog/comm_regression.py)."""
+    straggler_trace_dir: Path | None = None
+    """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
+    quiet_read_period_s: float = 3.0
+    """The Flight Recorder read period the workers are asked for while the straggler detector is not near a
+    decision on their job (0: never ask; they read at their own pace, `ClientConfig.fr_interval_s`). A read
+    holds the worker's GIL for milliseconds; between decisions nothing needs arrivals sooner. Long enough to
+    halve the reads of a job whose ring is not the bound, short enough that a straggler's first slices
+    (`StragglerDetector.near_decision`) arrive while its flag is still slices away."""
+    quiet_after_s: float = 10.0
+    """How long nothing may have been near a decision before the workers are asked to read slowly."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be positive, got {self.interval_s}")
+        if not self.diagnostics_wait_s >= 0:
+            raise ValueError(f"diagnostics_wait_s must be 0 or more, got {self.diagnostics_wait_s}")
