@@ -11,6 +11,8 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   let expire (etcd away or the node starved longer than the TTL) is replaced there at once, and a node waiting in
   a round joins it again with the new one (``NativeRendezvous.lease_renewed``: before, a round that needed it
   waited until the join timeout, issue 45);
+* ``next_rendezvous`` waits out an etcd that does not answer (quorum lost while a worker died: a restart needs a
+  round) for up to ``join_timeout``, trying every ``ETCD_RETRY_S``; torch's agent would end the job on the error;
 * ``next_rendezvous`` is ``next_round`` plus torch's bootstrap: the round's c10d store is ``Etcd3Store`` under
   ``rdzv/<run_id>/store/native/<round>/``, and the agent of rank 0 starts the workers' TCPStore server for the
   round itself and publishes its port there (``RendezvousStoreInfo``; ``use_agent_store`` is True, so every
@@ -60,11 +62,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from trainwarden.agent.etcd.client import ETCD_CLIENT_ERRORS, describe_etcd_error, refresh_lease, with_failover
+from trainwarden.agent.etcd.client import (ETCD_CLIENT_ERRORS, describe_etcd_error, is_auth_error, refresh_lease,
+                                          with_failover)
 from trainwarden.agent.etcd.keys import rdzv_key
 from trainwarden.agent.rendezvous import workers_store
 from trainwarden.agent.rendezvous.native import (NativeRendezvous, NativeRendezvousClosed, NativeRendezvousConfig,
-                                                 NativeRendezvousError, NativeRendezvousTimeout, Round, RoundWatch)
+                                                 NativeRendezvousError, NativeRendezvousTimeout,
+                                                 NativeRendezvousUnavailable, Round, RoundWatch)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,12 @@ a few seconds more cost nothing, where a read each tick was 16,000 reads a secon
 RECOUNT_S = 30.0
 """How often it counts the round's keys although the round's watch lives: the net under a watch lost unseen (one
 count-only read over the round's N keys per node, so N²/RECOUNT_S key visits a second for the job)."""
+
+ETCD_RETRY_S = 1.0
+"""How often a restart that found etcd silent tries the round again (the client skips a failed member for
+``FAILOVER_RETRY_S``, so a member back is used within about two tries)."""
+ETCD_AWAY_LOG_S = 30.0
+"""How often that wait says so in the log."""
 
 __all__ = ["NativeRendezvousHandler", "spare_swap"]
 
@@ -87,6 +97,15 @@ def spare_swap(before: Round | None, after: Round) -> bool:
     if before is None:
         return False
     return any(node not in before.members for node in after.members[: before.world_size])
+
+
+def _etcd_away(exc: RendezvousConnectionError) -> bool:
+    """Whether ``exc`` says etcd did not answer (retryable), rather than refused this node (its credentials,
+    its lease) or failed in the rendezvous itself."""
+    cause = exc.__cause__
+    if isinstance(cause, NativeRendezvousUnavailable):
+        return True
+    return isinstance(cause, ETCD_CLIENT_ERRORS) and not is_auth_error(cause)
 
 
 class NativeRendezvousHandler(RendezvousHandler):
@@ -136,6 +155,34 @@ class NativeRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def next_rendezvous(self) -> RendezvousInfo:
+        """The next round, waiting out an etcd that does not answer (a member down, quorum lost) for up to
+        ``join_timeout``: torchrun's agent ends the job on ``RendezvousConnectionError``, and a restart that
+        happened to fall into an outage of a few seconds is no reason to (issue 45: the soak's loss of quorum met
+        a restart and the run ended). Every other error is raised at once."""
+        deadline = time.monotonic() + self._config.join_timeout_s
+        away_since, told = None, None
+        while True:
+            try:
+                info = self._next_rendezvous_once()
+            except RendezvousConnectionError as exc:
+                now = time.monotonic()
+                if not _etcd_away(exc) or now >= deadline:
+                    raise
+                if away_since is None:
+                    away_since = now
+                if told is None or now - told >= ETCD_AWAY_LOG_S:
+                    told = now
+                    logger.warning("node %s: the restart waits for etcd, which does not answer (%s); it tries "
+                                   "again every %g s for %.0f s more", self.node, exc, ETCD_RETRY_S,
+                                   deadline - now)
+                time.sleep(min(ETCD_RETRY_S, max(0.0, deadline - now)))
+                continue
+            if away_since is not None:
+                logger.warning("node %s: etcd answered again after %.1f s; the round is joined", self.node,
+                               time.monotonic() - away_since)
+            return info
+
+    def _next_rendezvous_once(self) -> RendezvousInfo:
         if self.is_closed():
             raise RendezvousClosedError(f"the rendezvous of {self._run_id!r} is closed (the job ended); use a new "
                                         f"--rdzv-id, or delete its keys to run it again")
@@ -156,7 +203,7 @@ class NativeRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(str(exc)) from exc
         except NativeRendezvousClosed as exc:  # the job ended while this node waited (a spare never needed)
             raise RendezvousGracefulExitError(str(exc)) from exc
-        except NativeRendezvousError as exc:
+        except NativeRendezvousError as exc:  # etcd away (retried by next_rendezvous) or this node's lease gone
             raise RendezvousConnectionError(str(exc)) from exc
         logger.info("node %s joined round %d of %r as rank %d of %d", self.node, round_.number, self._run_id,
                     round_.rank, round_.world_size)

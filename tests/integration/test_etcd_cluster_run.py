@@ -72,3 +72,39 @@ def test_losing_etcd_quorum_stops_coordination_not_training(tmp_path):
         text = log.read_text()
         assert "last step 400" in text and "restarts     0" in text, text[-2000:]
     assert bed.leftovers() == []
+
+
+def _worker_pid(bed, node: str, rank: int) -> int:
+    """The pid of local rank ``rank``'s worker on ``node`` (a warm worker's ``comm`` is ``tw-rank-R``)."""
+    for pid in bed._pids(bed.hosts[node]):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"tw-rank-{rank}":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of rank {rank} on {node}")
+
+
+@pytest.mark.extended  # 45 s; the retry's rules are tests/unit/test_rendezvous_etcd_away.py
+def test_a_restart_while_etcd_has_lost_quorum_waits_for_it_and_goes_on(tmp_path):
+    """A worker dies while two of three members are down: torchrun's restart needs a new round, which etcd
+    cannot give until the quorum is back; the restart waits for it instead of ending the run (issue 45: the
+    soak's `quorum` fault met a restart and torchrun exited 1 with RendezvousConnectionError)."""
+    with TestBed(nodes=1, etcd_members=3, workdir=tmp_path / "bed") as bed:
+        run, log = _start_job(bed, tmp_path, "quorumrestart", 400)
+        bed.kill("e0")
+        bed.kill("e1")
+        time.sleep(2)
+        os.kill(_worker_pid(bed, "n0", 1), 9)  # ours: the job this test started
+        wait_for(lambda: "the restart waits for etcd" in log.read_text()
+                 or run.poll() is not None, 60,
+                 what="the restart to wait for etcd")
+        assert run.poll() is None, log.read_text()[-3000:]
+        time.sleep(4)  # past one more try
+        assert run.poll() is None, log.read_text()[-3000:]
+        bed.start_etcd_member("e0")
+        bed.start_etcd_member("e1")
+        assert run.wait(240) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "last step 400" in text and "restarts     1" in text, text[-2000:]
+    assert bed.leftovers() == []
