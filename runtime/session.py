@@ -14,10 +14,9 @@
 (or `job=`, else torchrun's TORCHELASTIC_RUN_ID), rank and world size from torch.distributed when it is
 initialized and from torchrun's environment otherwise.
 
-The step context is the hot path: two clock reads on entry, one on exit and a tuple appended to the
-client's bounded deque. It never raises (an exception from the training step passes through untouched).
-Durations use the monotonic clock; the wall-clock start is kept to line steps up with the Flight
-Recorder's enqueue times.
+The step context is the hot path (runtime/step_context.py): two clock reads on entry, one on exit and a tuple
+appended to the client's bounded deque. It never raises (an exception from the training step passes through
+untouched).
 
 Agent commands arrive on the client's thread. Each is queued for `poll_command()` and handled there:
 DumpDiagnostics writes faulthandler stacks of every thread to `<dir>/rank<R>.stacks` (after a first line
@@ -58,8 +57,9 @@ from trainwarden.agent.shared.parent_death import LAUNCHER_PID_ENV, die_with_par
 
 from .cuda_timing import CudaStepTimer, cuda_in_use, gpu_uuid
 from .flight_recorder import FlightRecorder
+from .step_context import NULL_CONTEXT, PhaseContext, StepContext
 from .abort import abort_process
-from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, NUMERIC_RECORD, STEP_RECORD, ClientConfig,
+from .agent_client import (CHECKPOINT_RECORD, CHECKPOINT_STAGES, EXIT_ABORTED, NUMERIC_RECORD, ClientConfig,
                            TelemetryClient)
 from .agent_requests import ask_checkpoint_record, ask_commit, ask_memory_held, ask_memory_steps
 from trainwarden.agent.shared import telemetry_pb2 as _pb
@@ -84,72 +84,6 @@ class Command:
     """"dump_diagnostics", "checkpoint_now" or "abort"."""
     argument: str = ""
     """The diagnostics directory, the abort reason, or the step a checkpoint is requested after."""
-
-
-class _NullContext:
-    __slots__ = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _NullContext()
-
-
-class _StepContext:
-    __slots__ = ("_session", "_index", "_tokens", "_wall", "_mono", "_gpu")
-
-    def __init__(self, session: "Session", index: int, tokens: int) -> None:
-        self._session, self._index, self._tokens = session, index, tokens
-
-    def __enter__(self):
-        s = self._session
-        if s._hold_after is not None and self._index > s._hold_after:
-            s._hold(self._index)
-        s._phases = None
-        self._gpu = s._gpu_begin()
-        self._wall = time.time_ns()
-        self._mono = time.monotonic_ns()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        s = self._session
-        if exc_type is not None:  # a step that raised did not complete: it is not progress
-            s._phases = None
-            if s._cuda is not None:
-                s._cuda.abandon(self._gpu)
-            return False
-        try:
-            s._emit_step((STEP_RECORD, self._index, self._wall, time.monotonic_ns() - self._mono, self._tokens,
-                          s._phases), self._gpu)
-            s._phases = None
-        except Exception:
-            pass
-        return False
-
-
-class _PhaseContext:
-    __slots__ = ("_session", "_name", "_mono")
-
-    def __init__(self, session: "Session", name: str) -> None:
-        self._session, self._name = session, name
-
-    def __enter__(self):
-        self._mono = time.monotonic_ns()
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            s = self._session
-            phases = s._phases if s._phases is not None else {}
-            phases[self._name] = phases.get(self._name, 0.0) + (time.monotonic_ns() - self._mono) / 1e9
-            s._phases = phases
-        except Exception:
-            pass
-        return False
 
 
 class Session:
@@ -218,10 +152,10 @@ class Session:
     def step(self, index: int, *, tokens: int = 0):
         """Context manager around one training step."""
         if self._client is None:
-            return _NULL
+            return NULL_CONTEXT
         if not self._manual_steps:
             self._take_over_steps()
-        return _StepContext(self, index, tokens)
+        return StepContext(self, index, tokens)
 
     def _take_over_steps(self) -> None:
         """The script reports its own steps: auto-instrumentation's optimizer hooks stop, and the agent hears
@@ -239,8 +173,8 @@ class Session:
     def phase(self, name: str):
         """Context manager around a part of the step ("forward", "backward", "optimizer")."""
         if self._client is None:
-            return _NULL
-        return _PhaseContext(self, name)
+            return NULL_CONTEXT
+        return PhaseContext(self, name)
 
     def checkpoint_event(self, stage: str, step: int, seconds: float = 0.0, bytes: int = 0, path: str = "",
                          detail: str = "") -> None:
