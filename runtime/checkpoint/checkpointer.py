@@ -67,10 +67,10 @@ from trainwarden.agent.shared.checkpoint_layout import (
     find_complete,
     validate,
 )
-from trainwarden.runtime.checkpoint.errors import SAVE_LOAD_ERRORS, describe, is_read_error
+from trainwarden.runtime.checkpoint.errors import SAVE_LOAD_ERRORS, describe
 from trainwarden.runtime.checkpoint.memory import MemoryRestore
-from trainwarden.runtime.checkpoint.metadata_reader import AllowListReader
-from trainwarden.runtime.checkpoint.state import ModelState, RNGState, load_sidecar, put_back
+from trainwarden.runtime.checkpoint.loading import load_with_retries, restore_rng
+from trainwarden.runtime.checkpoint.state import ModelState, RNGState
 from trainwarden.runtime.checkpoint.restore_plan import RestorePlan, plan_restore, read_backoff_from_env
 from trainwarden.runtime.checkpoint.sums import verify_share
 from trainwarden.runtime.checkpoint.save_failures import SaveFailures
@@ -354,7 +354,8 @@ class Checkpointer(MemoryRestore):
                     self._quarantine(step, Path(path), store.CORRUPT, reason)
                 self._group.barrier()
                 continue
-            failed, read_error = self._load_with_retries(Path(path), state, load_attempts, retry_delay_s)
+            failed, read_error = load_with_retries(self._group, Path(path), state, load_attempts, retry_delay_s,
+                                                       rank=self.rank)
             if not failed:
                 self._resumed(step, Path(path), state, began)
                 return step
@@ -378,7 +379,7 @@ class Checkpointer(MemoryRestore):
         return sorted({w for found in self._group.gather(wrong) for w in found})
 
     def _resumed(self, step: int, path: Path, state: Mapping[str, Any], began: float) -> None:
-        self._restore_rng(path, state)
+        restore_rng(path, state, rank=self.rank, world_size=self.world_size)
         self._last_saved_step = step  # never re-save (and so briefly invalidate) what we resumed from
         if self.rank == 0:
             try:
@@ -418,34 +419,6 @@ class Checkpointer(MemoryRestore):
             logger.error("%s", message, extra={"event": "resume_blocked"})
             self._report("resume_blocked", 0, path=str(self.directory), detail=message[:1000])
         raise error(message)
-
-    def _load_with_retries(self, path: Path, state: Mapping[str, Any], attempts: int,
-                           delay: float) -> tuple[str, bool]:
-        """("", False) once every rank loaded `path`; else what failed after `attempts` tries that all failed,
-        and whether the last failure was a read error (an OSError on some rank) rather than bad content."""
-        detail, read_error = "", False
-        for attempt in range(1, max(1, attempts) + 1):
-            results = self._group.gather(self._try_load(path, state))
-            failed = {r: e for r, (e, _) in enumerate(results) if e}
-            if not failed:
-                return "", False
-            read_error = any(is_read for _, is_read in results)
-            by_error: dict[str, list[int]] = {}
-            for r, e in sorted(failed.items()):
-                by_error.setdefault(e, []).append(r)
-            detail = "; ".join(f"ranks {rs}: {e}" for e, rs in by_error.items())
-            if attempt < attempts:
-                if self.rank == 0:  # every rank gathered the same results: one of them says it
-                    logger.warning("checkpoint %s failed to load (attempt %d of %d: %s); trying again in %.0f s",
-                                   path, attempt, attempts, detail, delay * attempt)
-                self._group.barrier()
-                time.sleep(delay * attempt)
-        if self.rank == 0:
-            logger.error("checkpoint %s failed to load on all %d attempts (%s)%s", path, attempts, detail,
-                         " (a read error: the storage, not the checkpoint)" if read_error else
-                         ". If the model or optimizer definition changed since it was saved, that is the cause.",
-                         extra={"event": "checkpoint_unloadable"})
-        return detail, read_error
 
     def _quarantine(self, step: int, path: Path, state: str, reason: str) -> None:
         """Rank 0: move a checkpoint aside (never delete it) and report it."""
@@ -494,33 +467,6 @@ class Checkpointer(MemoryRestore):
         if step is not None and path and Path(path).resolve().parent != self.directory.resolve():
             return None, f"{source} names step {step} in another directory ({path}): not counted here"
         return step, (f"step {step}" if step is not None else source)
-
-    def _try_load(self, path: Path, state: Mapping[str, Any]) -> tuple[str, bool]:
-        """("", False) when loaded; else (what failed, whether it was a read error)."""
-        dcp_state = {k: v for k, v in state.items() if not isinstance(v, RNGState)}
-        try:
-            dcp.load(dcp_state, storage_reader=AllowListReader(path), process_group=self._pg,
-                     no_dist=not self._distributed)
-        except SAVE_LOAD_ERRORS as exc:
-            return describe(exc), is_read_error(exc)
-        for name, value in dcp_state.items():
-            if not hasattr(value, "state_dict"):
-                put_back(state, name, value)  # DCP hands back a new list or number for a plain entry
-        return "", False
-
-    def _restore_rng(self, path: Path, state: Mapping[str, Any]) -> None:
-        entries = {k: v for k, v in state.items() if isinstance(v, RNGState)}
-        if not entries:
-            return
-        try:
-            saved = (store.read_manifest(path) or {}).get("world_size")
-        except (OSError, ValueError) as exc:
-            saved = f"unknown ({exc})"
-        if saved != self.world_size:
-            logger.warning("checkpoint %s was saved at world size %s, now %d: RNG states not restored, the "
-                           "generators keep their current seeds", path, saved, self.world_size)
-            return
-        load_sidecar(path / store.rng_sidecar_name(self.rank), entries)
 
     def close(self) -> None:
         """Wait for the in-flight save, then release the stager's buffers, the committer thread and the

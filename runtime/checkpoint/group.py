@@ -12,22 +12,22 @@ class GroupCollectives:
     """``pg`` None with ``distributed`` True is the default group, as in ``torch.distributed``'s own calls."""
 
     def __init__(self, pg, *, distributed: bool) -> None:
-        self._pg, self._distributed = pg, distributed
+        self.pg, self.distributed = pg, distributed
 
     def broadcast(self, obj):
-        if not self._distributed:
+        if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, group=self._pg, group_src=0)
+        dist.broadcast_object_list(box, group=self.pg, group_src=0)
         return box[0]
 
     def gather(self, obj) -> list:
-        if not self._distributed:
+        if not self.distributed:
             return [obj]
-        out: list = [None] * dist.get_world_size(self._pg)
-        dist.all_gather_object(out, obj, group=self._pg)
+        out: list = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(out, obj, group=self.pg)
         return out
 
     def barrier(self) -> None:
-        if self._distributed:
-            dist.barrier(group=self._pg)
+        if self.distributed:
+            dist.barrier(group=self.pg)
