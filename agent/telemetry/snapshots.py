@@ -153,6 +153,13 @@ class JobSnapshot:
     numeric_events: tuple[tuple[str, int], ...] = ()
     """(kind, count) of the numeric events the workers reported (NaN, loss spikes), by kind."""
 
+    def pipeline_stages(self) -> dict[int, int]:
+        """Rank -> pipeline stage: runtime/examples/parallel.py builds the ("pp", "dp", "tp") mesh, pp outermost."""
+        pp = int(self.mesh.get("pp", 1) or 1)
+        if pp <= 1 or self.world_size % pp:
+            return {r.rank: 0 for r in self.ranks}
+        return {r.rank: r.rank // (self.world_size // pp) for r in self.ranks}
+
 
 def steps_from(ranks: "Iterable[RankSnapshot]") -> str:
     """Where a job's steps come from, from its ranks' snapshots: "rt.step", "optimizer hooks" (both, joined,

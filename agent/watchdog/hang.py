@@ -156,6 +156,16 @@ class HangCheck:
     """The job is stalled and its ranks here worked within the last ``WORKING_WITHIN_S`` (the activity rule): what
     a node tells the job's other nodes, whose own ranks may only be waiting for these (agent/etcd/cluster.py)."""
 
+    @property
+    def silent(self) -> str:
+        """What stopped coming: a job without steps is judged by its collectives."""
+        return "collective" if self.heartbeat == "collectives" else "step or collective"
+
+    @property
+    def words(self) -> str:
+        """The start of a hang's abort reason, which the workers log ("aborted by the trainwarden agent: ...")."""
+        return f"hang: no {self.silent} for {self.stalled_s:.1f} s"
+
 
 @dataclass
 class _JobProgress:

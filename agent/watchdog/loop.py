@@ -14,7 +14,7 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
   as the peer group and the median step time as the unit of its window. A start event records a `straggler_start` incident and raises the
   rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
-- paces the ranks' Flight Recorder reads (`_pace_reads`, `actions.set_read_pace`): every `quiet_read_period_s`
+- paces the ranks' Flight Recorder reads (`read_pace.py`, `actions.set_read_pace`): every `quiet_read_period_s`
   while the straggler detector has been near no decision on the job for `quiet_after_s`, at the workers' own
   pace again as soon as it is (a read holds the worker's GIL for milliseconds).
 
@@ -35,7 +35,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
@@ -52,11 +51,13 @@ from trainwarden.agent.incidents import Incident, IncidentKind, IncidentState, n
 from trainwarden.agent.telemetry.job_telemetry import STARTUP_STEPS, JobSnapshot, RankSnapshot
 from trainwarden.agent.common.heartbeat import Heartbeat
 from trainwarden.agent.common.paths import job_state_dir
-from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, trace_file
+from trainwarden.agent.shared.contract import trace_file
 from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
-from trainwarden.agent.watchdog.straggler import StragglerDetector, StragglerEvent, StragglerPolicy
+from trainwarden.agent.watchdog.straggler import StragglerDetector
+from trainwarden.agent.watchdog.read_pace import ReadPacer
+from trainwarden.agent.watchdog.straggler_incidents import StragglerIncidents
 
 __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 
@@ -111,15 +112,11 @@ class Watchdog:
         self._comm = CommRegressionWatch(lambda incident: self._actions.record(incident), node=node, clock=clock,
                                          wall=wall, config=self.config.comm_regression)
         self._acting: dict[str, tuple[Incident | None, float]] = {}  # job -> hang incident waiting for progress (None: another node's)
-        self._stragglers: dict[tuple[str, int], Incident] = {}  # open straggler_start incidents
-        self._straggler_starts: dict[str, deque[float]] = {}  # job -> wall times of recent starts (rate limit)
-        self._suppressed: set[tuple[str, int]] = set()  # flagged without an incident
-        self.suppressed: dict[str, int] = {}  # job -> straggler incidents not recorded (exported)
+        self._straggler_incidents = StragglerIncidents(actions, node=node, config=self.config.straggler, wall=wall,
+                                                       set_flag=lambda *flag: job_telemetry.set_flag(*flag))
         self._step_s: dict[str, float] = {}  # last median step time per job
-        self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
-        self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
-        self.read_pace: dict[str, float] = {}  # job -> the read period its workers are asked for (0: their own)
-        self._slow_pace_until: dict[str, float] = {}  # job -> until when a read at the slow pace may be pending
+        self._pacer = ReadPacer(actions, period_s=self.config.quiet_read_period_s, after_s=self.config.quiet_after_s,
+                                clock=clock)
         self._cluster_failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
         self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
@@ -161,7 +158,7 @@ class Watchdog:
             return True
         thread.join(timeout)
         if not thread.is_alive():
-            self._close_stragglers(None, "the agent stopped while the rank was flagged")
+            self._straggler_incidents.close(None, "the agent stopped while the rank was flagged")
             self._comm.close_all("the agent stopped during the regression (this node left the job, or the run ended)")
         return not thread.is_alive()
 
@@ -187,16 +184,13 @@ class Watchdog:
                 self.errors += 1
                 log.exception("watchdog check of job %s failed; continuing", snap.job, extra={"job": snap.job})
         for job in set(self._hang.jobs()) - set(checks):
-            self._close_stragglers(job, "the job ended while the rank was flagged")
+            self._straggler_incidents.close(job, "the job ended while the rank was flagged")
             self._hang.forget(job)
             self._straggler.forget(job)
             self._comm.forget(job)
             self._step_s.pop(job, None)
             self._acting.pop(job, None)
-            self._attended.pop(job, None)
-            self._paced.pop(job, None)
-            self.read_pace.pop(job, None)
-            self._slow_pace_until.pop(job, None)
+            self._pacer.forget(job)
             self._deferred.pop(job, None)
             self._cluster_failing.pop(job, None)
             if self._cluster is not None:
@@ -229,7 +223,7 @@ class Watchdog:
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective),
-            collective_report_s=self._collective_report_s(snap.job),
+            collective_report_s=self._pacer.collective_report_s(snap.job),
             **(self._activity_of(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if self._cluster is not None:
             check = self._with_other_nodes(snap.job, check)
@@ -245,7 +239,7 @@ class Watchdog:
         else:  # the ranks have gone (the job ended): their last data still counts, at the last step time
             step_s = self._step_s.get(snap.job, 0.0)
         intervals = self._job_telemetry.take_intervals(snap.job)
-        groups = _stage_groups(snap)
+        groups = snap.pipeline_stages()
         warm = check.min_steps_since_start >= self.config.straggler.warmup_steps
         if self._trace is not None:
             self._trace.write(snap.job, t=self._clock(), step_s=step_s, groups=groups, warm=warm, intervals=intervals,
@@ -258,10 +252,10 @@ class Watchdog:
             self._straggler.new_round(snap.job)
         events = self._straggler.update(snap.job, intervals, step_seconds=step_s, groups=groups)
         for event in events:
-            self._on_straggler(snap, event)
+            self._straggler_incidents.on_event(snap, event)
         for rank, score in self._straggler.scores().get(snap.job, {}).items():
             self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
-        self._pace_reads(snap)
+        self._pacer.pace(snap, near_decision=self._straggler.near_decision(snap.job))
         return check
 
     def _activity_of(self, ranks: Sequence[RankSnapshot]) -> dict[str, dict[int, float]]:
@@ -287,43 +281,6 @@ class Watchdog:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
         return min(REPORT_AGE_CAP_S, max(0.0, self._wall() - unix)) if unix else 0.0
 
-    def _collective_report_s(self, job: str) -> float:
-        """The longest a rank's collectives may go unreported: its read period (its own, or the slower one asked
-        for, which holds for one more of its periods after the pace is shortened: the read it had scheduled is
-        still to come) plus a flush."""
-        period = max(FR_READ_INTERVAL_S, self.read_pace.get(job, 0.0))
-        if self._clock() < self._slow_pace_until.get(job, 0.0):
-            period = max(period, self.config.quiet_read_period_s)
-        return period + FLUSH_INTERVAL_S
-
-    def _pace_reads(self, snap: JobSnapshot) -> None:
-        """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
-        a decision, and at their own pace as soon as it is (`quiet_read_period_s`). A worker starts every
-        stream at its own pace; each stream is told only when what it should do changes."""
-        quiet_period = self.config.quiet_read_period_s
-        if quiet_period <= 0:
-            return
-        now = self._clock()
-        if self._straggler.near_decision(snap.job):
-            self._attended[snap.job] = now
-        quiet = now - self._attended.setdefault(snap.job, now) >= self.config.quiet_after_s
-        want = quiet_period if quiet else 0.0
-        if self.read_pace.get(snap.job, 0.0) > want:
-            self._slow_pace_until[snap.job] = now + quiet_period
-        self.read_pace[snap.job] = want
-        told = self._paced.setdefault(snap.job, {})
-        streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}
-        # a new stream (a new process, or the same one reconnected) starts at the worker's own pace
-        asked = {rank: period for rank, (stream, period) in told.items() if streams.get(rank) == stream}
-        stale = [r.rank for r in snap.ranks if r.connected and asked.get(r.rank, 0.0) != want]
-        if not stale:
-            return
-        for rank in self._actions.set_read_pace(snap.job, stale, want):
-            told[rank] = (streams[rank], want)
-        log.debug("job %s: ranks %s asked to read their Flight Recorders %s", snap.job, ",".join(map(str, stale)),
-                  f"at most every {want:g} s (no detector near a decision)" if quiet else "at their own pace again",
-                  extra={"job": snap.job})
-
     # ---- hang ----------------------------------------------------------------------------------------
 
     def _on_hang(self, snap: JobSnapshot, check: HangCheck) -> None:
@@ -332,7 +289,7 @@ class Watchdog:
         directory = Path(self._diagnostics_dir(job)) / incident_id
         connected = [r.rank for r in snap.ranks if r.connected]
         log.error("job %s hung: no %s for %.1f s (deadline %.1f s, %s); collecting diagnostics", job,
-                  _silent(check), check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
+                  check.silent, check.stalled_s, check.timeout_s, check.reason, extra={"job": job, "incident": incident_id})
         owner = self._owner_uid(job)
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -357,7 +314,7 @@ class Watchdog:
         def abort_while_waiting(so_far: dict[str, dict]) -> None:
             if self.config.abort_on_hang:
                 _, partial = merge_verdicts(so_far) if so_far else ({}, verdict.summary)
-                early.append(self._abort_workers(job, ranks, f"{_hang_words(check)}; {partial} (other nodes' verdicts "
+                early.append(self._abort_workers(job, ranks, f"{check.words}; {partial} (other nodes' verdicts "
                                                              "awaited)"))
 
         if self._cluster is not None:
@@ -391,7 +348,7 @@ class Watchdog:
             outcome="waiting for the job to progress after the restart", now=self._wall()))
         # already done while the verdicts were awaited, or now
         aborted, error = early[0] if early else self._abort_workers(
-            job, ranks, f"{_hang_words(check)}; {summary}")
+            job, ranks, f"{check.words}; {summary}")
         if aborted:
             self._acting[job] = (incident, self._clock())
         else:
@@ -450,7 +407,7 @@ class Watchdog:
     def _abort_only(self, snap: JobSnapshot, ranks: list[int], check: HangCheck, verdict) -> None:
         if not self.config.abort_on_hang:
             return
-        aborted, _ = self._abort_workers(snap.job, ranks, f"{_hang_words(check)}; recorded by another node "
+        aborted, _ = self._abort_workers(snap.job, ranks, f"{check.words}; recorded by another node "
                                                           f"({verdict.summary})")
         if aborted:
             self._acting[snap.job] = (None, self._clock())
@@ -495,81 +452,17 @@ class Watchdog:
 
     # ---- stragglers ----------------------------------------------------------------------------------
 
-    def _on_straggler(self, snap: JobSnapshot, event: StragglerEvent) -> None:
-        job, rank, s = snap.job, event.rank, event.score
-        now = self._wall()
-        evidence = {"score": round(s.score, 4), "compute_share": round(s.compute_share, 4),
-                    "peer_compute_share": round(s.peer_compute_share, 4),
-                    "peer_wait_share": round(s.peer_wait_share, 4), "peer_work_growth": round(s.peer_growth, 3),
-                    "window_seconds": round(s.window_seconds, 3), "steps_persisted": event.evaluations,
-                    "step": max((r.last_step for r in snap.ranks), default=-1), "policy": event.policy.value,
-                    "hostname": next((r.hostname for r in snap.ranks if r.rank == rank), "")}
-        evidence["persisted_seconds"] = round(event.seconds, 1)
-        verb = "has been" if event.started else "is back in line:"
-        evidence["summary"] = (f"rank {rank} {verb} busy {s.compute_share:.0%} of its time against its peers' "
-                               f"{s.peer_compute_share:.0%} (score {s.score:.2f}) for {event.seconds:.0f} s"
-                               + (f", so they wait for it {s.peer_wait_share:.0%} of the time" if event.started
-                                  else ""))
-        self._job_telemetry.set_flag(job, rank, "straggler", event.started)
-        if not self._admit_straggler_incident(job, rank, event.started, now):
-            return
-        if event.started:
-            action = "alert" if event.policy == StragglerPolicy.ALERT else \
-                f"exclude node {evidence['hostname'] or self._node} at the next restart (requested)"
-            start = self._stragglers[(job, rank)] = self._actions.record(Incident(
-                id=new_incident_id(now), kind=IncidentKind.STRAGGLER_START, job=job, node=self._node,
-                ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action=action,
-                outcome="straggling"))
-            if event.policy == StragglerPolicy.EXCLUDE:
-                self._actions.request_exclusion(job, self._node, {
-                    "node": self._node, "job": job, "rank": rank, "incident": start.id, "since": now,
-                    "reason": f"straggler: rank {rank} score {s.score:.2f} (policy exclude)"})
-            return
-        end = Incident(id=new_incident_id(now), kind=IncidentKind.STRAGGLER_END, job=job, node=self._node,
-                       ranks=(rank,), evidence=evidence, detected_at=now, updated_at=now, action="clear flag")
-        self._actions.record(end.transition(IncidentState.RESOLVED, outcome="rank back in line", now=now))
-        start = self._stragglers.pop((job, rank), None)
-        if event.policy == StragglerPolicy.EXCLUDE and not any(j == job for j, _ in self._stragglers):
-            self._actions.withdraw_exclusion(job, self._node)  # no rank of this node straggles any more
-        if start is not None:
-            self._actions.record(start.transition(
-                IncidentState.RESOLVED, outcome=f"cleared ({end.id}) after {now - start.detected_at:.0f} s", now=now))
-
-    def _admit_straggler_incident(self, job: str, rank: int, started: bool, now: float) -> bool:
-        """At most one open straggler incident per rank, and at most `max_incidents_per_hour` per job; a
-        start not recorded makes its end not recorded either. Suppressions are counted and logged."""
-        key = (job, rank)
-        if not started:
-            if key in self._suppressed:
-                self._suppressed.discard(key)
-                return False
-            return True
-        recent = self._straggler_starts.setdefault(job, deque())
-        while recent and now - recent[0] > 3600.0:
-            recent.popleft()
-        if key in self._stragglers:
-            reason = "an incident for this rank is still open"
-        elif len(recent) >= self.config.straggler.max_incidents_per_hour:
-            reason = f"{len(recent)} straggler incidents opened in the last hour (the limit)"
-        else:
-            recent.append(now)
-            return True
-        self._suppressed.add(key)
-        self.suppressed[job] = self.suppressed.get(job, 0) + 1
-        log.warning("job %s rank %d flagged as a straggler again; no incident recorded: %s", job, rank, reason,
-                    extra={"job": job, "rank": rank})
-        return False
-
-    def _close_stragglers(self, job: str | None, outcome: str) -> None:
-        """Resolve the open straggler incidents of `job` (None: every job): no end event will come."""
-        for key in [k for k in self._stragglers if job is None or k[0] == job]:
-            start = self._stragglers.pop(key)
-            try:
-                self._actions.record(start.transition(IncidentState.RESOLVED, outcome=outcome, now=self._wall()))
-            except Exception:
-                log.exception("closing straggler incident %s failed", start.id)
-
     # ---- metrics -------------------------------------------------------------------------------------
+
+    @property
+    def read_pace(self) -> dict[str, float]:
+        """job -> the read period its workers are asked for (0: their own; exported)."""
+        return self._pacer.read_pace
+
+    @property
+    def suppressed(self) -> dict[str, int]:
+        """job -> straggler incidents not recorded (exported)."""
+        return self._straggler_incidents.suppressed
 
     def collector(self) -> Collector:
         from trainwarden.agent.watchdog.exposition import WatchdogCollector
@@ -588,25 +481,6 @@ class Watchdog:
     def comm_metrics(self, checks: Mapping) -> Iterator[Metric]:
         """The communication-regression watch's metric families."""
         yield from self._comm.metrics(checks)
-
-
-def _stage_groups(snap: JobSnapshot) -> dict[int, int]:
-    """Rank -> pipeline stage: runtime/examples/parallel.py builds the ("pp", "dp", "tp") mesh, pp outermost."""
-    pp = int(snap.mesh.get("pp", 1) or 1)
-    if pp <= 1 or snap.world_size % pp:
-        return {r.rank: 0 for r in snap.ranks}
-    per_stage = snap.world_size // pp
-    return {r.rank: r.rank // per_stage for r in snap.ranks}
-
-
-def _silent(check: HangCheck) -> str:
-    """What stopped coming: a job without steps is judged by its collectives."""
-    return "collective" if check.heartbeat == "collectives" else "step or collective"
-
-
-def _hang_words(check: HangCheck) -> str:
-    """The start of a hang's abort reason, which the workers log ("aborted by the trainwarden agent: ...")."""
-    return f"hang: no {_silent(check)} for {check.stalled_s:.1f} s"
 
 
 def _steady_step_p99(connected: Sequence[RankSnapshot]) -> float:

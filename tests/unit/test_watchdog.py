@@ -298,16 +298,16 @@ def test_workers_read_slowly_while_no_straggler_is_near_and_at_their_own_pace_on
     registry.register(wd.collector())
     assert 'trainwarden_flight_recorder_read_pace_seconds{job="j",node="n1"} 3.0' in generate_latest(registry).decode()
     # collectives are heard once a read, then a flush: the collectives deadline allows for the slow pace
-    assert wd._collective_report_s("j") == 3.0 + 0.5
+    assert wd._pacer.collective_report_s("j") == 3.0 + 0.5
     # rank 2 turns slow (1.2x): its first slices bring every worker back to its own pace, before the flag
     sim.run(5, compute={2: 0.3})
     wd.check_once()
     assert actions.paces[1:] == [("j", [0, 1, 2, 3], 0.0)] and actions.records == []
-    assert wd._collective_report_s("j") == 3.0 + 0.5  # a read at the slow pace may still be due
+    assert wd._pacer.collective_report_s("j") == 3.0 + 0.5  # a read at the slow pace may still be due
     for _ in range(10):
         sim.run(7, compute={2: 0.3})
         wd.check_once()
-    assert wd._collective_report_s("j") == 1.5 + 0.5  # the workers' own pace
+    assert wd._pacer.collective_report_s("j") == 1.5 + 0.5  # the workers' own pace
     assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
     assert len(actions.paces) == 2  # told once; nothing repeated while it stays so
     # the straggler recovers and the flag clears: 10 s later the workers read slowly again
@@ -549,8 +549,8 @@ def test_one_open_straggler_incident_per_rank(tmp_path):
     event = StragglerEvent(job="j", rank=2, started=True, score=score, evaluations=7, seconds=3.5,
                            policy=StragglerPolicy.ALERT)
     snap = sim.js.snapshot("j")[0]
-    wd._on_straggler(snap, event)
-    wd._on_straggler(snap, event)  # the detector lost its state (a pruned job came back) and flags again
+    wd._straggler_incidents.on_event(snap, event)
+    wd._straggler_incidents.on_event(snap, event)  # the detector lost its state (a pruned job came back) and flags again
     assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
     assert wd.suppressed == {"j": 1}
 

@@ -1,0 +1,71 @@
+"""The pace of the ranks' Flight Recorder reads (agent/watchdog/loop.py asks it every check): each read dumps the
+whole ring, so while the straggler detector is not near a decision for ``after_s`` the workers are asked to read at
+most every ``period_s`` (``WatchdogActions.set_read_pace``), and at their own pace again as soon as it is. Also how
+long a rank's collectives may go unreported at that pace, which the hang detector allows for."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S
+from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.watchdog.interface import WatchdogActions
+
+__all__ = ["ReadPacer"]
+
+log = logging.getLogger("trainwarden.agent.watchdog.loop")  # the watchdog's log, as before the split
+
+
+class ReadPacer:
+    """The read pace asked of each job's ranks (module docstring); ``period_s`` 0 never slows them."""
+
+    def __init__(self, actions: WatchdogActions, *, period_s: float, after_s: float,
+                 clock: Callable[[], float]) -> None:
+        self._actions, self._period_s, self._after_s, self._clock = actions, period_s, after_s, clock
+        self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
+        self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
+        self.read_pace: dict[str, float] = {}
+        """job -> the read period its workers are asked for (0: their own)."""
+        self._slow_until: dict[str, float] = {}  # job -> until when a read at the slow pace may be pending
+
+    def forget(self, job: str) -> None:
+        for table in (self._attended, self._paced, self.read_pace, self._slow_until):
+            table.pop(job, None)
+
+    def collective_report_s(self, job: str) -> float:
+        """The longest a rank's collectives may go unreported: its read period (its own, or the slower one asked
+        for, which holds for one more of its periods after the pace is shortened: the read it had scheduled is
+        still to come) plus a flush."""
+        period = max(FR_READ_INTERVAL_S, self.read_pace.get(job, 0.0))
+        if self._clock() < self._slow_until.get(job, 0.0):
+            period = max(period, self._period_s)
+        return period + FLUSH_INTERVAL_S
+
+    def pace(self, snap: JobSnapshot, *, near_decision: bool) -> None:
+        """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
+        a decision, and at their own pace as soon as it is (`quiet_read_period_s`). A worker starts every
+        stream at its own pace; each stream is told only when what it should do changes."""
+        quiet_period = self._period_s
+        if quiet_period <= 0:
+            return
+        now = self._clock()
+        if near_decision:
+            self._attended[snap.job] = now
+        quiet = now - self._attended.setdefault(snap.job, now) >= self._after_s
+        want = quiet_period if quiet else 0.0
+        if self.read_pace.get(snap.job, 0.0) > want:
+            self._slow_until[snap.job] = now + quiet_period
+        self.read_pace[snap.job] = want
+        told = self._paced.setdefault(snap.job, {})
+        streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}
+        # a new stream (a new process, or the same one reconnected) starts at the worker's own pace
+        asked = {rank: period for rank, (stream, period) in told.items() if streams.get(rank) == stream}
+        stale = [r.rank for r in snap.ranks if r.connected and asked.get(r.rank, 0.0) != want]
+        if not stale:
+            return
+        for rank in self._actions.set_read_pace(snap.job, stale, want):
+            told[rank] = (streams[rank], want)
+        log.debug("job %s: ranks %s asked to read their Flight Recorders %s", snap.job, ",".join(map(str, stale)),
+                  f"at most every {want:g} s (no detector near a decision)" if quiet else "at their own pace again",
+                  extra={"job": snap.job})
