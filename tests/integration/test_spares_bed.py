@@ -123,13 +123,16 @@ def _metric(bed: TestBed, node: str, url: str, name: str) -> str:
     return "\n".join(line for line in out.splitlines() if line.startswith(name))
 
 
-@pytest.mark.extended  # about 3.5 min on this machine, like the bed's other spare tests
-def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_ranks(tmp_path):
+@pytest.mark.extended  # about 3.5 min each on this machine, like the bed's other spare tests
+@pytest.mark.parametrize("cause", ["excluded", "drained"])
+def test_an_excluded_or_drained_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_ranks(tmp_path, cause):
     """Issue 47 item 3: under --straggler-policy exclude, the straggler policy's exclusion of n1 (what it writes:
     ``jobs/<job>/exclude/n1``) makes n1 leave after an agreed step's checkpoint; the spare n2 takes n1's position
     in the next round: ranks 2,3, world size 4 throughout (no resharding), the job resumes from that step (none
     lost), a spare_swap incident names both, and the spare counts trainwarden_spare_swaps_total{cause="excluded"}
-    (before, it counted nothing: a spare could not tell an exclusion from a loss, and recorded nothing)."""
+    (before, it counted nothing: a spare could not tell an exclusion from a loss, and recorded nothing). A drain
+    (SIGUSR1 to n1's `trainwarden run`, what the node daemon's ``drain`` sends) is the same swap, counted as
+    ``drained``."""
     steps, ckpt = 90, tmp_path / "shared" / "ckpt"
     policy = ("--straggler-policy", "exclude")
     with TestBed(nodes=3, etcd_members=1, workdir=tmp_path / "bed") as bed:
@@ -147,7 +150,10 @@ def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_r
         wait_for(lambda: max(_steps(text()) or [0]) >= 15 or any(p.poll() is not None for p in runs.values()), 240,
                  what="the job to reach step 15 with the spare waiting")
         assert all(p.poll() is None for p in runs.values()), text()[-4000:]
-        _etcd_put(bed, "/trainwarden/v1/jobs/sp/exclude/n1", '{"reason": "straggler: rank 2 is 3.0x slower"}')
+        if cause == "excluded":
+            _etcd_put(bed, "/trainwarden/v1/jobs/sp/exclude/n1", '{"reason": "straggler: rank 2 is 3.0x slower"}')
+        else:
+            os.kill(runs["n1"].pid, signal.SIGUSR1)  # `ip netns exec` ran it in its place: our own `trainwarden run`
 
         def swap() -> dict | None:
             return next((i for i in _etcd_incidents(bed, "sp") if i["kind"] == "spare_swap"), None)
@@ -157,7 +163,7 @@ def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_r
         assert incident is not None, text("n2")[-4000:]
         url = re.search(r"agent metrics at (\S+)", text("n2")).group(1)
         counted = _metric(bed, "n2", url, "trainwarden_spare_swaps_total")
-        assert re.search(r'cause="excluded".*\} 1\.0', counted), counted
+        assert re.search(rf'cause="{cause}".*\}} 1\.0', counted), counted
         for node in ("n0", "n1", "n2"):
             assert runs[node].wait(300) == 0, f"{node}: " + text(node)[-4000:]
         assert [r for r, _ in _rounds(tmp_path, "n2")] == [[2, 3]], _rounds(tmp_path, "n2")
@@ -165,12 +171,12 @@ def test_an_excluded_node_steps_out_at_the_agreed_step_and_the_spare_takes_its_r
         assert all(w == {4} for n in ("n0", "n1", "n2") for _, w in _rounds(tmp_path, n))
         step = incident["evidence"]["step"]
         assert (incident["node"], incident["ranks"], incident["evidence"]["spare"]) == ("n1", [2, 3], "n2")
-        assert incident["evidence"]["summary"] == f"node n1 excluded (straggler policy exclude); spare n2 took ranks " \
-                                                  f"2,3 after step {step}", incident
+        why = "excluded (straggler policy exclude)" if cause == "excluded" else "drained"
+        assert incident["evidence"]["summary"] == f"node n1 {why}; spare n2 took ranks 2,3 after step {step}", incident
         story = _rank0(text())
         resumed = _check_continuation(story, steps, require_replay=False)
         assert resumed == step, (resumed, step, story)  # it steps out at the agreed step: no step lost
-        print(f"n1 excluded after step {step}; spare n2 took ranks 2,3 and the job resumed from step {resumed}")
+        print(f"n1 {cause} after step {step}; spare n2 took ranks 2,3 and the job resumed from step {resumed}")
     assert bed.leftovers() == []
 
 
@@ -273,7 +279,7 @@ def test_a_degraded_link_is_named_and_its_node_swapped_for_the_spare_at_full_siz
         assert (incident["node"], incident["ranks"], incident["evidence"]["spare"]) == ("n1", [2, 3], "n2")
         assert incident["evidence"]["cause"] == "excluded" and incident["evidence"]["reason"].startswith(
             "link check:"), incident
-        assert re.search(r'cause="excluded".*\} 1\.0', counted), counted
+        assert re.search(rf'cause="{cause}".*\}} 1\.0', counted), counted
         assert [r for r, _ in _rounds(tmp_path, "n2")] == [[2, 3]], _rounds(tmp_path, "n2")
         assert {tuple(r) for r, _ in _rounds(tmp_path, "n0")} == {(0, 1)}
         assert all(w == {4} for n in ("n0", "n1", "n2") for _, w in _rounds(tmp_path, n))
