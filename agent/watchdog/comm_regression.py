@@ -19,7 +19,7 @@ The job's time is cut into windows of at least `window_s` seconds in which every
 `min_window_steps` steps. A window is *tainted*, and neither judged nor learned from, when a rank was restoring
 a checkpoint or held for a membership change during it, or when it began before `warmup_steps` steps of the current worker round (a new set of
 pids: a restart, a join). The baseline is the median of the last `baseline_windows` healthy windows, per rank;
-it is kept across restarts of the same world size and dropped when the world size changes. A window is
+each world size keeps its own (a job that shrank and grew back judges with its old size's at once). A window is
 *suspect* when the job's median step time is at least `start_ratio` times the baseline's and every rank's
 collective wait grew by at least `min_comm_share` of its step time's growth while its compute stayed within
 `max_compute_ratio` of its baseline's. `persist_windows` suspect windows in a row start a regression;
@@ -143,7 +143,8 @@ class _Job:
     start_t: float = 0.0
     start: dict[int, RankTotals] = field(default_factory=dict)
     tainted: bool = False
-    healthy: deque = field(default_factory=deque)  # of {rank: WindowStats}
+    healthy: deque = field(default_factory=deque)  # of {rank: WindowStats}: the current world size's baseline
+    baselines: dict[int, deque] = field(default_factory=dict)  # world size -> its healthy windows
     suspect: int = 0
     calm: int = 0
     regressed: bool = False
@@ -175,9 +176,9 @@ class CommRegressionDetector:
         cfg = self.config
         state = self._jobs.setdefault(job, _Job(healthy=deque(maxlen=cfg.baseline_windows)))
         round_id = frozenset((rank, r.pid) for rank, r in totals.items())
-        if round_id != state.round_id:  # a new worker round: warm up again; a new world size: a new baseline
-            if len(totals) != state.world:
-                state.healthy.clear()
+        if round_id != state.round_id:  # a new worker round: warm up again; each world size its own baseline
+            if len(totals) != state.world:  # a job that shrank and grew back judges with its old size's at once
+                state.healthy = state.baselines.setdefault(len(totals), deque(maxlen=cfg.baseline_windows))
             state.round_id, state.world = round_id, len(totals)
             state.round_start_steps = {rank: r.steps for rank, r in totals.items()}
             self._open(state, t, totals)

@@ -98,6 +98,22 @@ def test_a_new_world_size_learns_a_new_baseline():
     assert smaller.run(det, 120, compute=0.16, wait=0.1) == []
 
 
+def test_a_job_back_at_its_old_world_size_judges_with_that_sizes_baseline_at_once():
+    """Issue 45, the hour's soak: a node was killed and came back (world 8 -> 4 -> 8), and a degraded link 58 steps
+    later raised no comm_regression within 90 s: the world's change had dropped the baseline, and the next six
+    windows went to learning it again. Each world size keeps its own baseline now."""
+    det, job = CommRegressionDetector(), Job(ranks=4)
+    _warm(det, job)
+    smaller = Job(ranks=3)
+    smaller.t = job.t
+    assert smaller.run(det, 60, compute=0.16, wait=0.1) == []  # shrunk: its own baseline
+    job.t = smaller.t
+    job.restart()  # back at 4 ranks: new processes
+    assert job.run(det, 5) == []  # past the warm-up
+    events = job.run(det, 30, compute=0.08, wait=0.3)  # a slow link: steps 4.8x, all of it in collectives
+    assert [e.started for e in events] == [True], events
+
+
 def test_slow_jobs_get_windows_long_enough_for_their_steps():
     det = CommRegressionDetector(CommRegressionConfig(min_window_steps=5))
     job = Job(ranks=2)
