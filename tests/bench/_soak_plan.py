@@ -36,9 +36,11 @@ class FaultKind:
 
 
 CATALOGUE: dict[str, FaultKind] = {k.name: k for k in (
-    FaultKind(name="crash", inside=False, restarts=True, expects=("crash",)),
-    FaultKind(name="sigstop", inside=False, restarts=True, expects=("hang",)),
-    FaultKind(name="hang", inside=True, restarts=True, expects=("hang",)),
+    FaultKind(name="crash", inside=False, restarts=True, expects=("crash",),
+              may=("checkpoint_set_aside",)),
+    FaultKind(name="sigstop", inside=False, restarts=True, expects=("hang",),
+              may=("checkpoint_set_aside",)),
+    FaultKind(name="hang", inside=True, restarts=True, expects=("hang",), may=("checkpoint_set_aside",)),
     FaultKind(name="slow", inside=True, restarts=False, expects=("straggler_start",)),
     FaultKind(name="nan", inside=True, restarts=False, expects=("numeric",)),
     FaultKind(name="node_kill", inside=False, restarts=True, expects=("node_lost",), shrinks=True,
@@ -63,7 +65,7 @@ restored. ``quorum``: two of the three etcd members stopped for ``QUORUM_LOST_S`
 checkpoint directory (a tmpfs of its own) filled up until a save fails, then freed; the next save must commit."""
 
 CONSEQUENCES = {
-    "checkpoint_set_aside": "an unfinished save (a node lost mid-save: the save in flight never committed; the "
+    "checkpoint_set_aside": "an unfinished save (workers stopped mid-save: the save in flight never committed; the "
                             "restore moves it aside and, since nothing a restore sets aside is ever deleted, records "
                             "why the directory is there)",
     "hang": "a hang with no culprit (a partition: the survivors' collective with the cut-off node neither completes "
@@ -187,25 +189,48 @@ class Verdict:
         return f"invariant {self.name}: {'ok' if self.ok else 'FAILED'} ({self.detail})"
 
 
-LOSS_TOLERANCE = 1e-3
-"""Relative tolerance on the final loss once the world changed size. Another data-parallel degree sums the same
-samples' gradients in another order (float32: ~1e-7 relative per sum), and the trajectories drift apart slowly
-after it: the replayed steps right after a shrink agree to 1e-3 (test_multinode.py), and a trial soak with a
-shrink of about 130 steps ended 2.5e-5 apart. A resume that is not exact (a lost step, a wrong data position, a
-skipped or repeated update) moves the loss by far more than that (the loss changes by ~1e-2 a step here)."""
+LOSS_TAIL_STEPS = 100
+LOSS_TAIL_TOLERANCE = 0.03
+"""Once the world changed size, the fault-free run is matched in two parts. Bit-equal (at the logged 6 decimals)
+on every step logged before the first fault that shrinks the world: every resume before it must have been exact.
+After it, the mean loss of the last ``LOSS_TAIL_STEPS`` steps within ``LOSS_TAIL_TOLERANCE`` relative. Why not the
+final loss within 1e-3, as before: another data-parallel degree sums the same samples' gradients in another order
+(float32: ~1e-7 relative per sum), and training amplifies that difference rather than damping it. In the hour's soak
+(seed 46, session 30) the losses agreed to the last digit until the first shrink at step 356, differed in the 6th
+decimal from step 370, by 1e-3 relative at step 615, 1e-2 at 689 and several per cent per step from about step 800;
+the final step's loss was 7.6 % off, the mean of the last 100 steps 0.9 %. A resume that is not exact after a
+shrink is caught by the other invariants (no step 1 after a commit, every commit kept), not by the loss."""
 
 
-def loss_matches(final: float | None, reference: float | None, *, shrank: bool) -> Verdict:
-    if final is None or reference is None:
-        return Verdict("final_loss", False, f"final loss {final}, fault-free {reference}")
-    if not shrank:
-        return Verdict("final_loss", final == reference,
-                       f"{final:.6f} vs fault-free {reference:.6f}, bit-equal at the logged 6 decimals required "
+def loss_matches(steps: list[tuple[float, int, float]], reference: list[tuple[float, int, float]], *,
+                 shrank_at: float | None) -> Verdict:
+    """``steps``/``reference``: (time, step, loss) as logged by the soak and by the fault-free run; ``shrank_at``:
+    when the first fault that shrinks the world struck (None: the world never changed size)."""
+    if not steps or not reference:
+        return Verdict("final_loss", False, f"{len(steps)} steps logged, {len(reference)} in the fault-free run")
+    ref = {s: loss for _, s, loss in reference}
+    last, ref_last = max(s for _, s, _ in steps), max(ref)
+    final = next(loss for _, s, loss in reversed(steps) if s == last)
+    if shrank_at is None:
+        return Verdict("final_loss", last == ref_last and final == ref[ref_last],
+                       f"{final:.6f} vs fault-free {ref[ref_last]:.6f}, bit-equal at the logged 6 decimals required "
                        "(the world never changed size)")
-    rel = abs(final - reference) / abs(reference)
-    return Verdict("final_loss", rel <= LOSS_TOLERANCE,
-                   f"{final:.6f} vs fault-free {reference:.6f}: {rel:.2e} relative, within {LOSS_TOLERANCE:g} "
-                   "required (the world changed size)")
+    before = [(s, loss) for t, s, loss in steps if t < shrank_at and s in ref]
+    differ = [(s, loss, ref[s]) for s, loss in before if loss != ref[s]]
+    kept: dict[int, float] = {}
+    for _, s, loss in steps:  # the last run of each step is the one the job kept
+        kept[s] = loss
+    tail = [s for s in range(ref_last - LOSS_TAIL_STEPS + 1, ref_last + 1)]
+    if last != ref_last or any(s not in kept for s in tail):
+        return Verdict("final_loss", False, f"the soak's steps end at {last}, the fault-free run's at {ref_last}")
+    mean, ref_mean = (sum(table[s] for s in tail) / len(tail) for table in (kept, ref))
+    rel = abs(mean - ref_mean) / abs(ref_mean)
+    ok = not differ and rel <= LOSS_TAIL_TOLERANCE
+    first = f"; step {differ[0][0]} logged {differ[0][1]:.6f}, fault-free {differ[0][2]:.6f}" if differ else ""
+    return Verdict("final_loss", ok,
+                   f"{len(before)} steps before the world first changed size bit-equal: {not differ}{first}; mean of "
+                   f"the last {len(tail)} steps {mean:.6f} vs fault-free {ref_mean:.6f}: {rel:.2e} relative, within "
+                   f"{LOSS_TAIL_TOLERANCE:g} required (final step {final:.6f} vs {ref[ref_last]:.6f})")
 
 
 def checkpoints_kept(commits: list[tuple[float, int, str]], present: set[str], keep: int,

@@ -282,11 +282,9 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     last = max((s for _, s, _ in steps), default=0)
     finished = "error" not in soak and all(c == 0 for c in soak.get("exit", {}).values())
     out.append(Verdict("finishes", finished, soak.get("error") or f"last step {last}, exit codes {soak.get('exit')}"))
-    final = next((loss for _, s, loss in reversed(steps) if s == last), None) if finished else None
-    ref_last = max((s for _, s, _ in ref["steps"]), default=0)
-    reference = next((loss for _, s, loss in reversed(ref["steps"]) if s == ref_last), None)
-    shrank = soak["text_shrank"] or any(CATALOGUE[f.kind].shrinks for f in faults if f.at)
-    out.append(loss_matches(final, reference, shrank=shrank))
+    shrinks = [f.at for f in faults if f.at and CATALOGUE[f.kind].shrinks]
+    shrank_at = min(shrinks) if shrinks else (0.0 if soak["text_shrank"] else None)
+    out.append(loss_matches(steps if finished else [], ref["steps"], shrank_at=shrank_at))
     set_aside = {i["evidence"].get("step") for i in soak["incidents"] if i["kind"] == "checkpoint_set_aside"}
     out.append(checkpoints_kept(soak["commits"], soak["present"], keep, set_aside))
     story = [(t, "step", s) for t, s, _ in steps] + [(t, "commit", s) for t, s, _ in soak["commits"]]
