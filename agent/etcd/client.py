@@ -23,6 +23,7 @@ import ipaddress
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
@@ -317,22 +318,33 @@ def is_auth_error(exc: BaseException) -> bool:
         or "invalid auth token" in text or "user name is empty" in text
 
 
-def with_failover(client, op: Callable[[], _T]) -> _T:
+def with_failover(client, op: Callable[[], _T], *, sleep: Callable[[float], object] = time.sleep) -> _T:
     """``op()``, tried once more on each other member when a member refuses the connection.
 
     ``python3-etcd3`` marks the member that failed and uses the next one only for the *next* call; the
     failed call itself raises. Only ``ConnectionFailedError`` (UNAVAILABLE: the request never reached etcd)
     is retried, so an operation is never applied twice; a timeout, which may have been applied, is raised.
+    ``NoServerAvailableError`` (every member marked failed: a member killed and the others briefly unavailable
+    while they elect a leader) is retried once after the marks lapse (``FAILOVER_RETRY_S``): the client chose no
+    member, so nothing was sent. In the hour's soak a save's commit was refused on it when a member was killed.
     """
     attempts = max(1, len(getattr(client, "endpoints", None) or ()))
-    for attempt in range(attempts):
+    waited = attempts == 1  # one member is never marked failed
+    attempt = 0
+    while True:
         try:
             return op()
         except etcd3.exceptions.ConnectionFailedError:
-            if attempt == attempts - 1:
+            attempt += 1
+            if attempt >= attempts:
                 raise
             logger.warning("etcd member failed; retrying on the next of %d", attempts)
-    raise AssertionError("unreachable")
+        except etcd3.exceptions.NoServerAvailableError:
+            if waited:
+                raise
+            waited = True
+            logger.warning("every etcd member was marked failed; trying again in %.0f s", FAILOVER_RETRY_S)
+            sleep(FAILOVER_RETRY_S)
 
 
 def read_json_prefix(client, prefix: str) -> dict[str, dict | None]:

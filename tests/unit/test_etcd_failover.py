@@ -42,3 +42,16 @@ def test_one_member_or_a_timeout_is_not_retried():
     with pytest.raises(etcd3.exceptions.ConnectionTimeoutError):
         with_failover(Client(3), op)
     assert len(calls) == 1
+
+
+def test_every_member_marked_failed_is_tried_again_once_after_the_marks_lapse():
+    """Issue 45, the hour's soak: an etcd member killed, the other two briefly unavailable while they elected a
+    leader, all three marked failed: the commit check's call raised NoServerAvailableError and the save was refused.
+    Nothing was sent, so it is tried again once the marks lapse (FAILOVER_RETRY_S); a second one is raised."""
+    slept = []
+    op, calls = flaky(1, etcd3.exceptions.NoServerAvailableError)
+    assert with_failover(Client(3), op, sleep=slept.append) == "ok" and len(calls) == 2 and slept == [2.0]
+    op, calls = flaky(2, etcd3.exceptions.NoServerAvailableError)
+    with pytest.raises(etcd3.exceptions.NoServerAvailableError):
+        with_failover(Client(3), op, sleep=slept.append)
+    assert len(calls) == 2
