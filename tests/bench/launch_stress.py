@@ -49,11 +49,13 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="with --warm-restarts: ranks (default 2)")
     parser.add_argument("--crash", choices=("exit", "kill"), default="exit",
                         help="with --warm-restarts: how the planned crash ends its rank (default exit: exit code 1)")
+    parser.add_argument("--timeout", type=float, help="with --warm-restarts: seconds before the run is stopped (and "
+                        "its unreached rounds count as aborted; default 120 + 30 per restart)")
     args = parser.parse_args(argv)
     if args.warm_restarts is not None:
         if args.warm_restarts < 1:
             parser.error("--warm-restarts must be at least 1")
-        return warm_restarts.main(args.warm_restarts, args.nproc, args.keep, args.crash)
+        return warm_restarts.main(args.warm_restarts, args.nproc, args.keep, args.crash, args.timeout)
     if unavailable():
         sys.exit(f"launch_stress: {unavailable()}")
     from trainwarden.agent.etcd.embedded import EmbeddedEtcd

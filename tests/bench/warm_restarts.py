@@ -26,6 +26,7 @@ The first launch's round counts like the N restarts'. Ends with ``warm restarts:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -176,6 +177,7 @@ def run(restarts: int, nproc: int, work: Path, crash: str = "exit", timeout: flo
            "--crashes", str(restarts), "--record", str(record), "--crash", crash]
     timeout = timeout if timeout is not None else 120 + 30 * restarts
     out_path = work / "output.log"
+    load_before = os.getloadavg()[0]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     started = time.monotonic()
@@ -191,18 +193,24 @@ def run(restarts: int, nproc: int, work: Path, crash: str = "exit", timeout: flo
     verdict = judge(restarts, nproc, read_json_lines(record), read_json_lines(state / "history" / "events.jsonl"),
                     logs, rc)
     print(f"warm restarts: one run of {restarts} restarts, {nproc} ranks, in {time.monotonic() - started:.0f} s "
-          f"(rc {rc})", flush=True)
+          f"(rc {rc}); load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, {os.cpu_count()} "
+          "cores", flush=True)
     return verdict
 
 
-def main(restarts: int, nproc: int = 2, keep: Path | None = None, crash: str = "exit") -> int:
+def main(restarts: int, nproc: int = 2, keep: Path | None = None, crash: str = "exit",
+         timeout: float | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tw-warm-restarts-"))
     try:
-        verdict = run(restarts, nproc, work, crash)
+        verdict = run(restarts, nproc, work, crash, timeout)
         for line in verdict.lines():
             print(line, flush=True)
         return 0 if verdict.aborted == 0 else 1
     finally:
         if keep is not None:
-            shutil.copytree(work, keep, dirs_exist_ok=True, symlinks=True)
+            try:
+                shutil.copytree(work, keep, dirs_exist_ok=True, symlinks=True,
+                                ignore=shutil.ignore_patterns("*.sock", "*.sock.*"))
+            except (OSError, shutil.Error) as exc:
+                print(f"warm restarts: not all of {work} was kept in {keep}: {exc}", flush=True)
         shutil.rmtree(work, ignore_errors=True)
