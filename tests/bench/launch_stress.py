@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                         help="instead: one `trainwarden run` whose warm workers crash and are restarted N times")
     parser.add_argument("--nproc", type=int, default=2, help="with --warm-restarts: ranks (default 2)")
     parser.add_argument("--crash", choices=("exit", "kill"), default="exit",
-                        help="with --warm-restarts: how the planned crash ends its rank (default exit: exit code 1)")
+                        help="with --warm-restarts: how the planned crash ends its rank (default exit: an exit code)")
     parser.add_argument("--timeout", type=float, help="with --warm-restarts: seconds before the run is stopped (and "
                         "its unreached rounds count as aborted; default 120 + 30 per restart)")
     args = parser.parse_args(argv)

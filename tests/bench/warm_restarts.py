@@ -1,15 +1,15 @@
 """Restarts of warm workers under `trainwarden run`, again and again: does any die of fork? (issue 45, item 3)
 
 One `trainwarden run` (warm workers, the default) of tests/jobs/crash_loop.py with ``--max-restarts N``: in every
-round but the last one rank exits (exit code 1, or SIGKILL with ``--crash kill``) at its third step, so torchrun
+round but the last one rank exits (exit code 1 or 2, or SIGKILL with ``--crash kill``) at its third step, so torchrun
 restarts the warm workers N times in the one run; the zygote forks every round's workers. Each round is judged
 from the job's own record (a JSON line per rank and round: trained a step, crashed, finished; forked warm or
 started cold), the supervisor's history (``events.jsonl``: each failed round's exit codes) and the run's log.
 
 A round is *aborted* when
 - a process of the run ended by a signal nobody sends it (``ABORT_SIGNALS``: SIGABRT, SIGSEGV, ...; the crash
-  this job plans is exit 1 or SIGKILL, and torch's agent stops the survivors with SIGTERM/SIGKILL): a worker, as
-  its round's exit codes say (a warm worker's client dies of the same signal), or `trainwarden run` itself;
+  this job plans is an exit code or SIGKILL, and torch's agent stops the survivors with SIGTERM/SIGKILL): a
+  worker, as its round's exit codes say (a warm worker's client dies of the same signal), or `trainwarden run`;
 - the run's log holds a fatal error (``FATAL``: gRPC's ``Check failed`` / ``ev_epoll1_linux``, ``Fatal Python
   error``; from the zygote, torchrun, or a worker: whose it is the log does not say, so the round is the one whose
   workers last printed before it; a last-resort reading of log text, as no process reports its own abort);

@@ -4,8 +4,10 @@ round (restart count == --crashes) trains --steps steps and the job succeeds.
 
     trainwarden run --nproc-per-node 2 --max-restarts N -- tests/jobs/crash_loop.py --crashes N --record FILE
 
-The crashing rank turns with the round (restart r: rank r % world), so two rounds in a row never fail the same
-way. ``--crash exit`` ends that rank with exit code 1 (``os._exit``), ``--crash kill`` with SIGKILL.
+The crashing rank turns with the round (restart r: rank r % world) and so does its exit code (``--crash exit``:
+``os._exit`` with 1 on even restarts, 2 on odd; ``--crash kill``: SIGKILL), so two rounds in a row never fail the
+same way: the supervisor stops a run whose rounds fail alike twice before it saw a step as a configuration error,
+and a step's telemetry reaches it up to half a second late, after this job's crash.
 
 Each rank appends one JSON line to --record (``O_APPEND``: whole lines from every process) when it has completed
 its first step of a round (``event: step``), just before it crashes (``crash``) and when it finished the job
@@ -70,7 +72,7 @@ def main() -> None:
             record("crash", how=args.crash, step=step)
             if args.crash == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            os._exit(1)
+            os._exit(1 + restart % 2)
         with rt.step(step, tokens=8):
             time.sleep(args.sleep_ms / 1000)
             x = torch.randn(8, 32)

@@ -27,7 +27,8 @@ def _records(restarts: int, nproc: int = 2, *, warm: bool = True, skip: tuple = 
         if r < restarts:
             out.append({"event": "crash", "restart": r, "rank": r % nproc, "warm": warm, "t": at + 2})
         else:
-            out += [{"event": "finished", "restart": r, "rank": rank, "warm": warm, "t": at + 3} for rank in range(nproc)]
+            out += [{"event": "finished", "restart": r, "rank": rank, "warm": warm, "t": at + 3}
+                    for rank in range(nproc)]
     return out
 
 
