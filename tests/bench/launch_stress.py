@@ -9,6 +9,11 @@ a fork of the daemon's gRPC threads looked like before the identity was switched
 
 Ends with ``launch stress: N launches, A aborted`` and exits 1 when A > 0. ``--keep DIR`` keeps the logs there.
 Needs root (a second user) and the etcd binary of the test extra.
+
+``--warm-restarts N`` is the other half: one `trainwarden run` whose warm workers torchrun restarts N times
+(tests/bench/warm_restarts.py); it ends with ``warm restarts: N restarts, A aborted``.
+
+    python tests/bench/launch_stress.py --warm-restarts 200 [--nproc 2]
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "integration")]
 
+import warm_restarts  # noqa: E402
 from job_users import NOBODY, interpreter_for_others, shared_dir, unavailable  # noqa: E402
 from procs import ProcessGroup  # noqa: E402
 from test_daemon_jobs import Daemons, _cli, _jobs  # noqa: E402
 
-ABORT = re.compile(r"Check failed|ev_epoll1_linux|Fatal Python error")
+ABORT = warm_restarts.FATAL
 SIGNALLED = re.compile(r"job (\S+) generation \d+: the launcher on node \S+ exited with (-\d+)")
 
 
@@ -38,7 +44,18 @@ def main(argv=None) -> int:
     parser.add_argument("--launches", type=int, default=30, help="jobs to launch in all (default 30)")
     parser.add_argument("--at-once", type=int, default=3, help="jobs running at the same time (default 3)")
     parser.add_argument("--keep", type=Path, help="copy the daemon's and the jobs' logs here")
+    parser.add_argument("--warm-restarts", type=int, metavar="N",
+                        help="instead: one `trainwarden run` whose warm workers crash and are restarted N times")
+    parser.add_argument("--nproc", type=int, default=2, help="with --warm-restarts: ranks (default 2)")
+    parser.add_argument("--crash", choices=("exit", "kill"), default="exit",
+                        help="with --warm-restarts: how the planned crash ends its rank (default exit: an exit code)")
+    parser.add_argument("--timeout", type=float, help="with --warm-restarts: seconds before the run is stopped (and "
+                        "its unreached rounds count as aborted; default 120 + 30 per restart)")
     args = parser.parse_args(argv)
+    if args.warm_restarts is not None:
+        if args.warm_restarts < 1:
+            parser.error("--warm-restarts must be at least 1")
+        return warm_restarts.main(args.warm_restarts, args.nproc, args.keep, args.crash, args.timeout)
     if unavailable():
         sys.exit(f"launch_stress: {unavailable()}")
     from trainwarden.agent.etcd.embedded import EmbeddedEtcd
