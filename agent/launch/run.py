@@ -52,7 +52,6 @@ from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
-from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.spare_swaps import SpareSwaps
 from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
@@ -204,11 +203,11 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         try:
             job.preflight()
             job.check_leftovers(cleanup)
-            job.start_history(cleanup)
+            job.accounting.start_history(cleanup, nnodes=opts.nnodes, nproc_per_node=opts.nproc_per_node)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
             job.claim(signals, cleanup)
-            job.continue_goodput(cleanup)
+            job.accounting.continue_goodput(cleanup, job.client, job.writer)
             job.launch(cleanup)
             rc = job.supervise(signals)
             while rc is FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
@@ -244,7 +243,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping, LinkChecks, Accounting):
+class _JobRun(Regrouping, LinkChecks):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -275,16 +274,14 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
         self.progress = JobProgress()
         self.fencing = Fencing(job=opts.job, node=self.node, multi_node=self._multi_node,
                                worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
-        self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
-        self.history = self._new_history()
+        self.accounting = Accounting(job=opts.job, node=self.node, state_dir=self.state_dir, out=out)
+        self.goodput, self.history = self.accounting.goodput, self.accounting.history  # fed by the supervisor
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
         self.memory_tier: MemoryTier | None = None
-        self.mfu = None  # the MFU gauge (accounting.py), when the step's cost and the peak are known
-        self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
         self.spare_swaps = SpareSwaps(opts.job, node=self.node)
@@ -401,7 +398,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
         # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total: on every job (0 without spares), so the job
         # dashboard's spares panel and any rule on them read 0 rather than nothing
         agent.registry.register(self.spare_swaps)
-        self._register_mfu(agent)
+        self.accounting.register_mfu(agent, flops_per_step=opts.flops_per_step, model_params=opts.model_params,
+                                     peak_tflops=opts.peak_tflops)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self.fencing.commit_refusal
             self._ask_for_link_checks(agent)  # a communication regression asks for a link check
@@ -425,7 +423,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
             ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
-        agent.incidents.add_listener(self._on_incident)
+        agent.incidents.add_listener(self.accounting.on_incident)
         self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots, cleanup=cleanup,
                                              out=self.out)
 
@@ -646,7 +644,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting):
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
                       log_path=self.logs / "run.log", steps_from=self._steps_from(),
-                      goodput=self.goodput.snapshot(), mfu=self._mfu_line())
+                      goodput=self.goodput.snapshot(), mfu=self.accounting.mfu_line())
 
     def _steps_from(self) -> str | None:
         if self.agent is None:
