@@ -30,10 +30,13 @@ __all__ = ["GROW_MARGIN_STEPS", "GROW_MARGIN_S", "RECENT_DURATIONS", "Regrouping
 
 logger = logging.getLogger("trainwarden.agent.launch.run")  # the run's log, as before the split
 
-GROW_MARGIN_STEPS, GROW_MARGIN_S = 5, 3.0
+GROW_MARGIN_STEPS, GROW_MARGIN_S = 3, 3.0
 """Before the job grows, every worker checkpoints after one agreed step: the proposing node's latest step plus
 at least this many steps and this many seconds of steps, so that no rank on any node has passed it by the time
-the request reaches it (ranks of a synchronous job are within a step or two of each other)."""
+the request reaches it (ranks of a synchronous job are within a step or two of each other; the request reaches
+every node within a second or two). Fast jobs get the seconds; 3 steps is the floor for slow ones: 5 were 45 s
+at the 9 s steps of a degraded link on the bed, most of the minute between naming the node and the spare stepping
+in (issue 47)."""
 
 RECENT_DURATIONS = 20
 """The step durations (every local rank's) ``_step_ahead`` takes the job's pace from: the recent ones, so that a job

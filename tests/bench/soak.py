@@ -296,7 +296,8 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     out.append(Verdict("recoveries", not late, "; ".join(late) or "every fault recovered, nodes back in the world"))
     out.append(ledger_agrees(soak["ledger"], soak["runs"], soak["round_starts"], soak["launched"]))
     first = min((f.recovered_at for f in faults if f.recovered_at and CATALOGUE[f.kind].restarts), default=None)
-    out.append(flat(soak["samples"], first or float("inf")))
+    # no fault that restarts (a soak of quorum losses only): each process's level is its first sample once settled
+    out.append(flat(soak["samples"], first if first is not None else 0.0))
     out.append(_left_behind(work, shm, soak["leftovers"] + ref["leftovers"]))
     return out
 

@@ -239,3 +239,33 @@ def test_a_slow_link_is_a_regression_where_the_wait_estimate_took_the_whole_heal
     assert job.run(det, 90, compute=0.0, wait=1.5) == []
     events = job.run(det, 30, compute=0.9, wait=8.6)  # 6.3x; 9 % of the step outside the wait estimate
     assert [e.started for e in events] == [True] and events[0].windows == 2
+
+
+def test_a_job_slowed_to_seconds_a_step_is_named_within_30_s_not_after_three_slow_steps_a_window():
+    """Issue 47, the bed: healthy steps of 3 s, then a degraded link made them 9 s (4.5x on the bed: 2 s -> 9 s).
+    Windows of 3 steps took 27 s each, so two suspect windows named the link about a minute after the fault (93 s on
+    the bed); a window whose steps are already slow now closes after one. A healthy job of 3 s steps stays quiet."""
+    det, t = CommRegressionDetector(), 0.0
+    ranks = {r: [0, 0.0, 0.0, 0.0] for r in range(4)}  # steps, step seconds, wait seconds, time into the step
+
+    def run(seconds, compute, wait):
+        nonlocal t
+        events = []
+        for _ in range(int(seconds)):  # one check a second; a step completes when its time is spent
+            t += 1.0
+            for c in ranks.values():
+                c[3] += 1.0
+                if c[3] >= compute + wait:
+                    c[3] -= compute + wait
+                    c[0], c[1], c[2] = c[0] + 1, c[1] + compute + wait, c[2] + wait
+            events += [(t, e) for e in det.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1],
+                                                                          wait_seconds=c[2], pid=100 + r)
+                                                         for r, c in ranks.items()})]
+        return events
+
+    assert run(240, 2.5, 0.5) == []  # 80 healthy steps: warm-up and the baseline
+    fault = t
+    events = run(120, 2.5, 6.5)
+    assert events and events[0][1].started, events
+    print(f"named {events[0][0] - fault:.0f} s after the fault")
+    assert events[0][0] - fault <= 30.0, events[0][0] - fault

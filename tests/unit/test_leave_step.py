@@ -39,3 +39,10 @@ def test_a_job_slowed_by_the_fault_gets_its_margin_at_its_pace_now():
     pace); it is from the recent ones (5 steps, 7.5 s)."""
     progress, last = _progress((400, 0.25), (12, 1.5))
     assert _Run(progress, last, time.time())._step_ahead() == last + GROW_MARGIN_STEPS
+
+
+def test_a_job_at_seconds_a_step_is_asked_for_three_steps_not_five():
+    """Issue 47, the bed: a degraded link made steps 9 s; the floor of 5 steps was 45 s before the spare could step
+    in. Three steps still cover a request that takes a second or two to reach every node."""
+    progress, last = _progress((300, 2.0), (12, 9.0))
+    assert _Run(progress, last, time.time())._step_ahead() == last + 3
