@@ -8,8 +8,8 @@ that has every worker save after one agreed step and hold, before the rendezvous
 * **Growing** (nodes wait to join a healthy round): the nodes agree on a step in ``jobs/<job>/grow/<round>``,
   every worker saves after it and holds, and torchrun gets ``go`` once it is committed.
 
-``Regrouping`` is a mixin of ``_JobRun``: it uses the run's state (options, etcd client, agent, round, workers)
-and is not meant to stand alone.
+``Regrouping`` is a mixin of ``_JobRun``: it uses the run's state (options, etcd client, agent, the current worker
+round of worker_round.py) and is not meant to stand alone.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Regrouping:
         """The leave protocol's watcher (a thread beside the supervise loop): ask for this node's leave when told
         to, and act on the round's leave request, whichever node made it (module docstring;
         agent/etcd/cluster.py). etcd calls here may take the client's timeout; nothing else waits for them."""
-        round_ = self._round
+        round_ = self.worker_round.number
         if self._leave_asked.is_set() and not self._multi_node and not self._leave_rounds:
             self._leave_rounds.add(round_)
             self._spawn(self._leave_alone)
@@ -101,7 +101,8 @@ class Regrouping:
             if self._leave_asked.is_set() and self._asked_leave_round != round_:
                 self._asked_leave_round = round_
                 standing = request_leave(self.client, self.opts.job, key, self.node, self._step_ahead(),
-                                         cause=self._leave_cause, ranks=self._round_ranks, reason=self._leave_reason)
+                                         cause=self._leave_cause, ranks=list(self.worker_round.ranks),
+                                         reason=self._leave_reason)
             request = self._leaves.request(key) or standing
         except Exception as exc:
             logger.debug("cannot read the job's leave requests: %s", describe_etcd_error(exc))
@@ -116,8 +117,9 @@ class Regrouping:
         median = self.progress.median_step_seconds(RECENT_DURATIONS) or 1.0
         # steps arrive in batches (the runtime sends every `ClientConfig.flush_interval_s`): count the ones
         # the ranks have most likely finished since the newest one reported
-        behind = min(10.0, max(0.0, time.time() - self._round_step_end)) if self._round_step_end else 0.0
-        return self._round_step + int(behind / median) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+        current = self.worker_round
+        behind = min(10.0, max(0.0, time.time() - current.step_end)) if current.step_end else 0.0
+        return current.step + int(behind / median) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
 
     def _spawn(self, target, *args) -> None:
         threading.Thread(target=target, args=args, name="trainwarden-leave", daemon=True).start()
@@ -231,7 +233,7 @@ class Regrouping:
 
     def _workers(self) -> list[psutil.Process]:
         procs = []
-        for pid in self._worker_pids:
+        for pid in self.worker_round.pids:
             try:
                 procs.append(psutil.Process(pid))
             except psutil.Error:

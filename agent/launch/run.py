@@ -52,15 +52,15 @@ from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.scratch import scratch_dir, sweep
-from trainwarden.agent.launch.goodput import GoodputLedger
 from trainwarden.agent.launch.spare_swaps import SpareSwaps
 from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.progress import JobProgress
-from trainwarden.agent.launch.fencing import FENCED, Fencing
+from trainwarden.agent.launch.fencing import FENCED, EtcdRounds, Fencing
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
 from trainwarden.agent.launch.regroup import _LEFT, Regrouping
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
+from trainwarden.agent.launch.worker_round import WorkerRound
 from trainwarden.agent.launch.summary import print_summary
 from trainwarden.agent.common.launch_options import LAUNCH_OPTIONS, OPTIONS, cross_problems
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
@@ -203,11 +203,11 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
         try:
             job.preflight()
             job.check_leftovers(cleanup)
-            job.start_history(cleanup)
+            job.accounting.start_history(cleanup, nnodes=opts.nnodes, nproc_per_node=opts.nproc_per_node)
             job.start_etcd(cleanup)
             job.start_agent(cleanup)
             job.claim(signals, cleanup)
-            job.continue_goodput(cleanup)
+            job.accounting.continue_goodput(cleanup, job.client, job.writer)
             job.launch(cleanup)
             rc = job.supervise(signals)
             while rc is FENCED:  # cut off from etcd: the workers were stopped; rejoin as a new member
@@ -243,7 +243,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
+class _JobRun(Regrouping, LinkChecks):
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -256,16 +256,13 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self.record = JobRecord(job=opts.job, owner={"host": socket.gethostname(), "pid": os.getpid(),
                                                      "started": psutil.Process().create_time(), "node": self.node})
         self.membership: NodeMembership | None = None
-        self.fenced = 0
-        self._last_step_at: float | None = None  # monotonic: when a worker last completed a step
-        self._round_step = 0  # the latest step completed in the current worker round
-        self._round_step_end = 0.0  # when it ended (wall clock, the step's own timestamp; 0: none yet)
-        self._round: int | None = None  # the rendezvous round of the current workers
+        self.fenced = 0  # times this node was fenced (``_fence``)
+        self.worker_round = WorkerRound()  # this node's current worker round: replaced as each one starts
         self._committed_step = 0  # the latest checkpoint step a local worker reported committed
         self._reported_checkpoint_dir: Path | None = None  # where the workers said they checkpoint
         self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
         self._reply_fd: int | None = None
-        self._worker_pids: list[int] = []
+        self._stand_in = None  # warm workers: a worker's pid -> the client pid it stands behind (``_warm_dir``)
         self._leave_asked = threading.Event()  # SIGUSR1: leave the job at a step boundary (a drain)
         self._left = threading.Event()  # this node's part is over: stop the workers, exit 0
         self._left_step: int | None = None
@@ -273,19 +270,18 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         self._leave_done: dict = {}  # round -> Event set once that leave's checkpoint is settled
         self._asked_leave_round = None
         self._leave_cause, self._leave_reason = "drain", ""  # a policy's exclusion says "excluded" and why
-        self._round_ranks: list[int] = []  # this node's global ranks in the current worker round
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
-        self.goodput = GoodputLedger(opts.job, launched_at=time.time(), node=self.node)
-        self.history = self._new_history()
+        self.fencing = Fencing(job=opts.job, node=self.node, multi_node=self._multi_node,
+                               worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
+        self.accounting = Accounting(job=opts.job, node=self.node, state_dir=self.state_dir, out=out)
+        self.goodput, self.history = self.accounting.goodput, self.accounting.history  # fed by the supervisor
         self._lock = threading.Lock()
         self.endpoint = ""
         self.client = None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
         self.memory_tier: MemoryTier | None = None
-        self.mfu = None  # the MFU gauge (accounting.py), when the step's cost and the peak are known
-        self._mfu_basis = ""
         self.failures: WorkerFailureRecorder | None = None
         self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
         self.spare_swaps = SpareSwaps(opts.job, node=self.node)
@@ -402,9 +398,10 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total: on every job (0 without spares), so the job
         # dashboard's spares panel and any rule on them read 0 rather than nothing
         agent.registry.register(self.spare_swaps)
-        self._register_mfu(agent)
+        self.accounting.register_mfu(agent, flops_per_step=opts.flops_per_step, model_params=opts.model_params,
+                                     peak_tflops=opts.peak_tflops)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
-            agent.server.commit_guard = self._commit_refusal
+            agent.server.commit_guard = self.fencing.commit_refusal
             self._ask_for_link_checks(agent)  # a communication regression asks for a link check
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
@@ -426,7 +423,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             ended_streams=lambda since: agent.job_telemetry.ended_streams(opts.job, since),
             killed_by_agent=agent.actions.killed_by_agent)
         agent.job_telemetry.add_listener(self)  # progress and phases from the workers' own reports
-        agent.incidents.add_listener(self._on_incident)
+        agent.incidents.add_listener(self.accounting.on_incident)
         self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots, cleanup=cleanup,
                                              out=self.out)
 
@@ -522,6 +519,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
             self.membership = NodeMembership(self.client, opts.job, self.node, record)
             self.membership.start()
             cleanup.callback(self.membership.stop)
+            self.fencing.joined(self.membership, EtcdRounds(self.client, self.records, opts.job), self._stand_in)
         except Exception as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
                            f"{self.endpoint}: {describe_etcd_error(exc)}") from None
@@ -572,19 +570,16 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         watcher.start()
         try:
             while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
-                    and not self._cut_off() and not self._left.is_set():
+                    and not self.fencing.cut_off() and not self._left.is_set():
                 pass
         finally:
             watching.set()
         if self._left.is_set() and signals.received is None:
             return self._finish_leave()
-        if signals.received is None and self.config_error is None and self._cut_off():
+        if signals.received is None and self.config_error is None and self.fencing.cut_off():
             return self._fence(f"lost etcd {self.membership.unconfirmed_for():.0f} s ago")
         if self.config_error is not None:  # the same failure twice before a step: restarting does not help
-            pump.quiet = True
-            torchrun.stop(grace=10.0)
-            pump.join(5)
-            self.events.join(5)
+            self._stop_workers()
             if self.resume_blocked is not None:  # recorded by the agent as a resume_blocked incident
                 return self._stop_resume_blocked()
             if self.numeric_stop is not None:  # recorded by the agent as a numeric incident
@@ -595,16 +590,13 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
                 self.failures.job_failed("configuration error: the workers fail the same way before any step")
             return exit_codes.EXIT_CONFIG
         if signals.received is not None:
-            pump.quiet = True
-            torchrun.stop(grace=10.0)
-            pump.join(5)
-            self.events.join(5)
+            self._stop_workers()
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             return _exit_code(signals.received)
         torchrun_rc = torchrun.wait()
         pump.join(10)
         self.events.join(5)
-        if torchrun_rc != 0 and self._etcd_trouble():  # its rendezvous failed because etcd is away, not the job
+        if torchrun_rc != 0 and self.fencing.etcd_trouble():  # its rendezvous failed because etcd is away, not the job
             return self._fence(f"torchrun exited with {torchrun_rc} while etcd was unreachable")
         if torchrun_rc == 0:
             self.transition(JobPhase.SUCCEEDED)
@@ -618,10 +610,30 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
     def _multi_node(self) -> bool:
         return parse_nnodes(self.opts.nnodes)[1] > 1
 
+    def _stop_workers(self) -> None:
+        """Stop torchrun and its workers, its output and events read to the end."""
+        self.pump.quiet = True
+        self.torchrun.stop(grace=10.0)
+        self.pump.join(5)
+        self.events.join(5)
+
+    def _fence(self, why: str) -> object:
+        """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
+        comes back only as a new member, through a new rendezvous (``wait_for_etcd``, then ``launch``)."""
+        print(f"trainwarden: node {self.node} {why}: fencing (stopping its workers); it rejoins job "
+              f"{self.opts.job} as a new member when etcd answers again", file=self.out, flush=True)
+        self._stop_workers()
+        self.pump.quiet = False
+        if self.agent is not None:
+            self.agent.incidents.record(self.fencing.incident(why))
+        self.transition(JobPhase.RESTARTING, f"fenced: {why}")
+        self.fenced += 1
+        return FENCED
+
     def wait_for_etcd(self, signals: StopOnSignals) -> None:
         """Until etcd confirms this node's membership again (or a signal stops the run)."""
         started = time.monotonic()
-        while self._etcd_trouble() or self._cut_off():
+        while self.fencing.etcd_trouble() or self.fencing.cut_off():
             if signals.event.wait(0.5):
                 self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
                 raise _Abandon(_exit_code(signals.received))
@@ -632,7 +644,7 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
                       log_path=self.logs / "run.log", steps_from=self._steps_from(),
-                      goodput=self.goodput.snapshot(), mfu=self._mfu_line())
+                      goodput=self.goodput.snapshot(), mfu=self.accounting.mfu_line())
 
     def _steps_from(self) -> str | None:
         if self.agent is None:
@@ -697,24 +709,21 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         """The launcher's structured events: rounds, failures with exit codes, restarts."""
         kind, at = event.get("event"), float(event.get("t") or time.time())
         if kind == "started":
-            self._round, self._round_step, self._round_step_end = event.get("round"), 0, 0.0
-            if self._multi_node and self._round is not None:  # the job's current round is this one now
-                threading.Thread(target=self._advance_round, args=(self._round,), name="trainwarden-round",
+            self.worker_round = started = WorkerRound.started(self.record.generation, event)
+            if self._multi_node and started.number is not None:  # the job's current round is this one now
+                threading.Thread(target=self.fencing.advance_round, args=(started,), name="trainwarden-round",
                                  daemon=True).start()
             self.progress.round_started(at)
             if self.failures is not None:  # a later failure's evidence: this round's streams only
                 self.failures.round_started(at)
             self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
-            self.history.event("round_started", at, round=self._round, workers=len(event.get("workers") or []))
-            self._worker_pids = [w["pid"] for w in event.get("workers") or [] if w.get("pid")]
-            self._round_ranks = sorted(w["global_rank"] for w in event.get("workers") or [])
-            self.run_record.set_workers(self._worker_pids)
+            self.history.event("round_started", at, round=started.number, workers=len(event.get("workers") or []))
+            self.run_record.set_workers(list(started.pids))
             if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
-                self.membership.update(ranks=sorted(w["global_rank"] for w in event.get("workers") or []),
-                                       round=self._round, spare=False)
+                self.membership.update(ranks=list(started.ranks), round=started.number, spare=False)
             self.spare_swaps.waiting(False)  # trainwarden_job_spare_nodes: this node trains
             if self.spares is not None:
-                self.spares.round_started(self._round, [w["global_rank"] for w in event.get("workers") or []])
+                self.spares.round_started(started.number, [w["global_rank"] for w in event.get("workers") or []])
         elif kind == "failed":
             self.progress.round_failed(at)
             self.goodput.failed(at)
@@ -818,9 +827,8 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         """A worker's step (telemetry listener, on the agent's reader thread)."""
         if job != self.opts.job:
             return
-        self._last_step_at = time.monotonic()
-        if index >= self._round_step:
-            self._round_step, self._round_step_end = index, start_unix + duration_s
+        self.fencing.worker_stepped()
+        self.worker_round.stepped(index, start_unix + duration_s)
         self.goodput.step(index, start_unix + duration_s, duration_s)
         self.history.step(rank, index, start_unix + duration_s, duration_s)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
@@ -841,8 +849,6 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
         elif job == self.opts.job and stage == "resume_blocked" and detail:
             self._resume_detail = detail  # the committing rank's reason, in full
 
-    # ---- fenced rounds: who may publish a checkpoint ---------------------------------------------------
-
     def _warm_dir(self, cleanup: ExitStack) -> str | None:
         """A short private directory for the warm workers' zygote socket (unix socket paths are short)."""
         if not self.opts.warm_workers:
@@ -853,18 +859,19 @@ class _JobRun(Regrouping, LinkChecks, Accounting, Fencing):
               "loaded (--cold-workers turns this off)", file=self.out, flush=True)
 
         sweep("tw-warm-")
-        self._warm = str(scratch_dir("tw-warm-"))
-        cleanup.callback(shutil.rmtree, self._warm, True)
+        warm = str(scratch_dir("tw-warm-"))
+        cleanup.callback(shutil.rmtree, warm, True)
+        workers = warm_paths(warm)[1]
+        self._stand_in = lambda pid: warm_parent(pid, workers)  # the commit guard's too (fencing.py)
         if self.agent is not None:  # an aborted warm worker's SIGKILL is its client's death to torch's agent
-            workers = warm_paths(self._warm)[1]
-            self.agent.actions.stand_in = lambda pid: warm_parent(pid, workers)
-        return self._warm
+            self.agent.actions.stand_in = self._stand_in
+        return warm
 
     def _on_line(self, line: str) -> None:
         """Output lines: only a fallback for scripts that send no telemetry (progress.feed_line)."""
         seen = self.progress.feed_line(line)
         if seen is not None:
-            self._last_step_at = time.monotonic()
+            self.fencing.worker_stepped()
         if seen is not None and seen[1]:
             self._round_running(seen[0])
 

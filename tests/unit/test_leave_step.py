@@ -7,11 +7,13 @@ import time
 
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import GROW_MARGIN_STEPS, Regrouping
+from trainwarden.agent.launch.worker_round import WorkerRound
 
 
 class _Run(Regrouping):
     def __init__(self, progress: JobProgress, step: int, step_end: float) -> None:
-        self.progress, self._round_step, self._round_step_end = progress, step, step_end
+        self.progress, self.worker_round = progress, WorkerRound(number=1, pids=(11, 12), ranks=(0, 1))
+        self.worker_round.stepped(step, step_end)
 
 
 def _progress(*paces: tuple[int, float]) -> tuple[JobProgress, int]:
