@@ -14,7 +14,8 @@ once telemetry has reported a step. torchrun's wording is never read.
 
 Time lost to a failure = from the end of the last step completed before it to the end of the first step
 that passes it again (the restart, the rendezvous, the restore and the recomputed steps), in the workers'
-wall-clock time (the steps' own timestamps; one host's clock).
+wall-clock time (the steps' own timestamps; one host's clock). A failure that comes before the one before it
+recovered takes over from it: the earlier one is charged up to it, so each second is charged once.
 """
 
 from __future__ import annotations
@@ -49,12 +50,24 @@ class Failure:
     """First step completed in the next round (the checkpoint's step + 1)."""
     next_round_at: float | None = None
     """Wall time the next worker round started."""
+    charged_from: float | None = None
+    """Set when the failure before had not recovered yet: that one is charged up to this failure, this one from
+    here (failures in a row are not each charged from the first one's last good step)."""
+    superseded_at: float | None = None
+    """Wall time the next failure came before this one recovered: this one is charged up to it."""
 
     @property
     def lost_seconds(self) -> float | None:
-        if self.recovered_at is None:
+        start = self.last_step_at if self.last_step_at is not None else self.at
+        if self.charged_from is not None:
+            start = max(start, self.charged_from)
+        if self.superseded_at is not None:
+            end = self.superseded_at if self.recovered_at is None else min(self.recovered_at, self.superseded_at)
+        elif self.recovered_at is None:
             return None
-        return max(0.0, self.recovered_at - (self.last_step_at if self.last_step_at is not None else self.at))
+        else:
+            end = self.recovered_at
+        return max(0.0, end - start)
 
 
 class JobProgress:
@@ -97,6 +110,9 @@ class JobProgress:
         with self._lock:
             failure = Failure(at=self._wall() if at is None else at, last_step=self.max_step,
                               last_step_at=self._max_step_at)
+            before = self.failures[-1] if self.failures else None
+            if before is not None and before.recovered_at is None and before.superseded_at is None:
+                before.superseded_at = failure.charged_from = failure.at  # one failure's time is charged once
             self.failures.append(failure)
             return failure
 

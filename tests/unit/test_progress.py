@@ -118,3 +118,34 @@ def test_steps_of_the_failed_round_reported_after_the_failure_still_count_before
     p.round_started(clock.now)
     p.step(41, clock.now + 0.01, 0.01, worker=21)  # the next round, from the checkpoint at 40
     assert failure.last_step == 49 and failure.resumed_from == 41
+
+
+def test_failures_in_a_row_before_any_recovery_are_each_charged_until_the_next_not_all_from_the_first():
+    """Issue 45, the warm-restart stress: 200 rounds in a row failed at step 3 before the job ever passed it; every
+    failure was charged from the first time step 3 ended to the end of the run (425.1 s each, 85,020 s "lost" in a
+    437 s run). Each failure now runs until the next one takes over; together they are the time from the last good
+    step to the recovery."""
+    clock = Clock()
+    p = JobProgress(wall=clock)
+    p.round_started(clock.now)
+    worker = 0
+    for step in (1, 2, 3):
+        clock.now += 0.5
+        p.step(step, clock.now, 0.5, worker=worker)
+    last_good = clock.now
+    failures = []
+    for _ in range(5):  # each round restores step 0 and fails at its step 3, before passing the job's step 3
+        clock.now += 0.2
+        failures.append(p.round_failed(clock.now))
+        clock.now += 1.0
+        p.round_started(clock.now)
+        worker += 1
+        for step in (1, 2):
+            clock.now += 0.5
+            p.step(step, clock.now, 0.5, worker=worker)
+    for step in (3, 4):  # the last round passes step 3
+        clock.now += 0.5
+        p.step(step, clock.now, 0.5, worker=worker)
+    lost = [f.lost_seconds for f in failures]
+    assert all(x is not None and x <= 3.0 + 1e-6 for x in lost), lost  # each about one round long
+    assert p.lost_seconds == pytest.approx(clock.now - last_good)  # recovered when step 4 ended
