@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _procs import stop_group
+from _procs import run_in_session
 
 SLOW_FROM, SLOW_UNTIL, SLOW_RANK = 20, 70, 1
 
@@ -41,14 +40,7 @@ def _run_job(root: Path, job: str, faults: str, nproc: int, steps: int, timeout:
     env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(root), TRAINWARDEN_FAULTS=faults)
     cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--nproc-per-node", str(nproc), "--job", job,
            "--metrics-port", "0", "--monitor-interval", "0.5", "--", *_gpt(nproc, steps)]
-    with open(root / f"{job}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        stop_group(proc)
+    rc = run_in_session(cmd, env=env, log=root / f"{job}.log", timeout=timeout)
     directory = root / "jobs" / job / "incidents"
     found = [json.loads(p.read_text()) for p in directory.glob("*.json")] if directory.exists() else []
     return rc, sorted((i for i in found if i["kind"].startswith("straggler")), key=lambda i: i["detected_at"])

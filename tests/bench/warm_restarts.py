@@ -31,7 +31,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -165,7 +164,7 @@ def read_json_lines(path: Path) -> list[dict]:
 
 def run(restarts: int, nproc: int, work: Path, crash: str = "exit", timeout: float | None = None) -> Verdict:
     """One `trainwarden run` of the crash loop in ``work``; its verdict."""
-    from _procs import stop_group
+    from _procs import run_in_session
 
     sys.path.insert(0, str(HERE.parent / "integration"))
     from gpt_helpers import gpt_env
@@ -178,15 +177,8 @@ def run(restarts: int, nproc: int, work: Path, crash: str = "exit", timeout: flo
     timeout = timeout if timeout is not None else 120 + 30 * restarts
     out_path = work / "output.log"
     load_before = os.getloadavg()[0]
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     started = time.monotonic()
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        stop_group(proc)
+    rc = run_in_session(cmd, env=env, log=out_path, timeout=timeout)
     state = work / "state" / "jobs" / JOB
     run_log = state / "logs" / "run.log"
     logs = [run_log.read_text(errors="replace") if run_log.exists() else "", out_path.read_text(errors="replace")]
