@@ -57,7 +57,7 @@ from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.fencing import FENCED, EtcdRounds, Fencing
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
-from trainwarden.agent.launch.regroup import _LEFT, Regrouping
+from trainwarden.agent.launch.regroup import LEFT, EtcdLeaves, Regrouping
 from trainwarden.agent.launch.run_options import RunOptions
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.worker_round import WorkerRound
@@ -115,7 +115,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
     job = _JobRun(opts, out)
     # signals outermost: a second Ctrl-C during cleanup (etcd, agent) must not interrupt it
     with StopOnSignals(on_first=_announce) as signals, ExitStack() as cleanup:
-        previous_usr1 = signal.signal(signal.SIGUSR1, job.on_leave_signal)
+        previous_usr1 = signal.signal(signal.SIGUSR1, job.regroup.on_leave_signal)
         cleanup.callback(signal.signal, signal.SIGUSR1, previous_usr1)
         try:
             job.preflight()
@@ -135,7 +135,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             if stop.message:
                 print(f"trainwarden: {stop.message}", file=sys.stderr)
             return stop.code
-        if rc is _LEFT:
+        if rc is LEFT:
             return exit_codes.EXIT_OK
         job.print_summary()
     return rc
@@ -160,7 +160,7 @@ def _exit_code(signum: int) -> int:
     return exit_codes.EXIT_INTERRUPTED if signum == signal.SIGINT else exit_codes.EXIT_TERMINATED
 
 
-class _JobRun(Regrouping, LinkChecks):
+class _JobRun:
     """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
@@ -175,22 +175,18 @@ class _JobRun(Regrouping, LinkChecks):
         self.membership: NodeMembership | None = None
         self.fenced = 0  # times this node was fenced (``_fence``)
         self.worker_round = WorkerRound()  # this node's current worker round: replaced as each one starts
-        self._committed_step = 0  # the latest checkpoint step a local worker reported committed
         self._reported_checkpoint_dir: Path | None = None  # where the workers said they checkpoint
-        self._failed_step = 0  # the latest checkpoint step a local worker reported failed (or fenced)
         self._reply_fd: int | None = None
         self._stand_in = None  # warm workers: a worker's pid -> the client pid it stands behind (``_warm_dir``)
-        self._leave_asked = threading.Event()  # SIGUSR1: leave the job at a step boundary (a drain)
-        self._left = threading.Event()  # this node's part is over: stop the workers, exit 0
-        self._left_step: int | None = None
-        self._leave_rounds: set = set()  # rounds whose leave request this node has acted on
-        self._leave_done: dict = {}  # round -> Event set once that leave's checkpoint is settled
-        self._asked_leave_round = None
-        self._leave_cause, self._leave_reason = "drain", ""  # a policy's exclusion says "excluded" and why
         self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self.fencing = Fencing(job=opts.job, node=self.node, multi_node=self._multi_node,
                                worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
+        self.regroup = Regrouping(job=opts.job, node=self.node, multi_node=self._multi_node, out=out,
+                                  worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
+        self.links = LinkChecks(job=opts.job, node=self.node, policy=opts.link_policy, out=out,
+                                leaving=lambda: self.regroup.leave_asked,
+                                leave=lambda reason: self.regroup.ask_to_leave("excluded", reason))
         self.accounting = Accounting(job=opts.job, node=self.node, state_dir=self.state_dir, out=out)
         self.goodput, self.history = self.accounting.goodput, self.accounting.history  # fed by the supervisor
         self._lock = threading.Lock()
@@ -319,7 +315,7 @@ class _JobRun(Regrouping, LinkChecks):
                                      peak_tflops=opts.peak_tflops)
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self.fencing.commit_refusal
-            self._ask_for_link_checks(agent)  # a communication regression asks for a link check
+            self.links.ask_on_regression(agent.watchdog, self.client)  # a regression asks for a link check
         if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
             progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
             progress.start()
@@ -432,11 +428,14 @@ class _JobRun(Regrouping, LinkChecks):
             record = {"owner": self.record.owner, "address": self.local_addr or "",
                       "nproc_per_node": opts.nproc_per_node, "generation": self.record.generation,
                       "phase": JobPhase.STARTING.value}
-            self._start_link_probe(record, cleanup)
+            self.links.serve_probe(record, cleanup, self.local_addr if self._multi_node else None)
             self.membership = NodeMembership(self.client, opts.job, self.node, record)
             self.membership.start()
             cleanup.callback(self.membership.stop)
             self.fencing.joined(self.membership, EtcdRounds(self.client, self.records, opts.job), self._stand_in)
+            self.regroup.joined(EtcdLeaves(self.client, self.records, opts.job, self.node),
+                                checkpoint=self._checkpoint_request(), reply=self._reply,
+                                launcher_running=lambda: self.torchrun is not None and self.torchrun.poll() is None)
         except Exception as exc:
             raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
                            f"{self.endpoint}: {describe_etcd_error(exc)}") from None
@@ -482,16 +481,16 @@ class _JobRun(Regrouping, LinkChecks):
         torchrun, pump = self.torchrun, self.pump
         self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
         watching = threading.Event()  # the leave protocol polls etcd on a thread: this loop never waits on etcd
-        watcher = threading.Thread(target=self._watch_leave_loop, args=(watching,), name="trainwarden-leave-watch",
+        watcher = threading.Thread(target=self.regroup.watch, args=(watching,), name="trainwarden-leave-watch",
                                    daemon=True)
         watcher.start()
         try:
             while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
-                    and not self.fencing.cut_off() and not self._left.is_set():
+                    and not self.fencing.cut_off() and not self.regroup.left:
                 pass
         finally:
             watching.set()
-        if self._left.is_set() and signals.received is None:
+        if self.regroup.left and signals.received is None:
             return self._finish_leave()
         if signals.received is None and self.config_error is None and self.fencing.cut_off():
             return self._fence(f"lost etcd {self.membership.unconfirmed_for():.0f} s ago")
@@ -533,6 +532,33 @@ class _JobRun(Regrouping, LinkChecks):
         self.torchrun.stop(grace=10.0)
         self.pump.join(5)
         self.events.join(5)
+
+    def _finish_leave(self) -> object:
+        """This node left the job (``Regrouping``): stop its workers; a one-node job stops, resumable."""
+        self._stop_workers()  # SIGTERM: torchrun does not close the rendezvous on a signal
+        saved = self.regroup.left_words()
+        if self._multi_node:
+            print(f"trainwarden: node {self.node} left job {self.opts.job} {saved}; the job goes on without it",
+                  file=self.out, flush=True)
+            return LEFT
+        self.transition(JobPhase.STOPPED, f"drained {saved}")
+        print(f"trainwarden: job {self.opts.job} stopped {saved} (its node was drained); resume it on another "
+              "node from that checkpoint", file=self.out, flush=True)
+        return LEFT
+
+    def _checkpoint_request(self):
+        """What asks this node's workers to save after a step and hold (the ranks asked); None without the agent."""
+        if self.agent is None:
+            return None
+        actions, job = self.agent.actions, self.opts.job
+        return lambda step: actions.request_checkpoint(job, step, hold=True)
+
+    def _reply(self, line: bytes) -> None:
+        """Answer torchrun on its reply pipe (``go``, ``restart <round>``: agent/launch/elastic.py)."""
+        try:
+            os.write(self._reply_fd, line)
+        except (OSError, TypeError):
+            pass  # torchrun is gone, or was started without the pipe: nothing waits for us
 
     def _fence(self, why: str) -> object:
         """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
@@ -664,7 +690,7 @@ class _JobRun(Regrouping, LinkChecks):
                 self.membership.update(spare=True, ranks=[], round=event.get("round"))
             self.spare_swaps.waiting(True)  # trainwarden_job_spare_nodes
         elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
-            self._growing = threading.Thread(target=self._checkpoint_before_growing, args=(event.get("round"),),
+            self._growing = threading.Thread(target=self.regroup.before_growing, args=(event.get("round"),),
                                              name="trainwarden-grow", daemon=True)
             self._growing.start()
         elif kind == "restarting":
@@ -759,11 +785,9 @@ class _JobRun(Regrouping, LinkChecks):
             self.goodput.checkpoint_stall(step, seconds)
         elif job == self.opts.job and stage == "restored":
             self.goodput.restored(seconds)
-        if job == self.opts.job and stage == "committed":
-            self._committed_step = max(self._committed_step, step)
-        elif job == self.opts.job and stage == "failed":
-            self._failed_step = max(self._failed_step, step)
-        elif job == self.opts.job and stage == "resume_blocked" and detail:
+        if job == self.opts.job:
+            self.regroup.checkpoint_reported(stage, step)
+        if job == self.opts.job and stage == "resume_blocked" and detail:
             self._resume_detail = detail  # the committing rank's reason, in full
 
     def _warm_dir(self, cleanup: ExitStack) -> str | None:

@@ -1,8 +1,10 @@
-"""The step a leave (a drain, an exclusion) or a grow agrees on (agent/launch/regroup.py ``_step_ahead``): far enough
-ahead that no rank has passed it when the request reaches every node, and no further, at the job's pace now."""
+"""The step a leave (a drain, an exclusion) or a grow agrees on (agent/launch/regroup.py ``Regrouping.step_ahead``):
+far enough ahead that no rank has passed it when the request reaches every node, and no further, at the job's pace
+now."""
 
 from __future__ import annotations
 
+import io
 import time
 
 from trainwarden.agent.launch.progress import JobProgress
@@ -10,10 +12,11 @@ from trainwarden.agent.launch.regroup import GROW_MARGIN_STEPS, Regrouping
 from trainwarden.agent.launch.worker_round import WorkerRound
 
 
-class _Run(Regrouping):
-    def __init__(self, progress: JobProgress, step: int, step_end: float) -> None:
-        self.progress, self.worker_round = progress, WorkerRound(number=1, pids=(11, 12), ranks=(0, 1))
-        self.worker_round.stepped(step, step_end)
+def _regrouping(progress: JobProgress, step: int, step_end: float) -> Regrouping:
+    worker_round = WorkerRound(number=1, pids=(11, 12), ranks=(0, 1))
+    worker_round.stepped(step, step_end)
+    return Regrouping(job="j", node="n1", multi_node=True, out=io.StringIO(), worker_round=lambda: worker_round,
+                      pace=progress.median_step_seconds)
 
 
 def _progress(*paces: tuple[int, float]) -> tuple[JobProgress, int]:
@@ -30,7 +33,7 @@ def _progress(*paces: tuple[int, float]) -> tuple[JobProgress, int]:
 
 def test_a_healthy_job_is_asked_for_three_seconds_of_steps():
     progress, last = _progress((300, 0.25))
-    assert _Run(progress, last, time.time())._step_ahead() == last + 13  # int(3 s / 0.25 s) + 1
+    assert _regrouping(progress, last, time.time()).step_ahead() == last + 13  # int(3 s / 0.25 s) + 1
 
 
 def test_a_job_slowed_by_the_fault_gets_its_margin_at_its_pace_now():
@@ -38,11 +41,11 @@ def test_a_job_slowed_by_the_fault_gets_its_margin_at_its_pace_now():
     The margin was taken from the median of every step the run had seen (0.25 s: 13 steps, 19.5 s at the slow
     pace); it is from the recent ones (5 steps, 7.5 s)."""
     progress, last = _progress((400, 0.25), (12, 1.5))
-    assert _Run(progress, last, time.time())._step_ahead() == last + GROW_MARGIN_STEPS
+    assert _regrouping(progress, last, time.time()).step_ahead() == last + GROW_MARGIN_STEPS
 
 
 def test_a_job_at_seconds_a_step_is_asked_for_three_steps_not_five():
     """Issue 47, the bed: a degraded link made steps 9 s; the floor of 5 steps was 45 s before the spare could step
     in. Three steps still cover a request that takes a second or two to reach every node."""
     progress, last = _progress((300, 2.0), (12, 9.0))
-    assert _Run(progress, last, time.time())._step_ahead() == last + 3
+    assert _regrouping(progress, last, time.time()).step_ahead() == last + 3
