@@ -17,14 +17,14 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
 - ``membership_pending``: nodes are waiting to join a healthy round (the job grows). With a reply pipe
   (``TRAINWARDEN_LAUNCH_REPLY_FD``) the agent then waits, at most GROW_WAIT_S, for the supervisor's line
   ``go``: meanwhile the supervisor has every worker save a checkpoint at one agreed step and hold there,
-  so the restart that follows loses no step (agent/launch/run.py, ``_checkpoint_before_growing``);
+  so the restart that follows loses no step (agent/launch/regroup.py, ``Regrouping.before_growing``);
   A worker that exits with ``EXIT_RESUME_BLOCKED`` (its job's checkpoints cannot be read or loaded) or
   ``EXIT_NUMERIC_STOP`` (its numeric policy stops the job on NaN) ends
   the run: no restart, none spent (``restarts_left`` in the event is 0);
 - ``restarting``: the agent restarts the group, after a failure (``reason: failed``, with the restarts
   left), because nodes are waiting to join (``reason: membership``), or because the supervisor wrote
   ``restart <round>`` on the reply pipe for the current rendezvous round (``reason: regroup``: a node left the job after every worker saved and
-  held at one step, agent/launch/run.py ``_on_leave``), which counts no failure;
+  held at one step, agent/launch/regroup.py ``Regrouping._on_leave``), which counts no failure;
 - ``waiting``: the rendezvous round closed without this node, which waits in the next (a hot spare, or a node
   that came after the round closed), with that round's number;
 - ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``); a node that waited as a hot spare until the

@@ -33,81 +33,46 @@ import psutil
 
 from trainwarden.agent.common import exit_codes
 from trainwarden.agent.common.job_lifecycle import JobPhase, JobRecord
-from trainwarden.agent.common.paths import job_state_dir
+from trainwarden.agent.common.netaddr import route_address
+from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD, job_state_dir
+from trainwarden.agent.common.preflight import preflight
 from trainwarden.agent.common.signals import StopOnSignals
-from trainwarden.agent.common.netaddr import interface_of, route_address
-from trainwarden.agent.etcd.client import EtcdAccessDenied, describe_etcd_error, split_endpoint
-from trainwarden.agent.etcd.embedded import EmbeddedEtcd, EtcdNotFoundError, EtcdStartError
-from trainwarden.agent.etcd.job_records import EtcdUnavailable, JobRecords, connect
-from trainwarden.agent.etcd.cluster import HangCoordinator, ProgressPublisher
-from trainwarden.agent.etcd.membership import NodeMembership, NodeTaken, admit, live_nodes
-from trainwarden.agent.etcd.writer import EtcdWriter
-from trainwarden.agent.incidents.node_loss import NodeLossWatcher
+from trainwarden.agent.etcd.client import split_endpoint
+from trainwarden.agent.etcd.job_records import JobRecords
+from trainwarden.agent.etcd.membership import NodeMembership
 from trainwarden.agent.incidents.spare_takeover import SpareTakeover
-from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder, describe_exit, describe_failures
-from trainwarden.agent.launch.output import OutputPump
-from trainwarden.agent.launch.process import TorchrunProcess
+from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder
+from trainwarden.agent.launch.accounting import Accounting
 from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
 from trainwarden.agent.launch.events import LaunchEventReader
-from trainwarden.agent.common.preflight import preflight
-from trainwarden.agent.common.scratch import scratch_dir, sweep
-from trainwarden.agent.launch.spare_swaps import SpareSwaps
-from trainwarden.agent.launch.accounting import Accounting
-from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.fencing import FENCED, EtcdRounds, Fencing
+from trainwarden.agent.launch.job_entry import enter_job
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
+from trainwarden.agent.launch.output import OutputPump
+from trainwarden.agent.launch.process import TorchrunProcess
+from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import LEFT, EtcdLeaves, Regrouping
 from trainwarden.agent.launch.run_options import RunOptions
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
-from trainwarden.agent.launch.worker_round import WorkerRound
-from trainwarden.agent.launch.summary import print_summary
+from trainwarden.agent.launch.services import (MULTI_NODE_RDZV, Abandon, EtcdSession, embedded_etcd_dir, start_etcd,
+                                              start_node_agent, watch_peers)
+from trainwarden.agent.launch.spare_swaps import SpareSwaps
+from trainwarden.agent.launch.stop_verdict import StopVerdict
+from trainwarden.agent.launch.summary import print_summary, step_source
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              worker_environment)
-from trainwarden.agent.metrics.exporter import ExporterError
-from trainwarden.agent.node.agent import AgentConfig, NodeAgent, watchdog_config
+from trainwarden.agent.launch.round_events import RoundEvents
+from trainwarden.agent.launch.worker_setup import compile_cache_env, network_env, sweep_killed_runs, warm_dir
+from trainwarden.agent.node.agent import NodeAgent
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
 from trainwarden.agent.shared.atomic_file import atomic_write
-from trainwarden.agent.common.paths import CHECKPOINT_DIR_RECORD
-from trainwarden.agent.shared.contract import (CHECKPOINT_DIR_ENV, EXIT_ABORTED, EXIT_NUMERIC_STOP, EXIT_RESUME_BLOCKED,
-                                              NUMERIC_POLICY_ENV, warm_parent,
-                                              warm_paths)
+from trainwarden.agent.shared.contract import CHECKPOINT_DIR_ENV
 from trainwarden.agent.shared.parent_death import SUPERVISOR_PID_ENV
-from trainwarden.agent.telemetry.job_telemetry import steps_from
-from trainwarden.agent.telemetry.server import TelemetryServerError
 
 logger = logging.getLogger(__name__)
 
-INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-"""Where torch keeps its compile cache (inductor, triton): a directory of the run unless the user chose one."""
-
-__all__ = ["RunOptions", "run"]
-
-
-MULTI_NODE_RDZV = {"last_call_timeout": "3", "keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
-"""Rendezvous timings for jobs of several nodes, read by both rounds. torch's defaults (last call 30 s, a node
-declared dead after 3 missed 5 s heartbeats) put 45 s into every recovery from a lost node; with these a
-dead node leaves the rendezvous 4-6 s after it died, and a first round with at least MIN nodes closes 3 s
-after the last one joined (a restart's round closes as soon as the previous round's living members are back).
-On the native round (the default) the dead-node window is the node's lease TTL, 2 × 3 = 6 s, refreshed every
-2 s by a keep-alive of its own; on torch's dynamic round each heartbeat is a compare-and-set on the one
-rendezvous key, so N nodes make N/2 of them a second."""
-
-
-SPARE_JOIN_TIMEOUT_S = 30 * 24 * 3600
-"""With ``--spare-nodes``, torchrun's ``join_timeout``: a spare waits in the rendezvous for as long as the job runs
-(it ends when the job's rendezvous closes), where the default 600 s would fail it after ten minutes."""
-
-
-def sweep_killed_runs() -> None:
-    """Remove what runs that were killed left on this machine: their private temp directories (``trainwarden-``,
-    ``tw-warm-``) and memory snapshots (agent/launch/memory_tier.py). Only directories whose owner process is gone
-    go; each run sweeps its own kind as it starts, this is for harnesses that kill whole simulated nodes."""
-    from trainwarden.agent.launch.memory_tier import DEFAULT_ROOT, PREFIX
-
-    for prefix in ("trainwarden-", "tw-warm-"):
-        sweep(prefix)
-    sweep(PREFIX, root=DEFAULT_ROOT)
+__all__ = ["MULTI_NODE_RDZV", "RunOptions", "run", "sweep_killed_runs"]  # services.py's, worker_setup.py's: as before
 
 
 def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
@@ -131,7 +96,7 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
                 job.wait_for_etcd(signals)
                 job.launch(cleanup)
                 rc = job.supervise(signals)
-        except _Abandon as stop:
+        except Abandon as stop:
             if stop.message:
                 print(f"trainwarden: {stop.message}", file=sys.stderr)
             return stop.code
@@ -139,17 +104,6 @@ def run(opts: RunOptions, *, out: TextIO = sys.stdout) -> int:
             return exit_codes.EXIT_OK
         job.print_summary()
     return rc
-
-
-"""``supervise``'s answer when this node lost etcd and stopped its workers (fencing)."""
-
-
-class _Abandon(Exception):
-    """A step of the run cannot go on: the command exits with ``code`` after saying ``message``."""
-
-    def __init__(self, code: int, message: str = "") -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def _announce(signum: int) -> None:
@@ -161,7 +115,8 @@ def _exit_code(signum: int) -> int:
 
 
 class _JobRun:
-    """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack."""
+    """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack. The decisions are
+    the parts it owns (docs/ARCHITECTURE.md, "Its shape"); the run acts on them."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
         self.opts, self.out = opts, out
@@ -174,22 +129,21 @@ class _JobRun:
                                                      "started": psutil.Process().create_time(), "node": self.node})
         self.membership: NodeMembership | None = None
         self.fenced = 0  # times this node was fenced (``_fence``)
-        self.worker_round = WorkerRound()  # this node's current worker round: replaced as each one starts
         self._reported_checkpoint_dir: Path | None = None  # where the workers said they checkpoint
         self._reply_fd: int | None = None
         self._stand_in = None  # warm workers: a worker's pid -> the client pid it stands behind (``_warm_dir``)
-        self._growing: threading.Thread | None = None
         self.progress = JobProgress()
         self.fencing = Fencing(job=opts.job, node=self.node, multi_node=self._multi_node,
-                               worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
+                               worker_round=lambda: self.rounds.current, pace=self.progress.median_step_seconds)
         self.regroup = Regrouping(job=opts.job, node=self.node, multi_node=self._multi_node, out=out,
-                                  worker_round=lambda: self.worker_round, pace=self.progress.median_step_seconds)
+                                  worker_round=lambda: self.rounds.current, pace=self.progress.median_step_seconds)
         self.links = LinkChecks(job=opts.job, node=self.node, policy=opts.link_policy, out=out,
                                 leaving=lambda: self.regroup.leave_asked,
                                 leave=lambda reason: self.regroup.ask_to_leave("excluded", reason))
         self.accounting = Accounting(job=opts.job, node=self.node, state_dir=self.state_dir, out=out)
         self.goodput, self.history = self.accounting.goodput, self.accounting.history  # fed by the supervisor
         self._lock = threading.Lock()
+        self.etcd: EtcdSession | None = None  # start_etcd (services.py); its parts below, as the steps use them
         self.endpoint = ""
         self.client = None
         self.records: JobRecords | None = None
@@ -201,13 +155,13 @@ class _JobRun:
         self.torchrun: TorchrunProcess | None = None
         self.pump: OutputPump | None = None
         self.events: LaunchEventReader | None = None
-        self.config_error: str | None = None
-        self.resume_blocked: str | None = None
-        self.numeric_stop: str | None = None
-        """Why the workers may not resume (their checkpoints cannot be read or loaded): the job stops, no restart."""
-        self._resume_detail = ""
-        self._startup_failure: tuple | None = None  # how the last round failed, if before its first step
-        self._wake: threading.Event | None = None
+        self.verdict = StopVerdict(job=opts.job, numeric_policy=opts.numeric_policy, log_path=self.logs / "run.log",
+                                   out=out)  # when restarting cannot help
+        self.rounds = RoundEvents(job=opts.job, node=self.node, spare_nodes=opts.spare_nodes,
+                                  multi_node=self._multi_node, out=out, progress=self.progress,
+                                  accounting=self.accounting, verdict=self.verdict, spare_swaps=self.spare_swaps,
+                                  generation=lambda: self.record.generation, advance_round=self.fencing.advance_round,
+                                  before_growing=self.regroup.before_growing, transition=self.transition)
         self.env: dict[str, str] = {}
         self.cmd: list[str] = []
         self.rdzv_conf: dict[str, str] = {}
@@ -218,7 +172,7 @@ class _JobRun:
         """What would make every worker fail at once is one clear error before anything starts."""
         problems = preflight(self.opts.script, {**os.environ, **self.opts.extra_env})
         if problems:
-            raise _Abandon(exit_codes.EXIT_CONFIG, "; ".join(problems))
+            raise Abandon(exit_codes.EXIT_CONFIG, "; ".join(problems))
 
     def check_leftovers(self, cleanup: ExitStack) -> None:
         """Never beside a live run of the job or its leftovers on this host (agent/launch/run_record.py)."""
@@ -226,87 +180,29 @@ class _JobRun:
         try:
             stopped = self.run_record.adopt_or_clear()
         except RunRecordError as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
+            raise Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
         if stopped:
             print(f"trainwarden: stopped {len(stopped)} process(es) a killed run of job {self.opts.job} had left "
                   f"running (pids {', '.join(map(str, stopped))})", file=self.out, flush=True)
         self.run_record.set("supervisor", os.getpid())
         cleanup.callback(self.run_record.remove)
-        for scratch in (torchelastic_log_dir(self.state_dir), self.embedded_etcd_dir):  # a killed run's, if any
-            shutil.rmtree(scratch, ignore_errors=True)
-
-    @property
-    def embedded_etcd_dir(self) -> Path:
-        """The embedded etcd's data: in the job's state directory (removed when the run ends, or by the next run
-        after a kill), never a ``trainwarden-etcd-*`` directory left in the system's temporary directory."""
-        return self.state_dir / "embedded-etcd"
+        for scratch in (torchelastic_log_dir(self.state_dir), embedded_etcd_dir(self.state_dir)):
+            shutil.rmtree(scratch, ignore_errors=True)  # a killed run's, if any
 
     def start_etcd(self, cleanup: ExitStack) -> None:
-        """An embedded etcd unless --etcd names one; a client checked to answer."""
-        endpoint, security = self.opts.etcd, self.opts.etcd_security
-        if endpoint is None and security.given:
-            raise _Abandon(exit_codes.EXIT_USAGE, "--etcd-ca/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file "
-                           "(or TRAINWARDEN_ETCD_*) apply to an etcd named with --etcd; the embedded one makes its "
-                           "own password")
-        if endpoint is None:
-            # its port is in every process's /proc/PID/cmdline: it requires a password only this user can read
-            auth_dir = scratch_dir("trainwarden-etcd-")
-            cleanup.callback(shutil.rmtree, auth_dir, True)  # after etcd.stop (registered below)
-            etcd = EmbeddedEtcd(data_dir=self.embedded_etcd_dir, log_path=self.logs / "etcd.log", auth_dir=auth_dir)
-            cleanup.callback(shutil.rmtree, self.embedded_etcd_dir, True)  # after etcd.stop (registered below)
-            try:
-                etcd.start()
-            except (EtcdNotFoundError, EtcdStartError) as exc:
-                raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
-            cleanup.callback(etcd.stop)
-            self.run_record.set("etcd", etcd.pid)
-            endpoint, security = etcd.endpoint, etcd.security
-            print(f"trainwarden: embedded etcd on {endpoint} (pid {etcd.pid}; user {security.user}, password in "
-                  f"{security.password_file})", file=self.out, flush=True)
-        try:
-            members = tuple(e.strip() for e in endpoint.split(",") if e.strip())
-            config = security.config(members, timeout=5.0, connect_timeout=2.0)
-        except ValueError as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
-        try:
-            self.client = connect(config, hint="start etcd there, or leave out --etcd to use an embedded one")
-            self.endpoint = ",".join(config.netlocs)  # the rendezvous gets every member too
-        except (EtcdUnavailable, EtcdAccessDenied, ValueError) as exc:
-            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, str(exc)) from None
-        # torchrun's rendezvous gets the same settings: the password's file, never the password
-        self.rdzv_conf = security.rdzv_conf()
-        if config.secure:
-            self.rdzv_conf["protocol"] = "https"
-        if parse_nnodes(self.opts.nnodes)[1] > 1:
-            self.rdzv_conf.update(MULTI_NODE_RDZV)
-        if self.opts.spare_nodes:  # a spare waits in the rendezvous as long as the job runs
-            self.rdzv_conf["join_timeout"] = str(SPARE_JOIN_TIMEOUT_S)
-        self.rdzv_conf["round"] = self.opts.rendezvous_round
-        cleanup.callback(self.client.close)
-        # phase changes, incident copies and checkpoint pointers are queued: no thread of the run waits for etcd
-        self.writer = EtcdWriter(self.client, endpoint=self.endpoint, node=self.node)
-        cleanup.callback(self.writer.stop, 5.0)
-        self.records = JobRecords(self.client, endpoint=self.endpoint, writer=self.writer)
+        """An embedded etcd unless --etcd names one; a client checked to answer (services.py)."""
+        self.etcd = start_etcd(self.opts, state_dir=self.state_dir, logs=self.logs, run_record=self.run_record,
+                               node=self.node, out=self.out, cleanup=cleanup)
+        self.endpoint, self.client, self.records = self.etcd.endpoint, self.etcd.client, self.etcd.records
+        self.writer, self.rdzv_conf = self.etcd.writer, self.etcd.rdzv_conf
 
     def start_agent(self, cleanup: ExitStack) -> None:
         """The in-process node agent, and the records that let `status`/`top --job` find it."""
         opts = self.opts
         if not opts.agent:
             return
-        sweep("trainwarden-")  # what runs that were SIGKILLed left (agent/common/scratch.py)
-        sock_dir = scratch_dir("trainwarden-")
-        cleanup.callback(shutil.rmtree, sock_dir, True)
-        try:
-            agent = NodeAgent(AgentConfig(socket_path=sock_dir / "agent.sock", metrics_host=opts.metrics_host,
-                                          metrics_port=opts.metrics_port, state_home=opts.state_home,
-                                          node=self.node,
-                                          watchdog=watchdog_config(opts.straggler_policy, opts.hang_floor_s)),
-                              etcd=self.writer, cluster=self._hang_coordinator())
-            agent.start()
-        except (ExporterError, TelemetryServerError, ValueError) as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, f"cannot start the node agent: {exc}") from None
-        cleanup.callback(agent.stop)
-        self.agent = agent
+        self.agent = agent = start_node_agent(opts, node=self.node, etcd=self.etcd, multi_node=self._multi_node,
+                                              cleanup=cleanup)
         agent.registry.register(self.goodput)  # trainwarden_goodput_ratio, trainwarden_badput_seconds_total
         # trainwarden_job_spare_nodes, trainwarden_spare_swaps_total: on every job (0 without spares), so the job
         # dashboard's spares panel and any rule on them read 0 rather than nothing
@@ -316,13 +212,8 @@ class _JobRun:
         if self._multi_node:  # only a worker of the job's current round publishes a checkpoint
             agent.server.commit_guard = self.fencing.commit_refusal
             self.links.ask_on_regression(agent.watchdog, self.client)  # a regression asks for a link check
-        if self._multi_node:  # the other nodes' agents see this node's ranks (agent/etcd/cluster.py)
-            progress = ProgressPublisher(self.client, self.node, agent.job_telemetry.snapshot)
-            progress.start()
-            cleanup.callback(progress.stop)
-            lost = NodeLossWatcher(self.client, opts.job, self.node, agent.incidents.record)  # one node_lost per loss
-            lost.start()
-            cleanup.callback(lost.stop)
+        if self._multi_node:  # the other nodes' agents see this node's ranks; one node_lost per loss
+            watch_peers(self.client, opts.job, self.node, agent, cleanup)
             if opts.spare_nodes:  # "node n2 lost; spare n3 took ranks 2,3"
                 self.spares = SpareTakeover(self.client, opts.job, self.node, agent.incidents.record,
                                             on_swap=lambda cause, _: self.spare_swaps.swapped(cause))
@@ -340,14 +231,6 @@ class _JobRun:
         self.memory_tier = start_memory_tier(opts.job, agent, enabled=opts.memory_snapshots, cleanup=cleanup,
                                              out=self.out)
 
-    def _hang_coordinator(self) -> HangCoordinator | None:
-        """For a job of several nodes: one node records each hang, naming the culprit from every node's view;
-        it waits for the verdicts of the job's live members."""
-        if not self._multi_node:
-            return None
-        client, node = self.client, self.node
-        return HangCoordinator(client, node, peers=lambda job: [n for n in live_nodes(client, job) if n != node])
-
     @property
     def local_addr(self) -> str | None:
         """What this node advertises: --local-addr, loopback for a one-node job, else the address of the
@@ -358,92 +241,40 @@ class _JobRun:
         try:
             return route_address(host, port)
         except OSError as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, f"no route to etcd at {self.endpoint} to pick this node's "
+            raise Abandon(exit_codes.EXIT_USAGE, f"no route to etcd at {self.endpoint} to pick this node's "
                            f"address from ({exc}); pass --local-addr ADDR") from None
 
-    def _network_env(self) -> dict[str, str]:
-        """Gloo binds the interface of the advertised address unless the user chose one (GLOO_SOCKET_IFNAME)."""
-        env = dict(self.opts.extra_env)
-        env[NUMERIC_POLICY_ENV] = self.opts.numeric_policy
-        if self.memory_tier is not None:
-            env.update(self.memory_tier.env())
-        address = self.local_addr
-        if address and "GLOO_SOCKET_IFNAME" not in os.environ and "GLOO_SOCKET_IFNAME" not in env:
-            interface = interface_of(address)
-            if interface:
-                env["GLOO_SOCKET_IFNAME"] = interface
-        return env
-
-    def _compile_cache_env(self, cleanup: ExitStack) -> dict[str, str]:
-        """The workers' torch compile cache in a scratch directory of this run, removed when it ends (swept by the
-        next run after a SIGKILL): importing ``torch.distributed.pipelining`` makes ``$TMPDIR/torchinductor_<user>``
-        otherwise, which outlives the job. A cache directory the user chose (TORCHINDUCTOR_CACHE_DIR) is kept."""
-        if INDUCTOR_CACHE_ENV in os.environ or INDUCTOR_CACHE_ENV in self.opts.extra_env:
-            return {}
-        sweep("tw-inductor-")
-        cache = scratch_dir("tw-inductor-")
-        cleanup.callback(shutil.rmtree, cache, True)
-        return {INDUCTOR_CACHE_ENV: str(cache)}
-
     def claim(self, signals: StopOnSignals, cleanup: ExitStack) -> None:
-        """Enter the job in etcd as this node (agent/etcd/membership.py): refused while another live run holds
-        this node; the first node of a (new) generation records the spec and resets the rendezvous, the
-        others join the generation it started."""
+        """torchrun's command line and the workers' environment, then enter the job in etcd as this node
+        (job_entry.py); fencing and the leave protocol act from then on."""
         opts = self.opts
         spec = LaunchSpec(
             job=opts.job, script=opts.script, rdzv_endpoint=self.endpoint, state_dir=self.state_dir,
             agent_socket=str(self.agent.config.socket_path) if self.agent else None,
             nproc_per_node=opts.nproc_per_node, nnodes=opts.nnodes, max_restarts=opts.max_restarts,
             monitor_interval=opts.monitor_interval, local_addr=self.local_addr,
-            extra_env={**self._network_env(), **self._compile_cache_env(cleanup)},
+            extra_env={**network_env(opts, memory_tier_env=self.memory_tier.env() if self.memory_tier else {},
+                                     address=self.local_addr), **compile_cache_env(opts.extra_env, cleanup)},
             rdzv_conf=self.rdzv_conf, warm_dir=self._warm_dir(cleanup), auto_instrument=opts.auto_instrument,
             tokens_per_step=opts.tokens_per_step,
         )
         try:
             self.env, self.cmd = worker_environment(spec), torchrun_command(spec)
         except ValueError as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
-        try:
-            admission, release = admit(self.client, opts.job, self.node)
-        except NodeTaken as exc:
-            raise _Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
-        except Exception as exc:  # TimeoutError, or etcd gone since connect()
-            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
-                           f"{self.endpoint}: {describe_etcd_error(exc)}") from None
-        try:
-            previous = self.records.get_state(opts.job)
-            if admission.starts_job:
-                if not opts.managed:  # a submitted job's spec is the operator's (agent/etcd/jobs.py)
-                    self.records.put_spec(opts.job, {
-                        "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
-                        "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
-                        "checkpoint_dir": str(self.checkpoint_dir),
-                    })
-                if previous is not None:
-                    self._take_over(previous)
-            else:
-                self.record.generation = int((previous or {}).get("generation", 0))
-                print(f"trainwarden: node {self.node} joins job {opts.job} (generation {self.record.generation}) "
-                      f"beside {', '.join(sorted(admission.peers))}", file=self.out, flush=True)
-            record = {"owner": self.record.owner, "address": self.local_addr or "",
-                      "nproc_per_node": opts.nproc_per_node, "generation": self.record.generation,
-                      "phase": JobPhase.STARTING.value}
-            self.links.serve_probe(record, cleanup, self.local_addr if self._multi_node else None)
-            self.membership = NodeMembership(self.client, opts.job, self.node, record)
-            self.membership.start()
-            cleanup.callback(self.membership.stop)
-            self.fencing.joined(self.membership, EtcdRounds(self.client, self.records, opts.job), self._stand_in)
-            self.regroup.joined(EtcdLeaves(self.client, self.records, opts.job, self.node),
-                                checkpoint=self._checkpoint_request(), reply=self._reply,
-                                launcher_running=lambda: self.torchrun is not None and self.torchrun.poll() is None)
-        except Exception as exc:
-            raise _Abandon(exit_codes.EXIT_ETCD_UNAVAILABLE, f"cannot enter job {opts.job} in etcd at "
-                           f"{self.endpoint}: {describe_etcd_error(exc)}") from None
-        finally:
-            release()
+            raise Abandon(exit_codes.EXIT_USAGE, str(exc)) from None
+        self.membership = enter_job(opts, etcd=self.etcd, node=self.node, record=self.record, spec={
+            "command": opts.script, "nproc_per_node": opts.nproc_per_node, "nnodes": opts.nnodes,
+            "max_restarts": opts.max_restarts, "state_dir": str(self.state_dir),
+            "checkpoint_dir": str(self.checkpoint_dir),
+        }, address=self.local_addr, out=self.out, cleanup=cleanup, serve_probe=lambda mine: self.links.serve_probe(
+            mine, cleanup, self.local_addr if self._multi_node else None))
+        self.fencing.joined(self.membership, EtcdRounds(self.client, self.records, opts.job), self._stand_in)
+        self.regroup.joined(EtcdLeaves(self.client, self.records, opts.job, self.node),
+                            checkpoint=self._checkpoint_request(), reply=self._reply,
+                            launcher_running=lambda: self.torchrun is not None and self.torchrun.poll() is None)
         if signals.event.is_set():  # Ctrl-C during start-up: nothing launched yet
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
-            raise _Abandon(_exit_code(signals.received))
+            raise Abandon(_exit_code(signals.received))
         self.transition(JobPhase.STARTING)
 
     def launch(self, cleanup: ExitStack) -> None:
@@ -460,7 +291,7 @@ class _JobRun:
             os.close(events_read)
             os.close(reply_write)
             self.transition(JobPhase.FAILED, str(exc))
-            raise _Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
+            raise Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
         finally:
             os.close(events_write)
             os.close(reply_read)
@@ -471,7 +302,9 @@ class _JobRun:
         atomic_write(self.state_dir / CHECKPOINT_DIR_RECORD, f"{self.checkpoint_dir.resolve()}\n".encode())
         if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
             self.agent.actions.register_launcher(self.opts.job, self.torchrun.pid)
-        self.events = LaunchEventReader(events_read, self._on_launch_event)
+        self.rounds.attach(run_record=self.run_record, failures=self.failures, membership=self.membership,
+                           spares=self.spares, killed=self.agent.actions.killed_by_agent if self.agent else None)
+        self.events = LaunchEventReader(events_read, self.rounds.on_event)
         self.events.start()
         self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self._on_line)
         self.pump.start()
@@ -479,32 +312,24 @@ class _JobRun:
     def supervise(self, signals: StopOnSignals) -> int:
         """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
         torchrun, pump = self.torchrun, self.pump
-        self._wake = signals.event  # a configuration error found by the event reader ends the wait early too
+        self.verdict.wake = signals.event  # a configuration error found by the event reader ends the wait early too
         watching = threading.Event()  # the leave protocol polls etcd on a thread: this loop never waits on etcd
         watcher = threading.Thread(target=self.regroup.watch, args=(watching,), name="trainwarden-leave-watch",
                                    daemon=True)
         watcher.start()
         try:
-            while torchrun.poll() is None and not signals.event.wait(0.5) and self.config_error is None \
+            while torchrun.poll() is None and not signals.event.wait(0.5) and self.verdict.reason is None \
                     and not self.fencing.cut_off() and not self.regroup.left:
                 pass
         finally:
             watching.set()
         if self.regroup.left and signals.received is None:
             return self._finish_leave()
-        if signals.received is None and self.config_error is None and self.fencing.cut_off():
+        if signals.received is None and self.verdict.reason is None and self.fencing.cut_off():
             return self._fence(f"lost etcd {self.membership.unconfirmed_for():.0f} s ago")
-        if self.config_error is not None:  # the same failure twice before a step: restarting does not help
+        if self.verdict.reason is not None:  # resume blocked, a numeric stop, the same failure twice before a step
             self._stop_workers()
-            if self.resume_blocked is not None:  # recorded by the agent as a resume_blocked incident
-                return self._stop_resume_blocked()
-            if self.numeric_stop is not None:  # recorded by the agent as a numeric incident
-                return self._stop_numeric()
-            print(f"trainwarden: {self.config_error}", file=self.out, flush=True)
-            self.transition(JobPhase.FAILED, "configuration error: " + self.config_error[:200])
-            if self.failures is not None:
-                self.failures.job_failed("configuration error: the workers fail the same way before any step")
-            return exit_codes.EXIT_CONFIG
+            return self.verdict.stop(self.transition, self.failures)
         if signals.received is not None:
             self._stop_workers()
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
@@ -579,24 +404,15 @@ class _JobRun:
         while self.fencing.etcd_trouble() or self.fencing.cut_off():
             if signals.event.wait(0.5):
                 self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
-                raise _Abandon(_exit_code(signals.received))
+                raise Abandon(_exit_code(signals.received))
         print(f"trainwarden: etcd answers again after {time.monotonic() - started:.0f} s; node {self.node} rejoins "
               f"job {self.opts.job}", file=self.out, flush=True)
 
     def print_summary(self) -> None:
         print_summary(self.out, record=self.record, state_dir=self.state_dir, progress=self.progress,
                       elapsed=time.monotonic() - self.started, ckpt_dir=self.checkpoint_dir,
-                      log_path=self.logs / "run.log", steps_from=self._steps_from(),
+                      log_path=self.logs / "run.log", steps_from=step_source(self.agent, self.opts.job),
                       goodput=self.goodput.snapshot(), mfu=self.accounting.mfu_line())
-
-    def _steps_from(self) -> str | None:
-        if self.agent is None:
-            return None
-        try:
-            snaps = self.agent.job_telemetry.snapshot(self.opts.job)
-        except Exception:
-            return None
-        return (steps_from(snaps[0].ranks) or None) if snaps else None
 
     # ---- helpers -----------------------------------------------------------------------------------
 
@@ -622,19 +438,6 @@ class _JobRun:
         atomic_write(path, (value + "\n").encode())
         cleanup.callback(path.unlink, missing_ok=True)
 
-    def _take_over(self, previous: dict) -> None:
-        """A job already in etcd and no node of it live: continue it with the next generation, or with the one
-        `submit`/`resume` wrote in ``pending`` for the daemons to start. A non-terminal phase was left by runs
-        that are gone (killed hard, or cut off from etcd for longer than their record's lease: those stop
-        their workers themselves)."""
-        opts, phase = self.opts, previous.get("phase")
-        if phase not in [p.value for p in JobPhase if p.terminal] + [JobPhase.PENDING.value]:
-            logger.warning("job %s was left %s by a trainwarden run that is gone (%s); taking over",
-                           opts.job, phase, previous.get("owner"))
-        fresh = phase == JobPhase.PENDING.value and opts.managed  # the generation the operator's request made
-        self.record.generation = int(previous.get("generation", 0)) + (0 if fresh else 1)
-        self.records.reset_rendezvous(opts.job)
-
     def transition(self, to: JobPhase, reason: str = "", *, failure: bool = True) -> None:
         with self._lock:  # publish under the lock too: puts from two threads must not land out of order
             if self.record.phase.terminal or self.record.phase == to:
@@ -648,130 +451,12 @@ class _JobRun:
 
     # ---- what the job reports -------------------------------------------------------------------------
 
-    def _on_launch_event(self, event: dict) -> None:
-        """The launcher's structured events: rounds, failures with exit codes, restarts."""
-        kind, at = event.get("event"), float(event.get("t") or time.time())
-        if kind == "started":
-            self.worker_round = started = WorkerRound.started(self.record.generation, event)
-            if self._multi_node and started.number is not None:  # the job's current round is this one now
-                threading.Thread(target=self.fencing.advance_round, args=(started,), name="trainwarden-round",
-                                 daemon=True).start()
-            self.progress.round_started(at)
-            if self.failures is not None:  # a later failure's evidence: this round's streams only
-                self.failures.round_started(at)
-            self.goodput.round_started(at, spare_swap=bool(event.get("spare_swap")))
-            self.history.event("round_started", at, round=started.number, workers=len(event.get("workers") or []))
-            self.run_record.set_workers(list(started.pids))
-            if self.membership is not None:  # a node_lost incident names the ranks of the node's last round
-                self.membership.update(ranks=list(started.ranks), round=started.number, spare=False)
-            self.spare_swaps.waiting(False)  # trainwarden_job_spare_nodes: this node trains
-            if self.spares is not None:
-                self.spares.round_started(started.number, [w["global_rank"] for w in event.get("workers") or []])
-        elif kind == "failed":
-            self.progress.round_failed(at)
-            self.goodput.failed(at)
-            failures = event.get("failures") or []
-            self.history.event("round_failed", at, failures=[
-                {"rank": f.get("global_rank"), "exitcode": f.get("exitcode"), "message": str(f.get("message") or "")[:300]}
-                for f in failures])
-            if self._check_resume_blocked(failures) or self._check_numeric_stop(failures):
-                return
-            self._check_deterministic(failures)
-            if self.failures is not None:
-                self.failures.round_failed(failures)
-            print(f"trainwarden: the worker round failed: {describe_failures(failures)}", file=self.out, flush=True)
-        elif kind == "waiting":  # the round closed without this node: a hot spare, or a node that came late
-            spare = "a hot spare: it takes a lost node's ranks" if self.opts.spare_nodes else \
-                "it joins when the job grows"
-            print(f"trainwarden: node {self.node} waits in round {event.get('round')} of job {self.opts.job}: the "
-                  f"running round has its nodes; {spare}", file=self.out, flush=True)
-            self.history.event("waiting", at, round=event.get("round"))
-            if self.membership is not None:  # `trainwarden status --etcd` shows it as a spare
-                self.membership.update(spare=True, ranks=[], round=event.get("round"))
-            self.spare_swaps.waiting(True)  # trainwarden_job_spare_nodes
-        elif kind == "membership_pending":  # nodes wait to join: checkpoint first, so no step is lost
-            self._growing = threading.Thread(target=self.regroup.before_growing, args=(event.get("round"),),
-                                             name="trainwarden-grow", daemon=True)
-            self._growing.start()
-        elif kind == "restarting":
-            after_failure = event.get("reason") == "failed"
-            self.progress.restarting(after_failure)
-            if after_failure and self.failures is not None:
-                self.failures.restarting()
-            why = {"failed": "worker group failed", "regroup": "a node left the job"}.get(
-                event.get("reason"), "nodes are waiting to join")
-            print(f"trainwarden: restarting the worker group ({why}; {event.get('restarts_left', '?')} restarts "
-                  "left)", file=self.out, flush=True)
-            self.transition(JobPhase.RESTARTING, why, failure=after_failure)
-            self.history.event("restarting", at, reason=event.get("reason") or "")
-
-    def _check_resume_blocked(self, failures: list[dict]) -> bool:
-        """Workers that exit with EXIT_RESUME_BLOCKED found checkpoints they may not start without: not a crash
-        (no incident of that kind) and no restart; the job stops and says why (their own last words)."""
-        blocked = [f for f in failures if int(f["exitcode"]) == EXIT_RESUME_BLOCKED]
-        if not blocked:
-            return False
-        said = next((str(f.get("message")) for f in blocked if f.get("message")), "")
-        self.resume_blocked = said or "its checkpoints exist but none could be read or loaded"
-        self.config_error = self.resume_blocked
-        if self._wake is not None:
-            self._wake.set()
-        return True
-
-    def _check_numeric_stop(self, failures: list[dict]) -> bool:
-        """Workers that exit with EXIT_NUMERIC_STOP computed non-finite values their numeric policy stops on: a
-        restart would compute them again, so the job stops and says why (the first rank's words)."""
-        stopped = [f for f in failures if int(f["exitcode"]) == EXIT_NUMERIC_STOP]
-        if not stopped:
-            return False
-        said = next((str(f.get("message")) for f in stopped if f.get("message")), "")
-        self.numeric_stop = self.config_error = said or "the training computed values that are not finite"
-        if self._wake is not None:
-            self._wake.set()
-        return True
-
-    def _stop_numeric(self) -> int:
-        why = (self.numeric_stop or "")[:1500]
-        print(f"trainwarden: the job stopped on non-finite values (--numeric-policy {self.opts.numeric_policy}): {why}\n"
-              f"trainwarden: no restart was spent. `trainwarden incidents --job {self.opts.job}` has the numeric "
-              f"incident; the workers' own output is in {self.logs / 'run.log'}", file=self.out, flush=True)
-        self.transition(JobPhase.FAILED, "numeric stop: " + why[:300])
-        return exit_codes.EXIT_NUMERIC_STOP
-
-    def _stop_resume_blocked(self) -> int:
-        why = (self._resume_detail or self.resume_blocked or "")[:1500]
-        print(f"trainwarden: the job stopped rather than start over: {why}\ntrainwarden: no restart was spent. "
-              f"`trainwarden checkpoints --job {self.opts.job}` lists its checkpoints and why each was set aside; "
-              f"the workers' own output is in {self.logs / 'run.log'}", file=self.out, flush=True)
-        self.transition(JobPhase.FAILED, "resume blocked: " + why[:300])
-        return exit_codes.EXIT_RESUME_BLOCKED
-
-    def _check_deterministic(self, failures: list[dict]) -> None:
-        """A round that fails before its first step exactly as the previous one did is a configuration error
-        (a missing file, a bad flag, an import error), not a fault a restart cures."""
-        killed = self.agent.actions.killed_by_agent if self.agent is not None else (lambda pid: False)
-        own = tuple(sorted((int(f["global_rank"]), int(f["exitcode"]), str(f.get("message") or "")[:300])
-                           for f in failures if int(f["exitcode"]) not in (-signal.SIGTERM, EXIT_ABORTED)
-                           and not killed(int(f.get("pid") or 0))))
-        if self.progress.in_round or not own:
-            self._startup_failure = None
-            return
-        if own == self._startup_failure and self.config_error is None:
-            rank, code, message = own[0]
-            self.config_error = (f"the workers failed the same way twice before their first step (rank {rank}: "
-                                 f"{describe_exit(code)}{f': {message}' if message else ''}); this is a "
-                                 "configuration error, not a transient fault: not restarting. See the job's log "
-                                 f"({self.logs / 'run.log'}) for the workers' own output.")
-            if self._wake is not None:
-                self._wake.set()
-        self._startup_failure = own
-
     def on_step(self, job: str, rank: int, pid: int, index: int, start_unix: float, duration_s: float) -> None:
         """A worker's step (telemetry listener, on the agent's reader thread)."""
         if job != self.opts.job:
             return
         self.fencing.worker_stepped()
-        self.worker_round.stepped(index, start_unix + duration_s)
+        self.rounds.current.stepped(index, start_unix + duration_s)
         self.goodput.step(index, start_unix + duration_s, duration_s)
         self.history.step(rank, index, start_unix + duration_s, duration_s)
         if self.progress.step(index, start_unix + duration_s, duration_s, worker=pid):
@@ -788,23 +473,13 @@ class _JobRun:
         if job == self.opts.job:
             self.regroup.checkpoint_reported(stage, step)
         if job == self.opts.job and stage == "resume_blocked" and detail:
-            self._resume_detail = detail  # the committing rank's reason, in full
+            self.verdict.checkpoint_detail(detail)
 
     def _warm_dir(self, cleanup: ExitStack) -> str | None:
-        """A short private directory for the warm workers' zygote socket (unix socket paths are short)."""
-        if not self.opts.warm_workers:
-            print("trainwarden: cold workers: every restarted worker starts a new interpreter (--cold-workers)",
-                  file=self.out, flush=True)
-            return None
-        print("trainwarden: warm workers: restarted workers fork from a process with torch and the script's imports "
-              "loaded (--cold-workers turns this off)", file=self.out, flush=True)
-
-        sweep("tw-warm-")
-        warm = str(scratch_dir("tw-warm-"))
-        cleanup.callback(shutil.rmtree, warm, True)
-        workers = warm_paths(warm)[1]
-        self._stand_in = lambda pid: warm_parent(pid, workers)  # the commit guard's too (fencing.py)
-        if self.agent is not None:  # an aborted warm worker's SIGKILL is its client's death to torch's agent
+        """The warm workers' zygote directory (worker_setup.py); their stand-in pids for the commit guard and the
+        agent (an aborted warm worker's SIGKILL is its client's death to torch's agent)."""
+        warm, self._stand_in = warm_dir(self.opts.warm_workers, self.out, cleanup)
+        if self._stand_in is not None and self.agent is not None:
             self.agent.actions.stand_in = self._stand_in
         return warm
 

@@ -13,6 +13,7 @@ from trainwarden.agent.launch.goodput import Goodput
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.shared import checkpoint_aside as asides
 from trainwarden.agent.shared import checkpoint_layout as store
+from trainwarden.agent.telemetry.job_telemetry import steps_from
 
 __all__ = ["print_summary"]
 
@@ -34,6 +35,17 @@ def _latest_checkpoint(directory: Path, job: str) -> str:
     if aside:
         latest += f"; {len(aside)} set aside: trainwarden checkpoints --job {job}"
     return latest
+
+
+def step_source(agent, job: str) -> str | None:
+    """Where the job's step counts came from, as the node ``agent`` saw its ranks (None: no agent, no ranks)."""
+    if agent is None:
+        return None
+    try:
+        snaps = agent.job_telemetry.snapshot(job)
+    except Exception:
+        return None
+    return (steps_from(snaps[0].ranks) or None) if snaps else None
 
 
 def print_summary(out: TextIO, *, record: JobRecord, state_dir: Path, progress: JobProgress, elapsed: float,

@@ -20,7 +20,7 @@ class WorkerRound:
     """One round of this node's workers; a new round is a new object (only ``step`` and ``step_end`` move)."""
 
     generation: int = 0
-    """The job's generation (a new one per take-over or resume: agent/launch/run.py ``_take_over``)."""
+    """The job's generation (a new one per take-over or resume: agent/launch/job_entry.py ``_take_over``)."""
     number: int | None = None
     """The rendezvous round the workers started in; None before the first round, or where the rendezvous handler
     names none."""
