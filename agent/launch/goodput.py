@@ -9,7 +9,9 @@ first launch to its latest step or failure (``as_of``), cut into:
 
 - ``productive``: the steps the job kept, at the job's own pace. A step recomputed after a restart counts once, the
   recomputation; the part of a step above the job's median while a straggler or a communication regression is
-  open is charged to that cause instead;
+  open is charged to that cause instead. Steps this ledger never heard of, which a round starts past (trained while
+  this node was away, or after the last state a killed launcher published), count at the job's recent pace, out of
+  the wait they fell in;
 - ``startup``: the launch to the start of the first step (interpreters, imports, rendezvous), less ``restore``;
 - ``restore``: reading the checkpoint back before a round's first step (the slowest rank's report);
 - ``detection``: the end of the last step before a failure to the launcher's report of it (the step in flight);
@@ -112,6 +114,7 @@ class GoodputLedger:
         self._baseline: deque[float] = deque(maxlen=_BASELINE)
         self._as_of = launched_at
         self._resumed_at: float | None = None
+        self._stopped_at_resume = 0.0  # the ``stopped`` a resume added, which may hold steps it never heard of
 
     # ---- carried from one launcher to the next ---------------------------------------------------------
 
@@ -137,7 +140,8 @@ class GoodputLedger:
         with self._lock:
             self._launched, self._productive, self._frontier = launched, productive, frontier
             self._causes = causes
-            self._causes["stopped"] += max(0.0, now - as_of)
+            self._stopped_at_resume = max(0.0, now - as_of)
+            self._causes["stopped"] += self._stopped_at_resume
             self._as_of = max(as_of, now)
             self._recent.extend(recent)
             self._resumed_at = now
@@ -245,10 +249,30 @@ class GoodputLedger:
         gap = max(0.0, start - since)
         restore = min(self._restore, gap)
         self._causes["restore"] += restore
-        self._causes[cause] += gap - restore
+        self._causes[cause] += gap - restore - self._trained_elsewhere(index, cause, gap - restore)
         self._failed_at, self._restore, self._stall, self._hung = None, 0.0, 0.0, False
         if self._frontier is not None and index <= self._frontier:  # resumed from an older checkpoint
             self._redo_from(index)
+
+    def _trained_elsewhere(self, index: int, cause: str, gap: float) -> float:
+        """A round that starts past the step after the frontier: the steps between were trained and kept while this
+        ledger heard nothing (this node was away, a spare, or fenced, while the others trained; or its launcher was
+        killed after its last published state). They are productive, at the job's recent pace: taken from the
+        wait before this round (``gap``), or, for a relaunch's first round, from the ``stopped`` that its resume
+        counted (the steps were before the launch). Returns what it took from ``gap``."""
+        if self._frontier is None or index <= self._frontier + 1 or not self._recent:
+            return 0.0
+        mean = sum(d for _, d in self._recent) / len(self._recent)
+        estimate = (index - self._frontier - 1) * mean
+        if cause == "startup":
+            taken = min(estimate, self._causes["stopped"], self._stopped_at_resume)
+            self._causes["stopped"] -= taken
+            self._stopped_at_resume = 0.0
+            self._productive += taken
+            return 0.0
+        taken = min(estimate, max(0.0, gap))
+        self._productive += taken
+        return taken
 
     def _redo_from(self, index: int) -> None:
         mean = sum(d for _, d in self._recent) / len(self._recent) if self._recent else 0.0

@@ -351,8 +351,11 @@ class _JobRun:
     def _multi_node(self) -> bool:
         return parse_nnodes(self.opts.nnodes)[1] > 1
 
-    def _stop_workers(self) -> None:
-        """Stop torchrun and its workers, its output and events read to the end."""
+    def _stop_workers(self, why: str = "stopped") -> None:
+        """Stop torchrun and its workers, its output and events read to the end; the watchdog does not take their
+        end for a hang."""
+        if self.agent is not None:
+            self.agent.watchdog.stand_down(self.opts.job, why)
         self.pump.quiet = True
         self.torchrun.stop(grace=10.0)
         self.pump.join(5)
@@ -390,7 +393,7 @@ class _JobRun:
         comes back only as a new member, through a new rendezvous (``wait_for_etcd``, then ``launch``)."""
         print(f"trainwarden: node {self.node} {why}: fencing (stopping its workers); it rejoins job "
               f"{self.opts.job} as a new member when etcd answers again", file=self.out, flush=True)
-        self._stop_workers()
+        self._stop_workers(f"fenced: {why}")
         self.pump.quiet = False
         if self.agent is not None:
             self.agent.incidents.record(self.fencing.incident(why))

@@ -13,7 +13,8 @@ no positions. `name_culprit` is a pure function of that evidence:
   sequences are a separate key ``<name>/p2p``), a member that answered and whose last sequence id is below
   the group's highest lags. The collective the others wait in is the one at the highest id.
 - A lagging rank that is itself waiting inside an unfinished collective of another group is blocked, not
-  the cause (pipeline and tensor-parallel groups chain waits). A lag in a group whose leaders all answered and
+  the cause (pipeline and tensor-parallel groups chain waits). So is one whose training thread waits in a
+  point-to-point call (`P2P_WAITS`): gloo's recorder has no entry for send/recv, so its stack is the evidence. A lag in a group whose leaders all answered and
   none waits in the collective at the top holds no one up (it completed without the laggard: a pipeline's send,
   while the laggard waits for its receive) and names no one either. The culprits are the lagging ranks that are
   not inside any collective: they stopped outside, in compute, I/O or a deadlock of their own.
@@ -51,6 +52,23 @@ ANSWERED = "answered"
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD_RE = re.compile(r"^(Thread|Current thread) (0x[0-9a-fA-F]+)")
 _MAIN_THREAD_RE = re.compile("^" + re.escape(MAIN_THREAD_HEADER.partition("{")[0]) + r"([0-9a-fA-F]+)")
+
+
+P2P_WAITS = frozenset({
+    ("torch/distributed/pipelining/schedules.py", "_wait_batch_p2p"),
+    ("torch/distributed/distributed_c10d.py", "recv"),
+    ("torch/distributed/distributed_c10d.py", "send"),
+    ("torch/distributed/distributed_c10d.py", "recv_object_list"),
+    ("torch/distributed/distributed_c10d.py", "send_object_list"),
+})
+"""(file suffix, function) of the training thread's top frame that mean it waits for a point-to-point peer."""
+_STACK_FRAME_RE = re.compile(r"^(?P<func>\S+) \((?P<file>.*):\d+\)$")
+
+
+def waits_in_p2p(stack: tuple[str, ...]) -> bool:
+    """The top frame (``"func (file:line)"``, as `main_thread_frames` gives it) is a point-to-point wait."""
+    m = _STACK_FRAME_RE.match(stack[0]) if stack else None
+    return bool(m) and any(m["file"].endswith(suffix) and m["func"] == func for suffix, func in P2P_WAITS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +155,7 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
                    f"no TORCH_FR_BUFFER_SIZE, or the dump took longer than the wait)")
         return Verdict(culprits=(), unresponsive=unresponsive, summary=f"no collective positions: {why}{silent}")
     in_flight = {r for r, e in answered.items() if any(p.in_flight for p in e.positions.values())}
+    blocked = in_flight | {r for r, e in answered.items() if waits_in_p2p(e.stack)}
     groups: dict[str, dict[int, GroupPosition]] = {}
     for rank, e in answered.items():
         for key, pos in e.positions.items():
@@ -150,7 +169,7 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
         for rank, pos in sorted(members.items()):
             if pos.seq < top:
                 lags.append(Lag(rank=rank, group=key, desc=lead.desc, seq=pos.seq, peer_seq=top, op=lead.op,
-                                waiting=waiting, blocked=rank in in_flight))
+                                waiting=waiting, blocked=rank in blocked))
     # a lag holds someone up only where a rank waits in the collective it never entered: when the group's leaders
     # all answered and none is inside it, it completed without the laggard (a pipeline's send, which gloo records
     # as an op of its own), and the laggard is where it is for a reason elsewhere
@@ -164,9 +183,9 @@ def name_culprit(evidence: Mapping[int, RankEvidence]) -> Verdict:
             parts.append(f"rank {rank} never entered {g.op} #{g.peer_seq} of group {g.desc or g.group} "
                          f"(its last is #{g.seq}; ranks {_ranks(g.waiting)} wait in it){where}")
         summary = "; ".join(parts) + silent
-    elif unresponsive and in_flight == set(answered):
-        # every answering rank waits inside a collective: the ranks that could not answer are the ones that
-        # never entered the collective the others wait in
+    elif unresponsive and blocked == set(answered):
+        # every answering rank waits (in a collective or for a point-to-point peer): the ranks that could not answer
+        # are the ones that never entered the collective the others wait in
         culprits = tuple(sorted(unresponsive))
         summary = _unresponsive_summary(unresponsive, answered, in_flight)
     elif lags:

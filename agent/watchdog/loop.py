@@ -42,6 +42,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from trainwarden.agent.watchdog.activity import ProcessActivity, waits
 from trainwarden.agent.watchdog.culprit import (RankEvidence, give_to_writers, name_culprit, process_cpu_seconds,
                                                 process_io_bytes, process_own_cpu_seconds, process_state,
                                                 read_diagnostics)
@@ -57,6 +58,7 @@ from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
 from trainwarden.agent.watchdog.straggler import StragglerDetector
 from trainwarden.agent.watchdog.read_pace import ReadPacer
+from trainwarden.agent.watchdog.stand_down import StandDowns
 from trainwarden.agent.watchdog.straggler_incidents import StragglerIncidents
 
 __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
@@ -71,9 +73,6 @@ ACTIVITY_AFTER_S = 0.75
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
 a period later, a rate. (1 s with the 2 s floor.)"""
-WAITING_AFTER_S = 0.5
-"""A rank whose training thread has stayed inside one call this long, with a collective in flight as long, waits
-(a GPU rank spins a core in a CUDA synchronize: its own CPU is not work, hang.py)."""
 CLUSTER_RETRY_S = 10.0
 """After etcd failed to take or give a job's activity, this node judges the job's hangs alone for this long before
 asking again: an unreachable etcd costs each check its client's timeout, and the watchdog checks every job."""
@@ -101,9 +100,7 @@ class Watchdog:
         self._cluster = cluster
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
-        self._io_bytes = io_bytes
-        self._cpu_seconds = cpu_seconds
-        self._own_cpu_seconds = own_cpu_seconds
+        self._activity = ProcessActivity(io_bytes=io_bytes, cpu_seconds=cpu_seconds, own_cpu_seconds=own_cpu_seconds)
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
@@ -118,6 +115,7 @@ class Watchdog:
         self._pacer = ReadPacer(actions, period_s=self.config.quiet_read_period_s, after_s=self.config.quiet_after_s,
                                 clock=clock)
         self._cluster_failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
+        self._stand_downs = StandDowns()
         self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
@@ -172,6 +170,11 @@ class Watchdog:
             self._heartbeat.beat()
             self._stop.wait(self.config.interval_s)
 
+    def stand_down(self, job: str, why: str) -> None:
+        """The job's launcher stops its workers on purpose: no hang of this worker round (agent/watchdog/stand_down.py).
+        Called from the launcher's thread."""
+        self._stand_downs.add(job, why)
+
     # ---- one iteration -------------------------------------------------------------------------------
 
     def check_once(self) -> None:
@@ -193,6 +196,7 @@ class Watchdog:
             self._pacer.forget(job)
             self._deferred.pop(job, None)
             self._cluster_failing.pop(job, None)
+            self._stand_downs.forget(job)
             if self._cluster is not None:
                 try:
                     self._cluster.set_busy(job, False)
@@ -206,7 +210,7 @@ class Watchdog:
         in_stage = [r for r in connected if r.checkpoint_stage in BLOCKING_CHECKPOINT_STAGES]
         checkpoint_io = {}
         for r in in_stage:  # a save or restore that keeps reading or writing is not hung, however long
-            moved = self._io_bytes(r.pid) if r.pid > 0 else None
+            moved = self._activity.io_bytes(r.pid) if r.pid > 0 else None
             if moved is not None:
                 checkpoint_io[r.rank] = moved
         # every connected rank held at a step boundary for a membership change: the pause is the launcher's
@@ -214,17 +218,20 @@ class Watchdog:
         held = all(r.checkpoint_stage == "held" for r in connected)
         newest = max((r.last_step_end_unix for r in snap.ranks), default=0.0)
         newest_collective = max((r.last_collective_unix for r in snap.ranks), default=0.0)
+        round_id = tuple(sorted((r.rank, r.pid) for r in snap.ranks))
+        stood_down = self._stand_downs.why(snap.job, round_id) is not None  # its clock pauses as for no ranks
         check = self._hang.observe(
-            snap.job, round_id=tuple(sorted((r.rank, r.pid) for r in snap.ranks)),
+            snap.job, round_id=round_id,
             step_counts={r.rank: r.step_count for r in snap.ranks},
             step_p99_s=_steady_step_p99(connected),
-            in_checkpoint=bool(in_stage), running=bool(connected) and not held, checkpoint_io=checkpoint_io,
+            in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
+            checkpoint_io=checkpoint_io,
             progress_age_s=self._report_age(newest),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective),
             collective_report_s=self._pacer.collective_report_s(snap.job),
-            **(self._activity_of(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
+            **(self._activity.read(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if self._cluster is not None:
             check = self._with_other_nodes(snap.job, check)
         if check.progressed and snap.job in self._acting:
@@ -258,25 +265,6 @@ class Watchdog:
         self._pacer.pace(snap, near_decision=self._straggler.near_decision(snap.job))
         return check
 
-    def _activity_of(self, ranks: Sequence[RankSnapshot]) -> dict[str, dict[int, float]]:
-        """CPU seconds of the ranks' process trees and bytes their processes moved, where this agent can read
-        them (a rank computing, or reading its data, is not hung), and the own CPU seconds of ranks whose
-        training thread waits inside one call for a collective (a CUDA synchronize spins a core: not work)."""
-        cpu, io, waiting = {}, {}, {}
-        for r in ranks:
-            if r.pid <= 0:
-                continue
-            seconds, moved = self._cpu_seconds(r.pid), self._io_bytes(r.pid)
-            if seconds is not None:
-                cpu[r.rank] = seconds
-                if min(r.still_seconds, r.collective_pending_seconds) >= WAITING_AFTER_S:
-                    own = self._own_cpu_seconds(r.pid)
-                    if own is not None:
-                        waiting[r.rank] = own
-            if moved is not None:
-                io[r.rank] = moved
-        return {"cpu_seconds": cpu, "io_bytes": io, "waiting_cpu_seconds": waiting}
-
     def _report_age(self, unix: float) -> float:
         """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
         return min(REPORT_AGE_CAP_S, max(0.0, self._wall() - unix)) if unix else 0.0
@@ -306,6 +294,11 @@ class Watchdog:
                 if not r.connected and status not in ("stopped", "dead"):
                     status = "disconnected"
                 evidence[r.rank] = RankEvidence(rank=r.rank, status=status)
+        stood_down = self._stand_downs.why(job)
+        if stood_down is not None:  # the launcher began stopping the workers while their diagnostics were read
+            log.info("job %s: not recording its stall as a hang: its launcher stops the workers on purpose (%s)",
+                     job, stood_down, extra={"job": job, "incident": incident_id})
+            return
         verdict = name_culprit(evidence)
         ranks = [r.rank for r in snap.ranks]
         culprits, summary, cluster = tuple(verdict.culprits) or tuple(verdict.unresponsive), verdict.summary, None
@@ -336,7 +329,7 @@ class Watchdog:
                 "connected": {str(r.rank): r.connected for r in snap.ranks},
                 # ranks still inside one call with a collective in flight: seconds it has been in flight
                 "waiting_in_collective": {str(r.rank): round(r.collective_pending_seconds, 1) for r in snap.ranks
-                                          if min(r.still_seconds, r.collective_pending_seconds) >= WAITING_AFTER_S},
+                                          if waits(r)},
                 "diagnostics_dir": str(directory), "verdict": verdict.to_dict(),
                 **({"cluster": cluster, "summary": summary} if cluster else {})}))
         for rank in verdict.culprits:

@@ -47,13 +47,16 @@ class Job:
         self.runs: dict[str, psutil.Popen | object] = {}
 
     def start(self, node: str) -> None:
-        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(self.work / "state" / node), PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS="1", TMPDIR=str(self.work / "tmp" / node),
-                   TRAINWARDEN_MEMORY_ROOT=str(self.shm / node), TRAINWARDEN_FAULTS=self.faults_spec)
-        for d in (env["TMPDIR"], env["TRAINWARDEN_MEMORY_ROOT"]):
-            Path(d).mkdir(parents=True, exist_ok=True)
         log = self.work / f"{node}-{sum(1 for p in self.logs if p.name.startswith(node))}.log"
         self.logs.append(log)
+        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(self.work / "state" / node), PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1", TMPDIR=str(self.work / "tmp" / node),
+                   TRAINWARDEN_MEMORY_ROOT=str(self.shm / node), TRAINWARDEN_FAULTS=self.faults_spec,
+                   # what the straggler detector was fed, kept with --keep: a straggler no fault explains is
+                   # replayed from it (agent/watchdog/straggler_trace.py)
+                   TRAINWARDEN_STRAGGLER_TRACE_DIR=str(self.work / "straggler-trace" / log.stem))
+        for d in (env["TMPDIR"], env["TRAINWARDEN_MEMORY_ROOT"]):
+            Path(d).mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "1:2",
                "--nproc-per-node", "4", "--node", node, "--max-restarts", "100", "--job", JOB,
                "--etcd", self.bed.etcd_endpoints, "--",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["CATALOGUE", "CONSEQUENCES", "LEFT_OUT", "FaultKind", "PlannedFault", "consequence", "draw", "faults_env",
@@ -326,13 +327,25 @@ reconnected to. Measured (BENCHMARKS.md "Soak", session 29): 12 restarts left a 
 etcd failovers in a row moved its Python threads 7, 7, 7, 9, 7 and its fds between 23 and 28, never accumulating."""
 
 
+FLAT_WINDOW = 12
+"""Samples (a minute at the sampler's 5 s) whose median is a process's level, and its end. One sample catches what is
+passing: in session 30's hour n0's `trainwarden run` had 39 threads in its first sample and 45 in its last, while in
+session 31 one `trainwarden run` against a 3-member etcd whose members were killed and started again 9 times held
+34-36 threads and 21-23 fds all along."""
+
+
+def _median_row(rows: list[tuple[float, dict]]) -> dict:
+    return {m: statistics.median_low(values[m] for _, values in rows) for m in ("rss", "threads", "fds")}
+
+
 def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack: float = 0.10,
-         settle: float = 60.0, allowance: int = ETCD_FAILOVER_ALLOWANCE) -> Verdict:
+         settle: float = 60.0, allowance: int = ETCD_FAILOVER_ALLOWANCE, window: int = FLAT_WINDOW) -> Verdict:
     """``samples``: (time, process label, {"rss", "threads", "fds"}). Each process's first sample at or after
     ``baseline_after`` (the first restart's recovery; a process started later: its first sample) is its level;
     its last sample must be within ``slack`` of it on each measure, threads and fds within ``allowance`` more where
     that is more. A process's level is taken no earlier than ``settle`` seconds after its first sample (a launcher
-    started late is sampled while it starts up)."""
+    started late is sampled while it starts up). The level and the end are each the median of ``window`` samples
+    (the first and the last ones), each measure on its own."""
     by: dict[str, list[tuple[float, dict]]] = {}
     for t, label, values in samples:
         by.setdefault(label, []).append((t, values))
@@ -341,7 +354,7 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
         after = [r for r in rows if r[0] >= max(baseline_after, rows[0][0] + settle)]
         if len(after) < 2:
             continue
-        (_, base), (_, last) = after[0], after[-1]
+        base, last = _median_row(after[:window]), _median_row(after[-window:])
         for measure in ("rss", "threads", "fds"):
             bound = base[measure] * (1 + slack)
             if measure != "rss":

@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         soak = run_job(work / "soak", steps, faults, faults_env(faults), shm / "soak",
                        budget_s=args.budget_s or args.minutes * 60 * 3 + 300)
         results = verdicts(ref, soak, faults, 3, work, shm)
+        if args.keep:  # what the invariants were judged from, to judge again (``_soak_plan``) without a rerun
+            (work / "judged.json").write_text(json.dumps(soak, default=str))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

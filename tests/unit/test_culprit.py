@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from trainwarden.agent.etcd.cluster import merge_verdicts
 from trainwarden.agent.watchdog.culprit import (GroupPosition, RankEvidence, main_thread_frames, name_culprit,
-                                       positions_from_trace, read_diagnostics)
+                                       positions_from_trace, read_diagnostics, waits_in_p2p)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -254,3 +255,47 @@ def test_a_flight_recorder_dump_over_the_size_limit_is_not_read(tmp_path):
     (tmp_path / "rank0.fr").write_bytes(pickle.dumps(trace))
     assert read_diagnostics(tmp_path, [0])[0].positions  # under the limit: read
     assert read_diagnostics(tmp_path, [0], max_trace_bytes=16) == {}  # over it (and no stacks): not read
+
+
+_P2P_WAIT = "_wait_batch_p2p (/venv/lib/python3.11/site-packages/torch/distributed/pipelining/schedules.py:683)"
+
+
+def test_a_rank_waiting_for_its_pipeline_peer_is_blocked_not_blamed_and_the_stopped_peer_is_named():
+    """The soak's SIGSTOP of rank 5 (pp=2 x dp=2 x tp=2 on two nodes, gloo): on n0, ranks 0 and 1 never entered
+    mesh_dp's all_reduce #298 that ranks 2 and 3 wait in, because their training threads wait for their
+    pipeline peers (4 and 5, on n1) in `_wait_batch_p2p`, which gloo's recorder does not show. n0 named 0 and 1
+    as culprits beside n1's stopped rank 5."""
+    n0 = {
+        0: _ev(0, _pos("mesh_dp0", 297), stack=(_P2P_WAIT, "step (schedules.py:700)")),
+        1: _ev(1, _pos("mesh_dp1", 297), stack=(_P2P_WAIT, "step (schedules.py:700)")),
+        2: _ev(2, _pos("mesh_dp0", 298, in_flight=True)),
+        3: _ev(3, _pos("mesh_dp1", 298, in_flight=True)),
+    }
+    verdict = name_culprit(n0)
+    assert verdict.culprits == ()
+    assert {g.rank for g in verdict.lags if g.blocked} == {0, 1}
+    assert "lag but each waits" in verdict.summary
+    n1 = {4: _ev(4, _pos("tp2", 11, in_flight=True)), 5: _ev(5, status="stopped"),
+          6: _ev(6, _pos("mesh_dp0", 298, in_flight=True)), 7: _ev(7, _pos("mesh_dp1", 298, in_flight=True))}
+    culprits, line = merge_verdicts({"n0": {"verdict": verdict.to_dict()}, "n1": {"verdict": name_culprit(n1).to_dict()}})
+    assert culprits == {5: "n1"}, line
+    assert line.startswith("culprit rank 5 on n1 (n1: rank 5 is stopped")
+
+
+def test_the_peer_a_pipeline_rank_waits_for_is_named_when_it_stopped_in_compute():
+    """Rank 1 waits in a blocking recv for rank 3, which hangs outside any collective; rank 2 waits in the dp
+    all_reduce that neither entered. Only rank 3 is named."""
+    recv = "recv (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2790)"
+    evidence = {
+        1: _ev(1, _pos("dp1", 5), stack=(recv,)),
+        2: _ev(2, _pos("dp1", 6, in_flight=True)),
+        3: _ev(3, _pos("dp1", 5), stack=("hang (runtime/faults.py:120)", "train (train.py:40)")),
+    }
+    assert name_culprit(evidence).culprits == (3,)
+
+
+def test_a_top_frame_elsewhere_is_not_a_point_to_point_wait():
+    assert waits_in_p2p((_P2P_WAIT,))
+    assert not waits_in_p2p(("forward (model.py:10)", _P2P_WAIT))
+    assert not waits_in_p2p(("recv (/home/me/my_socket_lib.py:12)",))
+    assert not waits_in_p2p(())

@@ -172,6 +172,39 @@ def test_a_resumed_ledger_counts_the_time_away_as_stopped_and_redoes_steps_the_l
     _sums_to_wall(g)
 
 
+def test_steps_the_others_trained_while_this_node_was_away_are_productive_not_the_wait_before_its_round():
+    """The hour's soak: n1's ledger, away (killed, fenced or a spare) while n0 trained 40 steps alone, charged those
+    40 steps to the wait before its next round (rendezvous); n0 later carried n1's ledger on after a power loss, and
+    its time in rounds fell 2.2 % short of the workers' step log. Steps 21..60 were kept: they are productive, at the
+    job's recent pace, and only the rest of the wait is the round's cause."""
+    ledger = GoodputLedger("j", launched_at=0.0, node="n1")
+    ledger.round_started(0.0)
+    t = _steps(ledger, 1, 20, t0=5.0, step_s=1.0)  # n1 leaves after step 20, at 25
+    ledger.round_started(t + 50.0)  # it comes back: n0 trained 21..60 meanwhile, and saved 60
+    _steps(ledger, 61, 70, t0=t + 52.0, step_s=1.0)
+    g = ledger.snapshot()
+    assert g.productive_s == pytest.approx(20 + 40 + 10)
+    assert g.badput_s["rendezvous"] == pytest.approx(52.0 - 40.0)
+    _sums_to_wall(g)
+
+
+def test_steps_a_relaunch_never_heard_of_come_out_of_the_stopped_time_not_its_start_up():
+    """A launcher killed 10 steps after its last published state: the next launcher resumes from that state and
+    the job from step 30; steps 21..30 ran before the launch, in what the resume counts as stopped."""
+    first = GoodputLedger("j", launched_at=0.0)
+    first.round_started()
+    _steps(first, 1, 20, t0=5.0, step_s=1.0)
+    state = first.state()  # published at 25; the job trains on to step 30 (35), then the power goes
+    second = GoodputLedger("j", launched_at=60.0)
+    second.resume(state, now=60.0)
+    second.round_started(60.0)
+    _steps(second, 31, 40, t0=64.0, step_s=1.0)
+    g = second.snapshot()
+    assert g.productive_s == pytest.approx(20 + 10 + 10)
+    assert g.badput_s["stopped"] == pytest.approx(35.0 - 10.0) and g.badput_s["startup"] == pytest.approx(5.0 + 4.0)
+    _sums_to_wall(g)
+
+
 def test_a_resume_further_back_than_the_carried_steps_estimates_them_with_their_mean():
     first = GoodputLedger("j", launched_at=0.0)
     first.round_started()

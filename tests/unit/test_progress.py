@@ -149,3 +149,25 @@ def test_failures_in_a_row_before_any_recovery_are_each_charged_until_the_next_n
     lost = [f.lost_seconds for f in failures]
     assert all(x is not None and x <= 3.0 + 1e-6 for x in lost), lost  # each about one round long
     assert p.lost_seconds == pytest.approx(clock.now - last_good)  # recovered when step 4 ended
+
+
+def test_what_a_run_keeps_to_count_each_workers_step_once_does_not_grow_with_the_steps():
+    """A run of 2,400 steps on four ranks kept every (worker, step) it had seen: 9,600 entries, 1.3 MB of the
+    launcher's memory, growing all run long (issue 45's soak). A worker's steps arrive in order, so its highest
+    counted step is enough: a step repeated after a rollback is still counted once."""
+    clock = Clock()
+    p = JobProgress(wall=clock)
+    p.round_started(clock.now)
+    for step in range(1, 2401):
+        clock.now += 0.3
+        for pid in (11, 12, 13, 14):
+            p.step(step, clock.now, 0.3, worker=pid)
+    durations = len(p._durations)
+    for step in range(2391, 2401):  # a NaN rollback: the same workers run steps 2391..2400 again
+        clock.now += 0.3
+        for pid in (11, 12, 13, 14):
+            assert p.step(step, clock.now, 0.3, worker=pid) is False
+    assert len(p._durations) == durations  # nothing counted twice
+    assert len(p._counted) == 4 and p.max_step == 2400
+    p.round_started(clock.now)  # a new worker's first step still counts
+    assert p.step(2391, clock.now + 1, 0.3, worker=21) is True

@@ -107,17 +107,28 @@ def test_resources_are_flat_against_their_level_after_the_first_restart():
     row = lambda rss, threads, fds: {"rss": rss, "threads": threads, "fds": fds}  # noqa: E731
     samples = [(1.0, "n0 agent 1", row(100, 10, 20)), (5.0, "n0 agent 1", row(200, 20, 40)),
                (9.0, "n0 agent 1", row(210, 21, 41))]
-    assert flat(samples, 4.0, settle=0).ok  # the start-up before the baseline does not count
-    assert not flat(samples + [(12.0, "n0 agent 1", row(250, 21, 41))], 4.0, settle=0).ok
-    assert not flat(samples, 100.0, settle=0).ok  # nothing sampled after the baseline: no evidence
+    assert flat(samples, 4.0, settle=0, window=1).ok  # the start-up before the baseline does not count
+    assert not flat(samples + [(12.0, "n0 agent 1", row(250, 21, 41))], 4.0, settle=0, window=1).ok
+    assert not flat(samples, 100.0, settle=0, window=1).ok  # nothing sampled after the baseline: no evidence
     # a process started after the baseline is levelled once it has settled, not while it starts up
     late = [(10.0, "n1 launcher 2", row(100, 1, 5)), (80.0, "n1 launcher 2", row(300, 12, 20)),
             (200.0, "n1 launcher 2", row(310, 12, 20))]
-    assert flat(samples + late, 4.0, settle=60).ok
+    assert flat(samples + late, 4.0, settle=60, window=1).ok
     # a launcher's 13 threads and 16 fds may be 3 more (an etcd failover's watcher and sockets), not 4
     launcher = [(5.0, "n0 launcher 3", row(300, 13, 16)), (9.0, "n0 launcher 3", row(300, 16, 19))]
-    assert flat(launcher, 4.0, settle=0).ok
-    assert not flat(launcher + [(12.0, "n0 launcher 3", row(300, 17, 19))], 4.0, settle=0).ok
+    assert flat(launcher, 4.0, settle=0, window=1).ok
+    assert not flat(launcher + [(12.0, "n0 launcher 3", row(300, 17, 19))], 4.0, settle=0, window=1).ok
+
+
+def test_a_process_level_and_end_are_medians_so_a_passing_thread_is_not_growth_and_a_leak_is():
+    row = lambda rss, threads, fds: {"rss": rss, "threads": threads, "fds": fds}  # noqa: E731
+    band = [(10.0 + 5 * i, "n0 agent 1", row(60, 39 + (i % 7 == 3) * 6, 23 + (i % 5 == 4) * 5)) for i in range(200)]
+    band[-1] = (band[-1][0], "n0 agent 1", row(60, 45, 28))  # the last sample catches a failover in passing
+    assert not flat(band, 4.0, settle=0, window=1).ok
+    assert flat(band, 4.0, settle=0).ok, flat(band, 4.0, settle=0).detail
+    leak = [(10.0 + 5 * i, "n0 agent 1", row(60 + i // 10, 39 + i // 20, 23)) for i in range(200)]
+    verdict = flat(leak, 4.0, settle=0)
+    assert not verdict.ok and "rss" in verdict.detail and "threads" in verdict.detail
 
 
 def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():

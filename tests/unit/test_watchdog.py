@@ -606,6 +606,53 @@ def test_ranks_held_for_a_membership_change_are_not_hung_but_one_that_stops_shor
     assert [r.kind for r in actions.records][:1] == [IncidentKind.HANG]
 
 
+def test_workers_a_fenced_launcher_stops_are_not_recorded_as_a_hang_and_the_next_round_is_judged(tmp_path):
+    """The soak's partition: n1's launcher, cut off from etcd, stops its workers (a fence) while they stall
+    waiting for the other side; the watchdog saw them stalled and dying and recorded a hang of all its ranks
+    beside the fence. A stand-down holds the round's hang; the next round is judged as before."""
+    sim = Sim()
+    actions = Actions(answer={0, 1, 3}, lagging=1)
+    wd = _watchdog(sim, actions, tmp_path)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 3.0
+    wd.check_once()
+    wd.stand_down("j", "fenced: lost etcd 12 s ago")
+    for _ in range(6):  # a minute of its ranks stalled while they are stopped: nothing
+        sim.clock.now += 10
+        wd.check_once()
+    assert actions.records == [] and actions.requests == [] and actions.aborts == []
+    for r in range(4):
+        sim.js.disconnect("j", r, 100 + r)
+    sim.connect(pid_base=200)  # the node rejoins: a new worker round, judged again
+    wd.check_once()
+    sim.run(5)
+    wd.check_once()
+    sim.clock.now += 6.0
+    wd.check_once()
+    assert [r.kind for r in actions.records][:1] == [IncidentKind.HANG]
+
+
+def test_a_stand_down_that_arrives_while_the_diagnostics_are_read_records_nothing(tmp_path):
+    sim = Sim()
+    wd = None
+
+    class StoppingWhileAsked(Actions):
+        def request_diagnostics(self, job, ranks, directory):
+            wd.stand_down(job, "stopped: SIGTERM")
+            return super().request_diagnostics(job, ranks, directory)
+
+    actions = StoppingWhileAsked(answer={0, 1, 3}, lagging=1)
+    wd = _watchdog(sim, actions, tmp_path)
+    for _ in range(10):
+        sim.run(2)
+        wd.check_once()
+    sim.clock.now += 6.0
+    wd.check_once()
+    assert len(actions.requests) == 1 and actions.records == [] and actions.aborts == []
+
+
 def test_process_io_bytes_reads_a_real_process():
     import subprocess
     import sys
