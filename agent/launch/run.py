@@ -53,6 +53,7 @@ from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import LEFT, EtcdLeaves, Regrouping
+from trainwarden.agent.launch.round_events import RoundEvents
 from trainwarden.agent.launch.run_options import RunOptions
 from trainwarden.agent.launch.run_record import RunRecord, RunRecordError
 from trainwarden.agent.launch.services import (MULTI_NODE_RDZV, Abandon, EtcdSession, embedded_etcd_dir, start_etcd,
@@ -62,7 +63,6 @@ from trainwarden.agent.launch.stop_verdict import StopVerdict
 from trainwarden.agent.launch.summary import print_summary, step_source
 from trainwarden.agent.launch.torchrun import (LaunchSpec, parse_nnodes, torchelastic_log_dir, torchrun_command,
                                              worker_environment)
-from trainwarden.agent.launch.round_events import RoundEvents
 from trainwarden.agent.launch.worker_setup import compile_cache_env, network_env, sweep_killed_runs, warm_dir
 from trainwarden.agent.node.agent import NodeAgent
 from trainwarden.agent.node.endpoints import AGENT_METRICS_RECORD, AGENT_SOCKET_RECORD
@@ -115,8 +115,7 @@ def _exit_code(signum: int) -> int:
 
 
 class _JobRun:
-    """One `trainwarden run`, step by step; each step registers its own cleanup on the ExitStack. The decisions are
-    the parts it owns (docs/ARCHITECTURE.md, "Its shape"); the run acts on them."""
+    """One `trainwarden run`, step by step (each registers its cleanup); it acts on the decisions of its parts."""
 
     def __init__(self, opts: RunOptions, out: TextIO) -> None:
         self.opts, self.out = opts, out
@@ -144,8 +143,7 @@ class _JobRun:
         self.goodput, self.history = self.accounting.goodput, self.accounting.history  # fed by the supervisor
         self._lock = threading.Lock()
         self.etcd: EtcdSession | None = None  # start_etcd (services.py); its parts below, as the steps use them
-        self.endpoint = ""
-        self.client = None
+        self.endpoint, self.client = "", None
         self.records: JobRecords | None = None
         self.agent: NodeAgent | None = None
         self.memory_tier: MemoryTier | None = None
@@ -285,8 +283,7 @@ class _JobRun:
         try:
             env = {**self.env, EVENTS_FD_ENV: str(events_write), REPLY_FD_ENV: str(reply_read),
                    SUPERVISOR_PID_ENV: str(os.getpid())}
-            self.torchrun = TorchrunProcess(self.cmd, env,
-                                            stdout=subprocess.PIPE, pass_fds=(events_write, reply_read))
+            self.torchrun = TorchrunProcess(self.cmd, env, stdout=subprocess.PIPE, pass_fds=(events_write, reply_read))
         except OSError as exc:
             os.close(events_read)
             os.close(reply_write)
@@ -351,10 +348,10 @@ class _JobRun:
     def _multi_node(self) -> bool:
         return parse_nnodes(self.opts.nnodes)[1] > 1
 
-    def _stop_workers(self, why: str = "stopped") -> None:
+    def _stop_workers(self, why: str | None = "stopped") -> None:
         """Stop torchrun and its workers, its output and events read to the end; the watchdog does not take their
-        end for a hang."""
-        if self.agent is not None:
+        end for a hang (``why``; None: a leave, whose stop it is not told of, as before the regroup part moved)."""
+        if self.agent is not None and why is not None:
             self.agent.watchdog.stand_down(self.opts.job, why)
         self.pump.quiet = True
         self.torchrun.stop(grace=10.0)
@@ -363,7 +360,7 @@ class _JobRun:
 
     def _finish_leave(self) -> object:
         """This node left the job (``Regrouping``): stop its workers; a one-node job stops, resumable."""
-        self._stop_workers()  # SIGTERM: torchrun does not close the rendezvous on a signal
+        self._stop_workers(None)  # SIGTERM: torchrun does not close the rendezvous on a signal
         saved = self.regroup.left_words()
         if self._multi_node:
             print(f"trainwarden: node {self.node} left job {self.opts.job} {saved}; the job goes on without it",
@@ -479,8 +476,7 @@ class _JobRun:
             self.verdict.checkpoint_detail(detail)
 
     def _warm_dir(self, cleanup: ExitStack) -> str | None:
-        """The warm workers' zygote directory (worker_setup.py); their stand-in pids for the commit guard and the
-        agent (an aborted warm worker's SIGKILL is its client's death to torch's agent)."""
+        """The warm workers' zygote directory (worker_setup.py); the commit guard and the agent get their stand-ins."""
         warm, self._stand_in = warm_dir(self.opts.warm_workers, self.out, cleanup)
         if self._stand_in is not None and self.agent is not None:
             self.agent.actions.stand_in = self._stand_in
