@@ -53,8 +53,10 @@ CAUSE_LABELS = {"lost_progress": "steps redone", "between_steps": "between steps
                 "checkpoint stall", "comm_regression": "communication regression", "spare_swap": "spare swap"}
 """How a cause reads to people, where its name is not already the word (the summary, status, the report)."""
 
-_RECENT = 100_000
-"""Steps kept (index and duration) to move to ``lost_progress`` when a restart recomputes them."""
+_RECENT = 8_192
+"""Steps kept (index and duration) to move to ``lost_progress`` when a restart recomputes them; a restart further
+back than that estimates the older ones with their mean (as a resume past the persisted ones does). About 66 bytes a
+step (tracemalloc): 100,000 of them were 6.6 MB that every week-long job's launcher would have grown by."""
 _PERSISTED_RECENT = 512
 """Of those, the ones a persisted ledger carries (a resume further back than that estimates with their mean)."""
 _BASELINE = 64

@@ -247,3 +247,21 @@ def test_incidents_drive_the_hang_and_slow_causes_until_each_open_one_is_resolve
     assert g.badput_s["straggler"] == pytest.approx(3.0) and g.badput_s["hang"] == pytest.approx(9.0)
     assert g.productive_s == pytest.approx(15.0)
     _sums_to_wall(g)
+
+
+def test_a_restart_further_back_than_the_steps_kept_in_memory_estimates_the_older_ones(monkeypatch):
+    """A ledger keeps the last ``_RECENT`` steps, not every step of a week-long job; a restart further back than
+    those charges the older ones at their mean."""
+    import trainwarden.agent.launch.goodput as goodput
+
+    monkeypatch.setattr(goodput, "_RECENT", 50)
+    ledger = GoodputLedger("j", launched_at=0.0)
+    ledger.round_started(0.0)
+    t = _steps(ledger, 1, 200, t0=0.0, step_s=0.1)
+    assert len(ledger.state()["recent"]) == 50
+    ledger.failed(t + 1.0)
+    ledger.round_started(t + 2.0)
+    _steps(ledger, 1, 200, t0=t + 3.0, step_s=0.1)  # no checkpoint: every step redone
+    g = ledger.snapshot()
+    assert g.badput_s["lost_progress"] == pytest.approx(20.0) and g.productive_s == pytest.approx(20.0)
+    _sums_to_wall(g)
