@@ -369,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                        budget_s=args.budget_s or args.minutes * 60 * 3 + 300)
         results = verdicts(ref, soak, faults, 3, work, shm)
         if args.keep:  # what the invariants were judged from, to judge again (``_soak_plan``) without a rerun
-            (work / "judged.json").write_text(json.dumps(soak, default=str))
+            try:
+                (work / "judged.json").write_text(json.dumps(soak, default=str))
+            except (OSError, TypeError, ValueError) as exc:
+                print(f"soak: could not keep what was judged ({exc}); the verdicts follow", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
