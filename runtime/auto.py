@@ -12,7 +12,7 @@ subprocess). It imports nothing heavy: it waits for the script's own ``import to
   exists, the worker opens its telemetry session: the Flight Recorder is read, stacks can be dumped on the
   agent's request, the agent may abort the worker (what ``trainwarden.runtime.init()`` does);
 - registers global optimizer-step hooks: the step boundaries, and before each step of the primary optimizer a
-  check that its gradients are finite (``runtime/numeric.py``'s ``GradientWatch``: a norm per gradient tensor on
+  check that its gradients are finite (``runtime/gradient_watch.py``'s ``GradientWatch``: a norm per gradient tensor on
   its device, read one step later on a GPU; a non-finite step is a ``numeric`` incident, detection only).
 
 Step rule: one step per ``step()`` of the optimizer that steps first in the process (the *primary*); other
@@ -240,7 +240,7 @@ class OptimizerSteps:
         self._clock_ns, self._wall_ns = clock_ns, wall_ns
         self._last_wall = self._last_mono = 0
         self._gpu = None  # the CUDA event token of the step under way (Session._gpu_begin)
-        self._watch = None  # runtime/numeric.py's GradientWatch, once the session is open
+        self._watch = None  # runtime/gradient_watch.py's GradientWatch, once the session is open
 
     def start_session(self) -> None:
         """The process group exists: open the telemetry session (once)."""
@@ -256,7 +256,7 @@ class OptimizerSteps:
             return
         self._last_wall, self._last_mono = self._wall_ns(), self._clock_ns()
         if self.session.enabled:
-            from .numeric import GradientWatch
+            from .gradient_watch import GradientWatch
 
             session = self.session
             self._watch = GradientWatch(lambda step, detail: session.numeric_event(
