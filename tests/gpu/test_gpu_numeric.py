@@ -2,7 +2,12 @@
 check's cost on a 60 ms GPU step, goal under 0.1 %), one process: rounds of steps with the guard between backward and
 the optimizer step and without it, alternating; the guard's own time (its norms on the device, the read of its
 flags: the one synchronization it adds) and the steps' medians go to the GPU figures. Also: a NaN gradient on the GPU
-is caught (the update skipped), and the watch reads a GPU step's flag one step later, without a stall."""
+is caught (the update skipped), and the watch reads a GPU step's flag one step later, without a stall.
+
+The deferred check (a fused AdamW passed to ``check``: runtime/numeric_defer.py) is measured the same way, in rounds
+alternating with the same loop unguarded and with the synchronous check on the same fused optimizer
+("numeric_guard_deferred"); a NaN on the GPU is skipped on the device at its own step and reported at the next check.
+"""
 
 import math
 import statistics
@@ -72,6 +77,76 @@ def test_the_guards_cost_on_a_60_ms_gpu_step_and_a_nan_on_the_gpu_is_rolled_back
     assert guard.check(2, loss=loss, parameters=model.parameters()) is False
     assert guard.events[-1].where == "gradients"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_deferred_checks_cost_on_a_60_ms_gpu_step_and_a_nan_is_skipped_on_the_device():
+    width, batch = 4096, 8192
+    model = _model(width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    data = torch.randn(batch, width, device="cuda")
+    deferred = NumericGuard(None, policy="rollback", spikes=None)          # defer=None: deferred on a GPU
+    synchronous = NumericGuard(None, policy="rollback", spikes=None, defer=False)
+
+    def step(kind: str, index: int) -> tuple[float, float]:
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(data).float().square().mean()
+        loss.backward()
+        spent, applied = 0.0, True
+        if kind != "plain":
+            guard = deferred if kind == "deferred" else synchronous
+            g0 = time.perf_counter()
+            applied = guard.check(index, loss=loss, parameters=model.parameters(), optimizer=optimizer)
+            spent = time.perf_counter() - g0
+        if applied:
+            optimizer.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - began, spent
+
+    kinds = ("deferred", "plain", "synchronous")
+    index = 0
+    for _ in range(5):  # warm-up: kernels, the allocator, the optimizer's state, the pinned buffer
+        for kind in kinds:
+            index += 1
+            step(kind, index)
+    rounds = {kind: [] for kind in kinds} | {"deferred_call": [], "synchronous_call": []}
+    for _ in range(4):
+        for kind in kinds:
+            times = []
+            for _ in range(15):
+                index += 1
+                times.append(step(kind, index))
+            rounds[kind].append(statistics.median(t for t, _ in times))
+            if kind != "plain":
+                rounds[f"{kind}_call"].append(statistics.median(g for _, g in times))
+    deferred.flush()
+    assert deferred.events == [] and synchronous.events == []
+    median = {k: statistics.median(v) for k, v in rounds.items()}
+    figures = {"step_ms_deferred": median["deferred"] * 1e3, "step_ms_plain": median["plain"] * 1e3,
+               "step_ms_synchronous": median["synchronous"] * 1e3,
+               "deferred_cost_pct": 100 * (median["deferred"] / median["plain"] - 1),
+               "synchronous_cost_pct": 100 * (median["synchronous"] / median["plain"] - 1),
+               "deferred_call_ms": median["deferred_call"] * 1e3,
+               "synchronous_call_ms": median["synchronous_call"] * 1e3,
+               "parameters": sum(p.numel() for p in model.parameters()), "optimizer": "AdamW(fused=True)",
+               "rounds": rounds}
+    gpu_figures.record("numeric_guard_deferred", **figures)
+    assert median["plain"] >= 0.03, figures  # a step of tens of milliseconds, as asked
+
+    optimizer.zero_grad(set_to_none=True)
+    model(data).float().square().mean().backward()
+    next(model.parameters()).grad.view(-1)[7] = math.nan
+    before = [p.detach().clone() for p in model.parameters()]
+    steps_before = [float(optimizer.state[p]["step"]) for p in model.parameters()]
+    index += 1
+    assert deferred.check(index, loss=None, parameters=model.parameters(), optimizer=optimizer) is True
+    optimizer.step()  # a no-op on the device: found_inf is 1
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert [float(optimizer.state[p]["step"]) for p in model.parameters()] == steps_before
+    assert deferred.events == []  # one step late
+    deferred.flush()
+    assert [(e.step, e.where, e.action) for e in deferred.events] == [(index, "gradients", "rolled_back")]
 
 
 def test_the_watch_reads_a_gpu_steps_flag_a_step_later():
