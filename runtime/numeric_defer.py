@@ -100,7 +100,7 @@ class HostCopy:
 
     def send(self, step: int, flags: torch.Tensor, value: torch.Tensor | None,
              limit: tuple[float, float] | None) -> Pending:
-        loss = value.detach().reshape(1) if value is not None else flags.new_zeros(1)
+        loss = value.detach().reshape(1).to(flags.device) if value is not None else flags.new_zeros(1)
         packed = torch.cat([flags.to(torch.float64), loss.to(torch.float64)])
         if packed.device.type != "cuda":
             return Pending(step, packed, None, limit, value is not None)
