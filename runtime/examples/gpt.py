@@ -25,7 +25,9 @@ every step, before any collective.
 Between the backward pass and the optimizer step, :class:`trainwarden.runtime.numeric.NumericGuard` checks every
 rank's own loss and gradients and the ranks agree on what they saw: a step with a non-finite value is rolled back
 (its update skipped on every rank, its batch not trained on), or stops the run, or is only reported
-(``--numeric-policy``). The ``nan`` fault poisons a rank's loss to test it. With ``--sdc-every N`` the data-parallel
+(``--numeric-policy``). On a GPU the AdamW is fused and the check deferred: the skip is taken on the device at its
+step, the incident (or the stop) comes a step later (runtime/numeric_defer.py); on the CPU it is synchronous, as before.
+The ``nan`` fault poisons a rank's loss to test it. With ``--sdc-every N`` the data-parallel
 replicas recompute one micro-batch's gradient every N steps and compare it bitwise
 (:mod:`trainwarden.runtime.sdc_check`); the ``gradflip`` fault corrupts one to test it.
 
@@ -265,7 +267,9 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
     pm = build_parallel_model(cfg.model, cfg.mesh, mesh, device, seed=cfg.seed, micro_batch=micro_batch)
     if cfg.micro_batch_size and cfg.mesh.pp == 1:  # the pipeline schedule runs its own micro-batches
         pm.accumulate = cfg.mesh.micro_batches
-    optimizer = torch.optim.AdamW(pm.model.parameters(), lr=cfg.lr_at(1), weight_decay=0.01)
+    # fused on a GPU: the guard's check is then deferred (runtime/numeric_defer.py), its skip taken on the device
+    optimizer = torch.optim.AdamW(pm.model.parameters(), lr=cfg.lr_at(1), weight_decay=0.01,
+                                  **({"fused": True} if device.type == "cuda" else {}))
     data = SyntheticData(DataConfig(vocab=cfg.model.vocab, seq=cfg.model.seq, batch=cfg.batch, seed=cfg.seed))
     train_state = TrainState(pm.model, optimizer)
 
@@ -295,8 +299,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = data.batch(step, pm.dp_rank, cfg.mesh.dp)
             loss = pm.train_step(inputs, targets, poison=faults.take_poison())
-            applied = guard.check(step, loss=pm.local_loss, parameters=pm.model.parameters())
-            if applied:
+            applied = guard.check(step, loss=pm.local_loss, parameters=pm.model.parameters(), optimizer=optimizer)
+            if applied:  # on a GPU always: a skipped step's update is skipped on the device, reported a step later
                 optimizer.step()  # else every rank skips the update: the state stays the one before this step
             if sdc is not None and sdc[0].due(step):
                 _check_replicas(step, sdc, pm, inputs, targets, flip=faults.take_gradflip(step))
@@ -315,6 +319,7 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
             ckpt.snapshot(step, ckpt_state)  # a host copy; written to the agent's memory in the background
         if ckpt is not None and (step % cfg.ckpt_every == 0 or requested):
             ckpt.save(step, ckpt_state)
+    guard.flush()  # a deferred check's last step: its incident, or its stop
     if ckpt is not None:
         ckpt.close()    # waits for the last save to commit
     rt.close()
