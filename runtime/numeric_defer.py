@@ -97,6 +97,7 @@ class HostCopy:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None  # reused as the buffer is: recorded again once read
 
     def send(self, step: int, flags: torch.Tensor, value: torch.Tensor | None,
              limit: tuple[float, float] | None) -> Pending:
@@ -106,7 +107,7 @@ class HostCopy:
             return Pending(step, packed, None, limit, value is not None)
         if self._buffer is None:
             self._buffer = torch.empty(5, dtype=torch.float64, pin_memory=True)
+            self._event = torch.cuda.Event()
         self._buffer.copy_(packed, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Pending(step, self._buffer, event, limit, value is not None)
+        self._event.record()
+        return Pending(step, self._buffer, self._event, limit, value is not None)
