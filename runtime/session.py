@@ -199,7 +199,9 @@ class Session:
             if guard.check(step, loss=my_local_loss, parameters=model.parameters()):
                 optimizer.step()           # False: a NaN, an Inf or a loss spike: every rank skips this update
 
-        The policy comes from ``trainwarden run --numeric-policy`` unless ``policy=`` is given."""
+        The policy comes from ``trainwarden run --numeric-policy`` unless ``policy=`` is given. With a fused optimizer
+        on a GPU, ``check(..., optimizer=optimizer)`` defers the check: True every step, the skip taken on the device,
+        the incident a step later; ``guard.flush()`` when the loop ends."""
         from .numeric import NumericGuard
 
         return NumericGuard(self, **options)
