@@ -120,7 +120,6 @@ def test_the_deferred_checks_cost_on_a_60_ms_gpu_step_and_a_nan_is_skipped_on_th
             if kind != "plain":
                 rounds[f"{kind}_call"].append(statistics.median(g for _, g in times))
     deferred.flush()
-    assert deferred.events == [] and synchronous.events == []
     median = {k: statistics.median(v) for k, v in rounds.items()}
     figures = {"step_ms_deferred": median["deferred"] * 1e3, "step_ms_plain": median["plain"] * 1e3,
                "step_ms_synchronous": median["synchronous"] * 1e3,
@@ -131,6 +130,7 @@ def test_the_deferred_checks_cost_on_a_60_ms_gpu_step_and_a_nan_is_skipped_on_th
                "parameters": sum(p.numel() for p in model.parameters()), "optimizer": "AdamW(fused=True)",
                "rounds": rounds}
     gpu_figures.record("numeric_guard_deferred", **figures)
+    assert deferred.events == [] and synchronous.events == []  # finite steps: no skip measured as a step
     assert median["plain"] >= 0.03, figures  # a step of tens of milliseconds, as asked
 
     optimizer.zero_grad(set_to_none=True)
