@@ -30,6 +30,8 @@ from typing import Callable, TypeVar
 import etcd3
 import grpc
 
+from trainwarden.agent.etcd import watcher_close
+
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -44,6 +46,9 @@ GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # a member failed over from keeps its connection only this long unused (gRPC's default is 30 minutes): a
+    # client holds a socket to each member it ever used, 5 more fds a `trainwarden run` after a quorum loss
+    ("grpc.client_idle_timeout_ms", 60_000),
 ]
 FAILOVER_RETRY_S = 2.0
 """With several endpoints, how long a failed one is skipped before it is tried again."""
@@ -264,6 +269,7 @@ def open_etcd(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
 
     ``EtcdUnavailable`` when none answers; ``EtcdAccessDenied`` when etcd refuses the credentials.
     """
+    watcher_close.install()  # a failed-over client's old watcher ends its thread (agent/etcd/watcher_close.py)
     creds = _credentials(config)
     retry = 0.0 if len(config.endpoints) == 1 else FAILOVER_RETRY_S
     endpoints, answering = [], None
