@@ -120,6 +120,13 @@ def _watchdog(sim, actions, tmp_path, **config):
                     sleep=sim.clock.sleep, probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / job)
 
 
+def _steady(sim, wd, checks=10):
+    """A healthy job the watchdog has seen at work: ``checks`` checks of two steps each."""
+    for _ in range(checks):
+        sim.run(2)
+        wd.check_once()
+
+
 def _flags(sim):
     return {r.rank: r.flags for r in sim.js.snapshot("j")[0].ranks}
 
@@ -128,9 +135,7 @@ def test_hang_names_culprit_records_aborts_and_resolves_after_restart(tmp_path):
     sim = Sim()
     actions = Actions(answer={0, 1, 3}, lagging=1)
     wd = _watchdog(sim, actions, tmp_path)
-    for _ in range(10):
-        sim.run(2)
-        wd.check_once()
+    _steady(sim, wd)
     sim.clock.now += 4.5
     wd.check_once()
     assert actions.requests == []
@@ -613,9 +618,7 @@ def test_workers_a_fenced_launcher_stops_are_not_recorded_as_a_hang_and_the_next
     sim = Sim()
     actions = Actions(answer={0, 1, 3}, lagging=1)
     wd = _watchdog(sim, actions, tmp_path)
-    for _ in range(10):
-        sim.run(2)
-        wd.check_once()
+    _steady(sim, wd)
     sim.clock.now += 3.0
     wd.check_once()
     wd.stand_down("j", "fenced: lost etcd 12 s ago")
@@ -645,9 +648,7 @@ def test_a_stand_down_that_arrives_while_the_diagnostics_are_read_records_nothin
 
     actions = StoppingWhileAsked(answer={0, 1, 3}, lagging=1)
     wd = _watchdog(sim, actions, tmp_path)
-    for _ in range(10):
-        sim.run(2)
-        wd.check_once()
+    _steady(sim, wd)
     sim.clock.now += 6.0
     wd.check_once()
     assert len(actions.requests) == 1 and actions.records == [] and actions.aborts == []
@@ -876,9 +877,7 @@ def test_activity_is_read_only_once_a_job_stalls_and_a_computing_rank_keeps_it_a
     wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
                   probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / "j",
                   cpu_seconds=cpu_seconds, io_bytes=lambda pid: 0)
-    for _ in range(10):
-        sim.run(2)
-        wd.check_once()
+    _steady(sim, wd)
     assert reads == []
     for _ in range(20):  # 10 s: rank 0's DataLoader workers prepare the next epoch, rank 1 waits
         sim.clock.now += 0.5
@@ -903,9 +902,7 @@ def test_ranks_still_inside_a_call_with_a_collective_in_flight_wait_and_their_sp
     wd = Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep,
                   probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / "j",
                   cpu_seconds=cpu.get, own_cpu_seconds=cpu.get, io_bytes=lambda pid: 0)
-    for _ in range(10):
-        sim.run(2)
-        wd.check_once()
+    _steady(sim, wd)
     for i in range(40):  # 10 s
         sim.clock.now += 0.25
         for pid in cpu:
