@@ -1,8 +1,11 @@
 """Single-process checks of the reference model, its pipeline split and the synthetic data."""
 
+import logging
+
 import pytest
 import torch
 
+from trainwarden.runtime.examples import gpt
 from trainwarden.runtime.examples.data import DataConfig, DataConfigError, SyntheticData
 from trainwarden.runtime.examples.gpt import parse_args
 from trainwarden.runtime.examples.model import (ModelConfig, ModelConfigError, build_model, split_for_stage,
@@ -132,3 +135,34 @@ def test_parse_args_defaults_build_a_tiny_model():
     assert cfg.mesh.world_size == 8
     cfg.mesh.check(world_size=8, model=cfg.model, batch=cfg.batch)
     assert cfg.lr_at(1) < cfg.lr_at(cfg.warmup) == cfg.lr_at(cfg.warmup + 10)
+
+
+def test_a_micro_batch_size_that_does_not_divide_a_dp_ranks_share_is_refused():
+    """--batch 8 on one dp rank: micro-batches of 2 give four to accumulate, of 3 do not divide the 8 sequences."""
+    cfg = parse_args(["--tp", "1", "--pp", "1", "--batch", "8", "--micro-batch-size", "2", "--steps", "2"])
+    assert (cfg.mesh.dp, cfg.mesh.micro_batches, cfg.micro_batch_size) == (1, 4, 2)
+    with pytest.raises(ValueError, match="--micro-batch-size 3 must be positive and divide"):
+        parse_args(["--tp", "1", "--pp", "1", "--batch", "8", "--micro-batch-size", "3", "--steps", "2"])
+
+
+@pytest.fixture
+def root_logging():
+    """gpt.main() points the root logger at stdout, as a torchrun worker's does: put it back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_a_mesh_that_does_not_match_the_world_stops_the_worker_before_its_process_group(root_logging, capsys,
+                                                                                          monkeypatch):
+    """A worker of a 4-rank torchrun told dp2 x tp2 x pp2 says why and exits EXIT_BAD_CONFIG before it joins a
+    process group or trains a step (what torchrun then does with a failed worker is torchrun's)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    rc = gpt.main(["--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert rc == gpt.EXIT_BAD_CONFIG, out
+    assert "[rank 3]" in out and "bad configuration: world size 4 != dp*tp*pp = 2*2*2 = 8" in out, out
+    assert not torch.distributed.is_initialized() and " loss " not in out
