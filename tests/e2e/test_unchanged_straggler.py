@@ -36,6 +36,9 @@ def test_a_slow_rank_of_an_unchanged_ddp_script_is_flagged_a_straggler(procs, tm
     assert [i for i in incidents(tmp_path, "slow") if i["kind"] == "hang"] == []
 
 
+@pytest.mark.extended  # ~25 s; the default suite's rank computing alone is test_multinode.py's (one rank per node: the
+# computing rank's node holds its own deadline as here, the waiting node learns it from etcd), the rule is
+# tests/unit/test_hang.py's, and a rank whose child computes is test_hang_activity.py's
 @pytest.mark.timeout(300)
 def test_one_rank_computing_alone_for_seconds_is_not_a_hang(procs, tmp_path):
     log = tmp_path / "busy.log"

@@ -177,10 +177,13 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int, script: Path) -> psuti
     return None
 
 
-SECOND_VARIANTS = {"accumulate4", "two_optimizers", "pipeline_gpipe", "eval_collectives"}
-"""The step rule's other cases and other shapes, in the extended tier (40-80 s each): the default suite keeps DDP and
-FSDP2, and test_a_collectives_only_job_is_not_taken_for_hung_between_its_reads below runs a job with collectives and
-no optimizer; tests/unit/test_auto_instrument.py covers the rule itself."""
+SECOND_VARIANTS = {"ddp_tutorial", "accumulate4", "two_optimizers", "pipeline_gpipe", "eval_collectives"}
+"""The step rule's other cases and other shapes, in the extended tier (30-80 s each): the default suite keeps FSDP2
+here (a stopped rank named, the restart, the output bit for bit, the steps counted), and
+test_a_collectives_only_job_is_not_taken_for_hung_between_its_reads below runs a job with collectives and no optimizer;
+tests/unit/test_auto_instrument.py covers the rule itself. The DDP tutorial script still runs under `trainwarden run`
+in test_hang_activity.py and tests/e2e/test_unchanged_straggler.py, its stopped rank is named and recovered under
+plain torchrun in test_plain_torchrun.py, and a DDP job's stopped rank is named in tests/e2e/test_watchdog_e2e.py."""
 
 
 @pytest.mark.timeout(10)
