@@ -80,17 +80,7 @@ def test_a_missing_or_torn_file_leaves_memory_for_the_disk(trained, tmp_path, pr
     assert torn.exists()  # nothing of the memory is removed by a failed restore
 
 
-@pytest.fixture(scope="module")
-def trained_with_copies(tmp_path_factory, request):
-    from procs import ProcessGroup
-
-    base = tmp_path_factory.mktemp("memory-copies")
-    procs = ProcessGroup()
-    request.addfinalizer(procs.close)
-    log = torchrun(procs, 4, base / "train.log", "train", "--dir", str(base / "ckpt"), "--dump-dir", str(base),
-                   "--steps", "5", "--save-every", "2", "--memory-root", str(base / "mem"), "--node-map", "0,0,1,1",
-                   "--per-node", "2")
-    return base, log
+# trained_with_copies: tests/integration/conftest.py (one run shared with test_memory_sums.py)
 
 
 @pytest.mark.timeout(300)

@@ -47,17 +47,7 @@ def test_a_flipped_byte_in_one_ranks_memory_snapshot_is_found_and_the_restore_ta
     assert "resumed from the memory snapshot of step 4" in log, log[-3000:]
 
 
-@pytest.fixture(scope="module")
-def trained_with_copies(tmp_path_factory, request):
-    from procs import ProcessGroup
-
-    base = tmp_path_factory.mktemp("memory-sums-copies")
-    procs = ProcessGroup()
-    request.addfinalizer(procs.close)
-    torchrun(procs, 4, base / "train.log", "train", "--dir", str(base / "ckpt"), "--dump-dir", str(base),
-             "--steps", "5", "--save-every", "2", "--memory-root", str(base / "mem"), "--node-map", "0,0,1,1",
-             "--per-node", "2")
-    return base
+# trained_with_copies: tests/integration/conftest.py (one run shared with test_memory_reshard.py)
 
 
 def _copy_and_flip(trained, tmp_path, node: int, name: str):
@@ -78,10 +68,11 @@ def _copy_and_flip(trained, tmp_path, node: int, name: str):
 def test_a_corrupt_own_snapshot_is_replaced_by_the_copy_the_peer_node_holds(trained_with_copies, tmp_path, procs):
     """Rank 2's own file of step 5 (node 1) is corrupt; node 0 holds a good copy of it: step 5 is restored from
     that copy through DCP, not from the disk's step 4 nor from the corrupt bytes."""
-    corrupt = _copy_and_flip(trained_with_copies, tmp_path, 1, "rank-00002.step-00000005.pt")
+    trained, _ = trained_with_copies
+    corrupt = _copy_and_flip(trained, tmp_path, 1, "rank-00002.step-00000005.pt")
     restored, log = _restore(procs, tmp_path, 4, "0,0,1,1")
     assert restored["step"] == 5, log[-3000:]
-    assert_same_state(load(trained_with_copies / "dump-5.pt"), restored, rng=False)  # not the corrupt bytes
+    assert_same_state(load(trained / "dump-5.pt"), restored, rng=False)  # not the corrupt bytes
     assert "resumed from the memory snapshots of step 5 taken at world size 4, now 4, resharded by DCP" in log
     heard = [line for line in log.splitlines() if "agent heard set_aside" in line]
     assert len(heard) == 1 and f"path={corrupt} " in heard[0] and "rank 2's own copy of step 5" in heard[0], heard
@@ -92,10 +83,11 @@ def test_a_corrupt_own_snapshot_is_replaced_by_the_copy_the_peer_node_holds(trai
 def test_a_corrupt_peer_copy_of_a_lost_node_leaves_memory_for_the_disk(trained_with_copies, tmp_path, procs):
     """Node 1 is lost and node 0's copy of rank 2's step 5 is corrupt: no good copy of step 5 is left, step 4's
     files are all on node 0, and that step is restored (memory, resharded), never the corrupt bytes."""
-    corrupt = _copy_and_flip(trained_with_copies, tmp_path, 0, "peer/rank-00002.step-00000005.pt")
+    trained, _ = trained_with_copies
+    corrupt = _copy_and_flip(trained, tmp_path, 0, "peer/rank-00002.step-00000005.pt")
     shutil.rmtree(tmp_path / "mem" / "node-1")
     restored, log = _restore(procs, tmp_path, 2, "0,0")
     assert restored["step"] == 4, log[-3000:]
-    assert_same_state(load(trained_with_copies / "dump-4.pt"), restored, rng=False)
+    assert_same_state(load(trained / "dump-4.pt"), restored, rng=False)
     heard = [line for line in log.splitlines() if "agent heard set_aside" in line]
     assert len(heard) == 1 and f"path={corrupt} " in heard[0] and "rank 2's peer copy of step 5" in heard[0], heard
