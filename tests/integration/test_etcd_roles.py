@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import wait_for
+from procs import ProcessGroup, wait_for
 from tls_etcd import spawn_tls_etcd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -26,24 +26,32 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture
-def roles_etcd(tmp_path, procs):
-    certs = tmp_path / "certs"
-    made = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "make-certs.sh"), str(certs), "127.0.0.1",
-                           "localhost"], capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    assert oct((certs / "trainwarden-agent-key.pem").stat().st_mode & 0o777) == "0o600"
-    url = spawn_tls_etcd(procs, tmp_path, name="roles", cert=certs / "server.pem", key=certs / "server-key.pem",
-                         ca=certs / "ca.pem")
-    wait_for(lambda: _etcdctl(url, certs, "root", "endpoint", "health").returncode == 0, 30, what="the TLS etcd")
-    roles = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "roles.sh"), url, str(certs)], capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "ETCDCTL": str(BIN / "etcdctl")})
-    assert roles.returncode == 0, roles.stderr
-    again = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "roles.sh"), url, str(certs)],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "ETCDCTL": str(BIN / "etcdctl")})
-    assert again.returncode == 0, again.stderr  # running it again is harmless
-    return url, certs
+@pytest.fixture(scope="module")
+def roles_etcd(tmp_path_factory):
+    """(url, certificate directory) of the TLS etcd with the roles made. One for the module (~11 s to make the
+    certificates and the roles and start etcd): its two tests work on jobs of their own names."""
+    workdir = tmp_path_factory.mktemp("roles-etcd")
+    procs = ProcessGroup()
+    try:
+        certs = workdir / "certs"
+        made = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "make-certs.sh"), str(certs), "127.0.0.1",
+                               "localhost"], capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        assert oct((certs / "trainwarden-agent-key.pem").stat().st_mode & 0o777) == "0o600"
+        url = spawn_tls_etcd(procs, workdir, name="roles", cert=certs / "server.pem", key=certs / "server-key.pem",
+                             ca=certs / "ca.pem")
+        wait_for(lambda: _etcdctl(url, certs, "root", "endpoint", "health").returncode == 0, 30, what="the TLS etcd")
+        roles = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "roles.sh"), url, str(certs)],
+                               capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "ETCDCTL": str(BIN / "etcdctl")})
+        assert roles.returncode == 0, roles.stderr
+        again = subprocess.run(["bash", str(ROOT / "deploy" / "etcd" / "roles.sh"), url, str(certs)],
+                               capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "ETCDCTL": str(BIN / "etcdctl")})
+        assert again.returncode == 0, again.stderr  # running it again is harmless
+        yield url, certs
+    finally:
+        procs.close()
 
 
 def _etcdctl(url: str, certs: Path, user: str, *args: str) -> subprocess.CompletedProcess:
