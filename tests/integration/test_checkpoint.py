@@ -88,6 +88,8 @@ def test_async_save_retention_and_pointer(trained):
     assert "retention (keep=3): removed complete checkpoint" in log and "step-00000002" in log
 
 
+@pytest.mark.extended  # ~12 s; the same-world restore of every byte (model, optimizer, RNG) stays in the flipped-byte and
+# fallback tests below, which restore steps 6 and 4 of the same run through the same load
 @pytest.mark.timeout(200)
 def test_round_trip_restores_model_optimizer_and_rng(trained, tmp_path, procs):
     root, _ = trained

@@ -319,6 +319,8 @@ def _results(log: str) -> dict[int, tuple[int, int, float, bool]]:
     return {int(r): (int(w), int(n), float(s), ok == "True") for r, w, n, s, ok in RESULT.findall(log)}
 
 
+@pytest.mark.extended  # ~8 s; a clean first round on etcd3 stays in the two-agent test below, a node's two workers in
+# the restart test (whose second round is the same world of two)
 @pytest.mark.timeout(180)
 def test_torchrun_single_node_two_workers(etcd_server, procs, tmp_path):
     proc = _torchrun(procs, tmp_path, "node0", etcd_server.endpoint, "job-single",
