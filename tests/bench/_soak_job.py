@@ -26,6 +26,8 @@ SHRANK = re.compile(r"world size 8, now 4|taken at world size 8")
 TIMED = re.compile(rf"^{TS} \[rank \d+\] [\w.]+: step (\d+) loss \S+ time ([\d.]+)s", re.M)
 ROUND = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: \d+ stages", re.M)
 """Rank 0 starts a worker round (any world size)."""
+WORLD = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: (\d+ stages, \d+ micro-batches)", re.M)
+"""Rank 0 starts a round, and the world's shape: dp 1 takes twice the micro-batches of dp 2."""
 FULL = re.compile(rf"^{TS} \[rank 0\] [\w.]+: pipeline: 2 stages, 2 micro-batches", re.M)
 """Rank 0 starts a round of the full world (dp 2: two micro-batches of two sequences a rank; dp 1 takes four)."""
 GROW_BOUND_S = 240.0
@@ -77,6 +79,10 @@ class Job:
 
     def round_starts(self) -> list[float]:
         return sorted(_stamp(t) for t in ROUND.findall(self.text()))
+
+    def worlds(self) -> list[tuple[float, str]]:
+        """(when, shape) of every round rank 0 started."""
+        return sorted((_stamp(t), shape) for t, shape in WORLD.findall(self.text()))
 
     def last_step(self) -> int:
         return max((s for _, s, _ in self.steps_logged()), default=0)

@@ -191,31 +191,70 @@ class Verdict:
 
 
 LOSS_TAIL_STEPS = 100
-LOSS_TAIL_TOLERANCE = 0.03
-"""Once the world changed size, the fault-free run is matched in two parts. Bit-equal (at the logged 6 decimals)
+LOSS_TAIL_TOLERANCE = 0.05
+"""Once the world changed size, the fault-free run is matched in three parts. Bit-equal (at the logged 6 decimals)
 on every step logged before the first fault that shrinks the world: every resume before it must have been exact.
-After it, the mean loss of the last ``LOSS_TAIL_STEPS`` steps within ``LOSS_TAIL_TOLERANCE`` relative. Why not the
-final loss within 1e-3, as before: another data-parallel degree sums the same samples' gradients in another order
-(float32: ~1e-7 relative per sum), and training amplifies that difference rather than damping it. In the hour's soak
-(seed 46, session 30) the losses agreed to the last digit until the first shrink at step 356, differed in the 6th
-decimal from step 370, by 1e-3 relative at step 615, 1e-2 at 689 and several per cent per step from about step 800;
-the final step's loss was 7.6 % off, the mean of the last 100 steps 0.9 %. A resume that is not exact after a
-shrink is caught by the other invariants (no step 1 after a commit, every commit kept), not by the loss."""
+Every step trained again after a restore equal to its first run (``REPLAY_TOLERANCE``). And the mean loss of the
+last ``LOSS_TAIL_STEPS`` steps within ``LOSS_TAIL_TOLERANCE`` relative. Why not the final loss within 1e-3: another
+data-parallel degree sums the same samples' gradients in another order (float32: ~1e-7 relative per sum), and
+training amplifies that difference rather than damping it. In the hour's soak (seed 46, session 30) the losses agreed
+to the last digit until the first shrink at step 356, differed in the 6th decimal from step 370, by 1e-3 relative at
+step 615 and several per cent per step from about step 800.
+
+How far the tail's mean then drifts with nothing wrong was measured (session 32) by tests/bench/soak_loss_spread.py:
+the soak job's model, data and optimizer from one checkpoint of step 356 to step 2400 in five summation orders of the
+same global batch (micro-batches of 1, 2, 4 and 8 sequences on one rank; two data-parallel ranks of 2). The five
+last-100 means (1.3107 to 1.3396) have a standard deviation of 0.80 % of their mean, so the difference of two such
+runs has one of 1.14 %; the largest of the 10 pairs was 2.20 %. 5 % is 4.4 of those standard deviations: a fault-free
+trajectory falls outside it far less often than once in a thousand soaks. The soaks measured 0.9 % (session 30) and
+3.1 % (session 31, every one of its 42 replayed steps bit-equal). A resume that is not exact shows in the replays, the
+steps before the shrink and the other invariants (no step 1 after a commit, every commit kept) well before the mean."""
+
+REPLAY_TOLERANCE = 1e-4
+"""A step trained again after a restore (from memory or disk) starts from the state its first run started from: its
+loss must be bit-equal when the world has the same shape both times, and within this (relative) when it does not
+(another summation order: ~1e-6 in the first steps after a shrink in the hour's soaks)."""
+
+
+def _replays(steps: list[tuple[float, int, float]], worlds: list[tuple[float, str]]) -> tuple[int, list[str]]:
+    """How many later runs of a step the log holds, and those that differ from the step's first run."""
+    worlds = sorted(worlds)
+
+    def world_at(t: float) -> str | None:
+        return next((w for start, w in reversed(worlds) if start <= t), None)
+
+    first: dict[int, tuple[float, str | None]] = {}
+    count, bad = 0, []
+    for t, s, loss in sorted(steps):
+        world = world_at(t)
+        if s not in first:
+            first[s] = (loss, world)
+            continue
+        count += 1
+        loss0, world0 = first[s]
+        rel = abs(loss - loss0) / max(abs(loss0), 1e-12)
+        if (world == world0 and loss != loss0) or rel > REPLAY_TOLERANCE:
+            bad.append(f"step {s} {loss0:.6f} ({world0}) then {loss:.6f} ({world})")
+    return count, bad
 
 
 def loss_matches(steps: list[tuple[float, int, float]], reference: list[tuple[float, int, float]], *,
-                 shrank_at: float | None) -> Verdict:
+                 shrank_at: float | None, worlds: list[tuple[float, str]] = ()) -> Verdict:
     """``steps``/``reference``: (time, step, loss) as logged by the soak and by the fault-free run; ``shrank_at``:
-    when the first fault that shrinks the world struck (None: the world never changed size)."""
+    when the first fault that shrinks the world struck (None: the world never changed size); ``worlds``: (time,
+    shape) of each round's start, the shape anything that tells the world's sizes apart."""
     if not steps or not reference:
         return Verdict("final_loss", False, f"{len(steps)} steps logged, {len(reference)} in the fault-free run")
     ref = {s: loss for _, s, loss in reference}
     last, ref_last = max(s for _, s, _ in steps), max(ref)
     final = next(loss for _, s, loss in reversed(steps) if s == last)
+    replayed, differ_again = _replays(steps, list(worlds))
+    again = f"; {replayed} steps trained again after a restore, {len(differ_again)} unlike their first run" + (
+        f" ({'; '.join(differ_again[:3])})" if differ_again else "")
     if shrank_at is None:
-        return Verdict("final_loss", last == ref_last and final == ref[ref_last],
+        return Verdict("final_loss", last == ref_last and final == ref[ref_last] and not differ_again,
                        f"{final:.6f} vs fault-free {ref[ref_last]:.6f}, bit-equal at the logged 6 decimals required "
-                       "(the world never changed size)")
+                       f"(the world never changed size){again}")
     before = [(s, loss) for t, s, loss in steps if t < shrank_at and s in ref]
     differ = [(s, loss, ref[s]) for s, loss in before if loss != ref[s]]
     kept: dict[int, float] = {}
@@ -226,12 +265,12 @@ def loss_matches(steps: list[tuple[float, int, float]], reference: list[tuple[fl
         return Verdict("final_loss", False, f"the soak's steps end at {last}, the fault-free run's at {ref_last}")
     mean, ref_mean = (sum(table[s] for s in tail) / len(tail) for table in (kept, ref))
     rel = abs(mean - ref_mean) / abs(ref_mean)
-    ok = not differ and rel <= LOSS_TAIL_TOLERANCE
+    ok = not differ and not differ_again and rel <= LOSS_TAIL_TOLERANCE
     first = f"; step {differ[0][0]} logged {differ[0][1]:.6f}, fault-free {differ[0][2]:.6f}" if differ else ""
     return Verdict("final_loss", ok,
-                   f"{len(before)} steps before the world first changed size bit-equal: {not differ}{first}; mean of "
-                   f"the last {len(tail)} steps {mean:.6f} vs fault-free {ref_mean:.6f}: {rel:.2e} relative, within "
-                   f"{LOSS_TAIL_TOLERANCE:g} required (final step {final:.6f} vs {ref[ref_last]:.6f})")
+                   f"{len(before)} steps before the world first changed size bit-equal: {not differ}{first}{again}; "
+                   f"mean of the last {len(tail)} steps {mean:.6f} vs fault-free {ref_mean:.6f}: {rel:.2e} relative, "
+                   f"within {LOSS_TAIL_TOLERANCE:g} required (final step {final:.6f} vs {ref[ref_last]:.6f})")
 
 
 def checkpoints_kept(commits: list[tuple[float, int, str]], present: set[str], keep: int,

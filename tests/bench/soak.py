@@ -19,8 +19,9 @@ lost (two of three members stopped for 20 s), the checkpoint directory full (its
 then freed). Left out: daemon SIGKILL (the soak has no daemon-run variant).
 
 Invariants, each printed as ``invariant NAME: ok|FAILED (detail)``: the job finishes; its final loss equals the
-fault-free run's (bit-equal at the logged precision unless the world changed size; ``_soak_plan.LOSS_TOLERANCE``
-otherwise); no committed checkpoint lost or silently replaced, no step 1 after a commit; every fault exactly its
+fault-free run's (bit-equal at the logged precision unless the world changed size; else bit-equal up to the first
+shrink and the last 100 steps' mean within ``_soak_plan.LOSS_TAIL_TOLERANCE``), and every step trained again after a
+restore equal to its first run; no committed checkpoint lost or silently replaced, no step 1 after a commit; every fault exactly its
 incident(s) naming its rank or node, nothing else an incident but the consequences ``_soak_plan.CONSEQUENCES``
 accepts and says why (``restart`` records are actions, not counted); n0's goodput ledger against the step log within
 2 % on what every rank measures alike (``_soak_plan.in_round_seconds``); the agents' and launchers' RSS, threads and
@@ -239,7 +240,7 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
         out.update(launched=launched, steps=job.steps_logged(), commits=job.commits(), text_shrank=bool(
             SHRANK.search(job.text())), samples=sampler.samples, incidents=_incidents(work), logs=[str(p) for p in job.logs])
         out["present"] = {str(p) for p in job.ckpt.glob("*") if p.is_dir()}
-        out.update(runs=job.step_runs(), round_starts=job.round_starts())
+        out.update(runs=job.step_runs(), round_starts=job.round_starts(), worlds=job.worlds())
         ledger = work / "state" / "n0" / "jobs" / JOB / "history" / "goodput.json"
         out["ledger"] = json.loads(ledger.read_text()) if ledger.exists() else None
     out["leftovers"] = bed.leftovers()
@@ -284,7 +285,8 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     out.append(Verdict("finishes", finished, soak.get("error") or f"last step {last}, exit codes {soak.get('exit')}"))
     shrinks = [f.at for f in faults if f.at and CATALOGUE[f.kind].shrinks]
     shrank_at = min(shrinks) if shrinks else (0.0 if soak["text_shrank"] else None)
-    out.append(loss_matches(steps if finished else [], ref["steps"], shrank_at=shrank_at))
+    out.append(loss_matches(steps if finished else [], ref["steps"], shrank_at=shrank_at,
+                            worlds=[tuple(w) for w in soak.get("worlds", [])]))
     set_aside = {i["evidence"].get("step") for i in soak["incidents"] if i["kind"] == "checkpoint_set_aside"}
     out.append(checkpoints_kept(soak["commits"], soak["present"], keep, set_aside))
     story = [(t, "step", s) for t, s, _ in steps] + [(t, "commit", s) for t, s, _ in soak["commits"]]
