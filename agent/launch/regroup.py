@@ -47,6 +47,13 @@ slowed by the fault that makes a node leave (a degraded link: steps several time
 GROW_MARGIN_S at its pace now, not at its healthy pace (issue 47: at 3x slower, 11 steps of a healthy 0.3 s took
 about 16 s more before the spare could step in)."""
 
+NEWEST_DURATIONS = 4
+"""The step durations (every local rank's) ``step_ahead`` counts the steps finished since the newest report with:
+the pace of the last step or two. At the 20-step median, a job whose link had just slowed its steps from 1.2 to 9 s
+was credited with 5 steps for the 6 s since its newest report, where it had finished none: the bed's swap agreed on
+a step 8 ahead, 70 s at the slow pace (issue 47). A job that just sped up is credited with more, which only
+lengthens the margin."""
+
 LEFT = object()
 """``supervise``'s answer when this node left the job on request (SIGUSR1, a drain); the job goes on."""
 
@@ -239,11 +246,12 @@ class Regrouping:
     def step_ahead(self) -> int:
         """A step no rank of the job has passed by the time a request for it reaches every node (GROW_MARGIN_*)."""
         median = self._pace(RECENT_DURATIONS) or 1.0
+        newest = self._pace(NEWEST_DURATIONS) or median
         # steps arrive in batches (the runtime sends every `ClientConfig.flush_interval_s`): count the ones
-        # the ranks have most likely finished since the newest one reported
+        # the ranks have most likely finished since the newest one reported, at the pace of the newest ones
         current = self._round()
         behind = min(10.0, max(0.0, time.time() - current.step_end)) if current.step_end else 0.0
-        return current.step + int(behind / median) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
+        return current.step + int(behind / newest) + max(GROW_MARGIN_STEPS, int(GROW_MARGIN_S / median) + 1)
 
     def _on_leave(self, request: dict, round_) -> None:
         """Node ``request["node"]`` leaves after step ``request["step"]``: every local worker saves after it and

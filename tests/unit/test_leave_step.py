@@ -49,3 +49,17 @@ def test_a_job_at_seconds_a_step_is_asked_for_three_steps_not_five():
     in. Three steps still cover a request that takes a second or two to reach every node."""
     progress, last = _progress((300, 2.0), (12, 9.0))
     assert _regrouping(progress, last, time.time()).step_ahead() == last + 3
+
+
+def test_the_steps_since_the_newest_report_are_counted_at_the_pace_of_the_newest_steps():
+    """Issue 47, the bed (session 32): n1 was named 6 s after its newest step report, its steps just slowed from 1.2
+    to 9 s by the degraded link. The 20-step median (1.2 s) credited the ranks with 5 steps finished in those 6 s,
+    and the agreed step was 8 ahead: 70 s at the slow pace before the spare stepped in. At the newest steps' pace they
+    finished none: 3 ahead."""
+    progress, last = _progress((300, 1.2), (4, 9.0))
+    assert _regrouping(progress, last, time.time() - 6.0).step_ahead() == last + 3
+
+
+def test_a_job_at_its_steady_pace_is_still_credited_with_the_steps_since_its_newest_report():
+    progress, last = _progress((300, 0.25))
+    assert _regrouping(progress, last, time.time() - 2.0).step_ahead() == last + 8 + 13  # 2 s / 0.25 s, then 3 s
