@@ -216,6 +216,11 @@ loss must be bit-equal when the world has the same shape both times, and within 
 (another summation order: ~1e-6 in the first steps after a shrink in the hour's soaks)."""
 
 
+def tail_mean(losses: dict[int, float], last: int) -> float:
+    """The mean loss of the ``LOSS_TAIL_STEPS`` steps that end at ``last`` (every one of them in ``losses``)."""
+    return sum(losses[s] for s in range(last - LOSS_TAIL_STEPS + 1, last + 1)) / LOSS_TAIL_STEPS
+
+
 def _replays(steps: list[tuple[float, int, float]], worlds: list[tuple[float, str]]) -> tuple[int, list[str]]:
     """How many later runs of a step the log holds, and those that differ from the step's first run."""
     worlds = sorted(worlds)
@@ -263,7 +268,7 @@ def loss_matches(steps: list[tuple[float, int, float]], reference: list[tuple[fl
     tail = [s for s in range(ref_last - LOSS_TAIL_STEPS + 1, ref_last + 1)]
     if last != ref_last or any(s not in kept for s in tail):
         return Verdict("final_loss", False, f"the soak's steps end at {last}, the fault-free run's at {ref_last}")
-    mean, ref_mean = (sum(table[s] for s in tail) / len(tail) for table in (kept, ref))
+    mean, ref_mean = tail_mean(kept, ref_last), tail_mean(ref, ref_last)
     rel = abs(mean - ref_mean) / abs(ref_mean)
     ok = not differ and not differ_again and rel <= LOSS_TAIL_TOLERANCE
     first = f"; step {differ[0][0]} logged {differ[0][1]:.6f}, fault-free {differ[0][2]:.6f}" if differ else ""

@@ -60,7 +60,7 @@ def _pymalloc() -> tuple[int, int, int]:
 def _probe(out: str, every: float) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
-    started, i = time.monotonic(), 0
+    started = time.monotonic()
     while True:
         time.sleep(every)
         m = libc.mallinfo2()
@@ -70,7 +70,6 @@ def _probe(out: str, every: float) -> None:
                 f"{(m.arena + m.hblkhd) / 1e6:.2f} in use {m.uordblks / 1e6:.2f} free {m.fordblks / 1e6:.2f}")
         with open(out, "a") as f:
             f.write(line + "\n")
-        i += 1
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _procs import run_in_session  # noqa: E402
-from _soak_plan import LOSS_TAIL_STEPS, LOSS_TAIL_TOLERANCE  # noqa: E402
+from _soak_plan import LOSS_TAIL_STEPS, LOSS_TAIL_TOLERANCE, tail_mean  # noqa: E402
 
 STEP = re.compile(r"\] [\w.]+: step (\d+) loss (\S+) time", re.M)
 MODEL = ["--tp", "1", "--pp", "1", "--batch", "8"]
@@ -63,12 +63,11 @@ def _train(work: Path, name: str, ranks: int, flags: list[str], steps: int, ckpt
     return {int(s): float(loss) for s, loss in STEP.findall(text)}
 
 
-def tail_mean(losses: dict[int, float], last: int) -> float:
-    tail = range(last - LOSS_TAIL_STEPS + 1, last + 1)
-    missing = [s for s in tail if s not in losses]
+def _tail_mean(name: str, losses: dict[int, float], last: int) -> float:
+    missing = [s for s in range(last - LOSS_TAIL_STEPS + 1, last + 1) if s not in losses]
     if missing:
-        raise SystemExit(f"steps {missing[:5]}... missing from a run's log")
-    return sum(losses[s] for s in tail) / LOSS_TAIL_STEPS
+        raise SystemExit(f"steps {missing[:5]}... missing from run {name}'s log")
+    return tail_mean(losses, last)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    means = {name: tail_mean(run, args.steps) for name, run in losses.items()}
+    means = {name: _tail_mean(name, run, args.steps) for name, run in losses.items()}
     pairs = {f"{a}/{b}": abs(means[a] - means[b]) / means[b] for a, b in itertools.combinations(means, 2)}
     first_diff = {name: next((s for s in sorted(run) if run[s] != losses["mb2"][s]), None)
                   for name, run in losses.items() if name != "mb2"}
