@@ -55,7 +55,9 @@ def _train(work: Path, name: str, ranks: int, flags: list[str], steps: int, ckpt
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", "trainwarden.runtime.examples.gpt", *MODEL, *flags, "--steps", str(steps),
            "--ckpt-dir", str(ckpt), "--ckpt-every", str(every), "--keep", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    tmp = work / "tmp" / name  # torchrun's own log directory (torchelastic_*) goes here, removed with the work
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(tmp))
     rc = run_in_session(cmd, env=env, log=log, timeout=steps * 2.0 + 300)
     text = log.read_text(errors="replace")
     if rc != 0:
