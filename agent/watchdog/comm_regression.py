@@ -22,7 +22,10 @@ pids: a restart, a join). The baseline is the median of the last `baseline_windo
 each world size keeps its own (a job that shrank and grew back judges with its old size's at once). A window is
 *suspect* when the job's median step time is at least `start_ratio` times the baseline's and every rank's
 collective wait grew by at least `min_comm_share` of its step time's growth while its compute stayed within
-`max_compute_ratio` of its baseline's. `persist_windows` suspect windows in a row start a regression;
+`max_compute_ratio` of its baseline's. The latest `persist_windows` slow windows in a row are judged pooled (their
+counters summed): on gloo a step's wait reaches the agent with the next Flight Recorder read, so one short window can
+hold a step without its wait and the next two steps' worth. `persist_windows` slow windows in a row that are suspect
+pooled start a regression;
 `clear_windows` windows in a row at most `clear_ratio` times the baseline end it. Suspect and regressed
 windows never enter the baseline, so a regression that lasts does not become the new normal.
 
@@ -113,6 +116,8 @@ class WindowStats:
 
     step_s: float
     wait_s: float
+    steps: int = 1
+    """Steps the averages are over (what pooling windows weighs them by)."""
 
     @property
     def compute_s(self) -> float:
@@ -146,9 +151,21 @@ class _Job:
     healthy: deque = field(default_factory=deque)  # of {rank: WindowStats}: the current world size's baseline
     baselines: dict[int, deque] = field(default_factory=dict)  # world size -> its healthy windows
     suspect: int = 0
+    slow_run: deque = field(default_factory=deque)  # of {rank: WindowStats}: the latest slow windows in a row
     calm: int = 0
     regressed: bool = False
     last: dict | None = None  # the latest closed window's verdict, for status and metrics
+
+
+def _pool(windows) -> dict[int, WindowStats]:
+    """Consecutive windows as one, per rank (weighted by their steps)."""
+    pooled = {}
+    for rank in windows[-1]:
+        mine = [w[rank] for w in windows if rank in w]
+        steps = sum(w.steps for w in mine)
+        pooled[rank] = WindowStats(step_s=sum(w.step_s * w.steps for w in mine) / steps,
+                                   wait_s=sum(w.wait_s * w.steps for w in mine) / steps, steps=steps)
+    return pooled
 
 
 class CommRegressionDetector:
@@ -183,6 +200,7 @@ class CommRegressionDetector:
             state.round_start_steps = {rank: r.steps for rank, r in totals.items()}
             self._open(state, t, totals)
             state.suspect = state.calm = 0
+            state.slow_run.clear()
             return []
         if any(r.stage in _NOT_TRAINING for r in totals.values()):
             state.tainted = True
@@ -192,7 +210,8 @@ class CommRegressionDetector:
         if min(done.values()) < cfg.min_window_steps and not self._slow_already(state, totals, done):
             return []
         window = {rank: WindowStats(step_s=(r.step_seconds - state.start[rank].step_seconds) / done[rank],
-                                    wait_s=max(0.0, r.wait_seconds - state.start[rank].wait_seconds) / done[rank])
+                                    wait_s=max(0.0, r.wait_seconds - state.start[rank].wait_seconds) / done[rank],
+                                    steps=done[rank])
                   for rank, r in totals.items()}
         warm = all(state.start[rank].steps - state.round_start_steps.get(rank, 0) >= cfg.warmup_steps
                    for rank in totals)
@@ -234,11 +253,19 @@ class CommRegressionDetector:
         base_step = statistics.median(b.step_s for b in baseline.values())
         step = statistics.median(w.step_s for w in window.values())
         ratio = step / base_step if base_step > 0 else 1.0
-        suspect = ratio >= cfg.start_ratio and all(self._comm_bound(window[r], baseline[r]) for r in window)
+        suspect = False
+        if ratio >= cfg.start_ratio:
+            state.slow_run.append(window)
+            while len(state.slow_run) > cfg.persist_windows:
+                state.slow_run.popleft()
+            pooled = window = _pool(state.slow_run)  # what decides, and the start event's evidence
+            suspect = all(self._comm_bound(pooled[r], baseline[r]) for r in window)
+        else:
+            state.slow_run.clear()
         state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect}
         events = []
         if suspect:
-            state.suspect += 1
+            state.suspect = max(state.suspect + 1, len(state.slow_run))
             state.calm = 0
             if not state.regressed and state.suspect >= cfg.persist_windows:
                 state.regressed = True

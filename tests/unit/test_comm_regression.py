@@ -285,3 +285,37 @@ def test_a_job_slowed_to_seconds_a_step_is_named_within_30_s_not_after_three_slo
     assert events and events[0][1].started, events
     print(f"named {events[0][0] - fault:.0f} s after the fault")
     assert events[0][0] - fault <= 30.0, events[0][0] - fault
+
+
+def test_a_slow_link_is_named_when_the_wait_reaches_the_agent_a_read_after_its_step():
+    """Issue 47, the bed (tests/e2e/test_slow_link_exclude.py, session 32): on gloo a step's collective wait reaches
+    the agent with the next Flight Recorder read (every 6 s while the job is quiet), its step count at once. With
+    9 s steps judged a step a window, a window could hold a step without its wait (it looked compute-bound) and the
+    next one two steps' wait (n0's incident: 19.2 s of wait per 9 s step), so no two suspect windows came in a row
+    and n0 never named the link. Consecutive slow windows are judged together."""
+    det, t = CommRegressionDetector(), 0.0
+    ranks = {r: [0, 0.0, 0.0, 0.0, 0.0] for r in range(4)}  # steps, step s, wait s read, time into the step, unread
+
+    def run(seconds, compute, wait, read_every=6):
+        nonlocal t
+        events = []
+        for _ in range(int(seconds)):
+            t += 1.0
+            for c in ranks.values():
+                c[3] += 1.0
+                if c[3] >= compute + wait:
+                    c[3] -= compute + wait
+                    c[0], c[1], c[4] = c[0] + 1, c[1] + compute + wait, c[4] + wait
+                if int(t) % read_every == 0:
+                    c[2], c[4] = c[2] + c[4], 0.0
+            events += [(t, e) for e in det.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1],
+                                                                          wait_seconds=c[2], pid=100 + r)
+                                                         for r, c in ranks.items()})]
+        return events
+
+    assert run(300, 2.5, 0.5) == []  # healthy 3 s steps: warm-up and the baseline, no alarm
+    fault = t
+    events = run(120, 2.5, 6.5)
+    assert events and events[0][1].started, events
+    print(f"named {events[0][0] - fault:.0f} s after the fault")
+    assert events[0][0] - fault <= 30.0, events[0][0] - fault
