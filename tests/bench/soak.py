@@ -84,6 +84,7 @@ class Soak:
                 fault.recovered_at = time.time()
             else:
                 fault.recovered_at = self.wait("the resume after the hang", lambda: job.resumed_after(fault.at))
+            fault.notes.append(f"recovered after {fault.recovered_at - fault.at:.1f} s")  # else its line is empty
             return
         self.wait(f"step {fault.step}", lambda: job.last_step() >= fault.step, 600)
         if fault.kind in ("crash", "sigstop"):
