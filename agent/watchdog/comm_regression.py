@@ -17,8 +17,9 @@ enqueue to the thread's next enqueue, or to the step's end), on NCCL the measure
 
 The job's time is cut into windows of at least `window_s` seconds in which every rank completed at least
 `min_window_steps` steps. A window is *tainted*, and neither judged nor learned from, when a rank was restoring
-a checkpoint or held for a membership change during it, or when it began before `warmup_steps` steps of the current worker round (a new set of
-pids: a restart, a join). The baseline is the median of the last `baseline_windows` healthy windows, per rank;
+a checkpoint or held for a membership change during it, or when it began before `warmup_steps` steps of the current
+worker round (a new set of pids: a restart, a join), or before `warmup_s` seconds after its first step, whichever
+comes first. The baseline is the median of the last `baseline_windows` healthy windows, per rank;
 each world size keeps its own (a job that shrank and grew back judges with its old size's at once). A window is
 *suspect* when the job's median step time is at least `start_ratio` times the baseline's and every rank's
 collective wait grew by at least `min_comm_share` of its step time's growth while its compute stayed within
@@ -61,7 +62,12 @@ class CommRegressionConfig:
     """Steps every rank completes in a window: slow jobs get longer windows. A window whose steps are already
     ``start_ratio`` times the baseline's closes after one step on every rank (``_slow_already``)."""
     warmup_steps: int = 20
-    """Steps of a new worker round before its windows count (start-up, a restore's first steps)."""
+    """Steps of a new worker round before its windows count (start-up, a restore's first steps)..."""
+    warmup_s: float = 10.0
+    """...or this long after every rank's first step of the round, with at least ``min_window_steps`` steps done:
+    a job of slow steps is not blind for 20 of them after every restart. In the soak's hour a link degraded 6 s
+    after n1 rejoined, its steps went from 0.3 s to 3.5 s, and the 20 warm-up steps took 37 s: named 51.5 s after
+    the fault, where the others were named in 9-12 s (issue 47)."""
     baseline_windows: int = 6
     """Healthy windows the baseline is the median of."""
     start_ratio: float = 1.5
@@ -93,8 +99,8 @@ class CommRegressionConfig:
             raise ValueError(f"flat_compute_share must be in [0, 1), got {self.flat_compute_share}")
         if self.max_compute_ratio < 1.0:
             raise ValueError(f"max_compute_ratio must be at least 1, got {self.max_compute_ratio}")
-        if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0:
-            raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps 0 or more")
+        if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0 or self.warmup_s < 0:
+            raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps and warmup_s 0 or more")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +151,7 @@ class _Job:
     round_id: frozenset = frozenset()
     world: int = 0
     round_start_steps: dict[int, int] = field(default_factory=dict)
+    first_step_t: float | None = None  # when every rank had finished its first step of the round
     start_t: float = 0.0
     start: dict[int, RankTotals] = field(default_factory=dict)
     tainted: bool = False
@@ -198,12 +205,16 @@ class CommRegressionDetector:
                 state.healthy = state.baselines.setdefault(len(totals), deque(maxlen=cfg.baseline_windows))
             state.round_id, state.world = round_id, len(totals)
             state.round_start_steps = {rank: r.steps for rank, r in totals.items()}
+            state.first_step_t = None
             self._open(state, t, totals)
             state.suspect = state.calm = 0
             state.slow_run.clear()
             return []
         if any(r.stage in _NOT_TRAINING for r in totals.values()):
             state.tainted = True
+        if state.first_step_t is None and all(r.steps > state.round_start_steps.get(rank, 0)
+                                              for rank, r in totals.items()):
+            state.first_step_t = t
         done = {rank: r.steps - state.start[rank].steps for rank, r in totals.items() if rank in state.start}
         if len(done) != len(totals) or t - state.start_t < cfg.window_s:
             return []
@@ -213,8 +224,10 @@ class CommRegressionDetector:
                                     wait_s=max(0.0, r.wait_seconds - state.start[rank].wait_seconds) / done[rank],
                                     steps=done[rank])
                   for rank, r in totals.items()}
-        warm = all(state.start[rank].steps - state.round_start_steps.get(rank, 0) >= cfg.warmup_steps
-                   for rank in totals)
+        into = [state.start[rank].steps - state.round_start_steps.get(rank, 0) for rank in totals]
+        warm = min(into) >= cfg.warmup_steps or (
+            min(into) >= cfg.min_window_steps and state.first_step_t is not None
+            and state.start_t - state.first_step_t >= cfg.warmup_s)
         tainted = state.tainted or not warm
         self._open(state, t, totals)
         if tainted:
