@@ -186,6 +186,12 @@ class CommRegressionDetector:
         state = self._jobs.get(job)
         return bool(state and state.regressed)
 
+    def links_suspect(self, job: str) -> bool:
+        """Whether `job` is in a regression or its latest judged window was suspect: a rank that looks busier than
+        its peers now may only be waiting for collectives later than it enqueued them (a straggler's question)."""
+        state = self._jobs.get(job)
+        return bool(state and (state.regressed or (state.last or {}).get("suspect")))
+
     def last_window(self, job: str) -> dict | None:
         """The latest judged window of `job`: ratio, baseline and current step time, whether suspect."""
         state = self._jobs.get(job)

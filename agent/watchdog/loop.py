@@ -110,7 +110,8 @@ class Watchdog:
                                          wall=wall, config=self.config.comm_regression)
         self._acting: dict[str, tuple[Incident | None, float]] = {}  # job -> hang incident waiting for progress (None: another node's)
         self._straggler_incidents = StragglerIncidents(actions, node=node, config=self.config.straggler, wall=wall,
-                                                       set_flag=lambda *flag: job_telemetry.set_flag(*flag))
+                                                       set_flag=lambda *flag: job_telemetry.set_flag(*flag),
+                                                       links_suspect=self._comm.detector.links_suspect)
         self._step_s: dict[str, float] = {}  # last median step time per job
         self._pacer = ReadPacer(actions, period_s=self.config.quiet_read_period_s, after_s=self.config.quiet_after_s,
                                 clock=clock)

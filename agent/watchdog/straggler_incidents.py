@@ -1,8 +1,11 @@
 """Straggler events as incidents (agent/watchdog/loop.py feeds it the ``StragglerDetector``'s events): the rank's
 flag, a ``straggler_start`` incident when flagged and a ``straggler_end`` that resolves it when back in line, under
 ``--straggler-policy exclude`` the node's request to leave the job at the next restart and its withdrawal, and the
-limits: at most one open incident per rank and ``max_incidents_per_hour`` per job (a start not recorded makes its
-end not recorded either; suppressions are counted, ``suppressed``, and logged)."""
+limits: at most one open incident per rank and ``max_incidents_per_hour`` per job, and no start while the job is in a
+communication regression or its latest window was suspect (a start not recorded makes its end not recorded either;
+suppressions are counted, ``suppressed``, and logged). In the soak's hour (seed 46, #43) a link degraded 6 s into a
+new worker round: the straggler detector learned its level from degraded slices and named n0's rank 0 (score 1.53,
+peers' work up 1.26x) 0.5 s after the ``comm_regression`` that explained the slowdown."""
 
 from __future__ import annotations
 
@@ -24,8 +27,12 @@ class StragglerIncidents:
     """The incidents of one agent's straggler events (module docstring)."""
 
     def __init__(self, actions: WatchdogActions, *, node: str, config: StragglerConfig, wall: Callable[[], float],
-                 set_flag: Callable[[str, int, str, bool], None]) -> None:
+                 set_flag: Callable[[str, int, str, bool], None],
+                 links_suspect: Callable[[str], bool] = lambda job: False) -> None:
+        """``links_suspect(job)``: whether the communication-regression watch has the job regressed or suspect;
+        a start then is not recorded (module docstring)."""
         self._actions, self._node, self._config, self._wall, self._set_flag = actions, node, config, wall, set_flag
+        self._links_suspect = links_suspect
         self._stragglers: dict[tuple[str, int], Incident] = {}  # open straggler_start incidents
         self._starts: dict[str, deque[float]] = {}  # job -> wall times of recent starts (rate limit)
         self._suppressed: set[tuple[str, int]] = set()  # flagged without an incident
@@ -88,6 +95,9 @@ class StragglerIncidents:
             recent.popleft()
         if key in self._stragglers:
             reason = "an incident for this rank is still open"
+        elif self._links_suspect(job):
+            reason = ("the job's collectives are slower on every rank (a communication regression): waits for them "
+                      "land inside the ranks' own intervals")
         elif len(recent) >= self._config.max_incidents_per_hour:
             reason = f"{len(recent)} straggler incidents opened in the last hour (the limit)"
         else:

@@ -1006,3 +1006,46 @@ def test_an_unreachable_etcd_is_asked_about_a_jobs_activity_once_per_retry_perio
         sim.run(1)
         wd.check_once()
     assert Counting.asked == before + 4
+
+
+def test_no_straggler_incident_while_the_job_is_in_a_communication_regression(tmp_path):
+    """The soak's hour (seed 46, #43): a link degraded just after a rejoin; n0's rank 0 was named a straggler 0.5 s
+    after the comm_regression that explained the slowdown (its peers' work looked flat against a level learned from
+    degraded slices). A start while the job's links are suspect is suppressed, its end with it; after, as before."""
+    from trainwarden.agent.watchdog.comm_regression import RankTotals
+    from trainwarden.agent.watchdog.straggler import RankScore, StragglerEvent
+
+    sim = Sim(ranks=4)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path)
+    detector, totals, t = wd._comm.detector, {r: [0, 0.0, 0.0] for r in range(4)}, 0.0
+    for seconds, wait in ((90, 0.02), (30, 0.4)):  # healthy, then every rank waits 20x longer in collectives
+        for _ in range(seconds):
+            t += 1.0
+            for c in totals.values():
+                steps = max(1, round(1.0 / (0.08 + wait)))
+                c[0], c[1], c[2] = c[0] + steps, c[1] + steps * (0.08 + wait), c[2] + steps * wait
+            detector.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1], wait_seconds=c[2], pid=100 + r)
+                                     for r, c in totals.items()})
+    assert detector.regressed("j") and detector.links_suspect("j")
+    score = RankScore(rank=0, score=1.53, compute_share=0.95, peer_compute_share=0.62, window_seconds=33.6, slices=14,
+                      flagged=True)
+    snap = sim.js.snapshot("j")[0]
+
+    def event(started):
+        return StragglerEvent(job="j", rank=0, started=started, score=score, evaluations=7, seconds=16.8,
+                          policy=StragglerPolicy.ALERT)
+
+    wd._straggler_incidents.on_event(snap, event(True))
+    wd._straggler_incidents.on_event(snap, event(False))
+    assert actions.records == [] and wd.suppressed == {"j": 1}
+    assert not detector.links_suspect("other")
+    for _ in range(40):  # the link is back
+        t += 1.0
+        for c in totals.values():
+            c[0], c[1], c[2] = c[0] + 10, c[1] + 1.0, c[2] + 0.2
+        detector.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1], wait_seconds=c[2], pid=100 + r)
+                                 for r, c in totals.items()})
+    assert not detector.links_suspect("j")
+    wd._straggler_incidents.on_event(snap, event(True))
+    assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
