@@ -100,7 +100,8 @@ class CommRegressionConfig:
         if self.max_compute_ratio < 1.0:
             raise ValueError(f"max_compute_ratio must be at least 1, got {self.max_compute_ratio}")
         if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0 or self.warmup_s < 0:
-            raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps and warmup_s 0 or more")
+            raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps and warmup_s 0 or "
+                             "more")
 
 
 @dataclass(frozen=True, kw_only=True)
