@@ -346,6 +346,8 @@ class HangCoordinator:
         self._wait, self._clock, self._sleep = verdict_wait_s, clock, sleep
         self._peers = peers or (lambda job: [n for n in read_progress(client, job, prefix=prefix) if n != node])
         self._busy: set[str] = set()  # jobs whose busy beacon this node holds
+        self.unanswered: list[str] = []
+        """The live nodes whose verdict the owner's last ``coordinate`` did not get (cut off, or the agent down)."""
         self._busy_lease = None
         self._busy_refreshed = 0.0
 
@@ -408,6 +410,7 @@ class HangCoordinator:
                 holder = {}
             return False, holder
         expected = set(self._peers(job)) | {self.node}
+        self.unanswered = []
         start = self._clock()
         # the nodes that saw the hang with this one answer within its grace; one that has not by then may never
         # (cut off), and the owner's workers should not stay the last ones standing
@@ -416,6 +419,7 @@ class HangCoordinator:
             if on_wait is not None:
                 on_wait(dict(verdicts))
             verdicts = self._verdicts_of(job, key, expected, until=start + self._wait)
+        self.unanswered = sorted(expected - set(verdicts))
         return True, verdicts
 
     def _verdicts_of(self, job: str, key: str, expected: set[str], *, until: float) -> dict[str, dict]:

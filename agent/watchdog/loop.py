@@ -319,6 +319,12 @@ class Watchdog:
                 named, summary = merge_verdicts(shared)
                 culprits = tuple(sorted(named)) or culprits
                 cluster = {"verdicts": shared, "culprit_nodes": {str(r): n for r, n in named.items()}}
+                silent = list(getattr(self._cluster, "unanswered", None) or [])
+                if silent:  # a partition shorter than the membership lease: no node_lost, only this
+                    cluster["silent_nodes"] = silent
+                    if not named:
+                        summary = (f"node {', '.join(silent)} did not answer (cut off from the others, or its agent "
+                                   f"is down); {summary}")
         incident = self._actions.record(Incident(  # ranks: the culprits, else those that did not answer
             id=incident_id, kind=IncidentKind.HANG, job=job, node=self._node,
             ranks=culprits,

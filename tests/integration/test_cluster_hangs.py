@@ -60,20 +60,24 @@ def test_the_owner_hears_before_it_waits_for_a_node_that_never_answers_and_not_w
     owns, _ = HangCoordinator(client, "n0", peers=lambda job: ["n1", "n2"], verdict_wait_s=3.0).coordinate(
         "mw", "7", "a", {"verdict": {"summary": "a"}}, on_wait=lambda v: waited.append((time.monotonic(), v)))
     assert not owns and waited == []  # n1 owns step 7: a node that does not own a hang never waits
-    owns, verdicts = HangCoordinator(client, "n0", peers=lambda job: ["n1", "n2"], verdict_wait_s=3.0).coordinate(
+    coordinator = HangCoordinator(client, "n0", peers=lambda job: ["n1", "n2"], verdict_wait_s=3.0)
+    owns, verdicts = coordinator.coordinate(
         "mw", "8", "c", {"verdict": {"summary": "c"}}, on_wait=lambda v: waited.append((time.monotonic(), v)))
     returned.append(time.monotonic())
     assert owns and set(verdicts) == {"n0"}  # n1 and n2 (cut off) never answered
+    assert coordinator.unanswered == ["n1", "n2"]  # what the hang incident names
     (told_at, so_far), = waited  # told once, with what was in, and before the wait was over
     assert set(so_far) == {"n0"} and told_at < returned[0]
     # a node that judged the hang a moment later than the owner is in within the grace: no early abort
     late = threading.Timer(0.3, lambda: HangCoordinator(client, "n1", peers=lambda job: []).coordinate(
         "mw", "9", "e", {"verdict": {"summary": "e"}}))
     late.start()
-    owns, verdicts = HangCoordinator(client, "n0", peers=lambda job: ["n1"], verdict_wait_s=3.0).coordinate(
+    coordinator = HangCoordinator(client, "n0", peers=lambda job: ["n1"], verdict_wait_s=3.0)
+    owns, verdicts = coordinator.coordinate(
         "mw", "9", "d", {"verdict": {"summary": "d"}}, on_wait=lambda v: waited.append((time.monotonic(), v)))
     late.join(10)
     assert owns and set(verdicts) == {"n0", "n1"} and len(waited) == 1
+    assert coordinator.unanswered == []
 
 
 def test_the_same_step_hanging_again_after_the_restart_is_a_new_incident(client):
