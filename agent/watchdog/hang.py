@@ -18,9 +18,12 @@ The deadline adapts to the job:
   2 s; at 1.5 s it no longer sets the reference job's deadline (5 x its p99, about 1.5 s, does).
   The steps that overlapped a checkpoint's background write (slowed 2-3x by it on a busy host) are not in that
   p99; they count only while a write may slow the step in flight (agent/watchdog/loop.py `_steady_step_p99`).
-- start-up: until ``warmup_steps`` steps completed since the job's (re)start (a new worker round: new
-  pids), the deadline is at least ``startup_s``. Rendezvous, process-group creation, compilation and the
-  checkpoint restore all happen before the first steps, and the first steps are slow.
+- start-up: until a step completed since the job's (re)start (a new worker round: new pids), the deadline is at
+  least ``startup_s``: rendezvous, process-group creation, compilation and the checkpoint restore all happen
+  before the first step ends. Then, until ``warmup_steps`` steps did, at least ``warmup_s``: the first steps are
+  slow (a step needs every rank, so one step done on any rank means the round's start-up is over). A stall of the
+  first steps was held to ``startup_s`` too, until the soak's hour lost a job to it (a SIGSTOP 2 steps after a
+  restart: 300 s to the abort).
 - checkpoint: while any rank is inside a blocking checkpoint stage (``save_start`` until ``staged``,
   ``restore_start`` until ``restored``; see BLOCKING_CHECKPOINT_STAGES) the deadline is at least
   ``checkpoint_s``, counted from the last time the ranks in such a stage moved ``checkpoint_io_bytes``
@@ -92,9 +95,13 @@ class HangConfig:
     ceiling_s: float = 300.0
     """Longest deadline in steady state."""
     startup_s: float = 300.0
-    """Deadline until `warmup_steps` steps completed since the (re)start."""
+    """Deadline until a step completed since the (re)start (rendezvous, process groups, restore, compilation)."""
     warmup_steps: int = 3
     """Steps that must complete after a (re)start before the steady-state deadline applies."""
+    warmup_s: float = 30.0
+    """Deadline (at least; at most `startup_s`) once a step completed since the (re)start, until `warmup_steps` did.
+    It was `startup_s` until then: in the soak's hour a rank SIGSTOPped 2 steps after a restart was not a hang for
+    300 s, and the soak gave up on the job after 240 s; a hang 1 step after a grow-back was aborted after 300 s."""
     warmup_collectives: int = 64
     """Collectives a job that reports no step must complete after a (re)start before its deadline follows
     the gaps between its collectives (until then: ``startup_s``)."""
@@ -121,6 +128,8 @@ class HangConfig:
         if self.startup_s < self.floor_s or self.checkpoint_s < self.floor_s:
             raise ValueError(f"startup_s ({self.startup_s}) and checkpoint_s ({self.checkpoint_s}) must not be "
                              f"below floor_s ({self.floor_s}): they extend the deadline")
+        if self.warmup_s < 0:
+            raise ValueError(f"warmup_s must be 0 or more, got {self.warmup_s}")
         if self.checkpoint_io_bytes < 1:
             raise ValueError(f"checkpoint_io_bytes must be at least 1, got {self.checkpoint_io_bytes}")
         if self.warmup_steps < 0:
@@ -143,7 +152,7 @@ class HangCheck:
     timeout_s: float
     """The deadline that applied."""
     reason: str
-    """Which deadline applied: "steady", "startup", "checkpoint", "collectives" or "busy"."""
+    """Which deadline applied: "steady", "startup", "warmup", "checkpoint", "collectives" or "busy"."""
     steps_since_start: int
     """Steps completed since the current worker round started (max over ranks)."""
     min_steps_since_start: int = 0
@@ -269,8 +278,10 @@ class HangDetector:
             reason = "collectives"
         else:
             timeout, reason = self.config.steady_timeout(step_p99_s), "steady"
-            if steps < self.config.warmup_steps and self.config.startup_s > timeout:
-                timeout, reason = self.config.startup_s, "startup"
+            # before any step of the round: the start-up's unmeasured work; after one, the steps' own slowness
+            warm_up = self.config.startup_s if steps == 0 else min(self.config.warmup_s, self.config.startup_s)
+            if steps < self.config.warmup_steps and warm_up > timeout:
+                timeout, reason = warm_up, "startup" if steps == 0 else "warmup"
         if in_checkpoint and self.config.checkpoint_s > timeout:
             timeout, reason = self.config.checkpoint_s, "checkpoint"
         return heartbeat, timeout, reason

@@ -35,6 +35,8 @@ def test_config_validation_names_the_problem():
         HangConfig(multiplier=0.5)
     with pytest.raises(ValueError, match="startup_s"):
         HangConfig(floor_s=10, startup_s=5)
+    with pytest.raises(ValueError, match="warmup_s"):
+        HangConfig(warmup_s=-1)
     with pytest.raises(ValueError, match="warmup_steps"):
         HangConfig(warmup_steps=-1)
 
@@ -132,6 +134,30 @@ def test_startup_allowance_until_warmup_steps():
         check = _run(det, clock, {0: 50 + i, 1: 50 + i}, round_id=("r", 2))
         assert not check.hung
     assert check.steps_since_start == 3 and check.reason == "steady"
+
+
+def test_a_stall_after_a_restarts_first_step_is_a_hang_after_warmup_s_not_startup_s():
+    """The soak's hour (session 33): a rank SIGSTOPped 2 steps after a restart was held to the 300 s start-up
+    deadline (the soak gave up on the job after 240 s), and a hang 1 step after a grow-back was aborted after 300 s.
+    The start-up's unmeasured work (rendezvous, process groups, restore, compilation) ends with the round's first
+    step; the first steps after it get ``warmup_s``."""
+    clock = Clock()
+    det = HangDetector(HangConfig(), clock=clock)
+    counts = _warm(det, clock)
+    clock.now += 1
+    _run(det, clock, counts, round_id=("r", 2))  # the restart: its first step takes the start-up's time
+    clock.now += 200
+    check = _run(det, clock, counts, round_id=("r", 2))
+    assert not check.hung and check.reason == "startup" and check.timeout_s == 300
+    clock.now += 1
+    counts = {r: c + 1 for r, c in counts.items()}
+    assert _run(det, clock, counts, round_id=("r", 2)).progressed  # its first step
+    clock.now += 29
+    check = _run(det, clock, counts, round_id=("r", 2))
+    assert not check.hung and check.reason == "warmup" and check.timeout_s == 30
+    clock.now += 2
+    check = _run(det, clock, counts, round_id=("r", 2))
+    assert check.hung and check.reason == "warmup" and check.steps_since_start == 1
 
 
 def test_checkpoint_extends_the_deadline():
