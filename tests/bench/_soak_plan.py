@@ -216,6 +216,16 @@ loss must be bit-equal when the world has the same shape both times, and within 
 (another summation order: ~1e-6 in the first steps after a shrink in the hour's soaks)."""
 
 
+def first_shrink(shrink_faults: list[float], worlds: list[tuple[float, str]]) -> float | None:
+    """When the world first changed size: the first fault of a kind that shrinks it (``shrink_faults``: their
+    times), or the first round rank 0 started in another shape than the first round's, whichever came first. A fault
+    of another kind can shrink it too: in session 33 a SIGSTOP on n1 while n1 finished a save left n0 alone in
+    the next round for 20 steps, and the steps after were judged bit for bit against the full world's."""
+    other = next((t for t, shape in worlds if shape != worlds[0][1]), None) if worlds else None
+    times = [t for t in (*shrink_faults, other) if t is not None]
+    return min(times) if times else None
+
+
 def tail_mean(losses: dict[int, float], last: int) -> float:
     """The mean loss of the ``LOSS_TAIL_STEPS`` steps that end at ``last`` (every one of them in ``losses``)."""
     return sum(losses[s] for s in range(last - LOSS_TAIL_STEPS + 1, last + 1)) / LOSS_TAIL_STEPS

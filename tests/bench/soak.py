@@ -50,8 +50,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from _soak_plan import (CATALOGUE, DEGRADED_RATE, LEFT_OUT, QUORUM_LOST_S, SLOW_STEPS, Verdict,  # noqa: E402
-                        checkpoints_kept, draw, faults_env, flat, ledger_agrees, loss_matches, match_incidents,
-                        no_fresh_start)
+                        checkpoints_kept, draw, faults_env, first_shrink, flat, ledger_agrees, loss_matches,
+                        match_incidents, no_fresh_start)
 from _soak_job import GROW_BOUND_S, JOB, NODES, SHRANK, Job, Sampler, corrupt, fill  # noqa: E402
 from testbed import TestBed  # noqa: E402
 
@@ -299,10 +299,11 @@ def verdicts(ref: dict, soak: dict, faults: list, keep: int, work: Path, shm: Pa
     last = max((s for _, s, _ in steps), default=0)
     finished = "error" not in soak and all(c == 0 for c in soak.get("exit", {}).values())
     out.append(Verdict("finishes", finished, soak.get("error") or f"last step {last}, exit codes {soak.get('exit')}"))
-    shrinks = [f.at for f in faults if f.at and CATALOGUE[f.kind].shrinks]
-    shrank_at = min(shrinks) if shrinks else (0.0 if soak["text_shrank"] else None)
-    out.append(loss_matches(steps if finished else [], ref["steps"], shrank_at=shrank_at,
-                            worlds=[tuple(w) for w in soak.get("worlds", [])]))
+    worlds = [tuple(w) for w in soak.get("worlds", [])]
+    shrank_at = first_shrink([f.at for f in faults if f.at and CATALOGUE[f.kind].shrinks], worlds)
+    if shrank_at is None and soak["text_shrank"]:
+        shrank_at = 0.0
+    out.append(loss_matches(steps if finished else [], ref["steps"], shrank_at=shrank_at, worlds=worlds))
     set_aside = {i["evidence"].get("step") for i in soak["incidents"] if i["kind"] == "checkpoint_set_aside"}
     out.append(checkpoints_kept(soak["commits"], soak["present"], keep, set_aside))
     story = [(t, "step", s) for t, s, _ in steps] + [(t, "commit", s) for t, s, _ in soak["commits"]]

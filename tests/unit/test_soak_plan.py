@@ -231,3 +231,16 @@ def test_a_slow_windows_end_belongs_to_its_start_even_after_the_next_fault():
             _inc("straggler_end", 212, "n0", [2])]
     assert match_incidents([slow, kill], seen).ok
     assert "unexpected straggler_end" in match_incidents([slow, kill], seen[1:]).detail  # no start: not a window's end
+
+
+def test_the_world_first_changed_size_at_the_first_shrinking_fault_or_round_of_another_shape():
+    """Session 33: a SIGSTOP (a kind that does not shrink the world) left n0 alone in the next round; the steps
+    after it were judged bit for bit against the full world's and failed."""
+    from _soak_plan import first_shrink
+
+    full, half = "2 stages, 2 micro-batches", "2 stages, 4 micro-batches"
+    assert first_shrink([], [(10.0, full), (50.0, full)]) is None
+    assert first_shrink([], [(10.0, full), (50.0, half), (80.0, full)]) == 50.0
+    assert first_shrink([70.0, 90.0], [(10.0, full), (50.0, half)]) == 50.0
+    assert first_shrink([30.0], [(10.0, full), (50.0, half)]) == 30.0
+    assert first_shrink([30.0], []) == 30.0
