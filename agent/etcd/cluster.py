@@ -422,6 +422,11 @@ class HangCoordinator:
         self.unanswered = sorted(expected - set(verdicts))
         return True, verdicts
 
+    def verdicts(self, job: str, key: str) -> dict[str, dict]:
+        """The verdicts under the hang ``key`` now, by node (one read; the owner's late look,
+        agent/watchdog/late_verdicts.py)."""
+        return self._verdicts(job, key)
+
     def _verdicts_of(self, job: str, key: str, expected: set[str], *, until: float) -> dict[str, dict]:
         """The verdicts in, read again every 0.2 s until every node of ``expected`` has given one or ``until``."""
         verdicts = self._verdicts(job, key)

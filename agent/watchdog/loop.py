@@ -57,6 +57,7 @@ from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
 from trainwarden.agent.watchdog.straggler import StragglerDetector
+from trainwarden.agent.watchdog.late_verdicts import LateVerdicts
 from trainwarden.agent.watchdog.read_pace import ReadPacer
 from trainwarden.agent.watchdog.stand_down import StandDowns
 from trainwarden.agent.watchdog.straggler_incidents import StragglerIncidents
@@ -98,6 +99,9 @@ class Watchdog:
         each hang and names its culprit from every node's verdict; None acts alone."""
         self.config = config or WatchdogConfig()
         self._cluster = cluster
+        self._late = LateVerdicts(lambda job, key: cluster.verdicts(job, key), lambda i: self._actions.record(i),
+                                  clock=clock, wall=wall) if cluster is not None and hasattr(cluster, "verdicts") \
+            else None
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._activity = ProcessActivity(io_bytes=io_bytes, cpu_seconds=cpu_seconds, own_cpu_seconds=own_cpu_seconds)
@@ -194,6 +198,8 @@ class Watchdog:
             self._comm.forget(job)
             self._step_s.pop(job, None)
             self._acting.pop(job, None)
+            if self._late is not None:
+                self._late.forget(job)
             self._pacer.forget(job)
             self._deferred.pop(job, None)
             self._cluster_failing.pop(job, None)
@@ -239,6 +245,10 @@ class Watchdog:
             self._resolve_hang(snap)
         if check.hung:
             self._on_hang(snap, check)
+        if self._late is not None and (amended := self._late.check(snap.job)) is not None:
+            acting = self._acting.get(snap.job)
+            if acting is not None and acting[0] is not None and acting[0].id == amended.id:
+                self._acting[snap.job] = (amended, acting[1])  # its resolution carries the late culprit
         self._comm.check(snap)
         step_times = sorted(r.step_p50_seconds for r in connected if r.step_p50_seconds > 0)
         step_s = step_times[len(step_times) // 2] if step_times else 0.0
@@ -341,11 +351,16 @@ class Watchdog:
                 **({"cluster": cluster, "summary": summary} if cluster else {})}))
         for rank in verdict.culprits:
             self._job_telemetry.set_flag(job, rank, "hung", True)
+        if cluster and cluster.get("silent_nodes") and self._late is not None:  # a verdict may still come
+            self._late.await_(incident, str(max((r.last_step for r in snap.ranks), default=-1)),
+                              cluster["silent_nodes"], cluster["verdicts"])
         if not self.config.abort_on_hang:
             return
         incident = self._actions.record(incident.transition(
             IncidentState.ACTING, action=f"abort local workers (ranks {','.join(map(str, ranks))})",
             outcome="waiting for the job to progress after the restart", now=self._wall()))
+        if self._late is not None:
+            self._late.updated(incident)
         # already done while the verdicts were awaited, or now
         aborted, error = early[0] if early else self._abort_workers(
             job, ranks, f"{check.words}; {summary}")
@@ -353,7 +368,10 @@ class Watchdog:
             self._acting[job] = (incident, self._clock())
         else:
             failure = "aborting the workers failed" + (f": {error}" if error else "")
-            self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure, now=self._wall()))
+            failed = self._actions.record(incident.transition(IncidentState.FAILED, outcome=failure,
+                                                              now=self._wall()))
+            if self._late is not None:
+                self._late.updated(failed)
 
     def _with_other_nodes(self, job: str, check: HangCheck) -> HangCheck:
         """Tell the job's other nodes whether this node's ranks work while the job is stalled, and hold a hang
@@ -446,9 +464,11 @@ class Watchdog:
             return
         for rank in incident.ranks:
             self._job_telemetry.set_flag(snap.job, rank, "hung", False)
-        self._actions.record(incident.transition(
+        resolved = self._actions.record(incident.transition(
             IncidentState.RESOLVED, now=self._wall(),
             outcome=f"job progressed again {self._clock() - aborted_at:.1f} s after the abort"))
+        if self._late is not None:
+            self._late.updated(resolved)
 
     # ---- stragglers ----------------------------------------------------------------------------------
 

@@ -1055,3 +1055,47 @@ def test_no_straggler_incident_while_the_job_is_in_a_communication_regression(tm
     assert not detector.links_suspect("j")
     wd._straggler_incidents.on_event(snap, event(True))
     assert [i.kind for i in actions.records] == [IncidentKind.STRAGGLER_START]
+
+
+class _LateCoordinator(FakeCoordinator):
+    """n2 is awaited and never answers in time; its verdict is under the hang's key from ``late_after`` on."""
+
+    def __init__(self, late, **kw):
+        super().__init__(**kw)
+        self.late, self.reads = late, []
+
+    def verdicts(self, job, key):
+        self.reads.append((job, key))
+        return {"n1": {"node": "n1"}, **({"n2": self.late} if len(self.reads) >= 3 else {})}
+
+
+def test_a_verdict_that_comes_after_the_hang_was_recorded_names_its_culprit_in_the_incident(tmp_path):
+    """The soak's hour (session 33): rank 6 on n1 was SIGSTOPped while n1's ranks finished a save, so n1 judged
+    the hang 5.6 s after n0; n0, the owner, recorded "node n1 did not answer" with no rank, and n1's verdict ("rank
+    6 is stopped") came 7 s later. The owner reads the verdicts again for a while and amends the incident."""
+    sim, actions = Sim(ranks=2), Actions(answer={0, 1})
+    late = {"node": "n2", "verdict": {"culprits": [6], "summary": "rank 6 is stopped (SIGSTOP)"}}
+    cluster = _LateCoordinator(late, awaited="n2", actions=actions)
+    wd = Watchdog(sim.js, actions, node="n1", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3)),
+                  clock=sim.clock, wall=sim.clock, sleep=sim.clock.sleep, probe=lambda pid: "stopped",
+                  diagnostics_dir=lambda job: tmp_path / job, cluster=cluster)
+    _hang(sim, wd)
+    opened = actions.records[0]
+    assert opened.ranks == () and opened.evidence["cluster"]["silent_nodes"] == ["n2"]
+    for _ in range(3):  # the checks after: the late verdict arrives at the third read
+        sim.clock.now += 0.5
+        wd.check_once()
+    amended = actions.records[-1]
+    assert amended.id == opened.id and amended.ranks == (6,) and amended.state is IncidentState.ACTING
+    assert amended.evidence["cluster"]["culprit_nodes"] == {"6": "n2"}
+    assert amended.evidence["cluster"]["late_verdicts"] == ["n2"] and amended.evidence["cluster"]["silent_nodes"] == []
+    assert amended.evidence["summary"].startswith("culprit rank 6 on n2")
+    sim.run(3)  # the job progresses: the resolution keeps the culprit
+    wd.check_once()
+    resolved = actions.records[-1]
+    assert resolved.id == opened.id and resolved.state is IncidentState.RESOLVED and resolved.ranks == (6,)
+    reads = len(cluster.reads)
+    for _ in range(5):  # every node answered: no more reads
+        sim.run(1)
+        wd.check_once()
+    assert len(cluster.reads) == reads
