@@ -257,34 +257,50 @@ def test_a_slow_link_is_a_regression_where_the_wait_estimate_took_the_whole_heal
     assert [e.started for e in events] == [True] and events[0].windows == 2
 
 
+class SlowSteps:
+    """Four ranks whose steps complete when their seconds are spent, checked once a second; with ``read_every``, a
+    step's wait reaches the agent only at the next Flight Recorder read (every that many seconds), its count at once."""
+
+    def __init__(self, read_every: int = 0):
+        self.det, self.t, self.read_every = CommRegressionDetector(), 0.0, read_every
+        # steps, step seconds, wait seconds heard, time into the step, wait not yet heard, pid
+        self.ranks = {r: [0, 0.0, 0.0, 0.0, 0.0, 100 + r] for r in range(4)}
+
+    def run(self, seconds, compute, wait):
+        events = []
+        for _ in range(int(seconds)):
+            self.t += 1.0
+            for c in self.ranks.values():
+                c[3] += 1.0
+                if c[3] >= compute + wait:
+                    c[3] -= compute + wait
+                    c[0], c[1], c[4] = c[0] + 1, c[1] + compute + wait, c[4] + wait
+                if not self.read_every or int(self.t) % self.read_every == 0:
+                    c[2], c[4] = c[2] + c[4], 0.0
+            events += [(self.t, e) for e in self.det.update("j", self.t, {
+                r: RankTotals(steps=c[0], step_seconds=c[1], wait_seconds=c[2], pid=c[5])
+                for r, c in self.ranks.items()})]
+        return events
+
+    def restart(self):
+        """New pids at the same world size (the baseline is kept); the steps start again."""
+        for c in self.ranks.values():
+            c[3], c[5] = 0.0, c[5] + 1000
+
+    def named_after(self, fault, events):
+        assert events and events[0][1].started, events
+        print(f"named {events[0][0] - fault:.0f} s after the fault")
+        return events[0][0] - fault
+
+
 def test_a_job_slowed_to_seconds_a_step_is_named_within_30_s_not_after_three_slow_steps_a_window():
     """Issue 47, the bed: healthy steps of 3 s, then a degraded link made them 9 s (4.5x on the bed: 2 s -> 9 s).
     Windows of 3 steps took 27 s each, so two suspect windows named the link about a minute after the fault (93 s on
     the bed); a window whose steps are already slow now closes after one. A healthy job of 3 s steps stays quiet."""
-    det, t = CommRegressionDetector(), 0.0
-    ranks = {r: [0, 0.0, 0.0, 0.0] for r in range(4)}  # steps, step seconds, wait seconds, time into the step
-
-    def run(seconds, compute, wait):
-        nonlocal t
-        events = []
-        for _ in range(int(seconds)):  # one check a second; a step completes when its time is spent
-            t += 1.0
-            for c in ranks.values():
-                c[3] += 1.0
-                if c[3] >= compute + wait:
-                    c[3] -= compute + wait
-                    c[0], c[1], c[2] = c[0] + 1, c[1] + compute + wait, c[2] + wait
-            events += [(t, e) for e in det.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1],
-                                                                          wait_seconds=c[2], pid=100 + r)
-                                                         for r, c in ranks.items()})]
-        return events
-
-    assert run(240, 2.5, 0.5) == []  # 80 healthy steps: warm-up and the baseline
-    fault = t
-    events = run(120, 2.5, 6.5)
-    assert events and events[0][1].started, events
-    print(f"named {events[0][0] - fault:.0f} s after the fault")
-    assert events[0][0] - fault <= 30.0, events[0][0] - fault
+    job = SlowSteps()
+    assert job.run(240, 2.5, 0.5) == []  # 80 healthy steps: warm-up and the baseline
+    fault = job.t
+    assert job.named_after(fault, job.run(120, 2.5, 6.5)) <= 30.0
 
 
 def test_a_slow_link_is_named_when_the_wait_reaches_the_agent_a_read_after_its_step():
@@ -293,66 +309,22 @@ def test_a_slow_link_is_named_when_the_wait_reaches_the_agent_a_read_after_its_s
     9 s steps judged a step a window, a window could hold a step without its wait (it looked compute-bound) and the
     next one two steps' wait (n0's incident: 19.2 s of wait per 9 s step), so no two suspect windows came in a row
     and n0 never named the link. Consecutive slow windows are judged together."""
-    det, t = CommRegressionDetector(), 0.0
-    ranks = {r: [0, 0.0, 0.0, 0.0, 0.0] for r in range(4)}  # steps, step s, wait s read, time into the step, unread
-
-    def run(seconds, compute, wait, read_every=6):
-        nonlocal t
-        events = []
-        for _ in range(int(seconds)):
-            t += 1.0
-            for c in ranks.values():
-                c[3] += 1.0
-                if c[3] >= compute + wait:
-                    c[3] -= compute + wait
-                    c[0], c[1], c[4] = c[0] + 1, c[1] + compute + wait, c[4] + wait
-                if int(t) % read_every == 0:
-                    c[2], c[4] = c[2] + c[4], 0.0
-            events += [(t, e) for e in det.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1],
-                                                                          wait_seconds=c[2], pid=100 + r)
-                                                         for r, c in ranks.items()})]
-        return events
-
-    assert run(300, 2.5, 0.5) == []  # healthy 3 s steps: warm-up and the baseline, no alarm
-    fault = t
-    events = run(120, 2.5, 6.5)
-    assert events and events[0][1].started, events
-    print(f"named {events[0][0] - fault:.0f} s after the fault")
-    assert events[0][0] - fault <= 30.0, events[0][0] - fault
+    job = SlowSteps(read_every=6)
+    assert job.run(300, 2.5, 0.5) == []  # healthy 3 s steps: warm-up and the baseline, no alarm
+    fault = job.t
+    assert job.named_after(fault, job.run(120, 2.5, 6.5)) <= 30.0
 
 
 def test_a_link_degraded_just_after_a_restart_is_named_within_30_s_not_after_20_slow_warm_up_steps():
     """Issue 47, the soak's hour (seed 46, #43): n1 rejoined, and 6 s into the new worker round its link degraded;
     steps went from 0.3 s to 3.5 s and the round's 20 warm-up steps took 37 s, so the link was named 51.5 s after the
     fault (the hour's other degraded links: 9-12 s). Warm-up also ends 10 s after the round's first step."""
-    det, t = CommRegressionDetector(), 0.0
-    ranks = {r: [0, 0.0, 0.0, 0.0, 100 + r] for r in range(4)}  # steps, step s, wait s, time into the step, pid
-
-    def run(seconds, compute, wait):
-        nonlocal t
-        events = []
-        for _ in range(int(seconds)):
-            t += 1.0
-            for c in ranks.values():
-                c[3] += 1.0
-                if c[3] >= compute + wait:
-                    c[3] -= compute + wait
-                    c[0], c[1], c[2] = c[0] + 1, c[1] + compute + wait, c[2] + wait
-            events += [(t, e) for e in det.update("j", t, {r: RankTotals(steps=c[0], step_seconds=c[1],
-                                                                          wait_seconds=c[2], pid=c[4])
-                                                         for r, c in ranks.items()})]
-        return events
-
-    assert run(240, 2.5, 0.5) == []  # 80 healthy steps of 3 s: warm-up and the baseline
-    for c in ranks.values():  # a restart at the same world size: new pids, the baseline kept
-        c[4] += 1000
-        c[3] = 0.0
-    assert run(6, 2.5, 0.5) == []  # two steps of the new round
-    fault = t
-    events = run(120, 2.5, 6.5)
-    assert events and events[0][1].started, events
-    print(f"named {events[0][0] - fault:.0f} s after the fault")
-    assert events[0][0] - fault <= 30.0, events[0][0] - fault
+    job = SlowSteps()
+    assert job.run(240, 2.5, 0.5) == []  # 80 healthy steps of 3 s: warm-up and the baseline
+    job.restart()
+    assert job.run(6, 2.5, 0.5) == []  # two steps of the new round
+    fault = job.t
+    assert job.named_after(fault, job.run(120, 2.5, 6.5)) <= 30.0
 
 
 def test_the_first_steps_after_a_restart_are_not_judged_however_slow():
