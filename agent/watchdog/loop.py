@@ -35,7 +35,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -57,7 +56,7 @@ from trainwarden.agent.watchdog.straggler_trace import TraceWriter
 from trainwarden.agent.watchdog.interface import WatchdogActions, WatchdogConfig
 from trainwarden.agent.watchdog.comm_watch import CommRegressionWatch
 from trainwarden.agent.watchdog.straggler import StragglerDetector
-from trainwarden.agent.watchdog.late_verdicts import LateVerdicts
+from trainwarden.agent.watchdog.cluster_hang import ClusterHangs, hang_key
 from trainwarden.agent.watchdog.read_pace import ReadPacer
 from trainwarden.agent.watchdog.stand_down import StandDowns
 from trainwarden.agent.watchdog.straggler_incidents import StragglerIncidents
@@ -74,9 +73,6 @@ ACTIVITY_AFTER_S = 0.75
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
 a period later, a rate. (1 s with the 2 s floor.)"""
-CLUSTER_RETRY_S = 10.0
-"""After etcd failed to take or give a job's activity, this node judges the job's hangs alone for this long before
-asking again: an unreachable etcd costs each check its client's timeout, and the watchdog checks every job."""
 STALL_S = 120.0
 """An iteration that has not finished after this long is wedged, not slow: one that handles a hang takes the
 diagnostics wait, the other nodes' verdicts (3 s) through etcd calls bounded by the client's timeout, and the
@@ -98,16 +94,15 @@ class Watchdog:
         """``cluster``: a ``HangCoordinator`` (agent/etcd/cluster.py) for jobs of several nodes: one node records
         each hang and names its culprit from every node's verdict; None acts alone."""
         self.config = config or WatchdogConfig()
-        self._cluster = cluster
-        self._late = LateVerdicts(lambda job, key: cluster.verdicts(job, key), lambda i: self._actions.record(i),
-                                  clock=clock, wall=wall) if cluster is not None and hasattr(cluster, "verdicts") \
-            else None
         self._job_telemetry, self._actions, self._node = job_telemetry, actions, node
         self._clock, self._wall, self._probe, self._diagnostics_dir = clock, wall, probe, diagnostics_dir
         self._activity = ProcessActivity(io_bytes=io_bytes, cpu_seconds=cpu_seconds, own_cpu_seconds=own_cpu_seconds)
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._hang = HangDetector(self.config.hang, clock=clock)
+        self._cluster = ClusterHangs(cluster, self._hang, lambda i: self._actions.record(i), clock=clock, wall=wall) \
+            if cluster is not None else None
+        self._late = self._cluster.late if self._cluster is not None else None
         self._straggler = StragglerDetector(self.config.straggler, clock=clock)
         self._trace = TraceWriter(self.config.straggler_trace_dir) if self.config.straggler_trace_dir else None
         self._comm = CommRegressionWatch(lambda incident: self._actions.record(incident), node=node, clock=clock,
@@ -119,9 +114,7 @@ class Watchdog:
         self._step_s: dict[str, float] = {}  # last median step time per job
         self._pacer = ReadPacer(actions, period_s=self.config.quiet_read_period_s, after_s=self.config.quiet_after_s,
                                 clock=clock)
-        self._cluster_failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
         self._stand_downs = StandDowns()
-        self._deferred: dict[str, list[str]] = {}  # job -> the other nodes that last held its hang back (said once)
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
         self.errors = 0
@@ -198,17 +191,10 @@ class Watchdog:
             self._comm.forget(job)
             self._step_s.pop(job, None)
             self._acting.pop(job, None)
-            if self._late is not None:
-                self._late.forget(job)
             self._pacer.forget(job)
-            self._deferred.pop(job, None)
-            self._cluster_failing.pop(job, None)
             self._stand_downs.forget(job)
             if self._cluster is not None:
-                try:
-                    self._cluster.set_busy(job, False)
-                except Exception:
-                    pass  # the beacon's lease ends it
+                self._cluster.forget(job)
         with self._lock:
             self._published = (checks, self._straggler.scores())
 
@@ -240,7 +226,7 @@ class Watchdog:
             collective_report_s=self._pacer.collective_report_s(snap.job),
             **(self._activity.read(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if self._cluster is not None:
-            check = self._with_other_nodes(snap.job, check)
+            check = self._cluster.with_other_nodes(snap.job, check)
         if check.progressed and snap.job in self._acting:
             self._resolve_hang(snap)
         if check.hung:
@@ -322,19 +308,12 @@ class Watchdog:
                                                              "awaited)"))
 
         if self._cluster is not None:
-            shared = self._share_hang(snap, incident_id, verdict, abort_while_waiting)
+            shared = self._cluster.share(snap, incident_id, verdict, abort_while_waiting)
             if shared is None:  # another node records this hang: abort our part of the group, nothing else
                 return self._abort_only(snap, ranks, check, verdict)
             if shared:
-                named, summary = merge_verdicts(shared)
+                named, summary, cluster = self._cluster.evidence(shared)
                 culprits = tuple(sorted(named)) or culprits
-                cluster = {"verdicts": shared, "culprit_nodes": {str(r): n for r, n in named.items()}}
-                silent = list(getattr(self._cluster, "unanswered", None) or [])
-                if silent:  # a partition shorter than the membership lease: no node_lost, only this
-                    cluster["silent_nodes"] = silent
-                    if not named:
-                        summary = (f"node {', '.join(silent)} did not answer (cut off from the others, or its agent "
-                                   f"is down); {summary}")
         incident = self._actions.record(Incident(  # ranks: the culprits, else those that did not answer
             id=incident_id, kind=IncidentKind.HANG, job=job, node=self._node,
             ranks=culprits,
@@ -352,8 +331,7 @@ class Watchdog:
         for rank in verdict.culprits:
             self._job_telemetry.set_flag(job, rank, "hung", True)
         if cluster and cluster.get("silent_nodes") and self._late is not None:  # a verdict may still come
-            self._late.await_(incident, str(max((r.last_step for r in snap.ranks), default=-1)),
-                              cluster["silent_nodes"], cluster["verdicts"])
+            self._late.await_(incident, hang_key(snap), cluster["silent_nodes"], cluster["verdicts"])
         if not self.config.abort_on_hang:
             return
         incident = self._actions.record(incident.transition(
@@ -372,55 +350,6 @@ class Watchdog:
                                                               now=self._wall()))
             if self._late is not None:
                 self._late.updated(failed)
-
-    def _with_other_nodes(self, job: str, check: HangCheck) -> HangCheck:
-        """Tell the job's other nodes whether this node's ranks work while the job is stalled, and hold a hang
-        back while another node's do: the ranks here may only be waiting for them (rank 0 evaluating alone on
-        its node). When etcd cannot be asked, this node judges alone, as on one node."""
-        if self._clock() < self._cluster_failing.get(job, float("-inf")):
-            return check
-        try:
-            self._cluster.set_busy(job, check.working)
-            elsewhere = self._cluster.busy_elsewhere(job) if check.hung else []
-        except Exception as exc:
-            if job not in self._cluster_failing:
-                log.warning("job %s: cannot share the ranks' activity with the other nodes through etcd (%s); "
-                            "judging hangs from this node's ranks alone, asking again every %.0f s", job, exc,
-                            CLUSTER_RETRY_S, extra={"job": job})
-            self._cluster_failing[job] = self._clock() + CLUSTER_RETRY_S
-            return check
-        if self._cluster_failing.pop(job, None) is not None:
-            log.info("job %s: sharing the ranks' activity with the other nodes again", job, extra={"job": job})
-        if check.progressed:
-            self._deferred.pop(job, None)
-        if not elsewhere:
-            return check
-        self._hang.defer(job)
-        if self._deferred.get(job) != elsewhere:
-            self._deferred[job] = elsewhere
-            log.info("job %s: no progress for %.1f s on this node, but the ranks of node %s are working: not a hang "
-                     "yet", job, check.stalled_s, ",".join(elsewhere), extra={"job": job})
-        return replace(check, hung=False)
-
-    def _share_hang(self, snap: JobSnapshot, incident_id: str, verdict,
-                    on_wait: Callable[[dict[str, dict]], None]) -> dict | None:
-        """Tell the job's other nodes what this node saw and learn who records the hang: the verdicts by node
-        when this node does, None when another does, {} when etcd cannot be asked (then it acts alone).
-        ``on_wait``: called by the owner before it waits for verdicts that are not in yet (it aborts the workers
-        here: a partitioned node never answers, and the round after would wait for the owner's workers)."""
-        key = str(max((r.last_step for r in snap.ranks), default=-1))
-        local = {"verdict": verdict.to_dict(), "last_steps": {str(r.rank): r.last_step for r in snap.ranks}}
-        try:
-            owns, answer = self._cluster.coordinate(snap.job, key, incident_id, local, on_wait=on_wait)
-        except Exception as exc:
-            log.warning("job %s: cannot coordinate the hang with the other nodes through etcd (%s); recording it "
-                        "here", snap.job, exc, extra={"job": snap.job})
-            return {}
-        if owns:
-            return answer
-        log.warning("job %s hung; node %s records it (incident %s); aborting this node's workers", snap.job,
-                    answer.get("node", "?"), answer.get("incident", "?"), extra={"job": snap.job})
-        return None
 
     def _abort_only(self, snap: JobSnapshot, ranks: list[int], check: HangCheck, verdict) -> None:
         if not self.config.abort_on_hang:

@@ -987,7 +987,7 @@ def test_when_etcd_cannot_be_asked_about_other_nodes_the_node_judges_alone(tmp_p
 def test_an_unreachable_etcd_is_asked_about_a_jobs_activity_once_per_retry_period_not_every_check(tmp_path):
     """Every call to an unreachable etcd costs the client's timeout, and the watchdog checks every job four times
     a second: after a failure the node judges alone for CLUSTER_RETRY_S, then asks again."""
-    from trainwarden.agent.watchdog.loop import CLUSTER_RETRY_S
+    from trainwarden.agent.watchdog.cluster_hang import CLUSTER_RETRY_S
 
     class Counting(FakeCoordinator):
         asked = 0
