@@ -28,7 +28,8 @@ descriptor is in ``TRAINWARDEN_LAUNCH_EVENTS_FD``:
 - ``waiting``: the rendezvous round closed without this node, which waits in the next (a hot spare, or a node
   that came after the round closed), with that round's number;
 - ``finished``: the agent's final state (``SUCCEEDED`` or ``FAILED``); a node that waited as a hot spare until the
-  job ended (its rendezvous closed: ``RendezvousGracefulExitError``) finishes ``SUCCEEDED``.
+  job ended (its rendezvous closed: ``RendezvousGracefulExitError``) finishes ``SUCCEEDED``, and so does a node
+  that restarted its workers after another node's had finished the job (the closed key says so).
 
 The supervisor decides phases, restarts and crash attribution from these and from the workers' telemetry;
 it never reads torchrun's wording (agent/launch/run.py).
@@ -234,6 +235,8 @@ def reporting_agent_class(sink: EventSink, replies: ReplyChannel | None = None):
                 return result
             finally:
                 state = result.state.name if result is not None else "FAILED"
+                if hasattr(spec.rdzv_handler, "job_outcome"):  # the native round's closed key says it
+                    spec.rdzv_handler.job_outcome = state
                 sink.emit("finished", state=state, restart_count=self._restart_count())
 
     return ReportingElasticAgent

@@ -35,6 +35,10 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
 * ``set_closed``/``is_closed``: ``rdzv/<run_id>/closed``; ``shutdown`` leaves, closes (as the dynamic
   handler does when the job is over) and revokes the lease. A node waiting for a round (a spare) asks every
   ``resync_s`` whether the rendezvous was closed and then ends without error (``RendezvousGracefulExitError``).
+  The closed key says who closed it and how that node's workers ended (``job_outcome``, which the launcher sets
+  before torch's agent shuts the handler down): a node that restarts its workers after another node's finished
+  the job (they ended ``SUCCEEDED``) ends without error too, not with ``RendezvousClosedError`` (issue 45: a node
+  whose worker took 30 s to stop missed the job's last steps and its `trainwarden run` failed a finished job).
 
 ``join_timeout`` (default 600 s) and ``last_call_timeout`` (default 30 s, torch's) come from rdzv-conf as for
 the dynamic handler.
@@ -46,6 +50,7 @@ import logging
 import os
 import socket
 import itertools
+import json
 import threading
 import time
 from typing import Callable
@@ -128,6 +133,9 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._watch: RoundWatch | None = None
         self.round_number: int | None = None
         """The round this node's workers belong to (the same on every node): fencing, leaves and growth key on it."""
+        self.job_outcome: str | None = None
+        """How this node's workers ended (``WorkerState`` name), set by the launcher before torch's agent calls
+        ``shutdown``: written into the closed key for the nodes that restart after it."""
         self.spare_swap = False
         """Whether, in that round, a node new to it took the place of a member of this node's round before (a hot
         spare replaced a lost node): the goodput ledger charges the round's recovery to ``spare_swap``."""
@@ -183,9 +191,16 @@ class NativeRendezvousHandler(RendezvousHandler):
             return info
 
     def _next_rendezvous_once(self) -> RendezvousInfo:
-        if self.is_closed():
-            raise RendezvousClosedError(f"the rendezvous of {self._run_id!r} is closed (the job ended); use a new "
-                                        f"--rdzv-id, or delete its keys to run it again")
+        closed = self.closed_by()
+        if closed is not None:
+            node, outcome = closed
+            if outcome == "SUCCEEDED":
+                raise RendezvousGracefulExitError(
+                    f"job {self._run_id!r} finished: node {node}'s workers succeeded while this node restarted its "
+                    f"own; nothing is left to train")
+            ended = f" ({node}'s workers ended {outcome})" if outcome else ""
+            raise RendezvousClosedError(f"the rendezvous of {self._run_id!r} is closed (the job ended{ended}); use "
+                                        f"a new --rdzv-id, or delete its keys to run it again")
         if not self._lease_alive():
             if self._watch is not None:
                 self._watch.cancel()
@@ -223,11 +238,27 @@ class NativeRendezvousHandler(RendezvousHandler):
         self._workers_store = None  # the server stops with its last reference
 
     def is_closed(self) -> bool:
+        return self.closed_by() is not None
+
+    def closed_by(self) -> tuple[str, str | None] | None:
+        """(the node that closed the rendezvous, how its workers ended or None when it did not say); None while
+        open."""
         value, _ = self._etcd("read whether the rendezvous is closed", lambda: self._client.get(self._closed_key))
-        return value is not None
+        if value is None:
+            return None
+        text = value.decode(errors="replace")
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return text, None  # closed by a handler that wrote its node id only
+        if not isinstance(record, dict):
+            return text, None
+        outcome = record.get("outcome")
+        return str(record.get("node", "")), outcome if isinstance(outcome, str) else None
 
     def set_closed(self) -> None:
-        self._etcd("close the rendezvous", lambda: self._client.put(self._closed_key, self.node))
+        record = json.dumps({"node": self.node, "outcome": self.job_outcome})
+        self._etcd("close the rendezvous", lambda: self._client.put(self._closed_key, record))
 
     def num_nodes_waiting(self) -> int:
         if self._rdzv.last is None:

@@ -463,3 +463,26 @@ def test_a_spare_that_was_never_needed_ends_without_error_when_the_job_does(etcd
         assert "closed (the job ended) while node" in str(ended[0])
     finally:
         spare.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_that_restarts_after_the_others_finished_the_job_ends_without_error(etcd, job):
+    """Soak run D: a node's worker took 30 s to stop after a crash; the other node's workers trained the last steps
+    alone and their agent shut the rendezvous down. The late node's next round must end its agent as finished, not
+    with RendezvousClosedError (its `trainwarden run` failed a job that had succeeded). A node that closed it after
+    its workers failed still ends the others with the error, and says how it ended."""
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousGracefulExitError
+
+    for outcome, raised in (("SUCCEEDED", RendezvousGracefulExitError), ("FAILED", RendezvousClosedError)):
+        handlers = _handlers(etcd, f"{job[:50]}-{outcome.lower()}", 2)
+        finisher, late = handlers
+        try:
+            _in_threads([h.next_rendezvous for h in handlers])
+            finisher.job_outcome = outcome  # what the launcher sets before torch's agent shuts the handler down
+            finisher.shutdown()
+            with pytest.raises(raised) as ended:
+                late.next_rendezvous()
+            assert finisher.node in str(ended.value) and outcome.lower() in str(ended.value).lower()
+            assert late.closed_by() == (finisher.node, outcome)
+        finally:
+            late.shutdown()
