@@ -361,6 +361,9 @@ class JobTelemetry:
                 owner.checkpoint_committed_unix = self._wall()
             elif stage == "failed":
                 owner.checkpoint_failures += 1
+            elif stage == "restored":  # its last finished step now: the ones after it were lost and are redone,
+                state.last_step = int(step) if step > 0 else -1  # and every node, its agent old or new, names a
+                # hang alike (cluster_hang.hang_key); step 0 is a fresh start: no step yet
         for listener in self._listeners:
             _notify(listener.on_checkpoint, job, rank, stage, int(step), path, int(bytes_), detail, float(seconds))
 

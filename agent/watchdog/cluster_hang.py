@@ -34,7 +34,8 @@ asking again: an unreachable etcd costs each check its client's timeout, and the
 
 
 def hang_key(snap: JobSnapshot) -> str:
-    """The hang's name across the nodes: the last step completed before the stall (the same on every node)."""
+    """The hang's name across the nodes: the last step completed before the stall (the same on every node, an agent
+    new to the job included: a restored rank's last step is the step it restored, agent/telemetry/job_telemetry.py)."""
     return str(max((r.last_step for r in snap.ranks), default=-1))
 
 

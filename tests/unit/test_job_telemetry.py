@@ -315,3 +315,25 @@ def test_unverified_streams_alone_have_no_owner_to_refuse():
     js = JobTelemetry(clock=FakeClock())
     assert js.connect(hello(pid=10)) is None and js.connect(hello(pid=11)) is None
     assert js.connect(hello(rank=1, pid=12)) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_restored_rank_reports_the_step_it_resumed_from_the_same_on_an_agent_old_or_new():
+    """Soak run D: a node's agent restarted and its node rejoined; the first step of the new round hung. The old
+    agent's ranks said last step 1575 (seen in an earlier round), the new agent's -1, so the nodes named the hang
+    differently (cluster_hang.hang_key) and each owned it. A rank that restored a step has finished that step,
+    and not the ones after it that were lost: its last step is the restored one."""
+    from trainwarden.agent.watchdog.cluster_hang import hang_key
+
+    old, new = JobTelemetry(clock=FakeClock()), JobTelemetry(clock=FakeClock())
+    old.connect(hello(rank=0, pid=10))
+    for i in range(1560, 1581):  # trained to 1580 in the round before; the restart restores 1575 from memory
+        old.record_step("j", 0, index=i, start_unix=1000.0 + i, duration_seconds=0.3)
+    old.connect(hello(rank=0, pid=11, restart_count=1))
+    new.connect(hello(rank=1, pid=20))
+    for store, rank in ((old, 0), (new, 1)):
+        store.record_checkpoint("j", rank, stage="restored", step=1575, seconds=0.2)
+    keys = {hang_key(store.snapshot("j")[0]) for store in (old, new)}
+    assert keys == {"1575"}
+    old.record_step("j", 0, index=1576, start_unix=3000.0, duration_seconds=0.3)
+    assert old.snapshot("j")[0].ranks[0].last_step == 1576
