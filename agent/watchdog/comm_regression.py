@@ -201,7 +201,12 @@ class CommRegressionDetector:
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
-    def update(self, job: str, t: float, totals: Mapping[int, RankTotals]) -> list[CommRegressionEvent]:
+    def update(self, job: str, t: float, totals: Mapping[int, RankTotals], *,
+               straggler: bool = False) -> list[CommRegressionEvent]:
+        """The events of ``job``'s latest counters. ``straggler``: a rank of the job is flagged a straggler now;
+        no regression starts while it is (its peers wait for it in collectives, which looks like a slower network:
+        soak run D's false alarm during a slow rank), the mirror of the straggler detector's ``links_suspect``.
+        The windows still count, so a regression that outlasts the straggler starts with the next window."""
         if not totals:
             return []
         cfg = self.config
@@ -239,7 +244,7 @@ class CommRegressionDetector:
         self._open(state, t, totals)
         if tainted:
             return []
-        return self._judge(job, state, window)
+        return self._judge(job, state, window, straggler=straggler)
 
     def _slow_already(self, state: _Job, totals: Mapping[int, RankTotals], done: dict[int, int]) -> bool:
         """Whether a window of fewer than ``min_window_steps`` steps (at least one on every rank) may close: its steps
@@ -258,7 +263,8 @@ class CommRegressionDetector:
     def _open(state: _Job, t: float, totals: Mapping[int, RankTotals]) -> None:
         state.start_t, state.start, state.tainted = t, dict(totals), False
 
-    def _judge(self, job: str, state: _Job, window: dict[int, WindowStats]) -> list[CommRegressionEvent]:
+    def _judge(self, job: str, state: _Job, window: dict[int, WindowStats], *,
+               straggler: bool = False) -> list[CommRegressionEvent]:
         cfg = self.config
         if len(state.healthy) < cfg.baseline_windows:
             state.healthy.append(window)  # still learning what normal is
@@ -282,12 +288,13 @@ class CommRegressionDetector:
             suspect = all(self._comm_bound(pooled[r], baseline[r]) for r in window)
         else:
             state.slow_run.clear()
-        state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect}
+        state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect,
+                      "straggler": straggler}
         events = []
         if suspect:
             state.suspect = max(state.suspect + 1, len(state.slow_run))
             state.calm = 0
-            if not state.regressed and state.suspect >= cfg.persist_windows:
+            if not state.regressed and state.suspect >= cfg.persist_windows and not straggler:
                 state.regressed = True
                 events.append(CommRegressionEvent(job=job, started=True, ratio=ratio, baseline_step_s=base_step,
                                                   step_s=step, baseline=baseline, window=window,

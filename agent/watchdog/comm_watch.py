@@ -52,7 +52,8 @@ class CommRegressionWatch:
 
     def check(self, snap: JobSnapshot) -> None:
         self._attach_link_checks()
-        for event in self.detector.update(snap.job, self._clock(), rank_totals(snap)):
+        straggler = any("straggler" in r.flags for r in snap.ranks if r.connected)
+        for event in self.detector.update(snap.job, self._clock(), rank_totals(snap), straggler=straggler):
             self._on_event(snap, event)
 
     def _ask_for_link_check(self, job: str, incident_id: str) -> None:

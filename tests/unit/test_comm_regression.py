@@ -266,7 +266,7 @@ class SlowSteps:
         # steps, step seconds, wait seconds heard, time into the step, wait not yet heard, pid
         self.ranks = {r: [0, 0.0, 0.0, 0.0, 0.0, 100 + r] for r in range(4)}
 
-    def run(self, seconds, compute, wait):
+    def run(self, seconds, compute, wait, straggler=False):
         events = []
         for _ in range(int(seconds)):
             self.t += 1.0
@@ -279,7 +279,7 @@ class SlowSteps:
                     c[2], c[4] = c[2] + c[4], 0.0
             events += [(self.t, e) for e in self.det.update("j", self.t, {
                 r: RankTotals(steps=c[0], step_seconds=c[1], wait_seconds=c[2], pid=c[5])
-                for r, c in self.ranks.items()})]
+                for r, c in self.ranks.items()}, straggler=straggler)]
         return events
 
     def restart(self):
@@ -301,6 +301,20 @@ def test_a_job_slowed_to_seconds_a_step_is_named_within_30_s_not_after_three_slo
     assert job.run(240, 2.5, 0.5) == []  # 80 healthy steps: warm-up and the baseline
     fault = job.t
     assert job.named_after(fault, job.run(120, 2.5, 6.5)) <= 30.0
+
+
+def test_no_regression_starts_while_a_rank_is_flagged_a_straggler_and_one_that_outlasts_it_starts_then():
+    """Soak run D (#17): rank 0 computed 3x slower; the straggler detector named it (16 s earlier), and the peers'
+    waits for it made this node's windows look comm-bound: a false comm_regression on n0. While a rank of the job is
+    flagged a straggler no regression starts (the mirror of the straggler's links_suspect); a slowdown still there
+    when the flag clears starts at the next window."""
+    job = SlowSteps()
+    assert job.run(240, 2.5, 0.5) == []
+    assert job.run(60, 2.5, 6.5, straggler=True) == []
+    assert job.det.last_window("j")["suspect"] and job.det.last_window("j")["straggler"]
+    cleared = job.t
+    events = job.run(30, 2.5, 6.5)
+    assert events and events[0][1].started and events[0][0] - cleared <= 10.0, events
 
 
 def test_a_slow_link_is_named_when_the_wait_reaches_the_agent_a_read_after_its_step():
