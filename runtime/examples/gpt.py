@@ -123,6 +123,10 @@ class TrainConfig:
     sdc_every: int = 0
     """Every this many steps the data-parallel replicas recompute one micro-batch's gradient and compare it bitwise
     (runtime/sdc_check.py: silent data corruption; 0: never). Needs --pp 1 and --dp 2 or more."""
+    step_pad_s: float = 0.0
+    """Seconds every step sleeps, inside the step, before its work: a stand-in for accelerator compute on a CPU-only
+    machine, so a soak's steps take the time its fault plan assumes (tests/bench/soak.py ``--pad-s``). Numerics
+    are unchanged."""
     micro_batch_size: int = 0
     """Sequences per micro-batch on a data-parallel rank (0: ``mesh.micro_batches`` fixed instead). Fixed, the
     micro-batch count follows the world: when data parallelism shrinks after a node loss, each rank takes
@@ -140,6 +144,8 @@ class TrainConfig:
                              "on a whole replica of the model)")
         if self.warmup < 0 or not self.lr > 0:
             raise ValueError(f"need --lr > 0 and --warmup >= 0, got lr={self.lr} warmup={self.warmup}")
+        if not 0 <= self.step_pad_s < 3600:
+            raise ValueError(f"--step-pad-s must be 0 or more seconds (under an hour), got {self.step_pad_s}")
 
     def lr_at(self, step: int) -> float:
         return self.lr * min(1.0, step / self.warmup) if self.warmup else self.lr
@@ -189,6 +195,9 @@ def _parser() -> argparse.ArgumentParser:
         help="every N steps, the data-parallel replicas recompute one micro-batch's gradient and compare it "
              "bitwise; a rank that computes wrong is a numeric incident (kind sdc) naming its node (default 0: never; "
              "needs --pp 1)")
+    add("--step-pad-s", type=float, default=0.0, metavar="S",
+        help="sleep S seconds inside every step, a stand-in for accelerator compute on a CPU-only machine "
+             "(default 0: none; the losses are the same either way)")
     add("--allow-fresh-start", action="store_true",
         help="start from step 1 when checkpoints exist but none can be loaded (default: stop and say why)")
     return p
@@ -211,7 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         batch=a.batch, steps=a.steps, lr=a.lr, warmup=a.warmup, seed=a.seed, ckpt_dir=a.ckpt_dir,
         ckpt_every=a.ckpt_every, keep=a.keep, log_every=a.log_every, allow_fresh_start=a.allow_fresh_start,
         snapshot_every=a.snapshot_every, infer_pipeline_shapes=a.infer_pipeline_shapes, sdc_every=a.sdc_every,
-        numeric_policy=a.numeric_policy or policy_from_env())
+        numeric_policy=a.numeric_policy or policy_from_env(), step_pad_s=a.step_pad_s)
 
 
 def _fitting_dp(tp: int, pp: int) -> int:
@@ -294,6 +303,8 @@ def train(cfg: TrainConfig, device: torch.device, *, timings: PhaseTimings | Non
         with rt.step(step, tokens=tokens_per_rank):
             # inside the step: a `slow` rank's delay is its own compute time, as a throttled GPU's would be
             faults.step_boundary(step, last_seconds)
+            if cfg.step_pad_s:
+                time.sleep(cfg.step_pad_s)
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr_at(step)
             optimizer.zero_grad(set_to_none=True)

@@ -41,8 +41,8 @@ def _stamp(text: str) -> float:
 class Job:
     """The job on one bed: a `trainwarden run` per node, each start of one logged to a file of its own."""
 
-    def __init__(self, bed: TestBed, work: Path, steps: int, faults_spec: str, shm: Path) -> None:
-        self.bed, self.work, self.steps, self.shm = bed, work, steps, shm
+    def __init__(self, bed: TestBed, work: Path, steps: int, faults_spec: str, shm: Path, pad_s: float = 0.0) -> None:
+        self.bed, self.work, self.steps, self.shm, self.pad_s = bed, work, steps, shm, pad_s
         self.faults_spec = faults_spec
         self.ckpt = work / "ckpt"
         self.logs: list[Path] = []
@@ -64,7 +64,7 @@ class Job:
                "--etcd", self.bed.etcd_endpoints, "--",
                "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--pp", "2", "--batch", "8",
                "--micro-batch-size", "2", "--steps", str(self.steps), "--ckpt-dir", str(self.ckpt),
-               "--ckpt-every", "10", "--keep", "3"]
+               "--ckpt-every", "10", "--keep", "3"] + (["--step-pad-s", f"{self.pad_s:g}"] if self.pad_s else [])
         self.runs[node] = self.bed.spawn(node, cmd, log=log, env=env)
 
     def text(self) -> str:

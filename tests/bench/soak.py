@@ -1,6 +1,7 @@
 """Soak (issue 45, item 1): the reference job on the multi-node bed under mixed random faults, with invariants.
 
     sudo python tests/bench/soak.py --minutes 8 --seed 1 [--kinds crash,hang,...] [--keep DIR] [--json]
+    sudo python tests/bench/soak.py --minutes 60 --step-s 1.5 --pad-s 1.0 --seed 46   # the hour, paced
 
 Two simulated nodes of four CPU ranks (tests/testbed.py) run `trainwarden run --nnodes 1:2` against a 3-member
 etcd on hosts of their own: the reference GPT 3D-parallel (tp 2 x pp 2 inside a node, data parallelism across),
@@ -9,7 +10,9 @@ First the same job runs fault-free on a fresh bed (with the draw's NaN faults on
 by design, so the fault-free run skips it too); then the soak run. Steps: ``--minutes`` x 60 / ``--step-s``.
 
 Faults are drawn by ``--seed`` (tests/bench/_soak_plan.py): one every 45-90 s of training, converted to steps with
-``--step-s``; the soak injects the next only when the job has recovered from the last (rank 0 logged a step after
+``--step-s`` (on a machine whose steps are faster than that, ``--pad-s`` makes each step of the soak run sleep the
+difference, a stand-in for accelerator compute: faults then come as far apart in time as planned); the soak injects
+the next only when the job has recovered from the last (rank 0 logged a step after
 the fault's recovery). Kinds: rank crash (SIGKILL of the worker), SIGSTOP of a worker, a hang outside a collective,
 a slow rank (x3 for 30 steps), a NaN loss, node n1 killed and started again, n1 partitioned (held until its
 node_lost and fence are recorded, at most 60 s) and healed, n1's agent (its `trainwarden run`) SIGKILLed and
@@ -228,12 +231,12 @@ def _incidents(work: Path) -> list[dict]:
     return found
 
 
-def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s: float) -> dict:
+def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s: float, pad_s: float = 0.0) -> dict:
     """One run of the job on a fresh bed; with ``faults`` the soak injects them. What was seen, for the verdicts."""
     out: dict = {"work": str(work)}
     small_disk = any(f.kind == "enospc" for f in faults)
     with TestBed(nodes=2, etcd_members=3, workdir=work / "bed") as bed, _checkpoint_disk(work / "ckpt", small_disk):
-        job = Job(bed, work, steps, spec, shm)
+        job = Job(bed, work, steps, spec, shm, pad_s)
         launched = time.time()
         for node in NODES:
             job.start(node)
@@ -353,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                    "convert the gaps (default 0.55, this machine's)")
     p.add_argument("--kinds", default=",".join(CATALOGUE), help=f"fault kinds to draw from (default all: "
                    f"{','.join(CATALOGUE)})")
+    p.add_argument("--pad-s", type=float, default=0.0, help="seconds each step of the soak run sleeps, a stand-in "
+                   "for accelerator compute (the job's --step-pad-s), so its steps take the --step-s the plan assumes "
+                   "on a machine faster than that (default 0; the fault-free run is not padded: the losses are the "
+                   "same)")
     p.add_argument("--gap-s", default="45,90", help="seconds of training between faults, drawn uniformly in "
                    "MIN,MAX (default 45,90)")
     p.add_argument("--budget-s", type=float, default=None, help="stop the soak run after this many seconds and "
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reference_only:
             return 0
         soak = run_job(work / "soak", steps, faults, faults_env(faults), shm / "soak",
-                       budget_s=args.budget_s or args.minutes * 60 * 3 + 300)
+                       budget_s=args.budget_s or args.minutes * 60 * 3 + 300, pad_s=args.pad_s)
         results = verdicts(ref, soak, faults, 3, work, shm)
         if args.keep:  # what the invariants were judged from, to judge again (``_soak_plan``) without a rerun
             try:

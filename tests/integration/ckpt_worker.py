@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,15 @@ def main() -> None:
         ckpt.close()
     print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
     dist.destroy_process_group()
+    # What the tests check is written and said above. Once (CI, session 33's stop: 1 of 1,439 tests), rank 0 of a
+    # restore aborted after both ranks printed "done": "terminate called without an active exception", a C++
+    # thread torn down joinable in torch's teardown, not reproduced in 40 runs since. The interpreter's own
+    # finalization is skipped, so torchrun hears the rank's real outcome; not with --no-close, whose test is what
+    # runs at exit (atexit).
+    if not args.no_close:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

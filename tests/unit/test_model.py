@@ -145,6 +145,14 @@ def test_a_micro_batch_size_that_does_not_divide_a_dp_ranks_share_is_refused():
         parse_args(["--tp", "1", "--pp", "1", "--batch", "8", "--micro-batch-size", "3", "--steps", "2"])
 
 
+def test_a_step_pad_is_seconds_of_zero_or_more():
+    """The soak's stand-in for accelerator compute (--step-pad-s): a negative pad is refused by name."""
+    assert parse_args(["--tp", "1", "--pp", "1", "--step-pad-s", "1.0"]).step_pad_s == 1.0
+    assert parse_args(["--tp", "1", "--pp", "1"]).step_pad_s == 0.0
+    with pytest.raises(ValueError, match="--step-pad-s must be 0 or more"):
+        parse_args(["--tp", "1", "--pp", "1", "--step-pad-s", "-1"])
+
+
 @pytest.fixture
 def root_logging():
     """gpt.main() points the root logger at stdout, as a torchrun worker's does: put it back afterwards."""
