@@ -13,6 +13,7 @@ import sys
 from trainwarden.agent import __version__
 from trainwarden.agent.cli import agent, checkpoints, env, incidents, jobs, linkcheck, report, run, status
 from trainwarden.agent.common import exit_codes
+from trainwarden.agent.common.malloc_tuning import tune_malloc
 from trainwarden.agent.common.process_exit import exit_now
 
 __all__ = ["build_parser", "main", "whole_lines"]
@@ -63,6 +64,7 @@ def entry() -> None:
     """The process's entry point (the ``trainwarden`` command, ``python -m trainwarden.agent.cli``): ``main``, then
     exit without the interpreter's finalization, which took about a second after a ``run`` had cleaned up
     (agent/common/process_exit.py). ``main`` itself returns, for callers in the same process."""
+    tune_malloc()  # a long run's transient large buffers go back to the system (agent/common/malloc_tuning.py)
     try:
         code = main()
     except SystemExit as exit_:  # argparse's errors and --help
