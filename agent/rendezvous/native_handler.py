@@ -223,6 +223,8 @@ class NativeRendezvousHandler(RendezvousHandler):
         logger.info("node %s joined round %d of %r as rank %d of %d", self.node, round_.number, self._run_id,
                     round_.rank, round_.world_size)
         store = PrefixStore(f"native/{round_.number}", self._store)
+        if round_.rank == 0:
+            self._forget_rounds_before(round_.number)
         self._stop_workers_store()
         if round_.rank == 0 and self._local_addr:  # on the job's address only: agent/rendezvous/workers_store.py
             self._workers_store = workers_store.serve(self._local_addr)
@@ -231,6 +233,20 @@ class NativeRendezvousHandler(RendezvousHandler):
         port = self._workers_store.port if self._workers_store is not None else None
         info = RendezvousStoreInfo.build(round_.rank, store, local_addr=self._local_addr, server_port=port)
         return RendezvousInfo(store, round_.rank, round_.world_size, info)
+
+    def _forget_rounds_before(self, number: int) -> None:
+        """Rank 0 of round ``number`` deletes the bootstrap keys of the job's earlier rounds (their workers are gone:
+        every node stopped its own before it joined this round), so a job of many restarts does not leave a round's
+        keys in etcd for each (the soak's hour: every round's were still there at its end). Best effort: keys left by
+        an etcd that did not answer go with the next round."""
+        prefix = rdzv_key(self._run_id, "store", "native", prefix=self._key_prefix) + "/"
+        try:
+            rounds = {meta.key.decode()[len(prefix):].split("/", 1)[0]
+                      for _, meta in self._client.get_prefix(prefix, keys_only=True)}
+            for old in sorted(r for r in rounds if r.isdigit() and int(r) < number):
+                self._client.delete_prefix(f"{prefix}{old}/")
+        except ETCD_CLIENT_ERRORS as exc:
+            logger.debug("could not delete the bootstrap keys of rounds before %d: %s", number, exc)
 
     def _stop_workers_store(self) -> None:
         """Stop the workers' TCPStore server of the round before (its workers are gone: torch's agent asks

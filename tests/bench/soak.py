@@ -30,7 +30,7 @@ incident(s) naming its rank or node, nothing else an incident but the consequenc
 accepts and says why (``restart`` records are actions, not counted); n0's goodput ledger against the step log within
 2 % on what every rank measures alike (``_soak_plan.in_round_seconds``); the agents' and launchers' RSS, threads and
 fds within 10 % of their level after the first restart (threads and fds: or 3 more, ``_soak_plan.ETCD_FAILOVER_ALLOWANCE``); nothing left behind (processes, namespaces, TMPDIR and
-shared-memory directories). Ends with ``soak: F faults of K kinds in M min; invariants broken: B``; exit 0 only when B is 0.
+shared-memory directories, the bootstrap keys of the job's finished rendezvous rounds in etcd). Ends with ``soak: F faults of K kinds in M min; invariants broken: B``; exit 0 only when B is 0.
 """
 
 from __future__ import annotations
@@ -262,8 +262,26 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
         out.update(runs=job.step_runs(), round_starts=job.round_starts(), worlds=job.worlds())
         ledger = work / "state" / "n0" / "jobs" / JOB / "history" / "goodput.json"
         out["ledger"] = json.loads(ledger.read_text()) if ledger.exists() else None
-    out["leftovers"] = bed.leftovers()
+        out["leftovers"] = _finished_rounds_in_etcd(bed)
+    out["leftovers"] += bed.leftovers()
     return out
+
+
+def _finished_rounds_in_etcd(bed: TestBed) -> list[str]:
+    """The job's rendezvous rounds whose bootstrap keys are still in etcd at its end, but the last one's (its
+    record: the job ended in it). Asked from inside e0's host; an etcd that does not answer says so."""
+    ctl = str(Path(sys.executable).parent / "etcdctl")
+    prefix = f"/trainwarden/v1/rdzv/{JOB}/store/native/"
+    try:
+        got = bed.run("e0", [ctl, "--endpoints", bed.etcd_endpoints, "--dial-timeout", "2s", "--command-timeout",
+                             "5s", "get", "--prefix", "--keys-only", prefix], timeout=15)
+    except subprocess.TimeoutExpired:
+        return ["etcd: no answer when asked for the job's rendezvous keys"]
+    if got.returncode != 0:
+        return [f"etcd: the job's rendezvous keys could not be read ({got.stderr.strip()[:200]})"]
+    rounds = sorted({int(r) for r in (line[len(prefix):].split("/", 1)[0] for line in got.stdout.split()
+                                      if line.startswith(prefix)) if r.isdigit()})
+    return [f"etcd: bootstrap keys of finished round {r} ({prefix}{r}/)" for r in rounds[:-1]]
 
 
 @contextlib.contextmanager

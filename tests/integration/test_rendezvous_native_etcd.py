@@ -486,3 +486,27 @@ def test_a_node_that_restarts_after_the_others_finished_the_job_ends_without_err
             assert late.closed_by() == (finisher.node, outcome)
         finally:
             late.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_new_round_deletes_the_bootstrap_keys_of_the_rounds_before_it(etcd, job):
+    """Issue 45's nothing_left: at the end of the soak's hour the job's earlier rounds' bootstrap keys
+    (``rdzv/<job>/store/native/<round>/``: the workers' store address, torch's assigned ranks) were still in etcd, a
+    round's worth for each restart of a job that may restart hundreds of times. Rank 0 of a round deletes them."""
+    handlers = _handlers(etcd, job, 2)
+    client = open_client("127.0.0.1", etcd.client_port, timeout=10.0)
+    prefix = f"/trainwarden/v1/rdzv/{job}/store/native/"
+
+    def rounds() -> set[str]:
+        return {m.key.decode()[len(prefix):].split("/", 1)[0] for _, m in client.get_prefix(prefix, keys_only=True)}
+
+    try:
+        first = _in_threads([h.next_rendezvous for h in handlers])
+        assert rounds() == {"0"} and all(not isinstance(i, Exception) for i in first), first
+        second = _in_threads([h.next_rendezvous for h in handlers])  # a restart: both nodes ask for the next round
+        assert sorted((i.rank, i.world_size) for i in second) == [(0, 2), (1, 2)], second
+        assert rounds() == {"1"}
+    finally:
+        for h in handlers:
+            h.shutdown()
+        client.close()
