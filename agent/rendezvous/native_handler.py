@@ -21,7 +21,8 @@ backend's default stays torch's dynamic rendezvous. With it, each torchrun agent
   of the round before is stopped when the next one starts. Not worker rank 0's server, as torch's bootstrap
   has it otherwise: the other workers that dialled before rank 0 listened backed off, and the process group
   came up 0.1-0.7 s late in about half the starts and restarts (BENCHMARKS.md, issue 26). The server listens on
-  the node's ``local_addr`` only (loopback in a one-node `trainwarden run`): agent/rendezvous/workers_store.py;
+  the node's ``local_addr`` only (loopback in a one-node `trainwarden run`): agent/rendezvous/workers_store.py.
+  Rank 0's agent also deletes the earlier rounds' bootstrap keys (one round's in etcd, not one per restart);
 * ``num_nodes_waiting`` counts the nodes waiting in the next round (none while this round has ``max_nodes``: a
   full round cannot admit them, so they wait as hot spares instead of restarting the job over and over), plus
   one once a member of this round is
