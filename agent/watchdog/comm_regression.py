@@ -193,6 +193,14 @@ class CommRegressionDetector:
         state = self._jobs.get(job)
         return bool(state and (state.regressed or (state.last or {}).get("suspect")))
 
+    def near_decision(self, job: str) -> bool:
+        """True while a start or an end of a regression of `job` may be near: its latest judged window was slow
+        (at least ``start_ratio`` times the baseline, suspect or not yet: on gloo its wait comes with the next
+        Flight Recorder read), or it is in a regression. The agent asks for the workers' reads at their own
+        pace then, not the quiet one (agent/watchdog/read_pace.py): what decides is the wait those reads carry."""
+        state = self._jobs.get(job)
+        return bool(state and (state.regressed or state.slow_run))
+
     def last_window(self, job: str) -> dict | None:
         """The latest judged window of `job`: ratio, baseline and current step time, whether suspect."""
         state = self._jobs.get(job)

@@ -57,12 +57,14 @@ class WatchdogConfig:
     """When a job-wide slowdown is a communication regression (agent/watchdog/comm_regression.py)."""
     straggler_trace_dir: Path | None = None
     """Record what the straggler detector is fed here, one file per job (agent/watchdog/straggler_trace.py)."""
-    quiet_read_period_s: float = 3.0
-    """The Flight Recorder read period the workers are asked for while the straggler detector is not near a
-    decision on their job (0: never ask; they read at their own pace, `ClientConfig.fr_interval_s`). A read
-    holds the worker's GIL for milliseconds; between decisions nothing needs arrivals sooner. Long enough to
-    halve the reads of a job whose ring is not the bound, short enough that a straggler's first slices
-    (`StragglerDetector.near_decision`) arrive while its flag is still slices away."""
+    quiet_read_period_s: float = 6.0
+    """The Flight Recorder read period the workers are asked for while neither the straggler detector nor the
+    communication-regression one is near a decision on their job (0: never ask; they read at their own pace,
+    `ClientConfig.fr_interval_s`). A read dumps the whole ring with the worker's GIL held: 4-11 ms a read on
+    2 busy cores (BENCHMARKS.md, issue 48), most of watching's cost; between decisions nothing needs arrivals
+    sooner. Short enough that a straggler's first slices (`StragglerDetector.near_decision`) arrive while its
+    flag is still slices away, and a degraded link's first slow window (`CommRegressionDetector.near_decision`)
+    brings the reads back to their own pace for the windows that judge it. 3 s until session 35."""
     quiet_after_s: float = 10.0
     """How long nothing may have been near a decision before the workers are asked to read slowly."""
 

@@ -15,8 +15,9 @@ Every `interval_s` it takes one `JobTelemetry.snapshot()` and, per job:
   rank's "straggler" flag in the JobTelemetry; an end event records `straggler_end`, resolves the start
   incident and clears the flag.
 - paces the ranks' Flight Recorder reads (`read_pace.py`, `actions.set_read_pace`): every `quiet_read_period_s`
-  while the straggler detector has been near no decision on the job for `quiet_after_s`, at the workers' own
-  pace again as soon as it is (a read holds the worker's GIL for milliseconds).
+  while neither the straggler nor the comm-regression detector has been near a decision on the job for
+  `quiet_after_s`, at the workers' own pace again as soon as one is (a read holds the worker's GIL for
+  milliseconds).
 
 Evidence first, one decision, recorded: the incident is written before the abort. The loop survives a bad
 iteration (logged, counted in trainwarden_watchdog_errors_total), stops with an Event and `join(timeout)`.
@@ -259,7 +260,8 @@ class Watchdog:
             self._straggler_incidents.on_event(snap, event)
         for rank, score in self._straggler.scores().get(snap.job, {}).items():
             self._job_telemetry.set_straggler_score(snap.job, rank, score.score)
-        self._pacer.pace(snap, near_decision=self._straggler.near_decision(snap.job))
+        self._pacer.pace(snap, near_decision=self._straggler.near_decision(snap.job)
+                         or self._comm.detector.near_decision(snap.job))
         return check
 
     def _report_age(self, unix: float) -> float:

@@ -1,7 +1,8 @@
 """The pace of the ranks' Flight Recorder reads (agent/watchdog/loop.py asks it every check): each read dumps the
-whole ring, so while the straggler detector is not near a decision for ``after_s`` the workers are asked to read at
-most every ``period_s`` (``WatchdogActions.set_read_pace``), and at their own pace again as soon as it is. Also how
-long a rank's collectives may go unreported at that pace, which the hang detector allows for."""
+whole ring, so while no detector (straggler, comm regression) is near a decision for ``after_s`` the workers are
+asked to read at most every ``period_s`` (``WatchdogActions.set_read_pace``), and at their own pace again as soon
+as one is. Also how long a rank's collectives may go unreported at that pace, which the hang detector allows
+for."""
 
 from __future__ import annotations
 

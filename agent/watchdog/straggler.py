@@ -38,7 +38,7 @@ with pipeline parallelism, the ranks of the same stage (stages differ in work by
 passes that grouping.
 
 Slices follow the data's timestamps, so persistence is counted in the job's time however bursty the data's
-arrival is (the runtime reads its Flight Recorder every 1.5 s, or every 3 s while `near_decision` is False). A slice is scored once every
+arrival is (the runtime reads its Flight Recorder every 1.5 s, or every 6 s while no detector's `near_decision` is True). A slice is scored once every
 rank still reporting has data past it, and a rank needs slice scores for at least half the window before
 it has a score at all. What the watchdog makes of the flags (one open incident per rank, at most
 `max_incidents_per_hour` per job) is in agent/watchdog/loop.py.

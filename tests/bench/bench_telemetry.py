@@ -46,20 +46,22 @@ import tempfile
 import time
 from pathlib import Path
 
-AGENT = """
+AGENT = """  # argv: socket, state directory, quiet read period ("": WatchdogConfig's)
 import sys, time
 from pathlib import Path
 from trainwarden.agent.incidents.store import IncidentStore
 from trainwarden.agent.node.actions import AgentActions
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.server import TelemetryServer
+from trainwarden.agent.watchdog.interface import WatchdogConfig
 from trainwarden.agent.watchdog.loop import Watchdog
 js = JobTelemetry()
 server = TelemetryServer(sys.argv[1], js)
 server.start()
 state = Path(sys.argv[2])
 actions = AgentActions(server, js, IncidentStore(state_dir=lambda job: state / job), node="bench")
-Watchdog(js, actions, node="bench", diagnostics_dir=lambda job: state / job / "diagnostics").start()
+config = WatchdogConfig(quiet_read_period_s=float(sys.argv[3])) if sys.argv[3] else WatchdogConfig()
+Watchdog(js, actions, config=config, node="bench", diagnostics_dir=lambda job: state / job / "diagnostics").start()
 print("serving", flush=True)
 time.sleep(3600)
 """
@@ -237,6 +239,10 @@ def main() -> None:
                              "variants and alive-before are added to them)")
     parser.add_argument("--before", default=None, metavar="CHECKOUT",
                         help="also run alive-before: the alive mode with the runtime of this trainwarden checkout")
+    parser.add_argument("--quiet-read-s", default=None, metavar="S[,S]",
+                        help="also run an alive mode per value, alive-quietS, against an agent of its own that asks "
+                             "for this read period while no detector is near a decision "
+                             "(WatchdogConfig.quiet_read_period_s; alive's agent asks for its default)")
     parser.add_argument("--child")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -254,16 +260,22 @@ def main() -> None:
     from trainwarden.runtime.flight_recorder import FLIGHT_RECORDER_ENV
 
     repeats = calibrate_cuda(args.step_ms) if args.device == "cuda" else calibrate(args.step_ms)
+    quiet = {f"alive-quiet{q:g}": q for q in (float(v) for v in (args.quiet_read_s or "").split(",") if v)}
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
     sock = tmp / "agent.sock"
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(sock), str(tmp / "state")], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True)
+    agents = []
     try:
-        assert agent.stdout.readline().strip() == "serving"
+        for name, period in {"alive": None, **quiet}.items():  # one agent each: the pace is the agent's to ask
+            agents.append(subprocess.Popen([sys.executable, "-c", AGENT, str(tmp / f"{name}.sock"),
+                                            str(tmp / f"{name}-state"), "" if period is None else str(period)],
+                                           stdout=subprocess.PIPE, text=True, start_new_session=True))
+            assert agents[-1].stdout.readline().strip() == "serving"
+        sock = tmp / "alive.sock"
         modes = {"baseline", "alive", *(args.modes.split(",") if args.modes else ("alive-nofr", "absent"))}
         results: dict[str, list[dict]] = {m: [] for m in ("baseline", "alive", "alive-nofr", "absent") if m in modes}
         variant_of = {f"alive-{name}": options for name, options in variants.items()}
         results.update((mode, []) for mode in variant_of)
+        results.update((mode, []) for mode in quiet)
         if args.before:
             shim = tmp / "before"  # `trainwarden` there is the other checkout: found before the installed one
             shim.mkdir()
@@ -282,11 +294,13 @@ def main() -> None:
                     env["TORCH_FR_BUFFER_SIZE"] = "0"
                 elif mode == "absent":
                     env["TRAINWARDEN_AGENT_SOCKET"] = str(tmp / "nobody.sock")
+                elif mode in quiet:
+                    env["TRAINWARDEN_AGENT_SOCKET"] = str(tmp / f"{mode}.sock")
                 elif mode in variant_of:
                     env["BENCH_CLIENT_OPTIONS"] = json.dumps(variant_of[mode])
                 elif mode == "alive-before":
                     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp / "before"), env.get("PYTHONPATH")]))
-                child_mode = "alive" if mode in variant_of or mode == "alive-before" else mode
+                child_mode = "alive" if mode in variant_of or mode in quiet or mode == "alive-before" else mode
                 out = subprocess.run([sys.executable, __file__, "--child", child_mode, "--steps", str(args.steps),
                                       "--repeats", str(repeats)], env=env, capture_output=True,
                                      text=True, timeout=600, start_new_session=True)
@@ -300,8 +314,9 @@ def main() -> None:
                       f"CPU {results[mode][-1]['off_cpu_per_step_s'] * 1e6:7.1f} us (in the run queue "
                       f"{results[mode][-1]['runqueue_per_step_s'] * 1e6:5.1f} us)", flush=True)
     finally:
-        os.killpg(agent.pid, 9)
-        agent.wait()
+        for agent in agents:
+            os.killpg(agent.pid, 9)
+            agent.wait()
         shutil.rmtree(tmp, ignore_errors=True)  # the agent's socket and state: nothing left in /tmp
 
     base_wall = statistics.median(r["wall_median_s"] for r in results["baseline"])

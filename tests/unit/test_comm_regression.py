@@ -56,6 +56,24 @@ def test_a_slow_link_is_a_regression_that_starts_within_a_minute_and_ends_when_t
     assert [e.started for e in events] == [False] and not det.regressed("j")
 
 
+def test_a_slow_window_is_near_a_decision_from_the_first_one_until_the_regression_ends():
+    """The agent asks for the workers' Flight Recorder reads at their own pace while this holds (the quiet pace
+    otherwise): a slow window's wait arrives with the reads, and it is what decides."""
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    assert not det.near_decision("j") and not det.near_decision("other")
+    events = []
+    for second in range(60):
+        events += job.run(det, 1, wait=0.4)
+        if det.near_decision("j"):
+            break
+    assert events == [] and second < 10  # the first slow window: before any regression starts
+    assert [e.started for e in job.run(det, 60, wait=0.4)] == [True] and det.near_decision("j")
+    assert [e.started for e in job.run(det, 40)] == [False]
+    assert not det.near_decision("j")
+    assert job.run(det, 30, compute=0.09) == [] and not det.near_decision("j")  # a little slower: not near
+
+
 def test_a_straggler_is_not_a_regression():
     det, job = CommRegressionDetector(), Job()
     _warm(det, job)

@@ -337,6 +337,29 @@ def test_workers_read_slowly_while_no_straggler_is_near_and_at_their_own_pace_on
     assert actions.paces[-1] == ("j", [0, 1, 2, 3], 3.0) and len(actions.paces) == 4
 
 
+def test_workers_read_at_their_own_pace_while_a_communication_regression_is_near_a_decision(tmp_path):
+    """On gloo a slow window's collective wait reaches the agent with the next Flight Recorder read: at the quiet
+    pace a degraded link is judged a read later (issue 47's 30 s), so a slow window brings the reads back too."""
+    sim = Sim(ranks=4)
+    actions = Actions()
+    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0)
+    for _ in range(8):
+        sim.run(7)
+        wd.check_once()
+    assert actions.paces == [("j", [0, 1, 2, 3], 6.0)]
+    assert wd._pacer.collective_report_s("j") == 6.0 + 0.5
+    near = {"j"}
+    wd._comm.detector.near_decision = lambda job: job in near  # the detector's side: test_comm_regression.py
+    sim.run(7)
+    wd.check_once()
+    assert actions.paces[-1] == ("j", [0, 1, 2, 3], 0.0)
+    near.clear()
+    for _ in range(8):
+        sim.run(7)
+        wd.check_once()
+    assert actions.paces[-1] == ("j", [0, 1, 2, 3], 6.0) and len(actions.paces) == 3
+
+
 def test_read_pacing_can_be_turned_off(tmp_path):
     sim = Sim(ranks=2)
     actions = Actions()
@@ -824,7 +847,7 @@ def test_without_etcd_the_node_records_the_hang_itself(tmp_path):
 def test_the_quiet_read_period_comes_from_the_environment_and_a_bad_one_says_what_to_do(monkeypatch):
     from trainwarden.agent.node.agent import QUIET_READ_PERIOD_ENV, watchdog_config
 
-    assert watchdog_config().quiet_read_period_s == 3.0
+    assert watchdog_config().quiet_read_period_s == 6.0
     monkeypatch.setenv(QUIET_READ_PERIOD_ENV, "0")
     assert watchdog_config().quiet_read_period_s == 0.0
     for bad in ("soon", "-1", "120"):
