@@ -87,6 +87,10 @@ class CommRegressionConfig:
     """Suspect windows in a row that start a regression."""
     clear_windows: int = 2
     """Windows in a row at or below `clear_ratio` that end it."""
+    near_windows: int = 6
+    """Slow windows in a row during which a start may be near (`CommRegressionDetector.near_decision`): a degraded
+    link started within 3 on the bed (issue 47); a job that stays slower for another reason (a throttled CPU: the
+    baseline does not follow it) is not near a decision for ever."""
 
     def __post_init__(self) -> None:
         if self.window_s <= 0 or self.min_window_steps < 1 or self.baseline_windows < 1:
@@ -102,6 +106,8 @@ class CommRegressionConfig:
         if self.persist_windows < 1 or self.clear_windows < 1 or self.warmup_steps < 0 or self.warmup_s < 0:
             raise ValueError("persist_windows and clear_windows must be at least 1, warmup_steps and warmup_s 0 or "
                              "more")
+        if self.near_windows < 0:
+            raise ValueError(f"near_windows must be 0 (never near) or more, got {self.near_windows}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +166,7 @@ class _Job:
     baselines: dict[int, deque] = field(default_factory=dict)  # world size -> its healthy windows
     suspect: int = 0
     slow_run: deque = field(default_factory=deque)  # of {rank: WindowStats}: the latest slow windows in a row
+    slow_windows: int = 0  # how many windows in a row were slow
     calm: int = 0
     regressed: bool = False
     last: dict | None = None  # the latest closed window's verdict, for status and metrics
@@ -194,12 +201,13 @@ class CommRegressionDetector:
         return bool(state and (state.regressed or (state.last or {}).get("suspect")))
 
     def near_decision(self, job: str) -> bool:
-        """True while a start or an end of a regression of `job` may be near: its latest judged window was slow
-        (at least ``start_ratio`` times the baseline, suspect or not yet: on gloo its wait comes with the next
-        Flight Recorder read), or it is in a regression. The agent asks for the workers' reads at their own
-        pace then, not the quiet one (agent/watchdog/read_pace.py): what decides is the wait those reads carry."""
+        """True while a regression of `job` may be about to start: its latest judged windows were slow (at least
+        ``start_ratio`` times the baseline, suspect or not yet: on gloo their wait comes with the next Flight
+        Recorder read), no more than ``near_windows`` of them in a row, and none has started. The agent asks for
+        the workers' reads at their own pace then, not the quiet one (agent/watchdog/read_pace.py): what decides a
+        start is the wait those reads carry. An end is decided on step time alone."""
         state = self._jobs.get(job)
-        return bool(state and (state.regressed or state.slow_run))
+        return bool(state and not state.regressed and 0 < state.slow_windows <= self.config.near_windows)
 
     def last_window(self, job: str) -> dict | None:
         """The latest judged window of `job`: ratio, baseline and current step time, whether suspect."""
@@ -227,7 +235,7 @@ class CommRegressionDetector:
             state.round_start_steps = {rank: r.steps for rank, r in totals.items()}
             state.first_step_t = None
             self._open(state, t, totals)
-            state.suspect = state.calm = 0
+            state.suspect = state.calm = state.slow_windows = 0
             state.slow_run.clear()
             return []
         if any(r.stage in _NOT_TRAINING for r in totals.values()):
@@ -289,12 +297,14 @@ class CommRegressionDetector:
         ratio = step / base_step if base_step > 0 else 1.0
         suspect = False
         if ratio >= cfg.start_ratio:
+            state.slow_windows += 1
             state.slow_run.append(window)
             while len(state.slow_run) > cfg.persist_windows:
                 state.slow_run.popleft()
             pooled = window = _pool(state.slow_run)  # what decides, and the start event's evidence
             suspect = all(self._comm_bound(pooled[r], baseline[r]) for r in window)
         else:
+            state.slow_windows = 0
             state.slow_run.clear()
         state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect,
                       "straggler": straggler}
