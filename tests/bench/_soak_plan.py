@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import random
+import re
+import time
 import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["CATALOGUE", "CONSEQUENCES", "LEFT_OUT", "FaultKind", "PlannedFault", "consequence", "draw", "faults_env",
-           "ledger_agrees", "loss_matches", "match_incidents", "checkpoints_kept", "no_fresh_start", "flat", "Verdict"]
+           "ledger_agrees", "loss_matches", "match_incidents", "checkpoints_kept", "no_fresh_start", "flat", "Verdict",
+           "flags_over_the_limit"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +317,25 @@ def no_fresh_start(story: list[tuple[float, str, int]]) -> Verdict:
     first_commit = next((t for t, kind, _ in story if kind == "commit"), None)
     fresh = [t for t, kind, s in story if kind == "step" and s == 1 and first_commit is not None and t > first_commit]
     return Verdict("no_fresh_start", not fresh, f"step 1 trained {len(fresh)} time(s) after the first commit")
+
+
+_OVER_THE_LIMIT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ .*job (\S+) rank (\d+) flagged as a straggler "
+                            r"again; no incident recorded: \d+ straggler incidents opened in the last hour \(the limit\)")
+
+
+def flags_over_the_limit(node: str, text: str, job: str) -> list[dict]:
+    """The straggler flags node ``node``'s watchdog raised without an incident because ``job`` had reached its
+    straggler incidents per hour (``StragglerConfig.max_incidents_per_hour``, 6: the product's flood guard, which a
+    soak of an hour can draw past: session 35's hour drew 7 slow ranks). Each as the incident it stands for, so that
+    `match_incidents` counts it for its fault (``"unrecorded"``: True). From the agent's log line, to the second."""
+    found = []
+    for line in text.splitlines():
+        m = _OVER_THE_LIMIT.match(line)
+        if m and m.group(2) == job:
+            found.append({"kind": "straggler_start", "node": node, "ranks": [int(m.group(3))], "unrecorded": True,
+                          "detected_at": time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")),
+                          "evidence": {"detail": line}})
+    return found
 
 
 def match_incidents(faults: list[PlannedFault], incidents: list[dict], *, ignore: tuple[str, ...] = ("restart",)

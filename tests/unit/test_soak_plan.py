@@ -110,6 +110,27 @@ def _inc(kind, t, node="n0", ranks=(), detail=""):
     return {"kind": kind, "detected_at": t, "node": node, "ranks": list(ranks), "evidence": {"detail": detail}}
 
 
+def test_a_straggler_flagged_past_the_hourly_incident_limit_counts_as_its_faults_incident():
+    """Session 35's hour drew 7 slow ranks; the watchdog records 6 straggler incidents a job an hour and says the
+    7th in its log. Judged before from the incidents alone: "no straggler_start incident"."""
+    import time
+
+    from _soak_plan import flags_over_the_limit
+
+    at = time.mktime(time.strptime("2026-11-30 15:23:00", "%Y-%m-%d %H:%M:%S"))
+    log = ("2026-11-30 15:23:15,131 WARNING trainwarden trainwarden.agent.watchdog.loop: job soak rank 0 flagged as "
+           "a straggler again; no incident recorded: 6 straggler incidents opened in the last hour (the limit)\n"
+           "2026-11-30 15:23:16,000 WARNING trainwarden trainwarden.agent.watchdog.loop: job soak rank 2 flagged as "
+           "a straggler again; no incident recorded: an incident for this rank is still open\n"
+           "2026-11-30 15:23:17,000 WARNING x: job other rank 1 flagged as a straggler again; no incident recorded: "
+           "6 straggler incidents opened in the last hour (the limit)\n")
+    flags = flags_over_the_limit("n0", log, "soak")
+    assert [(f["node"], f["ranks"], f["detected_at"] - at) for f in flags] == [("n0", [0], 15.0)]
+    slow = PlannedFault(index=0, kind="slow", step=1979, rank=0, at=at)
+    assert "no straggler_start" in match_incidents([slow], []).detail
+    assert match_incidents([slow], flags).ok
+
+
 def test_every_fault_is_exactly_its_incidents_and_nothing_else_is_one():
     crash = PlannedFault(index=0, kind="crash", step=40, rank=5, at=100.0)
     lost = PlannedFault(index=1, kind="node_kill", step=90, node="n1", at=200.0)
