@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import random
 import re
-import time
 import statistics
+import time
 from dataclasses import dataclass, field
 
 __all__ = ["CATALOGUE", "CONSEQUENCES", "LEFT_OUT", "FaultKind", "PlannedFault", "consequence", "draw", "faults_env",

@@ -262,7 +262,6 @@ def main() -> None:
     repeats = calibrate_cuda(args.step_ms) if args.device == "cuda" else calibrate(args.step_ms)
     quiet = {f"alive-quiet{q:g}": q for q in (float(v) for v in (args.quiet_read_s or "").split(",") if v)}
     tmp = Path(tempfile.mkdtemp(prefix="tw-bench-"))
-    sock = tmp / "agent.sock"
     agents = []
     try:
         for name, period in {"alive": None, **quiet}.items():  # one agent each: the pace is the agent's to ask
