@@ -146,8 +146,9 @@ def main() -> None:
     print(f"rank {rank}: done mode={args.mode} start={start} pid={os.getpid()}", flush=True)
     dist.destroy_process_group()
     # What the tests check is written and said above. Once (CI, session 33's stop: 1 of 1,439 tests), rank 0 of a
-    # restore aborted after both ranks printed "done": "terminate called without an active exception", a C++
-    # thread torn down joinable in torch's teardown, not reproduced in 40 runs since. The interpreter's own
+    # restore aborted after both ranks printed "done": "terminate called without an active exception". Session 36
+    # found the cause in a core dump of the same abort elsewhere: gloo's worker thread drops a finished collective's
+    # tensors after wait() returned, takes the GIL for it, and is unwound during finalization. The interpreter's own
     # finalization is skipped, so torchrun hears the rank's real outcome; not with --no-close, whose test is what
     # runs at exit (atexit).
     if not args.no_close:
