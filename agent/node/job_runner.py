@@ -16,7 +16,9 @@ kept alive (every ``NODE_RECORD_KEEPALIVE_S``).
 
 **Re-adoption.** A daemon that starts (after a crash, a SIGKILL, an upgrade) reads those files and adopts every
 launcher whose pid still has the recorded start time: it is watched, stopped on request, never launched twice.
-A stale file (the pid is gone or belongs to another process now) is removed. The launchers are full
+A stale file (the pid is gone or belongs to another process now) is removed; if its job is still live in the
+same generation (the node lost power, or everything on it was killed), this node's part starts again from the
+job's checkpoints, counted against ``max_restarts`` as a killed launcher is. The launchers are full
 `trainwarden run` supervisors with their own node agent, so their workers' telemetry, watchdog and checkpoints
 never pass through the daemon: its death costs the job nothing.
 
@@ -120,6 +122,7 @@ class JobRunner:
         self._phases_next: dict[str, tuple[int, str]] = {}
         self._children: dict[int, subprocess.Popen] = {}  # launchers this daemon process started (exit codes)
         self._finished: dict[str, int] = {}  # job -> the generation this node's part of ended in
+        self._lapsed: dict[str, LauncherRecord] = {}  # launchers that ended while the daemon was away: judged once
         self._terminated: set[int] = set()  # pids this daemon asked to stop
         self._draining: set[int] = set()  # pids this daemon asked to leave their job (a drain)
         self._node_record = NodeRecord(client, self._control, node=node, address=local_addr,
@@ -227,6 +230,7 @@ class JobRunner:
         if not spec.targets(self.node):
             return
         self._phases_next[view.name] = (view.generation, view.phase)
+        relaunches = self._lapsed_launcher(view, spec, live=live)
         if not live or self._finished.get(view.name) == view.generation or self._refusals.refused(view):
             return
         if cordoned:
@@ -239,7 +243,27 @@ class JobRunner:
         if problems:
             self._refuse(view, "; ".join(problems))
             return
-        self._launch(view, spec, user)
+        self._launch(view, spec, user, relaunches=relaunches)
+
+    def _lapsed_launcher(self, view: JobView, spec, *, live: bool) -> int:
+        """A launcher of this job that ended while the daemon was away (a power loss, a kill of the whole node): its
+        exit code is unknown. While the job is still live in the same generation, this node's part starts again, as
+        for a launcher killed under a running daemon (``max_restarts`` per generation, counted on); the restarts
+        spent so far are returned. Otherwise (the job ended, a new generation, the budget spent) this node's part of
+        that generation is over."""
+        rec = self._lapsed.pop(view.name, None)
+        if rec is None:
+            return 0
+        if live and view.generation == rec.generation and rec.relaunches < spec.max_restarts:
+            logger.warning("job %s generation %d: its launcher (pid %d) ended while the daemon was away and the job "
+                           "is still %s; starting it again (%d of %d)", view.name, rec.generation, rec.pid,
+                           view.phase, rec.relaunches + 1, spec.max_restarts)
+            return rec.relaunches + 1
+        logger.info("job %s: its launcher (pid %d) ended while the daemon was away; the job is %s (generation %d), "
+                    "so this node's part of generation %d is over", view.name, rec.pid, view.phase, view.generation,
+                    rec.generation)
+        self._finished[view.name] = rec.generation
+        return 0
 
     def _user_for(self, view: JobView, spec) -> job_user.JobUser | None:
         """Who runs ``spec`` on this node; None, after refusing the job, when no one may."""
@@ -467,9 +491,8 @@ class JobRunner:
                     self._lineage.register_launcher(rec.job, rec.pid)
                 logger.info("job %s generation %d: adopted its running launcher (pid %d)", rec.job, rec.generation,
                             rec.pid)
-            else:
-                logger.info("job %s: its launcher (pid %d) ended while the daemon was away", rec.job, rec.pid)
-                self._finished[rec.job] = rec.generation
+            else:  # judged in the first round that reads the job (its phase and budget are in etcd)
+                self._lapsed[rec.job] = rec
                 self._files.forget(rec.job)
 
     def _publish_node(self, cordon: dict | None) -> None:

@@ -140,6 +140,36 @@ def test_a_submitted_job_runs_on_its_node_outlives_a_killed_daemon_and_is_adopte
     assert nodes["n0"]["record"]["health"] == "ok"
 
 
+def test_a_node_that_lost_power_mid_job_takes_its_part_again_when_its_daemon_comes_back(daemons, tmp_path, etcd_server):
+    """The daemon, the launcher and the workers all SIGKILLed at once (what a power loss leaves: a launcher record
+    whose process is gone, a job still live in etcd). The daemon that comes back must start this node's part again
+    from its checkpoint, not take the job for finished here (found by the soak's daemon-run variant, session 36)."""
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _spec(tmp_path / "pl.toml", "pl", 40, tmp_path / "ckpt", nodes=["n0"])
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "pl")) or [0]) >= 12, 180, what="the job past its step-10 save")
+    (launcher,) = daemons.launchers("n0").values()
+    tree = [psutil.Process(daemons.running["n0"].pid), psutil.Process(launcher["pid"])]
+    tree += psutil.Process(launcher["pid"]).children(recursive=True)
+    for p in tree:  # all at once, no order: nothing gets to clean up
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+    assert _jobs(etcd)["pl"]["phase"] in ("running", "restarting")
+
+    daemons.start("n0")
+    wait_for(lambda: "starting it again" in daemons.log("n0"), 30, what="the daemon to start the job's part again")
+    wait_for(lambda: _jobs(etcd)["pl"]["phase"] == "succeeded", 240, what="the job to succeed")
+    text = daemons.job_log("n0", "pl")
+    assert text.count("starts job pl") == 2
+    assert re.search(r"resumed from (checkpoint step|the memory snapshots? of step) 1\d", text), text[-3000:]
+    assert max(_steps(text)) == 40
+    assert f"its launcher (pid {launcher['pid']}) ended while the daemon was away" in daemons.log("n0")
+
+
 @pytest.mark.skipif(not prometheus_available(), reason="prometheus not installed (apt-get install prometheus)")
 def test_prometheus_scraping_the_daemon_alone_sees_the_step_series_of_the_job_it_runs(daemons, tmp_path, etcd_server):
     """What deploy/prometheus.yml does (the node's daemon is the only target, honor_labels) is enough to see a
