@@ -1,11 +1,14 @@
-"""The soak's job on the bed (tests/bench/soak.py): one `trainwarden run` per node, what its logs say, which process
-trains a rank, and the agents' and launchers' resources sampled as it runs."""
+"""The soak's job on the bed (tests/bench/soak.py): one `trainwarden run` per node (or one node daemon per node, the job
+submitted to them), what its logs say, which process trains a rank, and the agents' and launchers' resources
+sampled as it runs."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import json
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -39,33 +42,114 @@ def _stamp(text: str) -> float:
 
 
 class Job:
-    """The job on one bed: a `trainwarden run` per node, each start of one logged to a file of its own."""
+    """The job on one bed: a `trainwarden run` per node, each start of one logged to a file of its own. With
+    ``daemon``: a node daemon (`trainwarden agent`) per node instead, and the job submitted to them once both serve;
+    each daemon starts its node's `trainwarden run` (and starts it again after a kill or a power loss), whose output
+    goes to the daemon's job log, one file per node across its launches. ``runs`` holds what the soak started on each
+    node: the `trainwarden run`, or the daemon."""
 
-    def __init__(self, bed: TestBed, work: Path, steps: int, faults_spec: str, shm: Path, pad_s: float = 0.0) -> None:
+    def __init__(self, bed: TestBed, work: Path, steps: int, faults_spec: str, shm: Path, pad_s: float = 0.0,
+                 daemon: bool = False) -> None:
         self.bed, self.work, self.steps, self.shm, self.pad_s = bed, work, steps, shm, pad_s
-        self.faults_spec = faults_spec
+        self.faults_spec, self.daemon = faults_spec, daemon
         self.ckpt = work / "ckpt"
         self.logs: list[Path] = []
+        """The job's output: the launchers' (run mode) or the daemons' job logs."""
+        self.log_node: dict[Path, str] = {}
+        self.daemon_logs: list[Path] = []
         self.runs: dict[str, psutil.Popen | object] = {}
+        self.submitted = False
+
+    def _gpt_args(self) -> list[str]:
+        return ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--pp", "2", "--batch", "8",
+                "--micro-batch-size", "2", "--steps", str(self.steps), "--ckpt-dir", str(self.ckpt),
+                "--ckpt-every", "10", "--keep", "3"] + (["--step-pad-s", f"{self.pad_s:g}"] if self.pad_s else [])
+
+    def state(self, node: str) -> Path:
+        return self.work / "state" / node
 
     def start(self, node: str) -> None:
+        if self.daemon:
+            self._start_daemon(node)
+            return
         log = self.work / f"{node}-{sum(1 for p in self.logs if p.name.startswith(node))}.log"
         self.logs.append(log)
-        env = dict(os.environ, TRAINWARDEN_STATE_HOME=str(self.work / "state" / node), PYTHONUNBUFFERED="1",
+        self.log_node[log] = node
+        env = dict(self._env(node, log.stem), TRAINWARDEN_STATE_HOME=str(self.state(node)))
+        cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "1:2",
+               "--nproc-per-node", "4", "--node", node, "--max-restarts", "100", "--job", JOB,
+               "--etcd", self.bed.etcd_endpoints, "--", *self._gpt_args()]
+        self.runs[node] = self.bed.spawn(node, cmd, log=log, env=env)
+
+    def _env(self, node: str, log_stem: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS="1", TMPDIR=str(self.work / "tmp" / node),
                    TRAINWARDEN_MEMORY_ROOT=str(self.shm / node), TRAINWARDEN_FAULTS=self.faults_spec,
                    # what the straggler detector was fed, kept with --keep: a straggler no fault explains is
                    # replayed from it (agent/watchdog/straggler_trace.py)
-                   TRAINWARDEN_STRAGGLER_TRACE_DIR=str(self.work / "straggler-trace" / log.stem))
+                   TRAINWARDEN_STRAGGLER_TRACE_DIR=str(self.work / "straggler-trace" / log_stem))
         for d in (env["TMPDIR"], env["TRAINWARDEN_MEMORY_ROOT"]):
             Path(d).mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nnodes", "1:2",
-               "--nproc-per-node", "4", "--node", node, "--max-restarts", "100", "--job", JOB,
-               "--etcd", self.bed.etcd_endpoints, "--",
-               "-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--pp", "2", "--batch", "8",
-               "--micro-batch-size", "2", "--steps", str(self.steps), "--ckpt-dir", str(self.ckpt),
-               "--ckpt-every", "10", "--keep", "3"] + (["--step-pad-s", f"{self.pad_s:g}"] if self.pad_s else [])
+        return env
+
+    def _start_daemon(self, node: str) -> None:
+        """The node's daemon, with the job's environment (a root daemon running the job as root passes its own on):
+        it adopts a launcher still running, starts one for a job that targets the node, and again for a launcher
+        that ended while it was away while the job is live (a power loss)."""
+        log = self.work / f"{node}-daemon-{sum(1 for p in self.daemon_logs if p.name.startswith(node))}.log"
+        self.daemon_logs.append(log)
+        env = self._env(node, log.stem)
+        home = self.state(node)
+        home.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "trainwarden.agent.cli", "agent", "--etcd", self.bed.etcd_endpoints, "--node",
+               node, "--state-home", str(home), "--socket", str(home / "agent.sock"), "--metrics-port", "0",
+               "--job-user", str(os.getuid()), "--allow-root-jobs"]
         self.runs[node] = self.bed.spawn(node, cmd, log=log, env=env)
+        job_log = home / "daemon" / "logs" / f"{JOB}.log"
+        if job_log not in self.logs:
+            self.logs.append(job_log)
+            self.log_node[job_log] = node
+
+    def daemon_text(self, node: str) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.daemon_logs if p.name.startswith(f"{node}-")
+                       and p.exists())
+
+    def submit(self) -> None:
+        """Once every daemon serves: the job, for both nodes, as `trainwarden submit` sends it."""
+        for node in NODES:
+            deadline = time.monotonic() + 90
+            while f"agent {node} serving:" not in self.daemon_text(node):
+                if time.monotonic() > deadline or self.runs[node].poll() is not None:
+                    raise RuntimeError(f"daemon {node} did not serve: {self.daemon_text(node)[-2000:]}")
+                time.sleep(0.3)
+        fields = {"name": JOB, "command": self._gpt_args(), "nnodes": "1:2", "nproc_per_node": 4,
+                  "nodes": list(NODES), "checkpoint_dir": str(self.ckpt), "max_restarts": 100}
+        spec = self.work / "soak-job.toml"
+        spec.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items()))
+        out = self.bed.run(NODES[0], self._cli("submit", str(spec)), timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"trainwarden submit failed: {out.stderr.strip()[-2000:]}")
+        self.submitted = True
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "trainwarden.agent.cli", *args, "--etcd", self.bed.etcd_endpoints]
+
+    def phase(self) -> str | None:
+        """The submitted job's phase in etcd, as `trainwarden jobs` says it (None: no answer)."""
+        try:
+            out = self.bed.run(NODES[0], self._cli("jobs", "--json"), timeout=30)
+            return {j["job"]: j for j in json.loads(out.stdout)}[JOB]["phase"] if out.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+            return None
+
+    def launcher(self, node: str) -> int | None:
+        """The pid of node ``node``'s `trainwarden run`: the daemon's record of it (daemon mode)."""
+        try:
+            rec = json.loads((self.state(node) / "daemon" / "launchers" / f"{JOB}.json").read_text())
+            proc = psutil.Process(int(rec["pid"]))
+            return proc.pid if abs(proc.create_time() - float(rec["started"])) <= 0.01 else None
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            return None
 
     def text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
@@ -125,8 +209,16 @@ class Job:
                     return pid, node
         return None
 
-    def wait_exit(self, timeout: float) -> dict[str, int | None]:
+    def wait_exit(self, timeout: float) -> dict[str, int | str | None]:
         deadline = time.monotonic() + timeout
+        if self.daemon:  # the daemons run on: the job's end is its phase in etcd, and no launcher left
+            phase = None
+            while time.monotonic() < deadline:
+                phase = self.phase()
+                if phase in ("succeeded", "failed", "stopped") and not any(self.launcher(n) for n in NODES):
+                    break
+                time.sleep(1.0)
+            return {node: 0 if phase == "succeeded" else phase for node in NODES}
         codes = {}
         for node, proc in self.runs.items():
             try:
@@ -152,7 +244,8 @@ def _cmdline(pid: int) -> list[str]:
 
 
 class Sampler(threading.Thread):
-    """Every ``period`` seconds: RSS, threads and fds of each node's agent (`trainwarden run`) and launcher."""
+    """Every ``period`` seconds: RSS, threads and fds of each node's agent (`trainwarden run`) and launcher, and in
+    daemon mode of its daemon."""
 
     def __init__(self, job: Job, period: float = 5.0) -> None:
         super().__init__(name="soak-sampler", daemon=True)
@@ -164,9 +257,17 @@ class Sampler(threading.Thread):
         while not self.done.wait(self.period):
             for node, proc in list(self.job.runs.items()):
                 try:
-                    agent = psutil.Process(proc.pid)
-                    targets = [("agent", agent)] + [("launcher", c) for c in agent.children(recursive=True)
-                                                    if "trainwarden.agent.launch.elastic" in " ".join(c.cmdline())]
+                    if self.job.daemon:  # the daemon, and the `trainwarden run` it started or adopted
+                        pid = self.job.launcher(node)
+                        daemon = psutil.Process(proc.pid)
+                        agent = psutil.Process(pid) if pid else None
+                        targets = [("daemon", daemon)]
+                    else:
+                        agent = psutil.Process(proc.pid)
+                        targets = []
+                    if agent is not None:
+                        targets += [("agent", agent)] + [("launcher", c) for c in agent.children(recursive=True)
+                                                         if "trainwarden.agent.launch.elastic" in " ".join(c.cmdline())]
                     for what, p in targets:
                         with p.oneshot():
                             values = {"rss": p.memory_info().rss, "threads": p.num_threads(), "fds": p.num_fds()}

@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["CATALOGUE", "CONSEQUENCES", "LEFT_OUT", "FaultKind", "PlannedFault", "consequence", "draw", "faults_env",
+__all__ = ["CATALOGUE", "CONSEQUENCES", "DAEMON_ONLY", "LEFT_OUT", "FaultKind", "PlannedFault", "consequence", "draw", "faults_env",
            "ledger_agrees", "loss_matches", "match_incidents", "checkpoints_kept", "no_fresh_start", "flat", "Verdict",
            "flags_over_the_limit"]
 
@@ -61,6 +61,8 @@ CATALOGUE: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind(name="degrade", inside=False, restarts=False, expects=("comm_regression",), per_node=True),
     FaultKind(name="quorum", inside=False, restarts=False, expects=(), may=("checkpoint_failed",)),
     FaultKind(name="enospc", inside=False, restarts=False, expects=("checkpoint_failed",), per_node=True),
+    # the daemon-run variant only: the node's daemon SIGKILLed and started again; its launcher trains on, adopted
+    FaultKind(name="daemon_kill", inside=False, restarts=False, expects=()),
 )}
 """What each kind expects is what a correct product records: a node-level fault names the node, a rank-level one
 the rank (``match_incidents``). Node-level faults hit ``n1``; n0 keeps rank 0 and the ledger the soak compares.
@@ -97,8 +99,11 @@ def consequence(kind: str, incident: dict) -> bool:
 DEGRADED_RATE = "8mbit"
 QUORUM_LOST_S = 20.0
 
-LEFT_OUT = ("daemon SIGKILL (the soak has no daemon-run variant)",)
-"""The issue's catalogue entries this soak does not inject."""
+DAEMON_ONLY = ("daemon_kill",)
+"""Kinds that need the daemon-run variant (``soak.py --daemon``)."""
+
+LEFT_OUT = ("daemon SIGKILL (the daemon-run variant's)",)
+"""The issue's catalogue entries the soak does not inject without ``--daemon``."""
 
 SLOW_STEPS = 30
 """A slow rank's window, in steps (factor 3)."""

@@ -20,7 +20,9 @@ started again, one etcd member killed and restarted, the newest committed
 checkpoint truncated or a byte flipped followed by a power loss of both nodes (a restore from disk must pass it
 over), n1's link degraded (``_soak_plan.DEGRADED_RATE`` both ways) until a comm_regression is recorded, etcd's quorum
 lost (two of three members stopped for 20 s), the checkpoint directory full (its own tmpfs filled until a save fails,
-then freed). Left out: daemon SIGKILL (the soak has no daemon-run variant).
+then freed). With ``--daemon`` (the daemon-run variant) a node daemon runs on each node and the job is submitted to
+them: n1's daemon SIGKILLed and started again after 10 s (its launcher must be adopted, the job train on meanwhile)
+joins the catalogue, and n1's killed launcher or its power loss is the daemon's to start again, not the soak's.
 
 Invariants, each printed as ``invariant NAME: ok|FAILED (detail)``: the job finishes; its final loss equals the
 fault-free run's (bit-equal at the logged precision unless the world changed size; else bit-equal up to the first
@@ -52,12 +54,15 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from _soak_plan import (CATALOGUE, DEGRADED_RATE, LEFT_OUT, QUORUM_LOST_S, SLOW_STEPS, Verdict,  # noqa: E402
+from _soak_plan import (CATALOGUE, DAEMON_ONLY, DEGRADED_RATE, LEFT_OUT, QUORUM_LOST_S, SLOW_STEPS, Verdict,  # noqa: E402
                         checkpoints_kept, draw, faults_env, first_shrink, flags_over_the_limit, flat, ledger_agrees,
                         loss_matches,
                         match_incidents, no_fresh_start)
 from _soak_job import GROW_BOUND_S, JOB, NODES, SHRANK, Job, Sampler, corrupt, fill  # noqa: E402
 from testbed import TestBed  # noqa: E402
+
+DAEMON_AWAY_S = 10.0
+"""How long a SIGKILLed daemon stays away before it is started again (a systemd restart takes about as long)."""
 
 PARTITION_HOLD_S = 60.0
 """Longest a partition is held for its node_lost and fenced incidents (the membership lease is 10 s)."""
@@ -107,8 +112,12 @@ class Soak:
                 bed.kill(fault.node)
             elif fault.kind == "partition":
                 bed.partition(fault.node)
-            else:
-                os.kill(job.runs[fault.node].pid, signal.SIGKILL)
+            else:  # its `trainwarden run`: the one the soak started, or the one the node's daemon runs
+                pid = job.launcher(fault.node) if job.daemon else job.runs[fault.node].pid
+                if pid is None:
+                    raise RuntimeError(f"{fault.node}'s daemon records no running launcher of the job")
+                os.kill(pid, signal.SIGKILL)
+                fault.notes.append(f"pid {pid}")
             survivors = self.wait("the survivors' resume", lambda: job.resumed_after(fault.at))
             fault.notes.append(f"survivors trained again after {survivors - fault.at:.1f} s")
             if fault.kind == "partition":
@@ -125,7 +134,7 @@ class Soak:
             back = time.time()
             if fault.kind == "partition":
                 bed.heal(fault.node)
-            else:
+            elif fault.kind == "node_kill" or not job.daemon:  # a killed launcher the daemon starts again itself
                 job.runs[fault.node].wait(30) if job.runs[fault.node].poll() is None else None
                 job.start(fault.node)
             try:
@@ -134,6 +143,8 @@ class Soak:
                 fault.failed = f"the job did not grow back to both nodes within {GROW_BOUND_S:.0f} s"
                 fault.notes.append(fault.failed)
                 fault.recovered_at = time.time()
+        elif fault.kind == "daemon_kill":
+            self._daemon_kill(fault)
         elif fault.kind == "etcd_member":
             fault.at = time.time()
             bed.kill(fault.variant)
@@ -194,6 +205,33 @@ class Soak:
     def _incident(self, kind: str, since: float) -> dict | None:
         return next((i for i in _incidents(self.job.work) if i["kind"] == kind and i["detected_at"] >= since), None)
 
+    def _daemon_kill(self, fault) -> None:
+        """n1's daemon SIGKILLed and, after ``DAEMON_AWAY_S``, started again: the job must train on meanwhile and
+        the new daemon adopt the same launcher (not start a second one, not take the job for finished)."""
+        job = self.job
+        launcher = self.wait(f"{fault.node}'s launcher", lambda: job.launcher(fault.node), 60)
+        daemon = job.runs[fault.node]
+        fault.at = time.time()
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.wait(10)
+        at_kill = job.last_step()
+        time.sleep(DAEMON_AWAY_S)
+        fault.notes.append(f"{job.last_step() - at_kill} steps trained in the {DAEMON_AWAY_S:.0f} s without the daemon")
+        job.start(fault.node)
+        line = f"adopted its running launcher (pid {launcher})"
+        try:
+            self.wait("the launcher's adoption", lambda: line in job.daemon_text(fault.node), 60)
+            fault.notes.append(f"launcher pid {launcher} adopted {time.time() - fault.at:.1f} s after the kill")
+        except TimeoutError:
+            fault.failed = f"the new daemon did not adopt launcher pid {launcher} within 60 s"
+            fault.notes.append(fault.failed)
+        if job.launcher(fault.node) != launcher:
+            fault.failed = f"{fault.node} runs launcher pid {job.launcher(fault.node)}, not pid {launcher}"
+            fault.notes.append(fault.failed)
+        later = job.last_step() + 3
+        self.wait("steps after the daemon's return", lambda: job.last_step() >= later)
+        fault.recovered_at = time.time()
+
     def _degrade(self, fault) -> None:
         """n1's link slowed both ways until a comm_regression is recorded (at most 90 s), then restored; recovered
         when that incident is resolved (the steps back near their pace) or, without one, 5 steps later."""
@@ -232,12 +270,14 @@ def _incidents(work: Path) -> list[dict]:
     return found
 
 
-def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s: float, pad_s: float = 0.0) -> dict:
-    """One run of the job on a fresh bed; with ``faults`` the soak injects them. What was seen, for the verdicts."""
+def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s: float, pad_s: float = 0.0,
+            daemon: bool = False) -> dict:
+    """One run of the job on a fresh bed; with ``faults`` the soak injects them; with ``daemon``, a node daemon per
+    node runs it, submitted. What was seen, for the verdicts."""
     out: dict = {"work": str(work)}
     small_disk = any(f.kind == "enospc" for f in faults)
     with TestBed(nodes=2, etcd_members=3, workdir=work / "bed") as bed, _checkpoint_disk(work / "ckpt", small_disk):
-        job = Job(bed, work, steps, spec, shm, pad_s)
+        job = Job(bed, work, steps, spec, shm, pad_s, daemon=daemon)
         launched = time.time()
         for node in NODES:
             job.start(node)
@@ -245,6 +285,8 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
         sampler.start()
         soak = Soak(job, time.monotonic() + budget_s)
         try:
+            if daemon:
+                job.submit()
             for fault in faults:
                 print(f"[{time.time() - launched:6.0f} s] {fault.describe()} ...", flush=True)
                 soak.inject(fault)
@@ -261,7 +303,7 @@ def run_job(work: Path, steps: int, faults: list, spec: str, shm: Path, budget_s
             SHRANK.search(job.text())), samples=sampler.samples, incidents=_incidents(work), logs=[str(p) for p in job.logs])
         out["present"] = {str(p) for p in job.ckpt.glob("*") if p.is_dir()}
         out["flags_over_the_limit"] = [flag for log in job.logs if log.exists() for flag in flags_over_the_limit(
-            log.name.split("-")[0], log.read_text(errors="replace"), JOB)]
+            job.log_node[log], log.read_text(errors="replace"), JOB)]
         out.update(runs=job.step_runs(), round_starts=job.round_starts(), worlds=job.worlds())
         ledger = work / "state" / "n0" / "jobs" / JOB / "history" / "goodput.json"
         out["ledger"] = json.loads(ledger.read_text()) if ledger.exists() else None
@@ -376,8 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--step-s", type=float, default=0.55, help="a step's seconds on the bed, to size the job and "
                    "convert the gaps (default 0.55, this machine's)")
-    p.add_argument("--kinds", default=",".join(CATALOGUE), help=f"fault kinds to draw from (default all: "
-                   f"{','.join(CATALOGUE)})")
+    p.add_argument("--kinds", default=None, help=f"fault kinds to draw from (default all: "
+                   f"{','.join(CATALOGUE)}; {', '.join(DAEMON_ONLY)} only with --daemon)")
+    p.add_argument("--daemon", action="store_true", help="the daemon-run variant: a node daemon (`trainwarden "
+                   "agent`) on each node, the job submitted to them; adds the daemon's SIGKILL to the catalogue, and "
+                   "a killed launcher or a node's power loss is the daemon's to start again")
     p.add_argument("--pad-s", type=float, default=0.0, help="seconds each step of the soak run sleeps, a stand-in "
                    "for accelerator compute (the job's --step-pad-s), so its steps take the --step-s the plan assumes "
                    "on a machine faster than that (default 0; the fault-free run is not padded: the losses are the "
@@ -399,7 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)  # stop where it is, tear the bed down and judge what was seen
     steps = int(args.minutes * 60 / args.step_s)
     gap = tuple(float(x) for x in args.gap_s.split(","))
-    faults = draw(args.seed, steps=steps, step_s=args.step_s, kinds=args.kinds.split(","), gap_s=gap)
+    kinds = args.kinds.split(",") if args.kinds else [k for k in CATALOGUE if args.daemon or k not in DAEMON_ONLY]
+    if not args.daemon and set(kinds) & set(DAEMON_ONLY):
+        p.error(f"--kinds {','.join(sorted(set(kinds) & set(DAEMON_ONLY)))} needs --daemon (a daemon to kill)")
+    try:
+        faults = draw(args.seed, steps=steps, step_s=args.step_s, kinds=kinds, gap_s=gap)
+    except ValueError as exc:
+        p.error(str(exc))
     print(f"soak: seed {args.seed}, {steps} steps, {len(faults)} faults drawn:\n  " +
           "\n  ".join(f.describe() for f in faults), flush=True)
     if args.keep:
@@ -413,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fault-free run: {ref_s:.0f} s, last step {max((s for _, s, _ in ref['steps']), default=0)}", flush=True)
         if args.reference_only:
             return 0
-        soak = run_job(work / "soak", steps, faults, faults_env(faults), shm / "soak",
+        soak = run_job(work / "soak", steps, faults, faults_env(faults), shm / "soak", daemon=args.daemon,
                        budget_s=args.budget_s or args.minutes * 60 * 3 + 300, pad_s=args.pad_s)
         results = verdicts(ref, soak, faults, 3, work, shm)
         if args.keep:  # what the invariants were judged from, to judge again (``_soak_plan``) without a rerun
@@ -431,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     broken = sum(not v.ok for v in results)
     soak_min = (time.monotonic() - started - ref_s) / 60
     print("faults: " + "; ".join(f"{f.describe()} [{'; '.join(f.notes)}]" for f in injected))
-    print(f"not injected by this soak: {', '.join(LEFT_OUT)}")
+    if not args.daemon:
+        print(f"not injected by this soak: {', '.join(LEFT_OUT)} (--daemon runs that variant)")
     print(f"machine: nproc={os.cpu_count()}, load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         print(json.dumps({"faults": [f.__dict__ for f in faults], "invariants": [v.__dict__ for v in results]},
