@@ -131,7 +131,9 @@ class Soak:
                 except TimeoutError:
                     pass  # the judge says which incident is missing
                 fault.notes.append(f"healed after {time.time() - fault.at:.1f} s")
-            back = time.time()
+            # a daemon starts a killed launcher again at once (in session 36's first run, 30 ms after the kill,
+            # before the survivors had resumed): the node may be back before the survivors resumed without it
+            back = fault.at if fault.kind == "agent_kill" and job.daemon else time.time()
             if fault.kind == "partition":
                 bed.heal(fault.node)
             elif fault.kind == "node_kill" or not job.daemon:  # a killed launcher the daemon starts again itself
