@@ -99,7 +99,9 @@ def supervisor_gone(owner: dict, *, host: str) -> bool:
     if not owner or owner.get("host") != host:
         return False
     try:
-        return psutil.Process(int(owner["pid"])).create_time() != owner.get("started")
+        proc = psutil.Process(int(owner["pid"]))
+        # a zombie is gone: killed, not yet reaped (its parent died with it, and PID 1 reaps when it gets to it)
+        return proc.create_time() != owner.get("started") or proc.status() == psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
         return True
     except psutil.Error:

@@ -97,6 +97,35 @@ def test_supervisor_gone_tells_a_leftover_from_a_live_run():
     assert not supervisor_gone({}, host="h")                       # no owner recorded
 
 
+def test_a_supervisor_killed_but_not_yet_reaped_is_gone():
+    """A SIGKILLed `trainwarden run` whose parent died with it stays a zombie until PID 1 reaps it: 1.4 s on this
+    VM's init, longer under load, for ever under an init that does not reap (a container's). Session 36's soak
+    (daemon-run, both nodes power-killed): the daemon started n1's launcher again 3 s later, which found its own
+    node's record still owned by that zombie, took it for a live run and exited 2; the node never came back."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from trainwarden.agent.common.job_lifecycle import supervisor_gone
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"host": "h", "pid": child.pid, "started": psutil.Process(child.pid).create_time()}
+        assert not supervisor_gone(owner, host="h")
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)  # not reaped: no wait() until the end
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        assert supervisor_gone(owner, host="h")
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_steps_of_the_failed_round_reported_after_the_failure_still_count_before_it():
     """The launcher's report can reach the supervisor before a surviving rank's last batch of step telemetry:
     the failure is "after step 49" once that batch arrives, not after the last step seen in time."""
