@@ -10,6 +10,12 @@ first loss of etcd's quorum, each client having failed over through several memb
 ``install()`` (called by ``open_etcd``, idempotent) keeps each watcher's gRPC call, and its ``close`` cancels it as
 well: the reader thread then ends the way it does when a member dies (the library tells no callback of either;
 ``agent/etcd/watch.py`` is how callers notice). Where the library's layout differs it changes nothing.
+
+The library's reader means to tell each callback when its stream ends, but ``etcd3/watch.py`` calls ``six``, which it
+never imports: the thread dies of a ``NameError`` and its traceback lands in every agent's and launcher's log at each
+etcd restart or failover, alarming and meaningless. ``install()`` gives that module a ``six`` whose ``itervalues``
+yields nothing: the thread ends quietly, and the callbacks hear nothing, as before (every caller is built on that:
+``KeyWatch.alive()``, the rendezvous' re-reads; telling them would turn an etcd blip into failed rounds).
 """
 
 from __future__ import annotations
@@ -38,12 +44,23 @@ class _KeptCalls:
         return getattr(self._stub, name)
 
 
+class _QuietEnd:
+    """What ``etcd3/watch.py`` asks of ``six`` when a stream ends: the callbacks to tell, here none (module docstring)."""
+
+    @staticmethod
+    def itervalues(_callbacks):
+        return iter(())
+
+
 def install() -> bool:
-    """Make closed watchers cancel their stream; False when the library's layout is not the one known."""
+    """Make closed watchers cancel their stream, and an ended stream's reader end without a traceback; False when
+    the library's layout is not the one known."""
     try:
         from etcd3 import watch
     except ImportError:
         return False
+    if not hasattr(watch, "six"):
+        watch.six = _QuietEnd
     watcher = getattr(watch, "Watcher", None)
     if watcher is None or getattr(watcher, _MARK, False):
         return watcher is not None

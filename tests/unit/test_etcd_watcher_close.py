@@ -49,8 +49,7 @@ def _reader(watcher) -> threading.Thread:
     return thread
 
 
-def test_a_closed_watcher_cancels_its_stream_and_its_thread_ends(monkeypatch):
-    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the library's reader dies loudly (six)
+def test_a_closed_watcher_cancels_its_stream_and_its_thread_ends():
     assert watcher_close.install() and watcher_close.install()  # idempotent
     stub = _Stub()
     watcher = watch.Watcher(stub, timeout=1)
@@ -68,3 +67,25 @@ def test_a_closed_watcher_cancels_its_stream_and_its_thread_ends(monkeypatch):
 def test_a_watcher_that_never_opened_a_stream_closes_quietly():
     watcher_close.install()
     watch.Watcher(_Stub(), timeout=1).close()
+
+
+def test_a_stream_that_breaks_ends_its_reader_without_a_traceback_and_tells_no_callback(monkeypatch):
+    """The library's reader calls ``six``, which ``etcd3/watch.py`` never imports: before ``install()`` gave it
+    one, each broken stream left a ``NameError`` traceback in the agent's log (CI's warnings; every launcher's log at
+    an etcd restart). The callbacks still hear nothing: the callers notice through ``alive()`` and re-reads."""
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    watcher_close.install()
+    stub = _Stub()
+    watcher = watch.Watcher(stub, timeout=1)
+    told = []
+    watcher._callbacks[7] = told.append
+    thread = _reader(watcher)
+    for _ in range(100):
+        if stub.calls:
+            break
+        thread.join(0.01)
+    stub.calls[0].cancel()  # the stream fails as a dead member's does
+    thread.join(5)
+    assert not thread.is_alive()
+    assert uncaught == [] and told == [] and watcher._callbacks == {}
