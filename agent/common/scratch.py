@@ -5,8 +5,8 @@
 path is limited to 107 bytes, which a state directory can exceed) and removes them when it ends. A run that
 is SIGKILLed (an OOM kill, ``kill -9``, a node's power) cannot, so each run sweeps what dead runs left: a
 directory is removed only when it has our prefix, belongs to this user, holds our owner mark, and that mark
-names a process that no longer exists (a pid reused by another process has another start time). Directories
-without a mark are never touched.
+names a process that no longer exists (a pid reused by another process has another start time; a zombie, killed
+and not reaped yet, does not count). Directories without a mark are never touched.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ OWNER_FILE = ".trainwarden-owner"
 
 
 def _start_time(pid: int) -> float | None:
+    """When ``pid`` started; None when it does not run (a zombie does not: killed, not reaped yet)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
     except (psutil.Error, OSError):
         return None
 

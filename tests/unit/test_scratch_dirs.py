@@ -39,3 +39,32 @@ def test_a_reused_pid_is_not_its_owner(tmp_path):
     (malformed / OWNER_FILE).write_text("not a mark\n")  # unreadable: counted as alive, kept
     assert sweep("tw-x-", root=tmp_path) == [stale]
     assert malformed.is_dir()
+
+
+def test_an_owner_killed_but_not_yet_reaped_is_gone(tmp_path):
+    """A zombie is gone. Session 36's soak (daemon-run): both nodes power-killed, each daemon started its launcher
+    again a second later, while the killed launchers were zombies PID 1 had not reaped yet (1.4 s on this VM's init);
+    the new runs' sweeps kept the dead runs' directories, and no later sweep came."""
+    import signal
+    import time
+
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\n"
+                              "from trainwarden.agent.common.scratch import scratch_dir\n"
+                              f"print(scratch_dir('tw-x-', root={str(tmp_path)!r}), flush=True)\n"
+                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        dead = tmp_path / os.path.basename(child.stdout.readline().strip())
+        assert sweep("tw-x-", root=tmp_path) == []  # alive
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)  # not reaped: no wait() until the end
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        assert sweep("tw-x-", root=tmp_path) == [dead]
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
