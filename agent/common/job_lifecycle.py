@@ -96,13 +96,14 @@ def supervisor_gone(owner: dict, *, host: str) -> bool:
     """
     import psutil
 
+    from trainwarden.agent.common.process_identity import running_since
+
     if not owner or owner.get("host") != host:
         return False
     try:
-        proc = psutil.Process(int(owner["pid"]))
-        # a zombie is gone: killed, not yet reaped (its parent died with it, and PID 1 reaps when it gets to it)
-        return proc.create_time() != owner.get("started") or proc.status() == psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+        started = running_since(int(owner["pid"]))  # None for a zombie too: killed, not reaped yet
+        return started is None or started != owner.get("started")
+    except (KeyError, ValueError, TypeError):
         return True
     except psutil.Error:
         return False

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 
+from trainwarden.agent.common.process_identity import running_since
+
 __all__ = ["OWNER_FILE", "scratch_dir", "sweep"]
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,7 @@ OWNER_FILE = ".trainwarden-owner"
 def _start_time(pid: int) -> float | None:
     """When ``pid`` started; None when it does not run (a zombie does not: killed, not reaped yet)."""
     try:
-        proc = psutil.Process(pid)
-        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+        return running_since(pid)
     except (psutil.Error, OSError):
         return None
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from trainwarden.agent.common.process_identity import running_since
 from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ def _identity(pid: int) -> dict | None:
 
 def _alive(entry: dict) -> psutil.Process | None:
     try:
-        proc = psutil.Process(int(entry["pid"]))
-        if abs(proc.create_time() - float(entry["started"])) <= 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
-            return proc
+        pid = int(entry["pid"])
+        started = running_since(pid)
+        if started is not None and abs(started - float(entry["started"])) <= 0.01:
+            return psutil.Process(pid)
     except (psutil.Error, KeyError, TypeError, ValueError):
         pass
     return None

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import psutil
 
+from trainwarden.agent.common.process_identity import running_since
 from trainwarden.agent.shared.atomic_file import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class LauncherFiles:
 def alive(rec: LauncherRecord) -> bool:
     """Whether the launcher still runs: its pid is the same process (the same start time), not a zombie."""
     try:
-        proc = psutil.Process(rec.pid)
-        return abs(proc.create_time() - rec.started) <= 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+        started = running_since(rec.pid)
     except psutil.Error:
         return False
+    return started is not None and abs(started - rec.started) <= 0.01
