@@ -5,8 +5,8 @@ sampled as it runs."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,7 +58,6 @@ class Job:
         self.log_node: dict[Path, str] = {}
         self.daemon_logs: list[Path] = []
         self.runs: dict[str, psutil.Popen | object] = {}
-        self.submitted = False
 
     def _gpt_args(self) -> list[str]:
         return ["-m", "trainwarden.runtime.examples.gpt", "--tp", "2", "--pp", "2", "--batch", "8",
@@ -129,7 +128,6 @@ class Job:
         out = self.bed.run(NODES[0], self._cli("submit", str(spec)), timeout=60)
         if out.returncode != 0:
             raise RuntimeError(f"trainwarden submit failed: {out.stderr.strip()[-2000:]}")
-        self.submitted = True
 
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "trainwarden.agent.cli", *args, "--etcd", self.bed.etcd_endpoints]
