@@ -259,9 +259,12 @@ class JobRunner:
                            "is still %s; starting it again (%d of %d)", view.name, rec.generation, rec.pid,
                            view.phase, rec.relaunches + 1, spec.max_restarts)
             return rec.relaunches + 1
-        logger.info("job %s: its launcher (pid %d) ended while the daemon was away; the job is %s (generation %d), "
-                    "so this node's part of generation %d is over", view.name, rec.pid, view.phase, view.generation,
-                    rec.generation)
+        spent = live and view.generation == rec.generation  # the job goes on without this node: say it louder
+        why = f"its {spec.max_restarts} restart(s) on this node are spent" if spent else \
+            f"the job is {view.phase} (generation {view.generation})"
+        logger.log(logging.WARNING if spent else logging.INFO, "job %s: its launcher (pid %d) ended while the daemon "
+                   "was away; %s, so this node's part of generation %d is over", view.name, rec.pid, why,
+                   rec.generation)
         self._finished[view.name] = rec.generation
         return 0
 

@@ -170,6 +170,31 @@ def test_a_node_that_lost_power_mid_job_takes_its_part_again_when_its_daemon_com
     assert f"its launcher (pid {launcher['pid']}) ended while the daemon was away" in daemons.log("n0")
 
 
+def test_a_node_that_lost_power_with_no_restart_left_stays_out_and_its_daemon_says_why(daemons, tmp_path, etcd_server):
+    """The same power loss under ``max_restarts = 0``: the budget a killed launcher has is spent, so the daemon that
+    comes back does not start the job's part again, and says so."""
+    etcd = etcd_server.endpoint
+    daemons.start("n0")
+    spec = _spec(tmp_path / "pz.toml", "pz", 400, tmp_path / "ckpt", nodes=["n0"], max_restarts=0)
+    assert _cli("submit", str(spec), etcd=etcd).returncode == 0
+    wait_for(lambda: max(_steps(daemons.job_log("n0", "pz")) or [0]) >= 2, 180, what="the job to train")
+    (launcher,) = daemons.launchers("n0").values()
+    tree = [psutil.Process(daemons.running["n0"].pid), psutil.Process(launcher["pid"])]
+    tree += psutil.Process(launcher["pid"]).children(recursive=True)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+
+    daemons.start("n0")
+    wait_for(lambda: "restart(s) on this node are spent" in daemons.log("n0"), 30, what="the daemon to say why")
+    assert f"its launcher (pid {launcher['pid']}) ended while the daemon was away; its 0 restart(s)" in daemons.log("n0")
+    time.sleep(3)  # a round or more of the runner
+    assert daemons.launchers("n0") == {} and daemons.job_log("n0", "pz").count("starts job pz") == 1
+
+
 @pytest.mark.skipif(not prometheus_available(), reason="prometheus not installed (apt-get install prometheus)")
 def test_prometheus_scraping_the_daemon_alone_sees_the_step_series_of_the_job_it_runs(daemons, tmp_path, etcd_server):
     """What deploy/prometheus.yml does (the node's daemon is the only target, honor_labels) is enough to see a
