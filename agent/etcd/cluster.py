@@ -22,6 +22,11 @@
   starts, deleted when it stops, under a lease of ``BUSY_TTL_S`` kept alive meanwhile: a dead agent's beacon goes
   by itself), and a node whose watchdog would declare a hang first reads ``jobs/<job>/busy/``: while another node
   works, it is not a hang yet. Nothing is written while the job progresses or while no rank works (a real hang).
+* **Slow off the links elsewhere** (``HangCoordinator.set_slow_off_links``, ``slow_off_links_elsewhere``).
+  The same beacon for the communication-regression watch: a node whose latest window was slower without the
+  time going to collectives (a rank there computes more) holds ``jobs/<job>/slow_off_links/<node>``, and a node
+  about to record a regression first reads ``jobs/<job>/slow_off_links/``: while another node is there, its own
+  ranks may only be waiting for that node's (agent/watchdog/comm_watch.py). Written only when that changes.
 
 * **Growing** (``agree_checkpoint_step``). When nodes wait to join a healthy round, every node's launcher
   pauses its restart; the first node to propose a step after which all workers checkpoint and hold wins
@@ -345,42 +350,60 @@ class HangCoordinator:
         self._client, self.node, self._prefix = client, node, prefix
         self._wait, self._clock, self._sleep = verdict_wait_s, clock, sleep
         self._peers = peers or (lambda job: [n for n in read_progress(client, job, prefix=prefix) if n != node])
-        self._busy: set[str] = set()  # jobs whose busy beacon this node holds
+        self._beacons: set[tuple[str, str]] = set()  # (job, kind) of the beacons this node holds
         self.unanswered: list[str] = []
         """The live nodes whose verdict the owner's last ``coordinate`` did not get (cut off, or the agent down)."""
-        self._busy_lease = None
-        self._busy_refreshed = 0.0
+        self._beacon_lease = None
+        self._beacon_refreshed = 0.0
 
     def _key(self, job: str, key: str, *parts: str) -> str:
         return job_key(job, "hangs", key, *parts, prefix=self._prefix)
 
     def set_busy(self, job: str, busy: bool) -> None:
-        """Say whether this node's ranks of ``job`` work while the job is stalled (module docstring): a put when
-        that starts, a lease keep-alive every third of ``BUSY_TTL_S`` while it lasts, a delete when it ends;
-        nothing when it does not change. Called on every watchdog check; raises what etcd raises."""
-        client, key = self._client, job_key(job, "busy", self.node, prefix=self._prefix)
-        if not busy:
-            if job in self._busy:
-                self._busy.discard(job)
-                with_failover(client, lambda: client.delete(key))
-            return
-        now = self._clock()
-        if self._busy_lease is not None and self._busy and now - self._busy_refreshed >= BUSY_TTL_S / 3:
-            self._busy_refreshed = now
-            if not refresh_lease(client, self._busy_lease):
-                self._busy_lease, self._busy = None, set()  # expired (etcd was away): put them again
-        if job in self._busy:
-            return
-        if self._busy_lease is None or not self._busy:
-            self._busy_lease = with_failover(client, lambda: client.lease(BUSY_TTL_S))
-            self._busy_refreshed = now
-        value = json.dumps({"node": self.node})
-        with_failover(client, lambda: client.put(key, value, lease=self._busy_lease))
-        self._busy.add(job)
+        """Say whether this node's ranks of ``job`` work while the job is stalled (module docstring); a beacon
+        (``_set_beacon``). Called on every watchdog check; raises what etcd raises."""
+        self._set_beacon(job, "busy", busy)
 
     def busy_elsewhere(self, job: str) -> list[str]:
         """The job's other nodes whose ranks work while it is stalled (their busy beacons)."""
-        beacons = read_json_prefix(self._client, job_key(job, "busy", "", prefix=self._prefix))
+        return self._beacons_elsewhere(job, "busy")
+
+    def set_slow_off_links(self, job: str, slow: bool) -> None:
+        """Say whether this node's latest window of ``job`` was slower without the time going to collectives
+        (module docstring); a beacon. Raises what etcd raises."""
+        self._set_beacon(job, "slow_off_links", slow)
+
+    def slow_off_links_elsewhere(self, job: str) -> list[str]:
+        """The job's other nodes whose latest window was slower off the links (their beacons)."""
+        return self._beacons_elsewhere(job, "slow_off_links")
+
+    def _set_beacon(self, job: str, kind: str, on: bool) -> None:
+        """Hold ``jobs/<job>/<kind>/<node>`` while ``on``: a put when it starts, a keep-alive of the beacons' one
+        lease every third of ``BUSY_TTL_S`` while any is held, a delete when it ends; nothing when it does not
+        change. Raises what etcd raises."""
+        client, key, held = self._client, job_key(job, kind, self.node, prefix=self._prefix), (job, kind)
+        if not on:
+            if held in self._beacons:
+                self._beacons.discard(held)
+                with_failover(client, lambda: client.delete(key))
+            return
+        now = self._clock()
+        if self._beacon_lease is not None and self._beacons and now - self._beacon_refreshed >= BUSY_TTL_S / 3:
+            self._beacon_refreshed = now
+            if not refresh_lease(client, self._beacon_lease):
+                self._beacon_lease, self._beacons = None, set()  # expired (etcd was away): put them again
+        if held in self._beacons:
+            return
+        if self._beacon_lease is None or not self._beacons:
+            self._beacon_lease = with_failover(client, lambda: client.lease(BUSY_TTL_S))
+            self._beacon_refreshed = now
+        value = json.dumps({"node": self.node})
+        with_failover(client, lambda: client.put(key, value, lease=self._beacon_lease))
+        self._beacons.add(held)
+
+    def _beacons_elsewhere(self, job: str, kind: str) -> list[str]:
+        """The job's other nodes that hold a ``kind`` beacon now."""
+        beacons = read_json_prefix(self._client, job_key(job, kind, "", prefix=self._prefix))
         return sorted(node for node in beacons if node != self.node)
 
     def coordinate(self, job: str, key: str, incident_id: str, local: Mapping[str, Any], *,

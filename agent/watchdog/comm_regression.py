@@ -38,7 +38,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 __all__ = ["CommRegressionConfig", "CommRegressionDetector", "CommRegressionEvent", "RankTotals", "WindowStats"]
 
@@ -217,12 +217,26 @@ class CommRegressionDetector:
     def forget(self, job: str) -> None:
         self._jobs.pop(job, None)
 
-    def update(self, job: str, t: float, totals: Mapping[int, RankTotals], *,
-               straggler: bool = False) -> list[CommRegressionEvent]:
+    def slow_off_links(self, job: str) -> bool:
+        """Whether ``job``'s latest judged window here was slow (at least ``start_ratio`` times the baseline) without
+        being a communication regression's: some rank's own compute grew, or its wait did not. On a job of several
+        nodes, the other nodes hold their starts while one says so (``update``'s ``elsewhere``)."""
+        state = self._jobs.get(job)
+        last = state.last if state else None
+        return bool(last and last["ratio"] >= self.config.start_ratio and not last["suspect"])
+
+    def update(self, job: str, t: float, totals: Mapping[int, RankTotals], *, straggler: bool = False,
+               elsewhere: Callable[[], Sequence[str]] | None = None) -> list[CommRegressionEvent]:
         """The events of ``job``'s latest counters. ``straggler``: a rank of the job is flagged a straggler now;
         no regression starts while it is (its peers wait for it in collectives, which looks like a slower network:
         soak run D's false alarm during a slow rank), the mirror of the straggler detector's ``links_suspect``.
-        The windows still count, so a regression that outlasts the straggler starts with the next window."""
+        The windows still count, so a regression that outlasts the straggler starts with the next window.
+
+        ``elsewhere()``: the job's other nodes whose latest window was slow off the links (``slow_off_links``),
+        asked only when a start is due; no regression starts while there is one. This node sees only its own
+        ranks: a rank that computes more on another node makes every rank here wait in collectives, which is a
+        slower network by every measure this node has (the daemon soak's slow rank 1 on n0, a false regression on
+        n1 two windows after the slowdown, 50 s before n0 named the straggler)."""
         if not totals:
             return []
         cfg = self.config
@@ -260,7 +274,7 @@ class CommRegressionDetector:
         self._open(state, t, totals)
         if tainted:
             return []
-        return self._judge(job, state, window, straggler=straggler)
+        return self._judge(job, state, window, straggler=straggler, elsewhere=elsewhere)
 
     def _slow_already(self, state: _Job, totals: Mapping[int, RankTotals], done: dict[int, int]) -> bool:
         """Whether a window of fewer than ``min_window_steps`` steps (at least one on every rank) may close: its steps
@@ -279,8 +293,8 @@ class CommRegressionDetector:
     def _open(state: _Job, t: float, totals: Mapping[int, RankTotals]) -> None:
         state.start_t, state.start, state.tainted = t, dict(totals), False
 
-    def _judge(self, job: str, state: _Job, window: dict[int, WindowStats], *,
-               straggler: bool = False) -> list[CommRegressionEvent]:
+    def _judge(self, job: str, state: _Job, window: dict[int, WindowStats], *, straggler: bool = False,
+               elsewhere: Callable[[], Sequence[str]] | None = None) -> list[CommRegressionEvent]:
         cfg = self.config
         if len(state.healthy) < cfg.baseline_windows:
             state.healthy.append(window)  # still learning what normal is
@@ -312,7 +326,11 @@ class CommRegressionDetector:
         if suspect:
             state.suspect = max(state.suspect + 1, len(state.slow_run))
             state.calm = 0
-            if not state.regressed and state.suspect >= cfg.persist_windows and not straggler:
+            due = not state.regressed and state.suspect >= cfg.persist_windows and not straggler
+            held_by = list(elsewhere() or ()) if due and elsewhere is not None else []
+            if held_by:
+                state.last["held_by"] = held_by
+            elif due:
                 state.regressed = True
                 events.append(CommRegressionEvent(job=job, started=True, ratio=ratio, baseline_step_s=base_step,
                                                   step_s=step, baseline=baseline, window=window,

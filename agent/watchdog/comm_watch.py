@@ -8,6 +8,13 @@ job whose links slowed sees it, and each records it for its ranks (the incident 
 or link is the link check's work (agent/linkcheck): when the launcher gives this watch a ``localize`` hook
 (multi-node `trainwarden run`), a regression's start asks for one, on the hook's thread, and its report joins
 the open incident's evidence (``link_check``) when it arrives, with one log line naming the node or pair.
+
+A node's own ranks cannot tell a slower network from a slower rank on another node: either way every rank here
+waits longer in collectives while its own compute stays flat. The node that holds the slow rank can: its
+window is slow too, but a rank's compute grew there. So with a ``cluster`` (agent/etcd/cluster.py) each node
+says when its latest window was slow off the links (a beacon, written only when that changes), and a node about
+to record a regression first asks whether another node says so; while one does, it holds (the detector's
+``elsewhere``). When etcd cannot be asked, the node judges alone for ``CLUSTER_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
+from trainwarden.agent.watchdog.cluster_hang import CLUSTER_RETRY_S
 from trainwarden.agent.watchdog.comm_regression import (CommRegressionConfig, CommRegressionDetector,
                                                         CommRegressionEvent, RankTotals)
 
@@ -41,9 +49,12 @@ class CommRegressionWatch:
     """Feeds the detector from the watchdog's snapshots; records incidents through ``record``."""
 
     def __init__(self, record: Callable[[Incident], Incident], *, node: str, clock: Callable[[], float],
-                 wall: Callable[[], float], config: CommRegressionConfig | None = None) -> None:
+                 wall: Callable[[], float], config: CommRegressionConfig | None = None, cluster=None) -> None:
+        """``cluster``: the job's other nodes (a ``HangCoordinator``, agent/etcd/cluster.py), on jobs of several."""
         self._record, self._node, self._clock, self._wall = record, node, clock, wall
         self.detector = CommRegressionDetector(config)
+        self._nodes = _OtherNodes(cluster, clock) if cluster is not None else None
+        self._held: dict[str, list[str]] = {}  # job -> the other nodes that held its start back (said once)
         self._open: dict[str, Incident] = {}
         self.localize: Callable[[str, Callable[[dict], None]], object] | None = None
         """``localize(job, on_done)``: start a link check of ``job`` off this thread (agent/linkcheck)."""
@@ -52,9 +63,25 @@ class CommRegressionWatch:
 
     def check(self, snap: JobSnapshot) -> None:
         self._attach_link_checks()
+        job = snap.job
         straggler = any("straggler" in r.flags for r in snap.ranks if r.connected)
-        for event in self.detector.update(snap.job, self._clock(), rank_totals(snap), straggler=straggler):
+        elsewhere = (lambda: self._nodes.slow_elsewhere(job)) if self._nodes is not None else None
+        for event in self.detector.update(job, self._clock(), rank_totals(snap), straggler=straggler,
+                                          elsewhere=elsewhere):
             self._on_event(snap, event)
+        if self._nodes is not None:
+            self._nodes.share(job, self.detector.slow_off_links(job))
+        self._say_held(job)
+
+    def _say_held(self, job: str) -> None:
+        held_by = (self.detector.last_window(job) or {}).get("held_by") or []
+        if not held_by:
+            self._held.pop(job, None)
+        elif self._held.get(job) != held_by:
+            self._held[job] = held_by
+            log.warning("job %s: this node's ranks wait longer in collectives, but node %s is slower in its own "
+                        "ranks' work: not a communication regression while it is (a straggler there?)", job,
+                        ",".join(held_by), extra={"job": job})
 
     def _ask_for_link_check(self, job: str, incident_id: str) -> None:
         localize = self.localize
@@ -93,6 +120,9 @@ class CommRegressionWatch:
 
     def forget(self, job: str, outcome: str = "the job ended during the regression") -> None:
         self.detector.forget(job)
+        self._held.pop(job, None)
+        if self._nodes is not None:
+            self._nodes.forget(job)
         incident = self._open.pop(job, None)
         if incident is not None:
             self._record(incident.transition(IncidentState.RESOLVED, outcome=outcome, now=self._wall()))
@@ -144,3 +174,40 @@ class CommRegressionWatch:
                 ratio.add_metric([job, self._node], last["ratio"])
         yield flag
         yield ratio
+
+
+class _OtherNodes:
+    """This node's ``slow_off_links`` beacon and the other nodes' (module docstring); alone while etcd fails."""
+
+    def __init__(self, cluster, clock: Callable[[], float]) -> None:
+        self._cluster, self._clock = cluster, clock
+        self._failing: dict[str, float] = {}  # job -> when to ask etcd again (its failure said once)
+
+    def share(self, job: str, slow: bool) -> None:
+        self._ask(job, lambda: self._cluster.set_slow_off_links(job, slow))
+
+    def slow_elsewhere(self, job: str) -> list[str]:
+        return self._ask(job, lambda: self._cluster.slow_off_links_elsewhere(job)) or []
+
+    def forget(self, job: str) -> None:
+        self._failing.pop(job, None)
+        try:
+            self._cluster.set_slow_off_links(job, False)
+        except Exception:
+            pass  # the beacon's lease ends it
+
+    def _ask(self, job: str, call: Callable[[], object]):
+        if self._clock() < self._failing.get(job, float("-inf")):
+            return None
+        try:
+            answer = call()
+        except Exception as exc:
+            if job not in self._failing:
+                log.warning("job %s: cannot compare this node's step times with the other nodes' through etcd "
+                            "(%s); judging communication regressions from this node's ranks alone, asking again "
+                            "every %.0f s", job, exc, CLUSTER_RETRY_S, extra={"job": job})
+            self._failing[job] = self._clock() + CLUSTER_RETRY_S
+            return None
+        if self._failing.pop(job, None) is not None:
+            log.info("job %s: comparing step times with the other nodes again", job, extra={"job": job})
+        return answer

@@ -107,7 +107,7 @@ class Watchdog:
         self._straggler = StragglerDetector(self.config.straggler, clock=clock)
         self._trace = TraceWriter(self.config.straggler_trace_dir) if self.config.straggler_trace_dir else None
         self._comm = CommRegressionWatch(lambda incident: self._actions.record(incident), node=node, clock=clock,
-                                         wall=wall, config=self.config.comm_regression)
+                                         wall=wall, config=self.config.comm_regression, cluster=cluster)
         self._acting: dict[str, tuple[Incident | None, float]] = {}  # job -> hang incident waiting for progress (None: another node's)
         self._straggler_incidents = StragglerIncidents(actions, node=node, config=self.config.straggler, wall=wall,
                                                        set_flag=lambda *flag: job_telemetry.set_flag(*flag),

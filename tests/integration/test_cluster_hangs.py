@@ -157,7 +157,28 @@ def test_a_node_busy_beacon_is_seen_by_the_others_and_goes_when_it_stops_or_its_
     a.set_busy("bz", False)
     assert b.busy_elsewhere("bz") == []
     b.set_busy("bz", True)
-    lease = b._busy_lease
+    lease = b._beacon_lease
     assert a.busy_elsewhere("bz") == ["nb"]
     lease.revoke()  # as when nb's agent dies and its lease ends
     assert a.busy_elsewhere("bz") == []
+
+
+def test_a_node_slow_off_the_links_is_seen_by_the_others_apart_from_its_busy_beacon(client):
+    """set_slow_off_links is the same beacon under jobs/<job>/slow_off_links/<node> (agent/watchdog/comm_watch.py):
+    put once, seen by the other nodes only, deleted when it ends; a node's busy and slow beacons share one lease
+    and end apart."""
+    from trainwarden.agent.etcd import cluster as cluster_mod
+
+    a, b = HangCoordinator(client, "na"), HangCoordinator(client, "nb")
+    assert b.slow_off_links_elsewhere("sl") == []
+    a.set_slow_off_links("sl", True)
+    a.set_busy("sl", True)
+    revision = client.get(cluster_mod.job_key("sl", "slow_off_links", "na"))[1].mod_revision
+    a.set_slow_off_links("sl", True)  # no change: no write
+    assert client.get(cluster_mod.job_key("sl", "slow_off_links", "na"))[1].mod_revision == revision
+    assert b.slow_off_links_elsewhere("sl") == ["na"] and a.slow_off_links_elsewhere("sl") == []
+    assert b.busy_elsewhere("sl") == ["na"]
+    a.set_slow_off_links("sl", False)
+    assert b.slow_off_links_elsewhere("sl") == [] and b.busy_elsewhere("sl") == ["na"]
+    a.set_busy("sl", False)
+    assert b.busy_elsewhere("sl") == []

@@ -759,6 +759,17 @@ class FakeCoordinator:
             raise ConnectionError("etcd unreachable")
         return list(self.busy)
 
+    slow_off_links: tuple = ()  # the other nodes whose latest window was slow off the links
+
+    def set_slow_off_links(self, job, slow):
+        if self.fail:
+            raise ConnectionError("etcd unreachable")
+
+    def slow_off_links_elsewhere(self, job):
+        if self.fail:
+            raise ConnectionError("etcd unreachable")
+        return list(self.slow_off_links)
+
     def coordinate(self, job, key, incident_id, local, *, on_wait=None):
         self.calls.append((job, key, local))
         if self.fail:
