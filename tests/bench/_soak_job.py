@@ -241,6 +241,31 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def held(pid: int) -> dict[str, int]:
+    """What a process holds, by kind: its fds by target (``fd socket``, ``fd pipe``, ``fd anon_inode:[eventpoll]``, a
+    file's path) and its threads by name (``thread grpc_global_tim``; Python's own threads are all named after the
+    process): what a failed flat_resources names as grown."""
+    kinds: dict[str, int] = {}
+    root = Path(f"/proc/{pid}")
+    try:
+        for fd in (root / "fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+            kinds[f"fd {kind}"] = kinds.get(f"fd {kind}", 0) + 1
+        for task in (root / "task").iterdir():
+            try:
+                name = (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            kinds[f"thread {name}"] = kinds.get(f"thread {name}", 0) + 1
+    except OSError:
+        pass
+    return kinds
+
+
 class Sampler(threading.Thread):
     """Every ``period`` seconds: RSS, threads and fds of each node's agent (`trainwarden run`) and launcher, and in
     daemon mode of its daemon."""
@@ -268,7 +293,8 @@ class Sampler(threading.Thread):
                                                          if "trainwarden.agent.launch.elastic" in " ".join(c.cmdline())]
                     for what, p in targets:
                         with p.oneshot():
-                            values = {"rss": p.memory_info().rss, "threads": p.num_threads(), "fds": p.num_fds()}
+                            values = {"rss": p.memory_info().rss, "threads": p.num_threads(), "fds": p.num_fds(),
+                                      "held": held(p.pid)}
                         self.samples.append((time.time(), f"{node} {what} {p.pid}", values))
                 except psutil.Error:
                     continue

@@ -419,6 +419,19 @@ def _median_row(rows: list[tuple[float, dict]]) -> dict:
     return {m: statistics.median_low(values[m] for _, values in rows) for m in ("rss", "threads", "fds")}
 
 
+def _grown(base_rows: list[tuple[float, dict]], last_rows: list[tuple[float, dict]], measure: str) -> str:
+    """What a process holds more of at its end than at its level, by kind (the sampler's ``held``: fds by target,
+    threads by name), each kind the median of its window; "" when the samples do not say."""
+    prefix = {"fds": "fd ", "threads": "thread "}[measure]
+    kinds = {k for _, values in base_rows + last_rows for k in values.get("held", {}) if k.startswith(prefix)}
+
+    def level(rows, kind):
+        return statistics.median_low(values.get("held", {}).get(kind, 0) for _, values in rows)
+
+    grown = sorted(((level(last_rows, k) - level(base_rows, k), k[len(prefix):]) for k in kinds), reverse=True)
+    return ", ".join(f"+{n} {k}" for n, k in grown if n > 0)
+
+
 def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack: float = 0.10,
          settle: float = 60.0, allowance: int = ETCD_FAILOVER_ALLOWANCE, window: int = FLAT_WINDOW) -> Verdict:
     """``samples``: (time, process label, {"rss", "threads", "fds"}). Each process's first sample at or after
@@ -441,7 +454,9 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
             if measure != "rss":
                 bound = max(bound, base[measure] + allowance)
             if base[measure] and last[measure] > bound:
-                problems.append(f"{label} {measure} {base[measure]} -> {last[measure]}")
+                grown = _grown(after[:window], after[-window:], measure) if measure != "rss" else ""
+                problems.append(f"{label} {measure} {base[measure]} -> {last[measure]}"
+                                + (f" ({grown})" if grown else ""))
         checked.append(f"{label} rss {base['rss'] / 2**20:.0f}->{last['rss'] / 2**20:.0f} MiB threads "
                        f"{base['threads']}->{last['threads']} fds {base['fds']}->{last['fds']}")
     if not checked:

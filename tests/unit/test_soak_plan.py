@@ -175,6 +175,20 @@ def test_a_process_level_and_end_are_medians_so_a_passing_thread_is_not_growth_a
     assert not verdict.ok and "rss" in verdict.detail and "threads" in verdict.detail
 
 
+def test_a_failed_flat_resources_names_what_the_process_holds_more_of():
+    """The daemon soak's hour (session 36): n1's launcher went from 24 to 31 fds, and the verdict said only that."""
+    def row(fds, held):
+        return {"rss": 60, "threads": 30, "fds": fds, "held": held}
+
+    base = {"fd socket": 10, "fd pipe": 4, "fd anon_inode:[eventpoll]": 2, "thread grpc_global_tim": 1}
+    grown = {**base, "fd socket": 15, "fd anon_inode:[eventpoll]": 4, "thread grpc_global_tim": 2}
+    samples = [(float(i), "n1 agent 7", row(16, base)) for i in range(3)] + \
+        [(10.0 + i, "n1 agent 7", row(23, grown)) for i in range(3)]
+    verdict = flat(samples, 0.0, settle=0, window=3)
+    assert not verdict.ok
+    assert verdict.detail == "n1 agent 7 fds 16 -> 23 (+5 socket, +2 anon_inode:[eventpoll])"
+
+
 def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():
     corrupt = PlannedFault(index=0, kind="ckpt_corrupt", step=40, variant="flip", at=100.0)
     seen = [_inc("checkpoint_set_aside", 110, "n0", [0]), _inc("node_lost", 105, "n1", [4, 5, 6, 7])]
