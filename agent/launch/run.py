@@ -21,7 +21,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -43,13 +42,11 @@ from trainwarden.agent.etcd.membership import NodeMembership
 from trainwarden.agent.incidents.spare_takeover import SpareTakeover
 from trainwarden.agent.incidents.worker_failures import WorkerFailureRecorder
 from trainwarden.agent.launch.accounting import Accounting
-from trainwarden.agent.launch.elastic import EVENTS_FD_ENV, REPLY_FD_ENV
-from trainwarden.agent.launch.events import LaunchEventReader
 from trainwarden.agent.launch.fencing import FENCED, EtcdRounds, Fencing
 from trainwarden.agent.launch.job_entry import enter_job
+from trainwarden.agent.launch.launched import Launched
 from trainwarden.agent.launch.links import LinkChecks
 from trainwarden.agent.launch.memory_tier import MemoryTier, start_memory_tier
-from trainwarden.agent.launch.output import OutputPump
 from trainwarden.agent.launch.process import TorchrunProcess
 from trainwarden.agent.launch.progress import JobProgress
 from trainwarden.agent.launch.regroup import LEFT, EtcdLeaves, Regrouping
@@ -129,7 +126,8 @@ class _JobRun:
         self.membership: NodeMembership | None = None
         self.fenced = 0  # times this node was fenced (``_fence``)
         self._reported_checkpoint_dir: Path | None = None  # where the workers said they checkpoint
-        self._reply_fd: int | None = None
+        self.launched: Launched | None = None  # the current start of torchrun (``launch``)
+        self._log_file: TextIO | None = None  # the run log, open for the whole run
         self._stand_in = None  # warm workers: a worker's pid -> the client pid it stands behind (``_warm_dir``)
         self.progress = JobProgress()
         self.fencing = Fencing(job=opts.job, node=self.node, multi_node=self._multi_node,
@@ -150,9 +148,6 @@ class _JobRun:
         self.failures: WorkerFailureRecorder | None = None
         self.spares: SpareTakeover | None = None  # with --spare-nodes: names this node in the loss it replaced
         self.spare_swaps = SpareSwaps(opts.job, node=self.node)
-        self.torchrun: TorchrunProcess | None = None
-        self.pump: OutputPump | None = None
-        self.events: LaunchEventReader | None = None
         self.verdict = StopVerdict(job=opts.job, numeric_policy=opts.numeric_policy, log_path=self.logs / "run.log",
                                    out=out)  # when restarting cannot help
         self.rounds = RoundEvents(job=opts.job, node=self.node, spare_nodes=opts.spare_nodes,
@@ -276,39 +271,37 @@ class _JobRun:
         self.transition(JobPhase.STARTING)
 
     def launch(self, cleanup: ExitStack) -> None:
-        """torchrun in a session of its own, its output pumped to the terminal and the run log."""
-        log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
-        events_read, events_write = os.pipe()  # the launcher's structured events (agent/launch/elastic.py)
-        reply_read, reply_write = os.pipe()  # and our answers to it (``go`` before a membership restart)
+        """torchrun in a session of its own, its output pumped to the terminal and the run log. A fenced node's
+        earlier launch is closed first: what it held goes back now, not at the run's end (agent/launch/launched.py)."""
+        if self._log_file is None:
+            self._log_file = cleanup.enter_context(open(self.logs / "run.log", "a", buffering=1))
+            cleanup.callback(self._close_launch)
+        self._close_launch()
         try:
-            env = {**self.env, EVENTS_FD_ENV: str(events_write), REPLY_FD_ENV: str(reply_read),
-                   SUPERVISOR_PID_ENV: str(os.getpid())}
-            self.torchrun = TorchrunProcess(self.cmd, env, stdout=subprocess.PIPE, pass_fds=(events_write, reply_read))
+            self.launched = Launched(self.cmd, {**self.env, SUPERVISOR_PID_ENV: str(os.getpid())}, out=self.out,
+                                     log=self._log_file, on_line=self._on_line, on_event=self.rounds.on_event)
         except OSError as exc:
-            os.close(events_read)
-            os.close(reply_write)
             self.transition(JobPhase.FAILED, str(exc))
             raise Abandon(exit_codes.EXIT_LAUNCH_FAILED, f"cannot start torchrun: {exc}") from None
-        finally:
-            os.close(events_write)
-            os.close(reply_read)
-        self._reply_fd = reply_write
-        cleanup.callback(os.close, reply_write)
-        cleanup.callback(self.torchrun.stop)
         self.run_record.set("torchrun", self.torchrun.pid)
         atomic_write(self.state_dir / CHECKPOINT_DIR_RECORD, f"{self.checkpoint_dir.resolve()}\n".encode())
         if self.agent is not None:  # the workers the agent may ever signal descend from this torchrun
             self.agent.actions.register_launcher(self.opts.job, self.torchrun.pid)
         self.rounds.attach(run_record=self.run_record, failures=self.failures, membership=self.membership,
                            spares=self.spares, killed=self.agent.actions.killed_by_agent if self.agent else None)
-        self.events = LaunchEventReader(events_read, self.rounds.on_event)
-        self.events.start()
-        self.pump = OutputPump(self.torchrun.stdout, self.out, log_file, self._on_line)
-        self.pump.start()
+        self.launched.start_reading()
+
+    def _close_launch(self) -> None:
+        if self.launched is not None:
+            self.launched.close()
+
+    @property
+    def torchrun(self) -> TorchrunProcess | None:
+        return self.launched.torchrun if self.launched is not None else None
 
     def supervise(self, signals: StopOnSignals) -> int:
         """Wait for torchrun to end or a signal to stop it; the job's final phase and the exit code."""
-        torchrun, pump = self.torchrun, self.pump
+        torchrun = self.torchrun
         self.verdict.wake = signals.event  # a configuration error found by the event reader ends the wait early too
         watching = threading.Event()  # the leave protocol polls etcd on a thread: this loop never waits on etcd
         watcher = threading.Thread(target=self.regroup.watch, args=(watching,), name="trainwarden-leave-watch",
@@ -332,8 +325,7 @@ class _JobRun:
             self.transition(JobPhase.STOPPED, signal.Signals(signals.received).name)
             return _exit_code(signals.received)
         torchrun_rc = torchrun.wait()
-        pump.join(10)
-        self.events.join(5)
+        self.launched.join(output_s=10)
         if torchrun_rc != 0 and self.fencing.etcd_trouble():  # its rendezvous failed because etcd is away, not the job
             return self._fence(f"torchrun exited with {torchrun_rc} while etcd was unreachable")
         if torchrun_rc == 0:
@@ -353,10 +345,7 @@ class _JobRun:
         end for a hang (``why``; None: a leave, whose stop it is not told of, as before the regroup part moved)."""
         if self.agent is not None and why is not None:
             self.agent.watchdog.stand_down(self.opts.job, why)
-        self.pump.quiet = True
-        self.torchrun.stop(grace=10.0)
-        self.pump.join(5)
-        self.events.join(5)
+        self.launched.stop(grace=10.0)
 
     def _finish_leave(self) -> object:
         """This node left the job (``Regrouping``): stop its workers; a one-node job stops, resumable."""
@@ -380,10 +369,8 @@ class _JobRun:
 
     def _reply(self, line: bytes) -> None:
         """Answer torchrun on its reply pipe (``go``, ``restart <round>``: agent/launch/elastic.py)."""
-        try:
-            os.write(self._reply_fd, line)
-        except (OSError, TypeError):
-            pass  # torchrun is gone, or was started without the pipe: nothing waits for us
+        if self.launched is not None:
+            self.launched.reply(line)
 
     def _fence(self, why: str) -> object:
         """Stop this node's workers: they belong to a round the others have left (or are leaving). The node
@@ -391,7 +378,7 @@ class _JobRun:
         print(f"trainwarden: node {self.node} {why}: fencing (stopping its workers); it rejoins job "
               f"{self.opts.job} as a new member when etcd answers again", file=self.out, flush=True)
         self._stop_workers(f"fenced: {why}")
-        self.pump.quiet = False
+        self.launched.pump.quiet = False
         if self.agent is not None:
             self.agent.incidents.record(self.fencing.incident(why))
         self.transition(JobPhase.RESTARTING, f"fenced: {why}")

@@ -102,6 +102,17 @@ def _check_continuation(story: list[tuple[str, int, float]], steps: int, *, requ
     return resumed
 
 
+def _open_run_logs(pid: int) -> int:
+    """How many of ``pid``'s fds are a run log: one for a whole run, however often it launched."""
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            targets.append(os.readlink(fd))
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return sum(1 for target in targets if target.endswith("/logs/run.log"))
+
+
 @pytest.mark.extended  # the node-loss path runs by default in the killed-node test
 def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_back_when_healed(tmp_path):
     """The partitioned node's peers get no connection reset: they sit in a collective until the watchdog
@@ -127,6 +138,9 @@ def test_a_partitioned_node_is_fenced_the_others_shrink_and_it_grows_the_job_bac
                  or "taken at world size 6, now 4" in text("n0", "n1"), 120, what="the other nodes to resume as two")
         bed.heal("n2")
         wait_for(lambda: "rejoins job mp" in text("n2"), 60, what="n2 to rejoin")
+        wait_for(lambda: "now 6" in text(), 180, what="the job to grow back to six ranks")
+        # the fenced launch gave its fds back when n2 launched again (agent/launch/launched.py, session 37)
+        assert _open_run_logs(runs["n2"][0].pid) == 1
         for node, (proc, log) in runs.items():
             assert proc.wait(300) == 0, f"{node}: " + log.read_text()[-4000:]
         story = _rank0(text())
