@@ -170,6 +170,7 @@ class _Job:
     calm: int = 0
     regressed: bool = False
     last: dict | None = None  # the latest closed window's verdict, for status and metrics
+    slow_off_links: bool = False  # the latest judged window of this worker round was slow and not suspect
 
 
 def _pool(windows) -> dict[int, WindowStats]:
@@ -222,8 +223,7 @@ class CommRegressionDetector:
         being a communication regression's: some rank's own compute grew, or its wait did not. On a job of several
         nodes, the other nodes hold their starts while one says so (``update``'s ``elsewhere``)."""
         state = self._jobs.get(job)
-        last = state.last if state else None
-        return bool(last and last["ratio"] >= self.config.start_ratio and not last["suspect"])
+        return bool(state and state.slow_off_links)
 
     def update(self, job: str, t: float, totals: Mapping[int, RankTotals], *, straggler: bool = False,
                elsewhere: Callable[[], Sequence[str]] | None = None) -> list[CommRegressionEvent]:
@@ -250,6 +250,7 @@ class CommRegressionDetector:
             state.first_step_t = None
             self._open(state, t, totals)
             state.suspect = state.calm = state.slow_windows = 0
+            state.slow_off_links = False  # a window of the last round says nothing of this one's
             state.slow_run.clear()
             return []
         if any(r.stage in _NOT_TRAINING for r in totals.values()):
@@ -322,6 +323,7 @@ class CommRegressionDetector:
             state.slow_run.clear()
         state.last = {"ratio": round(ratio, 3), "baseline_step_s": base_step, "step_s": step, "suspect": suspect,
                       "straggler": straggler}
+        state.slow_off_links = ratio >= cfg.start_ratio and not suspect
         events = []
         if suspect:
             state.suspect = max(state.suspect + 1, len(state.slow_run))

@@ -124,6 +124,17 @@ def test_a_slow_rank_on_another_node_is_no_regression_here_and_a_slow_link_still
     assert [e.started for e in events["a"]] == [True] and [e.started for e in events["b"]] == [True]
 
 
+def test_a_node_is_no_longer_slow_off_the_links_once_its_workers_restart():
+    """A slow window just before a restart must not hold the other nodes' starts through the new round's warm-up."""
+    det, job = CommRegressionDetector(), Job()
+    _warm(det, job)
+    job.run(det, 20, per_rank={2: (0.4, 0.02), 0: (0.08, 0.34), 1: (0.08, 0.34), 3: (0.08, 0.34)})
+    assert det.slow_off_links("j")
+    job.restart()
+    job.run(det, 1)
+    assert not det.slow_off_links("j") and not det.slow_off_links("other job")
+
+
 def test_a_general_slowdown_is_not_a_regression():
     det, job = CommRegressionDetector(), Job()
     _warm(det, job)
