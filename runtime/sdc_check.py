@@ -6,8 +6,8 @@ must come out bit for bit the same on each of them, given deterministic kernels 
 ``torch.use_deterministic_algorithms`` and the same build). Every ``every`` steps, every rank of the group:
 
 1. takes one micro-batch, the same on every rank (the reference job broadcasts one replica's, rotating which);
-2. computes its gradient (``compute``: for the reference job a plain replica of the model with the full
-   weights, ``ReplicaProbe``) and a 64-bit digest of its bytes (XXH3);
+2. computes its gradient (``compute``: for the reference job a plain replica of the model, or in a pipeline of
+   the rank's stage, with the full weights, ``ReplicaProbe``) and a 64-bit digest of its bytes (XXH3);
 3. gathers every rank's digest (one ``all_gather`` of an integer per rank) and decides, the same on every rank:
    all equal, nothing; a strict majority, every rank outside it computed wrong; no majority (two replicas that
    disagree), every rank computes once more and a rank whose second result differs from its first computed

@@ -221,32 +221,54 @@ def _describe_job(cfg: TrainConfig, tokens_per_step: int, micro_batch: int | Non
 
 
 def _sdc_check(cfg: TrainConfig, pm, device: torch.device, rt):
-    """The silent-corruption check and its probe (a plain replica of the model), or None without replicas."""
+    """The silent-corruption check and its probe (a plain replica of this rank's stage: the whole model without a
+    pipeline), or None without replicas."""
     if cfg.mesh.dp < 2:
         log.warning("--sdc-every %d: no data-parallel replica to compare with (--dp 1): the check is off",
                     cfg.sdc_every)
         return None
-    from trainwarden.runtime.examples.model import build_model
+    from trainwarden.runtime.examples.model import build_model, split_for_stage
     from trainwarden.runtime.examples.parallel import lm_loss
     from trainwarden.runtime.sdc_check import ReplicaProbe, SdcCheck
 
-    replica = build_model(cfg.model, seed=cfg.seed).to(device)
-    return SdcCheck(rt, every=cfg.sdc_every, group=pm.mesh["dp"].get_group()), ReplicaProbe(pm.model, replica, lm_loss)
+    replica = split_for_stage(build_model(cfg.model, seed=cfg.seed), pm.pp_rank, cfg.mesh.pp).to(device)
+    loss = lm_loss if replica.output is not None else _projected
+    return SdcCheck(rt, every=cfg.sdc_every, group=pm.mesh["dp"].get_group()), ReplicaProbe(pm.model, replica, loss)
 
 
-def _check_replicas(step: int, sdc, pm, inputs: torch.Tensor, targets: torch.Tensor, *, flip: bool) -> None:
-    """Every data-parallel replica computes the gradient of one replica's first micro-batch (rotating) on the
-    current weights, and the check compares them bitwise. ``flip``: the ``gradflip`` fault corrupts this rank's
-    first result."""
-    from trainwarden.runtime.faults import flip_gradient_bit
+def _projected(outputs: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """A stage before the last has no loss of its own: its outputs' mean along a fixed random projection."""
+    return (outputs.float() * projection.float()).mean()
 
-    check, probe = sdc
-    began = time.perf_counter()
-    group = pm.mesh["dp"].get_group()
+
+def _probe_batch(step: int, check, pm, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    """What every replica of this rank's stage computes the probe gradient of: one replica's first micro-batch
+    (rotating), broadcast over the data-parallel group. In a pipeline each stage is checked on its own: a stage
+    after the first takes hidden states and a stage before the last is given a projection of its outputs, both
+    drawn from the step, the same on every replica (so a replica's wrong earlier stage cannot make its later ones
+    look wrong, and no activation crosses a stage for the check)."""
+    group, model = pm.mesh["dp"].get_group(), pm.model
     size = max(1, len(inputs) // max(1, pm.cfg.micro_batches))
     shared = [inputs[:size].to(pm.device).contiguous(), targets[:size].to(pm.device).contiguous()]
     for t in shared:  # the owner's micro-batch, on every replica
         dist.broadcast(t, group=group, group_src=check.owner(step))
+    cfg, dtype = model.cfg, next(p.dtype for p in model.parameters() if p.is_floating_point())
+    drawn = torch.Generator().manual_seed(step)
+    if model.tok_embeddings is None:
+        shared[0] = torch.randn((size, cfg.seq, cfg.dim), generator=drawn, dtype=dtype).to(pm.device)
+    if model.output is None:
+        shared[1] = torch.randn((size, cfg.seq, cfg.dim), generator=drawn, dtype=dtype).to(pm.device)
+    return shared
+
+
+def _check_replicas(step: int, sdc, pm, inputs: torch.Tensor, targets: torch.Tensor, *, flip: bool) -> None:
+    """Every data-parallel replica computes the probe's gradient (``_probe_batch``) on the current weights, and the
+    check compares them bitwise. ``flip``: the ``gradflip`` fault corrupts this rank's first result."""
+    from trainwarden.runtime.faults import flip_gradient_bit
+
+    check, probe = sdc
+    began = time.perf_counter()
+    shared = _probe_batch(step, check, pm, inputs, targets)
     probe.load()
     calls = [0]
 

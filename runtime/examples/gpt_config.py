@@ -55,7 +55,8 @@ class TrainConfig:
     update on every rank, ``stop`` ends the run (EXIT_NUMERIC_STOP), ``alert`` only reports it."""
     sdc_every: int = 0
     """Every this many steps the data-parallel replicas recompute one micro-batch's gradient and compare it bitwise
-    (runtime/sdc_check.py: silent data corruption; 0: never). Needs --pp 1 and --dp 2 or more."""
+    (runtime/sdc_check.py: silent data corruption; 0: never; in a pipeline each stage on its own). Needs --dp 2 or
+    more."""
     step_pad_s: float = 0.0
     """Seconds every step sleeps, inside the step, before its work: a stand-in for accelerator compute on a CPU-only
     machine, so a soak's steps take the time its fault plan assumes (tests/bench/soak.py ``--pad-s``). Numerics
@@ -72,9 +73,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_every < 0:
             raise ValueError(f"--snapshot-every must be >= 0, got {self.snapshot_every}")
-        if self.sdc_every < 0 or (self.sdc_every and self.mesh.pp > 1):
-            raise ValueError(f"--sdc-every {self.sdc_every}: must be >= 0, and the check needs --pp 1 (it recomputes "
-                             "on a whole replica of the model)")
+        if self.sdc_every < 0:
+            raise ValueError(f"--sdc-every must be >= 0, got {self.sdc_every}")
         if self.warmup < 0 or not self.lr > 0:
             raise ValueError(f"need --lr > 0 and --warmup >= 0, got lr={self.lr} warmup={self.warmup}")
         if not 0 <= self.step_pad_s < 3600:
@@ -126,8 +126,8 @@ def _parser() -> argparse.ArgumentParser:
              "else rollback)")
     add("--sdc-every", type=int, default=0, metavar="N",
         help="every N steps, the data-parallel replicas recompute one micro-batch's gradient and compare it "
-             "bitwise; a rank that computes wrong is a numeric incident (kind sdc) naming its node (default 0: never; "
-             "needs --pp 1)")
+             "bitwise (in a pipeline, each stage on its own); a rank that computes wrong is a numeric incident (kind "
+             "sdc) naming its node (default 0: never)")
     add("--step-pad-s", type=float, default=0.0, metavar="S",
         help="sleep S seconds inside every step, a stand-in for accelerator compute on a CPU-only machine "
              "(default 0: none; the losses are the same either way)")

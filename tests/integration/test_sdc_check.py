@@ -4,7 +4,9 @@ The reference job under `trainwarden run` (agent, embedded etcd), two data-paral
 steps, and `gradflip:rank=1,step=4`: at step 4 rank 1 computes the probe micro-batch's gradient with one mantissa bit
 inverted (finite: the numeric guard cannot see it). The replicas disagree, rank 1's recompute agrees with rank 0's,
 and rank 1 is named: one `numeric` incident of kind `sdc` on its node, and no other incident; the checks of the
-other steps agree and the job trains to the end.
+other steps agree and the job trains to the end. In a pipeline (dp 2 x pp 2) each stage's replicas check their stage on
+their own: rank 1 (stage 0, whose check has no loss of its own) is named, and the last stage's replicas (ranks 2
+and 3, whose check takes drawn hidden states) agree.
 """
 
 from __future__ import annotations
@@ -22,24 +24,28 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
-def test_a_flipped_gradient_bit_is_named_to_its_rank_and_node(procs, tmp_path):
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("mesh, reporter_sees", [
+    (["--dp", "2"], "rank(s) 1 differ"),  # rank 0 reports, in rank 1's group
+    (["--dp", "2", "--pp", "2"], "the replicas agree"),  # rank 2 reports: the last stage's group, ranks 2 and 3
+], ids=["dp2", "dp2-pp2"])
+def test_a_flipped_gradient_bit_is_named_to_its_rank_and_node(procs, tmp_path, mesh, reporter_sees):
     env = gpt_env()
     env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="gradflip:rank=1,step=4")
     log = tmp_path / "run.log"
+    ranks = 2 if "--pp" not in mesh else 4
     proc = procs.spawn(
-        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node", "2",
-         "--max-restarts", "0", "--job", "sdc", "--",
-         "-m", "trainwarden.runtime.examples.gpt", "--dp", "2", "--steps", "6", "--sdc-every", "2",
-         "--ckpt-every", "100"],
+        [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node",
+         str(ranks), "--max-restarts", "0", "--job", "sdc", "--",
+         "-m", "trainwarden.runtime.examples.gpt", *mesh, "--steps", "6", "--sdc-every", "2", "--ckpt-every", "100"],
         log=log, env=env)
-    rc = proc.wait(240)
+    rc = proc.wait(300)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-4000:]
     assert re.search(r"done steps=6 final_loss=\d", text), text[-2000:]
     found = re.findall(r"silent-corruption check at step (\d+): (.+?) \(([\d.]+) ms on this rank\)", text)
     checks = {step: verdict for step, verdict, _ in found}
-    assert checks == {"2": "the replicas agree", "4": "rank(s) 1 differ", "6": "the replicas agree"}, text[-4000:]
+    assert checks == {"2": "the replicas agree", "4": reporter_sees, "6": "the replicas agree"}, text[-4000:]
     incidents = [json.loads(p.read_text())
                  for p in sorted((tmp_path / "state" / "jobs" / "sdc" / "incidents").glob("*.json"))]
     assert [(i["kind"], i["evidence"]["kind"], i["ranks"], i["evidence"]["step"], i["node"]) for i in incidents] == [
