@@ -15,6 +15,7 @@ import json
 import re
 import socket
 import sys
+import textwrap
 
 import pytest
 
@@ -53,3 +54,52 @@ def test_a_flipped_gradient_bit_is_named_to_its_rank_and_node(procs, tmp_path, m
     assert "recompute differed" in incidents[0]["evidence"]["detail"]
     assert "drain it if it is named again" in incidents[0]["outcome"], incidents[0]
     print(f"silent-corruption check, ms per check on rank 0: {[float(ms) for *_, ms in found]}")  # -s: its cost
+
+
+USER_LOOP = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from trainwarden.runtime.sdc_check import SdcCheck
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    check = SdcCheck(None, every=2)  # a session from trainwarden.runtime.init() makes a named rank an incident
+    for step in range(1, 9):
+        torch.manual_seed(step * 100 + rank)
+        opt.zero_grad()
+        model(torch.randn(5, 16)).square().mean().backward()
+        opt.step()
+        if check.due(step):
+            probe = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # the same on every replica
+
+            def compute():
+                grads = torch.autograd.grad(model.module(probe).square().mean(), list(model.module.parameters()))
+                if rank == 1 and step == 4:
+                    grads[0].view(-1)[3] += 1e-3  # what a bad core does: finite, and wrong
+                return grads
+
+            check.check(step, compute)
+    events = [(e.step, e.ranks, e.resolved) for e in check.events]
+    sys.stdout.write(f"rank {rank} checks={check.checks} events={events}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)  # torch 2.13's gloo can abort at exit after a collective (tests/integration/test_numeric.py)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_users_own_loop_names_the_replica_that_computes_wrong(procs, tmp_path):
+    """The check in a user's own DDP loop (three replicas under plain torchrun): rank 1's probe gradient is off at step
+    4, the two others agree, and every rank decides the same: rank 1, without a recompute."""
+    script = tmp_path / "loop.py"
+    script.write_text(USER_LOOP)
+    log = tmp_path / "loop.log"
+    proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
+    assert proc.wait(150) == 0, log.read_text()[-3000:]
+    lines = sorted(re.findall(r"rank (\d) checks=(\d+) events=(\[.*?\])\n", log.read_text()))
+    assert lines == [(r, "4", "[(4, (1,), True)]") for r in "012"], log.read_text()[-3000:]
