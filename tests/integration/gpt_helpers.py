@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GptRun", "final_line", "gpt_env", "parse_losses", "run_gpt"]
+__all__ = ["GptRun", "final_line", "gpt_env", "parse_losses", "run_gpt", "run_user_loop"]
 
 _STEP = re.compile(r"\bstep (\d+) loss (\S+) time ")
 _DONE = re.compile(r"\bdone steps=(\d+) final_loss=(\S+)")
@@ -63,3 +63,14 @@ def run_gpt(group, log: Path, *, nproc: int, args: list[str], timeout: float = 2
 def final_line(text: str) -> tuple[int, str] | None:
     match = _DONE.search(text)
     return (int(match.group(1)), match.group(2)) if match else None
+
+
+def run_user_loop(procs, tmp_path: Path, source: str, *, nproc: int, timeout: float = 150) -> str:
+    """A user's own training script (``source``) under plain torchrun, ``nproc`` ranks on this machine; its output,
+    once it exited 0."""
+    script, log = tmp_path / "loop.py", tmp_path / "loop.log"
+    script.write_text(source)
+    proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
+    assert proc.wait(timeout) == 0, log.read_text()[-3000:]
+    return log.read_text()

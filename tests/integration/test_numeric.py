@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from gpt_helpers import gpt_env
+from gpt_helpers import gpt_env, run_user_loop
 
 pytestmark = pytest.mark.integration
 
@@ -150,14 +150,9 @@ USER_LOOP = textwrap.dedent("""
 
 @pytest.mark.timeout(180)
 def test_a_users_own_ddp_loop_skips_the_same_step_on_every_rank_and_names_the_poisoned_one(procs, tmp_path):
-    script = tmp_path / "loop.py"
-    script.write_text(USER_LOOP)
-    log = tmp_path / "loop.log"
-    proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                        "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
-    assert proc.wait(150) == 0, log.read_text()[-3000:]
-    lines = sorted(re.findall(r"rank (\d) applied=(\d+) finite=(\w+) same=(\w+) events=(\[.*?\])", log.read_text()))
-    assert [line[0] for line in lines] == ["0", "1", "2"], log.read_text()[-2000:]
+    text = run_user_loop(procs, tmp_path, USER_LOOP, nproc=3)
+    lines = sorted(re.findall(r"rank (\d) applied=(\d+) finite=(\w+) same=(\w+) events=(\[.*?\])", text))
+    assert [line[0] for line in lines] == ["0", "1", "2"], text[-2000:]
     for _, applied, finite, same, events in lines:
         assert (applied, finite, same) == ("6", "True", "True")
         assert events == "[(4, 1, 'loss', False), (7, 0, 'gradients', True)]"

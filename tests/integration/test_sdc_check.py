@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from gpt_helpers import gpt_env
+from gpt_helpers import gpt_env, run_user_loop
 
 pytestmark = pytest.mark.integration
 
@@ -95,11 +95,6 @@ USER_LOOP = textwrap.dedent("""
 def test_a_users_own_loop_names_the_replica_that_computes_wrong(procs, tmp_path):
     """The check in a user's own DDP loop (three replicas under plain torchrun): rank 1's probe gradient is off at step
     4, the two others agree, and every rank decides the same: rank 1, without a recompute."""
-    script = tmp_path / "loop.py"
-    script.write_text(USER_LOOP)
-    log = tmp_path / "loop.log"
-    proc = procs.spawn([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                        "--log-dir", str(tmp_path / "torchelastic"), str(script)], log=log, env=gpt_env())
-    assert proc.wait(150) == 0, log.read_text()[-3000:]
-    lines = sorted(re.findall(r"rank (\d) checks=(\d+) events=(\[.*?\])\n", log.read_text()))
-    assert lines == [(r, "4", "[(4, (1,), True)]") for r in "012"], log.read_text()[-3000:]
+    text = run_user_loop(procs, tmp_path, USER_LOOP, nproc=3)
+    lines = sorted(re.findall(r"rank (\d) checks=(\d+) events=(\[.*?\])\n", text))
+    assert lines == [(r, "4", "[(4, (1,), True)]") for r in "012"], text[-3000:]
