@@ -66,11 +66,12 @@ from trainwarden.agent.common.job_lifecycle import JobPhase
 from trainwarden.agent.common.job_spec import JobSpecError
 from trainwarden.agent.etcd.client import describe_etcd_error
 from trainwarden.agent.etcd.jobs import JobControl, JobView
-from trainwarden.agent.incidents.record import Incident, IncidentKind, IncidentState, new_incident_id
+from trainwarden.agent.incidents.record import Incident
 from trainwarden.agent.common.paths import job_state_dir
 from trainwarden.agent.node.job_refusal import JobRefusals, node_problems
 from trainwarden.agent.node import job_user
 from trainwarden.agent.node.launcher_records import LauncherFiles, LauncherRecord, alive
+from trainwarden.agent.node.node_cordon import NodeCordon
 from trainwarden.agent.node.node_record import NODE_RECORD_KEEPALIVE_S, NODE_RECORD_TTL_S, NodeRecord
 from trainwarden.agent.node.watched_jobs import LIVE_PHASES, SAFETY_REREAD_S, WatchedJobs
 
@@ -110,12 +111,10 @@ class JobRunner:
         self._dir = self._home / "daemon"
         self._local_addr, self._endpoints = local_addr, dict(endpoints or {})
         self._interval, self._python = interval_s, python
-        self._health, self._record = health, record
         self._default_user, self._allow_root, self._etcd_files = default_user, allow_root_jobs, tuple(etcd_files)
         self._lineage, self._identities = lineage, identities
         self._who = dict(job_users or {})
-        self._cordon_seen: float | None = None  # the ``since`` of the last cordon recorded as an incident
-        self._cordon_now: dict | None = None  # as last read from etcd (for the metrics)
+        self._cordon = NodeCordon(self._control, node=node, health=health, record=record)  # node_cordon.py
         self._launchers: dict[str, LauncherRecord] = {}
         self._files = LauncherFiles(self._dir / "launchers")
         self._phases: dict[str, tuple[int, str]] = {}  # job -> (generation, phase) of the jobs targeting this node
@@ -184,7 +183,7 @@ class JobRunner:
             views = [jobs.views[name] for name in sorted(jobs.views)]
             cordon = jobs.cordon
             if cordon is None:
-                cordon = jobs.cordon = self._cordon_if_unfit()
+                cordon = jobs.cordon = self._cordon.if_unfit()
         except Exception as exc:
             jobs.resync_due = True
             if not self._failing:
@@ -202,8 +201,7 @@ class JobRunner:
             except Exception:
                 logger.exception("job %s: reconciling failed; trying again next round", view.name)
         self._phases = self._phases_next
-        self._cordon_now = cordon
-        self._note_cordon(cordon)
+        self._cordon.note(cordon, self._launchers)
         if cordon is not None and cordon.get("drain"):
             for rec in list(self._launchers.values()):
                 if rec.pid not in self._draining and rec.pid not in self._terminated:
@@ -301,14 +299,7 @@ class JobRunner:
         when in service), ``trainwarden_node_jobs{node}`` (launchers running here) and
         ``trainwarden_job_phase{job, generation, phase}`` (what the alerts on failed jobs read); a prometheus_client
         collector, registered on the daemon's exporter."""
-        cordon = self._cordon_now
-        cordoned = GaugeMetricFamily("trainwarden_node_cordoned", "1 while the node is cordoned (kind=drain: its "
-                                     "jobs leave it too), as the daemon last read it from etcd",
-                                     labels=["node", "kind"])
-        for kind in ("cordon", "drain"):
-            on = cordon is not None and bool(cordon.get("drain")) == (kind == "drain")
-            cordoned.add_metric([self.node, kind], 1.0 if on else 0.0)
-        yield cordoned
+        yield self._cordon.metric()
         jobs = GaugeMetricFamily("trainwarden_node_jobs", "Jobs whose launcher runs on this node (started or adopted "
                                  "by the daemon)", labels=["node"])
         jobs.add_metric([self.node], float(len(self._launchers)))
@@ -320,43 +311,6 @@ class JobRunner:
             for p in JobPhase:
                 phase.add_metric([name, str(generation), p.value], 1.0 if p.value == current else 0.0)
         yield phase
-
-    # ---- cordons -------------------------------------------------------------------------------------
-
-    def _cordon_if_unfit(self) -> dict | None:
-        """A GPU fault (a fatal XID, an uncorrected ECC error, a GPU lost: ``health()``) drains the node: its
-        jobs go on without it, and it stays cordoned until an operator uncordons it."""
-        reasons = self._health() if self._health is not None else ()
-        if not reasons:
-            return None
-        reason = "GPU fault: " + "; ".join(reasons)
-        logger.error("node %s: %s; cordoning and draining it (`trainwarden uncordon %s` once it is repaired)",
-                     self.node, reason, self.node)
-        self._control.cordon(self.node, reason[:500], by=f"trainwarden agent on {self.node}", drain=True)
-        return self._control.cordoned(self.node)
-
-    def _note_cordon(self, cordon: dict | None) -> None:
-        """Each new cordon of this node is an incident of every job it runs (with who and why)."""
-        since = float(cordon.get("since") or 0.0) if cordon else None
-        if since is None or since == self._cordon_seen:
-            self._cordon_seen = since
-            return
-        self._cordon_seen = since
-        drain = bool(cordon.get("drain"))
-        action = ("draining: its jobs leave it after a checkpoint at a step boundary" if drain
-                  else "cordoned: no new work starts on this node; running jobs go on")
-        logger.warning("node %s %s by %s: %s", self.node, "drained" if drain else "cordoned", cordon.get("by", "?"),
-                       cordon.get("reason", ""))
-        if self._record is None:
-            return
-        for job in sorted(self._launchers):
-            try:
-                self._record(Incident(id=new_incident_id(), kind=IncidentKind.CORDONED, job=job, node=self.node,
-                                      evidence={"reason": cordon.get("reason", ""), "by": cordon.get("by", ""),
-                                                "drain": drain, "since": since},
-                                      detected_at=time.time(), state=IncidentState.RESOLVED, action=action))
-            except Exception:
-                logger.exception("cannot record the cordon of node %s for job %s", self.node, job)
 
     # ---- launchers ------------------------------------------------------------------------------------
 
