@@ -159,6 +159,7 @@ def test_a_users_own_ddp_loop_skips_the_same_step_on_every_rank_and_names_the_po
 
 
 UNCHANGED = textwrap.dedent("""
+    import atexit, os, sys
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -176,6 +177,12 @@ UNCHANGED = textwrap.dedent("""
         opt.step()
     print(f"rank {rank} done finite={bool(torch.isfinite(model.module.weight).all())}", flush=True)
     dist.destroy_process_group()
+    # torch 2.13's gloo can abort a finished rank during the interpreter's finalization (the user loop above says
+    # how): CI, session 37's stop, ran this script twice (12.8 s, twice its usual time) and found an incident beside
+    # the numeric one. The exit handlers still run (trainwarden's flush among them), then the finalization is skipped.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
@@ -196,8 +203,8 @@ def test_an_unchanged_script_that_goes_nan_is_one_numeric_incident_and_trains_as
     assert rc == 0, text[-3000:]
     assert "rank 0 done finite=False" in text and "rank 1 done finite=False" in text  # nothing was changed
     incidents = _incidents(tmp_path, "unchanged-nan")
-    assert [(i["kind"], i["evidence"]["kind"], i["evidence"]["action"]) for i in incidents] == [
-        ("numeric", "nan", "alerted")], incidents
+    assert [(i["kind"], i["evidence"].get("kind"), i["evidence"].get("action")) for i in incidents] == [
+        ("numeric", "nan", "alerted")], (incidents, text[-3000:])
     step, detail = incidents[0]["evidence"]["step"], incidents[0]["evidence"]["detail"]
     assert "only watched" in detail
     # these steps take a few ms, so the watch may check only every few steps (its budget): then it finds the NaN
