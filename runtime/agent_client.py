@@ -15,7 +15,9 @@ collective totals and the training thread's arrivals (an empty Collectives recor
 unavailable: the agent advances compute time on it). The agent may lengthen that longest period while its
 detectors need nothing soon (a `ReadPace` command, handled here and not passed to the training loop); every
 new stream starts at `fr_interval_s` again. A read costs time in proportion to the ring's size,
-not to the new entries (torch 2.13: ~6-12 us an entry on a 2-core VM, most of it with the GIL held).
+not to the new entries (torch 2.13: ~6-12 us an entry on a 2-core VM, most of it with the GIL held). The same
+command may let the sender hold back steps that keep ending (`SendPace`, runtime/send_pace.py): at a flush with
+a new step queued and a promise outstanding it sends nothing, and each batch says when the next comes.
 
 When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
 oldest drop), and the thread reconnects with exponential backoff capped at `backoff_max_s`, on one
@@ -43,6 +45,7 @@ from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 from .agent_requests import fetch_peer_token
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity
+from .send_pace import SendPace
 from .thread_watch import STILL_REFRESH_S, STILL_REPORT_AFTER_S, ThreadWatch  # noqa: F401 (re-exported)
 
 __all__ = ["CHECKPOINT_STAGES", "EXIT_ABORTED", "ClientConfig", "TelemetryClient"]
@@ -167,6 +170,7 @@ class TelemetryClient:
         # the read period the agent asked for on this stream, and the one applied (a new stream starts with
         # the default: the agent tells each stream what it wants, a restarted agent included)
         self._pace_asked = self._pace_applied = config.fr_interval_s
+        self._send_pace = SendPace(config.flush_interval_s, STEP_RECORD)  # the agent may ask for fewer sends
         self._fr_seen = 0  # entries returned or missed so far: their growth is the ring's fill rate
         self.fr_reads = 0
         self.fr_read_cpu_s = 0.0
@@ -188,6 +192,11 @@ class TelemetryClient:
     @property
     def still_read_cpu_s(self) -> float:
         return self._thread_watch.read_cpu_s
+
+    @property
+    def held(self) -> int:
+        """Wake-ups that held the queued steps back (runtime/send_pace.py)."""
+        return self._send_pace.held
 
     def record(self, item: tuple) -> None:
         """Queue one record (hot path: no lock, no I/O, never raises)."""
@@ -303,6 +312,7 @@ class TelemetryClient:
         if command.WhichOneof("command") == "read_pace":  # the client's own business: applied by the drain
             seconds = command.read_pace.max_period_seconds
             self._pace_asked = min(_MAX_PACE_S, seconds) if seconds > 0 else self.config.fr_interval_s
+            self._send_pace.ask(command.read_pace.step_send_seconds)
             self._wake.set()
             return
         try:
@@ -315,17 +325,24 @@ class TelemetryClient:
         hello.CopyFrom(self._hello)
         hello.peer_token = token
         self._pace_asked = self.config.fr_interval_s
+        self._send_pace.new_stream()
         self._thread_watch.new_stream()  # a new stream (perhaps a restarted agent) hears where the thread is
         yield pb.WorkerMessage(hello=hello)
+        pace = self._send_pace
         while not stream_done.is_set():
-            closing = self._closing.is_set()
+            closing = woken = self._closing.is_set()
             if not closing:  # wake for the next flush, or on the read grid if that comes first
-                self._wake.wait(max(0.0, min(self.config.flush_interval_s, self._next_fr_read - time.time())))
+                woken = self._wake.wait(max(0.0, min(self.config.flush_interval_s, self._next_fr_read - time.time())))
                 self._wake.clear()
                 if stream_done.is_set():  # the call failed while we waited: keep the records queued
                     return
+            pace.look(self._queue)
+            now = time.monotonic()
+            if not woken and time.time() < self._next_fr_read and pace.may_hold(now, len(self._queue)):
+                continue  # steps keep ending and the agent was promised the next batch later (send_pace.py)
+            within, withdraw = pace.sending(now, final=closing)
             try:
-                messages = self._drain(final=closing)
+                messages = self._drain(final=closing, promise_s=within, withdraw=withdraw)
             except Exception:
                 log.exception("cannot build telemetry messages")
                 messages = []
@@ -336,7 +353,9 @@ class TelemetryClient:
                 yield pb.WorkerMessage(goodbye=pb.Goodbye(reason=self._goodbye))
                 return
 
-    def _drain(self, final: bool = False) -> list[pb.WorkerMessage]:
+    def _drain(self, final: bool = False, promise_s: float = 0.0, withdraw: bool = False) -> list[pb.WorkerMessage]:
+        """The queue's records as messages, with Flight Recorder totals when a read is due; their Steps promise the
+        next batch within `promise_s` (0: nothing), and with `withdraw` a Steps goes even if empty."""
         self.drains += 1
         messages: list[pb.WorkerMessage] = []
         steps = pb.Steps()
@@ -382,8 +401,12 @@ class TelemetryClient:
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(numeric=pb.Numeric(
                     kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
-        if steps.steps:
+        if steps.steps or withdraw:
             messages.append(pb.WorkerMessage(steps=steps))
+        if promise_s > 0:
+            for message in messages:
+                if message.WhichOneof("record") == "steps":
+                    message.steps.next_within_seconds = promise_s
         still = self._thread_watch.check(stepped)
         if still is not None:
             messages.append(still)

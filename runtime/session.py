@@ -117,11 +117,12 @@ class Session:
     @property
     def stats(self) -> dict[str, int | float]:
         """The telemetry client's counters: records dropped, reconnects, messages sent, the sender's wake-ups
-        (``drains``), Flight Recorder reads and the CPU seconds they took, entries overwritten before a read, and
-        the dumps the still-thread check took (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
+        (``drains``), the wake-ups that held the steps back (``held``, runtime/send_pace.py), Flight Recorder reads
+        and the CPU seconds they took, entries overwritten before a read, and the dumps the still-thread check took
+        (`ThreadWatch.check`, runtime/thread_watch.py) and their CPU seconds."""
         c = self._client  # None: every counter 0
-        counts = {name: getattr(c, name, 0) for name in ("dropped", "reconnects", "sent", "drains", "fr_reads",
-                                                         "still_reads")}
+        counts = {name: getattr(c, name, 0) for name in ("dropped", "reconnects", "sent", "drains", "held",
+                                                         "fr_reads", "still_reads")}
         seconds = {name: round(getattr(c, name, 0.0), 6) for name in ("fr_read_cpu_s", "still_read_cpu_s")}
         return {**counts, **seconds, "fr_missed": self._fr.missed if c is not None and self._fr else 0}
 

@@ -108,8 +108,9 @@ class AgentActions:
         ranks = [r.rank for snap in self._job_telemetry.snapshot(job) for r in snap.ranks if r.connected]
         return [r for r in sorted(ranks) if self._server.send_command(job, r, command)]
 
-    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> list[int]:
-        command = pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=float(period_s)))
+    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float, send_s: float = 0.0) -> list[int]:
+        command = pb.AgentCommand(read_pace=pb.ReadPace(max_period_seconds=float(period_s),
+                                                        step_send_seconds=float(send_s)))
         return [r for r in ranks if self._server.send_command(job, r, command)]
 
     def abort(self, job: str, ranks: Sequence[int], reason: str) -> bool:

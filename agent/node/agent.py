@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from trainwarden.agent import __version__
+from trainwarden.agent.shared.contract import MAX_STEP_SEND_S
 from trainwarden.agent.metrics.exporter import AgentInfoCollector, MetricsExporter, build_registry
 from trainwarden.agent.health import GpuHealthConfig, GpuHealthSampler, HostHealthConfig, HostHealthSampler
 from trainwarden.agent.incidents import IncidentCollector, IncidentStore
@@ -119,6 +120,20 @@ class AgentConfig:
 QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
 """The Flight Recorder read period the agent asks its workers for while no detector is near a decision
 (`WatchdogConfig.quiet_read_period_s`; 0: never ask)."""
+QUIET_STEP_SEND_ENV = "TRAINWARDEN_QUIET_STEP_SEND_S"
+"""How long the agent lets its workers hold back steps that keep ending, at the same quiet times
+(`WatchdogConfig.quiet_step_send_s`; 0: never ask; nothing is asked while read pacing is off)."""
+
+
+def _seconds_env(name: str, default: float, high: float, zero_means: str) -> float:
+    value = os.environ.get(name, "").strip()
+    try:
+        seconds = float(value) if value else default
+        if not 0 <= seconds <= high:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected seconds between 0 ({zero_means}) and {high:g}") from None
+    return seconds
 
 
 def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None = None) -> WatchdogConfig:
@@ -131,17 +146,13 @@ def watchdog_config(straggler_policy: str = "alert", hang_floor_s: float | None 
         raise ValueError(f"unknown straggler policy {straggler_policy!r}; use one of "
                          f"{', '.join(p.value for p in StragglerPolicy)}") from None
     trace = os.environ.get(TRACE_DIR_ENV)
-    pace = os.environ.get(QUIET_READ_PERIOD_ENV, "").strip()
-    try:
-        quiet = float(pace) if pace else WatchdogConfig.quiet_read_period_s
-        if not 0 <= quiet <= 30:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{QUIET_READ_PERIOD_ENV}={pace!r}: expected seconds between 0 (never ask the workers "
-                         f"to read their Flight Recorders slowly) and 30") from None
+    quiet = _seconds_env(QUIET_READ_PERIOD_ENV, WatchdogConfig.quiet_read_period_s, 30,
+                         "never ask the workers to read their Flight Recorders slowly")
+    send = _seconds_env(QUIET_STEP_SEND_ENV, WatchdogConfig.quiet_step_send_s, MAX_STEP_SEND_S,
+                        "never ask the workers to hold their steps back")
     hang = HangConfig() if hang_floor_s is None else HangConfig(floor_s=hang_floor_s)
     return WatchdogConfig(straggler=StragglerConfig(policy=policy), straggler_trace_dir=Path(trace) if trace else None,
-                          quiet_read_period_s=quiet, hang=hang)
+                          quiet_read_period_s=quiet, quiet_step_send_s=send, hang=hang)
 
 
 class NodeAgent:

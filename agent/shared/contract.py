@@ -61,6 +61,9 @@ when the job spans nodes and every rank keeps snapshots."""
 FLUSH_INTERVAL_S = 0.5
 """How often a worker sends what it queued (the runtime's ``ClientConfig.flush_interval_s``): a step or a
 collective reaches the agent up to this late."""
+MAX_STEP_SEND_S = 10.0
+"""The longest a worker holds its steps back while they keep ending (``ReadPace.step_send_seconds``, capped here by
+the worker; a batch promising more is invalid to the agent): runtime/send_pace.py."""
 FR_READ_INTERVAL_S = 1.5
 """The longest period between a worker's Flight Recorder reads until the agent asks for another
 (``ClientConfig.fr_interval_s``): collectives are reported only by those reads, so a job whose only heartbeat is

@@ -89,10 +89,12 @@ class Step(_message.Message):
     def __init__(self, index: _Optional[int] = ..., start_unix: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., tokens: _Optional[int] = ..., phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Steps(_message.Message):
-    __slots__ = ("steps",)
+    __slots__ = ("steps", "next_within_seconds")
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_WITHIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedCompositeFieldContainer[Step]
-    def __init__(self, steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+    next_within_seconds: float
+    def __init__(self, steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., next_within_seconds: _Optional[float] = ...) -> None: ...
 
 class CollectiveSummary(_message.Message):
     __slots__ = ("process_group", "op", "count", "wait_seconds", "last_seq_id")
@@ -237,10 +239,12 @@ class CheckpointNow(_message.Message):
     def __init__(self, step: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class ReadPace(_message.Message):
-    __slots__ = ("max_period_seconds",)
+    __slots__ = ("max_period_seconds", "step_send_seconds")
     MAX_PERIOD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_period_seconds: float
-    def __init__(self, max_period_seconds: _Optional[float] = ...) -> None: ...
+    step_send_seconds: float
+    def __init__(self, max_period_seconds: _Optional[float] = ..., step_send_seconds: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("reason",)

@@ -143,6 +143,7 @@ class JobTelemetry:
                     job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
                 rank.info, rank.connected, rank.last_seen = info, True, now
                 rank.streams += 1
+                rank.new_stream()
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
 
     def disconnect(self, job: str, rank: int, pid: int) -> None:
@@ -226,6 +227,13 @@ class JobTelemetry:
                 state.checkpoint_stage = ""
         for listener in self._listeners:
             _notify(listener.on_step, job, rank, pid, int(index), float(start_unix), duration)
+
+    def record_steps_promise(self, job: str, rank: int, within_s: float) -> None:
+        """A batch of steps said when the next comes (``Steps.next_within_seconds``; 0: no promise)."""
+        with self._lock:
+            state = self._rank(job, rank)
+            if state is not None:
+                state.promise(within_s, self._clock())
 
     def add_listener(self, listener: "TelemetryListener") -> None:
         """Also tell `listener` of steps and checkpoint stages from now on."""

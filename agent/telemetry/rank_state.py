@@ -85,6 +85,8 @@ class RankState:
         self.prev_arrival_ns = 0  # the last arrival of an unbroken stretch (0: none)
         self.still_since = None  # (clock) since when the training thread has not moved; None: it moves
         self.pending_since = None  # (clock) since when its oldest collective has been in flight, while still
+        self.promise_until = 0.0  # (clock) until when its last batch's promise of the next holds (0: none)
+        self.steps_stopped = False  # a batch promising nothing came after one that promised
 
     def update_compute(self) -> None:
         self.compute_total = max(self.compute_total, self.step_seconds_total - self.wait_total)
@@ -107,6 +109,19 @@ class RankState:
         self.collective_gaps.clear()
         self.prev_arrival_ns = 0
         self.still_since = self.pending_since = None
+        self.new_stream()
+
+    def new_stream(self) -> None:
+        """A new stream (a new process, or the same one reconnected) has promised nothing and stopped nothing."""
+        self.promise_until, self.steps_stopped = 0.0, False
+
+    def promise(self, within_s: float, now: float) -> None:
+        """A batch of steps arrived promising the next within `within_s` (0: nothing). The promise is held for
+        twice that: a sender late by a scheduling hiccup must not look like a stall."""
+        if within_s > 0:
+            self.promise_until, self.steps_stopped = now + 2 * within_s, False
+        elif self.promise_until > 0:
+            self.promise_until, self.steps_stopped = 0.0, True
 
 
 class JobRanks:
@@ -190,4 +205,5 @@ def rank_snapshot(r: RankState, now: float, job: JobRanks) -> RankSnapshot:
         write_pending=r.write_tail > 0 or job.write_overlaps(r),
         still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
         collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
+        steps_promised=r.promise_until > now, steps_stopped=r.steps_stopped,
     )

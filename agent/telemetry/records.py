@@ -12,7 +12,7 @@ import logging
 import math
 
 from trainwarden.agent.shared import telemetry_pb2 as pb
-from trainwarden.agent.shared.contract import CHECKPOINT_STAGES, NUMERIC_KINDS
+from trainwarden.agent.shared.contract import CHECKPOINT_STAGES, MAX_STEP_SEND_S, NUMERIC_KINDS
 from trainwarden.agent.telemetry.arrivals import Arrival
 from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
 from trainwarden.agent.telemetry.snapshots import CollectiveTotals, WorkerInfo
@@ -52,6 +52,12 @@ def apply_record(js: JobTelemetry, info: WorkerInfo, message: pb.WorkerMessage) 
                 continue
             js.record_step(job, rank, index=s.index, start_unix=s.start_unix,
                            duration_seconds=s.duration_seconds, tokens=s.tokens)
+        if kind == "steps":  # after its steps: a promise covers what comes after them
+            within = message.steps.next_within_seconds
+            if not (math.isfinite(within) and 0 <= within <= MAX_STEP_SEND_S):
+                js.count_rejected("invalid")
+                within = 0.0
+            js.record_steps_promise(job, rank, within)
     elif kind == "collectives":
         totals = [CollectiveTotals(process_group=c.process_group, op=c.op, count=c.count,
                                    wait_seconds=c.wait_seconds, last_seq_id=c.last_seq_id)

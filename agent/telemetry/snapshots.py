@@ -133,6 +133,12 @@ class RankSnapshot:
     collective_pending_seconds: float = 0.0
     """How long the oldest collective of that training thread has been in flight, as of this snapshot (0: none,
     or the thread moves). Still, with a collective in flight, the rank waits: its own CPU is not work."""
+    steps_promised: bool = False
+    """The rank's last batch of steps promised the next one (it holds its steps back while they keep ending,
+    runtime/send_pace.py) and that promise still holds, with room for a late sender: its steps go on."""
+    steps_stopped: bool = False
+    """The rank said its steps stopped (a batch promising nothing after one that promised) and has promised
+    nothing since: what it reported is all there is."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,12 @@ class WatchdogCollector(Collector):
                                  labels=job_labels)
         for job, seconds in sorted(w.read_pace.items()):
             pace.add_metric([job, w.node], seconds)
+        send = GaugeMetricFamily("trainwarden_step_send_pace_seconds",
+                                 "How long the watchdog lets the job's workers hold back steps that keep ending "
+                                 "while no detector is near a decision (0: they send every 0.5 s).",
+                                 labels=job_labels)
+        for job, seconds in sorted(w.send_pace.items()):
+            send.add_metric([job, w.node], seconds)
         for job, n in sorted(w.suppressed.items()):
             suppressed.add_metric([job, w.node], n)
         for job, ranks in scores.items():
@@ -53,5 +59,5 @@ class WatchdogCollector(Collector):
             timeout.add_metric([job, w.node], check.timeout_s)
             stalled.add_metric([job, w.node], check.stalled_s)
         errors.add_metric([w.node], w.errors)
-        yield from (score, flag, timeout, stalled, errors, suppressed, pace)
+        yield from (score, flag, timeout, stalled, errors, suppressed, pace, send)
         yield from w.comm_metrics(checks)

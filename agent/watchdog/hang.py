@@ -194,6 +194,7 @@ class _JobProgress:
     waiting_cpu_seen: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (clock, own CPU s)
     last_busy: float = 0.0  # the last observation in which some rank was computing (here, or on another node)
     last_working: float = 0.0  # the last observation in which some rank here was computing
+    flowing: bool = False  # the ranks promised their next batch of steps: they go on (not stalled, not hung)
 
 
 class HangDetector:
@@ -211,7 +212,8 @@ class HangDetector:
                 collective_report_s: float = 0.0,
                 cpu_seconds: Mapping[int, float] | None = None,
                 io_bytes: Mapping[int, int] | None = None,
-                waiting_cpu_seconds: Mapping[int, float] | None = None) -> HangCheck:
+                waiting_cpu_seconds: Mapping[int, float] | None = None,
+                steps_flowing: bool = False) -> HangCheck:
         """Feed the job's current state and learn whether it is hung.
 
         `round_id` changes when the workers are replaced (e.g. the ranks' pids); `step_counts` maps rank to
@@ -228,7 +230,9 @@ class HangDetector:
         to the CPU seconds its process tree has used and `io_bytes` to the bytes its process has read and
         written (ranks whose counters cannot be read are left out; None: not read this time, and the next
         reading is a new baseline); `waiting_cpu_seconds` maps the ranks that wait inside one call (module
-        docstring) to their process's own CPU seconds, which are then not work.
+        docstring) to their process's own CPU seconds, which are then not work. `steps_flowing`: the ranks hold
+        their steps back while they keep ending and have promised the next batch (runtime/send_pace.py), so the
+        steps go on now, whatever the newest one heard of.
         """
         now = self._clock()
         state = self._jobs.get(job)
@@ -258,8 +262,14 @@ class HangDetector:
             collective_report_s=collective_report_s, in_checkpoint=in_checkpoint)
         if self._busy(state, now, cpu_seconds, io_bytes, waiting_cpu_seconds):
             state.last_busy = state.last_working = now
-        stalled = now - state.last_progress
-        hung, timeout, reason = self._judge(state, now, stalled, running=running, timeout=timeout, reason=reason)
+        # steps that go on but reach the agent in a while leave the newest one heard of a few seconds old, and
+        # that is not a stall; once the ranks say they stopped, or their promises lapse, it counts from that step
+        state.flowing = steps_flowing and state.armed
+        stalled = 0.0 if state.flowing else now - state.last_progress
+        if state.flowing:
+            hung = False
+        else:
+            hung, timeout, reason = self._judge(state, now, stalled, running=running, timeout=timeout, reason=reason)
         # this node's own activity only: a deferral is not work, or two waiting nodes would hold each other back
         working = (running and state.last_working > state.last_progress
                    and now - state.last_working <= WORKING_WITHIN_S)
@@ -344,7 +354,7 @@ class HangDetector:
     def stalled_s(self, job: str) -> float:
         """Seconds since `job` last progressed, as of its last observation (0: unknown job)."""
         state = self._jobs.get(job)
-        return 0.0 if state is None else self._clock() - state.last_progress
+        return 0.0 if state is None or state.flowing else self._clock() - state.last_progress
 
     def _checkpoint_io(self, state: _JobProgress, io: Mapping[int, int] | None) -> bool:
         """True when the ranks in a blocking checkpoint stage moved enough bytes since the last progress.

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from trainwarden.agent.incidents import Incident
+from trainwarden.agent.shared.contract import MAX_STEP_SEND_S
 from trainwarden.agent.watchdog.comm_regression import CommRegressionConfig
 from trainwarden.agent.watchdog.hang import HangConfig
 from trainwarden.agent.watchdog.straggler import StragglerConfig
@@ -34,9 +35,10 @@ class WatchdogActions(Protocol):
     def record(self, incident: Incident) -> Incident:
         """Store this version of the incident (same id = same incident, newer state)."""
 
-    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float) -> Sequence[int]:
+    def set_read_pace(self, job: str, ranks: Sequence[int], period_s: float, send_s: float = 0.0) -> Sequence[int]:
         """Ask `ranks` to read their Flight Recorder at most every `period_s` seconds (0: at their own
-        pace); return the ranks the request reached."""
+        pace) and to hold back steps that keep ending for up to `send_s` (0: send every flush); return the ranks
+        the request reached."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,9 +69,17 @@ class WatchdogConfig:
     brings the reads back to their own pace for the windows that judge it. 3 s until session 35."""
     quiet_after_s: float = 10.0
     """How long nothing may have been near a decision before the workers are asked to read slowly."""
+    quiet_step_send_s: float = 2.0
+    """At the same quiet times, how long the workers may hold back steps that keep ending (0: never ask; they send
+    every flush interval). Each send costs the worker's Python time and gRPC's threads; a batch promises the next,
+    and one comes at the next flush when the steps stop, so hangs are heard of as before (runtime/send_pace.py).
+    Asked only of a job whose every connected rank reports steps: a job's progress is its newest step."""
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {self.interval_s}")
         if not self.diagnostics_wait_s >= 0:
             raise ValueError(f"diagnostics_wait_s must be 0 or more, got {self.diagnostics_wait_s}")
+        if not 0 <= self.quiet_step_send_s <= MAX_STEP_SEND_S:
+            raise ValueError(f"quiet_step_send_s must be between 0 and {MAX_STEP_SEND_S:g}, got "
+                             f"{self.quiet_step_send_s}")

@@ -114,7 +114,7 @@ class Watchdog:
                                                        links_suspect=self._comm.detector.links_suspect)
         self._step_s: dict[str, float] = {}  # last median step time per job
         self._pacer = ReadPacer(actions, period_s=self.config.quiet_read_period_s, after_s=self.config.quiet_after_s,
-                                clock=clock)
+                                clock=clock, send_s=self.config.quiet_step_send_s)
         self._stand_downs = StandDowns()
         self._lock = threading.Lock()
         self._published: tuple[dict, dict] = ({}, {})  # (job -> HangCheck, job -> {rank: RankScore})
@@ -221,6 +221,9 @@ class Watchdog:
             in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
             checkpoint_io=checkpoint_io,
             progress_age_s=self._report_age(newest),
+            # every rank that holds its steps back keeps its promise of the next batch, and none said its steps
+            # stopped: they go on, though the newest one heard of may be a few seconds old (runtime/send_pace.py)
+            steps_flowing=any(r.steps_promised for r in connected) and not any(r.steps_stopped for r in connected),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective),
@@ -409,6 +412,11 @@ class Watchdog:
     def read_pace(self) -> dict[str, float]:
         """job -> the read period its workers are asked for (0: their own; exported)."""
         return self._pacer.read_pace
+
+    @property
+    def send_pace(self) -> dict[str, float]:
+        """job -> how long its workers are asked to hold back steps that keep ending (0: not at all; exported)."""
+        return self._pacer.send_pace
 
     @property
     def suppressed(self) -> dict[str, int]:

@@ -1,8 +1,10 @@
 """The pace of the ranks' Flight Recorder reads (agent/watchdog/loop.py asks it every check): each read dumps the
 whole ring, so while no detector (straggler, comm regression) is near a decision for ``after_s`` the workers are
 asked to read at most every ``period_s`` (``WatchdogActions.set_read_pace``), and at their own pace again as soon
-as one is. Also how long a rank's collectives may go unreported at that pace, which the hang detector allows
-for."""
+as one is. At the same times, a job whose every connected rank reports steps is asked to send them at most every
+``send_s`` while they keep ending (runtime/send_pace.py: each batch then promises the next, and the hang detector
+counts a job whose ranks all keep their promises as progressing, loop.py). Also how long a rank's collectives may
+go unreported at that pace, which the hang detector allows for."""
 
 from __future__ import annotations
 
@@ -22,16 +24,20 @@ class ReadPacer:
     """The read pace asked of each job's ranks (module docstring); ``period_s`` 0 never slows them."""
 
     def __init__(self, actions: WatchdogActions, *, period_s: float, after_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], send_s: float = 0.0) -> None:
         self._actions, self._period_s, self._after_s, self._clock = actions, period_s, after_s, clock
+        self._send_s = send_s
         self._attended: dict[str, float] = {}  # job -> when a detector was last near a decision (or first seen)
-        self._paced: dict[str, dict[int, tuple[tuple[int, int], float]]] = {}  # job -> rank -> ((pid, stream), period)
+        # job -> rank -> ((pid, stream), (read period, send period)) told
+        self._paced: dict[str, dict[int, tuple[tuple[int, int], tuple[float, float]]]] = {}
         self.read_pace: dict[str, float] = {}
         """job -> the read period its workers are asked for (0: their own)."""
+        self.send_pace: dict[str, float] = {}
+        """job -> how long its workers are asked to hold back steps that keep ending (0: not at all)."""
         self._slow_until: dict[str, float] = {}  # job -> until when a read at the slow pace may be pending
 
     def forget(self, job: str) -> None:
-        for table in (self._attended, self._paced, self.read_pace, self._slow_until):
+        for table in (self._attended, self._paced, self.read_pace, self.send_pace, self._slow_until):
             table.pop(job, None)
 
     def collective_report_s(self, job: str) -> float:
@@ -58,15 +64,19 @@ class ReadPacer:
         if self.read_pace.get(snap.job, 0.0) > want:
             self._slow_until[snap.job] = now + quiet_period
         self.read_pace[snap.job] = want
+        connected = [r for r in snap.ranks if r.connected]
+        # the job's progress is its newest step: a rank with none must not leave the others' steps unheard
+        send = self._send_s if quiet and connected and all(r.step_count > 0 for r in connected) else 0.0
+        self.send_pace[snap.job] = send
         told = self._paced.setdefault(snap.job, {})
         streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}
         # a new stream (a new process, or the same one reconnected) starts at the worker's own pace
-        asked = {rank: period for rank, (stream, period) in told.items() if streams.get(rank) == stream}
-        stale = [r.rank for r in snap.ranks if r.connected and asked.get(r.rank, 0.0) != want]
+        asked = {rank: pace for rank, (stream, pace) in told.items() if streams.get(rank) == stream}
+        stale = [r.rank for r in connected if asked.get(r.rank, (0.0, 0.0)) != (want, send)]
         if not stale:
             return
-        for rank in self._actions.set_read_pace(snap.job, stale, want):
-            told[rank] = (streams[rank], want)
-        log.debug("job %s: ranks %s asked to read their Flight Recorders %s", snap.job, ",".join(map(str, stale)),
+        for rank in self._actions.set_read_pace(snap.job, stale, want, send):
+            told[rank] = (streams[rank], (want, send))
+        log.debug("job %s: ranks %s asked to read their Flight Recorders %s%s", snap.job, ",".join(map(str, stale)),
                   f"at most every {want:g} s (no detector near a decision)" if quiet else "at their own pace again",
-                  extra={"job": snap.job})
+                  f", and to send steps that keep ending every {send:g} s" if send else "", extra={"job": snap.job})

@@ -23,3 +23,18 @@ def trained_with_copies(tmp_path_factory, request) -> tuple[Path, str]:
                    "--steps", "5", "--save-every", "2", "--memory-root", str(base / "mem"), "--node-map", "0,0,1,1",
                    "--per-node", "2")
     return base, log
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real telemetry server (the agent's) on a socket of its own, and its store: (server, JobTelemetry)."""
+    from trainwarden.agent.telemetry.job_telemetry import JobTelemetry
+    from trainwarden.agent.telemetry.server import TelemetryServer
+
+    js = JobTelemetry()
+    srv = TelemetryServer(tmp_path / "run" / "agent.sock", js, max_message_bytes=4096)
+    srv.start()
+    try:
+        yield srv, js
+    finally:
+        srv.stop(0.5)

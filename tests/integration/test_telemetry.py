@@ -33,17 +33,6 @@ def rank_state(js, job, rank):
     return None
 
 
-@pytest.fixture
-def server(tmp_path):
-    js = JobTelemetry()
-    srv = TelemetryServer(tmp_path / "run" / "agent.sock", js, max_message_bytes=4096)
-    srv.start()
-    try:
-        yield srv, js
-    finally:
-        srv.stop(0.5)
-
-
 def hello_bytes(srv, job="j"):
     """A Hello as a worker sends it: with a fresh peer token (this process's), since the agent requires one."""
     from trainwarden.runtime.agent_requests import fetch_peer_token

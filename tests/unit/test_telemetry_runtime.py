@@ -33,7 +33,7 @@ def test_without_an_agent_socket_the_session_is_a_no_op_with_the_same_api():
         with rt.step(3):
             raise Boom()
     assert rt.poll_command() is None and not rt.take_checkpoint_request()
-    assert rt.stats == {"dropped": 0, "reconnects": 0, "sent": 0, "drains": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0,
+    assert rt.stats == {"dropped": 0, "reconnects": 0, "sent": 0, "drains": 0, "held": 0, "fr_reads": 0, "fr_read_cpu_s": 0.0,
                         "fr_missed": 0, "still_reads": 0, "still_read_cpu_s": 0.0}
     rt.close()
 

@@ -44,6 +44,7 @@ class Actions:
         self.requests, self.aborts, self.records = [], [], []
         self.exclusions = {}
         self.paces = []
+        self.sends = []  # the step-send period asked with each pace
 
     def request_diagnostics(self, job, ranks, directory):
         self.requests.append((job, list(ranks), directory))
@@ -73,8 +74,9 @@ class Actions:
     def withdraw_exclusion(self, job, node):
         self.exclusions.pop((job, node), None)
 
-    def set_read_pace(self, job, ranks, period_s):
+    def set_read_pace(self, job, ranks, period_s, send_s=0.0):
         self.paces.append((job, list(ranks), period_s))
+        self.sends.append(send_s)
         return list(ranks)
 
 
