@@ -170,7 +170,7 @@ class TelemetryClient:
         # the read period the agent asked for on this stream, and the one applied (a new stream starts with
         # the default: the agent tells each stream what it wants, a restarted agent included)
         self._pace_asked = self._pace_applied = config.fr_interval_s
-        self._send_pace = SendPace(config.flush_interval_s, STEP_RECORD)  # the agent may ask for fewer sends
+        self._send_pace = SendPace(config.flush_interval_s, _step_end)  # the agent may ask for fewer sends
         self._fr_seen = 0  # entries returned or missed so far: their growth is the ring's fill rate
         self.fr_reads = 0
         self.fr_read_cpu_s = 0.0
@@ -336,7 +336,7 @@ class TelemetryClient:
                 self._wake.clear()
                 if stream_done.is_set():  # the call failed while we waited: keep the records queued
                     return
-            pace.look(self._queue)
+            pace.look(self._queue, time.time())
             now = time.monotonic()
             if not woken and time.time() < self._next_fr_read and pace.may_hold(now, len(self._queue)):
                 continue  # steps keep ending and the agent was promised the next batch later (send_pace.py)
@@ -401,8 +401,8 @@ class TelemetryClient:
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(numeric=pb.Numeric(
                     kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
-        if steps.steps or withdraw:
-            messages.append(pb.WorkerMessage(steps=steps))
+        if steps.steps or withdraw or (promise_s > 0 and not any(m.WhichOneof("record") == "steps" for m in messages)):
+            messages.append(pb.WorkerMessage(steps=steps))  # even empty: it renews or withdraws the promise
         if promise_s > 0:
             for message in messages:
                 if message.WhichOneof("record") == "steps":
@@ -461,6 +461,11 @@ class TelemetryClient:
         return pb.WorkerMessage(collectives=pb.Collectives(
             ops=ops, has_durations=self._reducer.has_durations, entries_missed=fr.missed if fr else 0,
             arrivals=arrivals))
+
+
+def _step_end(record: tuple) -> float | None:
+    """Wall time a queued step record ended; None for another kind of record."""
+    return (record[2] + record[3]) / 1e9 if record[0] == STEP_RECORD else None
 
 
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)

@@ -11,73 +11,93 @@ from trainwarden.agent.watchdog.hang import HangConfig
 from trainwarden.agent.watchdog.interface import WatchdogConfig
 from trainwarden.runtime.send_pace import SendPace
 
-def _step():
-    return ("step", object())  # a new object each time: a new step in the queue
+def _end(record):
+    return record[1] if record[0] == "step" else None
 
 
-def test_the_sender_holds_only_steps_that_keep_ending_under_a_promise_and_withdraws_it_when_they_stop():
-    pace, q = SendPace(0.5, "step"), deque()
-    # at its own pace nothing is held
-    q.append(_step())
-    pace.look(q)
-    assert not pace.may_hold(0.5, len(q)) and pace.sending(0.5) == (0.0, False)
-    q.clear()
-    pace.ask(2.0)
-    assert pace.asked_s == 2.0
-    # the first batch after the ask goes at once, promising the next
-    q.append(_step())
-    pace.look(q)
-    assert not pace.may_hold(1.0, len(q))
-    assert pace.sending(1.0) == (2.0, False)
-    q.clear()
-    # steps keep ending: held until the promise's time is up
-    for now in (1.5, 2.0, 2.5):
-        q.append(_step())
-        pace.look(q)
-        assert pace.may_hold(now, len(q))
-    q.append(_step())
-    pace.look(q)
-    assert not pace.may_hold(3.0, len(q)) and pace.sending(3.0) == (2.0, False)
-    assert pace.held == 3
-    q.clear()
-    # they stop: the next look sends at once, withdrawing the promise, even with nothing queued
-    pace.look(q)
-    assert not pace.may_hold(3.5, len(q)) and pace.sending(3.5) == (0.0, True)
-    pace.look(q)
-    assert pace.sending(4.0) == (0.0, False)  # said once
-    # they start again: the first batch goes at once
-    q.append(_step())
-    pace.look(q)
-    assert not pace.may_hold(4.5, len(q)) and pace.sending(4.5) == (2.0, False)
-    # a step queued but not new since the last look (nothing sent meanwhile) is not "keeps ending"
-    pace.look(q)
-    assert not pace.may_hold(5.0, len(q)) and pace.sending(5.0) == (0.0, True)
+class Worker:
+    """A sender's view: steps queued at a wall time, a look every 0.5 s (monotonic = wall here)."""
+
+    def __init__(self, asked=2.0):
+        self.pace, self.q, self.t = SendPace(0.5, _end), deque(), 0.0
+        self.pace.ask(asked)
+
+    def step(self, before_look=0.0):
+        """A step that ended `before_look` seconds before the next look (a new tuple: a new record)."""
+        self.q.append(("step", self.t + 0.5 - before_look))
+
+    def look(self, dt=0.5):
+        """Advance to the next look: None if it holds, else (promise, withdraw) of the batch it sends."""
+        self.t += dt
+        self.pace.look(self.q, self.t)
+        if self.pace.may_hold(self.t, len(self.q)):
+            return None
+        sent = self.pace.sending(self.t)
+        self.q.clear()
+        return sent
+
+
+def test_the_sender_holds_steps_that_keep_ending_under_a_promise_and_withdraws_it_when_they_stop():
+    w = Worker(asked=0.0)
+    w.step()
+    assert w.look() == (0.0, False)  # at its own pace nothing is held nor promised
+    w.pace.ask(2.0)
+    assert w.pace.asked_s == 2.0
+    # 50 ms steps: the first batch after the ask goes at once and promises the next
+    w.step(0.05)
+    assert w.look() == (2.0, False)
+    # steps keep ending: held until the promise's time is up, then sent with a new promise
+    for _ in range(3):
+        w.step(0.05)
+        assert w.look() is None
+    w.step(0.05)
+    assert w.look() == (2.0, False) and w.pace.held == 3
+    # they stop: the look that finds none for 0.75 s sends (what it held, or nothing) withdrawing the promise
+    w.step(0.4)
+    assert w.look() is None  # the newest ended 0.4 s before this look
+    assert w.look() == (0.0, True)  # 0.9 s: stopped
+    assert w.look() == (0.0, False)  # said once
+    # they start again: the first batch goes at once, promising again
+    w.step(0.05)
+    assert w.look() == (2.0, False)
+
+
+def test_steps_slower_than_a_look_still_keep_ending_and_an_empty_look_renews_the_promise():
+    """1.2 s steps: a look often finds nothing new, which is not a stop (1.5 intervals are allowed); when the
+    promise's time is up with nothing queued, an empty batch renews it (the agent's would lapse otherwise)."""
+    w = Worker()
+    sent = []
+    for i in range(24):  # 12 s, a step every 1.2 s (every 2.4 looks)
+        ended = [k * 1.2 for k in range(11) if i * 0.5 < k * 1.2 <= (i + 1) * 0.5]
+        for end in ended:
+            w.step((i + 1) * 0.5 - end)
+        sent.append(w.look())
+    batches = [s for s in sent[4:] if s is not None]  # once the interval is learnt
+    assert batches and all(s == (2.0, False) for s in batches), sent
+    assert len(batches) <= 6  # about one per 2 s, never one per step and one per withdrawal
 
 
 def test_a_new_stream_a_final_batch_and_asks_out_of_range_promise_nothing():
-    pace, q = SendPace(0.5, "step"), deque([_step()])
-    pace.ask(2.0)
-    pace.look(q)
-    assert pace.sending(0.0) == (2.0, False)
-    pace.new_stream()  # a reconnect: the agent there was told nothing
-    q.append(_step())
-    pace.look(q)
-    assert pace.asked_s == 0 and pace.sending(1.0) == (0.0, False)
-    pace.ask(2.0)
-    q.append(_step())
-    pace.look(q)
-    assert pace.sending(2.0, final=True) == (0.0, False)  # the goodbye's batch
+    w = Worker()
+    w.step()
+    assert w.look() == (2.0, False)
+    w.pace.new_stream()  # a reconnect: the agent there was told nothing
+    w.step()
+    assert w.pace.asked_s == 0 and w.look() == (0.0, False)
+    w.pace.ask(2.0)
+    w.step()
+    w.pace.look(w.q, w.t)
+    assert w.pace.sending(w.t, final=True) == (0.0, False)  # the goodbye's batch
     for asked, applied in ((0.5, 0.0), (0.2, 0.0), (float("nan"), 0.0), (600.0, 10.0), (-1.0, 0.0)):
-        pace.ask(asked)
-        assert pace.asked_s == applied, asked
+        w.pace.ask(asked)
+        assert w.pace.asked_s == applied, asked
     # a full queue goes whatever the pace
-    pace.ask(2.0)
-    q.append(_step())
-    pace.look(q)
-    pace.sending(3.0)
-    q.extend(_step() for _ in range(300))
-    pace.look(q)
-    assert not pace.may_hold(3.5, len(q))
+    w.pace.ask(2.0)
+    w.step()
+    assert w.look() == (2.0, False)
+    for _ in range(300):
+        w.step()
+    assert w.look() == (2.0, False)
 
 
 def test_the_store_keeps_a_promise_for_twice_its_time_and_a_batch_without_one_after_it_says_the_steps_stopped():
