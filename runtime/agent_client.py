@@ -24,7 +24,7 @@ oldest drop), and the thread reconnects with exponential backoff capped at `back
 channel for the client's life; while the socket file does not exist it only polls for it (each call
 attempt costs a gRPC thread). Every new stream starts with the same Hello, so an agent that restarted
 learns who we are again. `close()` ends the stream after a final collectives record and a Goodbye.
-The sender thread waits for commands without gRPC's 0.1 s polling (`_wait_patiently_on_the_sender_thread`).
+The sender thread waits for commands without gRPC's 0.1 s polling (runtime/grpc_wait.py).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from trainwarden.agent.shared.contract import EXIT_ABORTED
 
 from .agent_requests import fetch_peer_token
 from .flight_recorder import ArrivalLog, CollectiveReducer, FlightRecorder, ReadSchedule, ring_capacity
+from .grpc_wait import wait_patiently_on_this_thread
 from .send_pace import SendPace
 from .thread_watch import STILL_REFRESH_S, STILL_REPORT_AFTER_S, ThreadWatch  # noqa: F401 (re-exported)
 
@@ -64,40 +65,7 @@ NUMERIC_RECORD = "numeric"
 """Tag of a queued numeric event: (NUMERIC_RECORD, kind, step, first rank, action, detail)."""
 _ESTABLISHED_AFTER_S = 1.0
 _STEPS_PER_MESSAGE = 256  # ~30 bytes a step: far below the agent's message size limit
-_PATIENT_WAIT_S = 30.0
 _MAX_PACE_S = 30.0  # the longest read period an agent may ask for (the ring's coverage bounds it anyway)
-_sender = threading.local()
-def _wait_patiently_on_the_sender_thread() -> bool:
-    """Let gRPC's blocking waits sleep until woken on the sender thread, instead of waking every 0.1 s.
-
-    gRPC's synchronous stack waits for a response in slices of 0.1 s (``grpc._common.wait``), so that a
-    *main* thread blocked in a call still runs its signal handlers (grpc/grpc#19464). The sender thread
-    reads the agent's commands that way all the time: ten wake-ups a second, each taking the GIL from the
-    training thread, the largest share of the idle stream's cost (issue 14). Signal handlers run only on the
-    main thread, so on the sender thread the slices buy nothing: there, a wait with no timeout and no spin
-    callback sleeps until gRPC notifies its condition (a response, the end of the call, a cancel), or 30 s.
-    Every other thread, and every other kind of wait, goes to gRPC's own function unchanged. Returns False
-    (and changes nothing) when this gRPC has no such function."""
-    try:
-        from grpc import _common as common
-    except ImportError:
-        return False
-    stock = getattr(common, "wait", None)
-    if stock is None:
-        return False
-    if getattr(stock, "_trainwarden_patient", False):
-        return True
-
-    def wait(wait_fn, wait_complete_fn, timeout=None, spin_cb=None):
-        if timeout is None and spin_cb is None and getattr(_sender, "patient", False):
-            while not wait_complete_fn():
-                wait_fn(timeout=_PATIENT_WAIT_S)
-            return False
-        return stock(wait_fn, wait_complete_fn, timeout, spin_cb)
-
-    wait._trainwarden_patient = True  # type: ignore[attr-defined]
-    common.wait = wait
-    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +224,7 @@ class TelemetryClient:
 
     def _run(self) -> None:
         cfg = self.config
-        _sender.patient = _wait_patiently_on_the_sender_thread()
+        wait_patiently_on_this_thread()  # runtime/grpc_wait.py: no 0.1 s wake-ups while waiting for commands
         # one channel for the client's life: gRPC reconnects it (to a restarted agent, too) with the same
         # backoff bounds, and a failed call on a disconnected channel costs almost nothing
         channel = grpc.insecure_channel(f"unix:{cfg.socket_path}", options=[
