@@ -16,8 +16,8 @@ unavailable: the agent advances compute time on it). The agent may lengthen that
 detectors need nothing soon (a `ReadPace` command, handled here and not passed to the training loop); every
 new stream starts at `fr_interval_s` again. A read costs time in proportion to the ring's size,
 not to the new entries (torch 2.13: ~6-12 us an entry on a 2-core VM, most of it with the GIL held). The same
-command may let the sender hold back steps that keep ending (`SendPace`, runtime/send_pace.py): at a flush with
-a new step queued and a promise outstanding it sends nothing, and each batch says when the next comes.
+command may let the sender hold back steps that keep ending (`SendPace`, runtime/send_pace.py): while they do
+and its last batch promised the next, a flush sends nothing; each batch says when the next comes.
 
 When the agent is absent, slow or restarting, the stream fails or stalls; records keep queueing (and the
 oldest drop), and the thread reconnects with exponential backoff capped at `backoff_max_s`, on one

@@ -221,8 +221,8 @@ class Watchdog:
             in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
             checkpoint_io=checkpoint_io,
             progress_age_s=self._report_age(newest),
-            # every rank that holds its steps back keeps its promise of the next batch, and none said its steps
-            # stopped: they go on, though the newest one heard of may be a few seconds old (runtime/send_pace.py)
+            # some rank keeps its promise of the next batch of steps and none said its steps stopped: they go on,
+            # though the newest one heard of may be a few seconds old (runtime/send_pace.py)
             steps_flowing=any(r.steps_promised for r in connected) and not any(r.steps_stopped for r in connected),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
