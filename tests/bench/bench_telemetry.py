@@ -46,8 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-AGENT = """  # argv: socket, state directory, quiet read period ("": WatchdogConfig's)
-import sys, time
+AGENT = """  # argv: socket, state directory, quiet read period ("": WatchdogConfig's); TRAINWARDEN_QUIET_STEP_SEND_S=2 in the
+# environment: held steps (off by default)
+import os, sys, time
 from pathlib import Path
 from trainwarden.agent.incidents.store import IncidentStore
 from trainwarden.agent.node.actions import AgentActions
@@ -60,7 +61,9 @@ server = TelemetryServer(sys.argv[1], js)
 server.start()
 state = Path(sys.argv[2])
 actions = AgentActions(server, js, IncidentStore(state_dir=lambda job: state / job), node="bench")
-config = WatchdogConfig(quiet_read_period_s=float(sys.argv[3])) if sys.argv[3] else WatchdogConfig()
+send = float(os.environ.get("TRAINWARDEN_QUIET_STEP_SEND_S") or WatchdogConfig.quiet_step_send_s)  # held steps
+config = WatchdogConfig(quiet_read_period_s=float(sys.argv[3]) if sys.argv[3] else WatchdogConfig.quiet_read_period_s,
+                        quiet_step_send_s=send)
 Watchdog(js, actions, config=config, node="bench", diagnostics_dir=lambda job: state / job / "diagnostics").start()
 print("serving", flush=True)
 time.sleep(3600)

@@ -128,7 +128,7 @@ def test_the_store_keeps_a_promise_for_twice_its_time_and_a_batch_without_one_af
 def test_quiet_jobs_whose_ranks_all_report_steps_are_asked_to_hold_them(tmp_path):
     sim = Sim(ranks=4)
     actions = Actions()
-    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0)
+    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0, quiet_step_send_s=2.0)
     for _ in range(8):
         sim.run(7)
         wd.check_once()
@@ -145,14 +145,14 @@ def test_quiet_jobs_whose_ranks_all_report_steps_are_asked_to_hold_them(tmp_path
     # newest step, and a rank without steps promises nothing
     sim2 = Sim(ranks=2)
     actions2 = Actions()
-    wd2 = _watchdog(sim2, actions2, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0)
+    wd2 = _watchdog(sim2, actions2, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0, quiet_step_send_s=2.0)
     for _ in range(8):
         sim2.clock.now += 2.0
         sim2.js.record_step("j", 0, index=1, start_unix=sim2.clock.now - 1, duration_seconds=1.0)
         wd2.check_once()
     assert actions2.paces == [("j", [0, 1], 6.0)] and actions2.sends == [0.0]
-    wd3 = _watchdog(Sim(ranks=2), Actions(), tmp_path, quiet_step_send_s=0.0)
-    assert wd3._pacer._send_s == 0.0
+    wd3 = _watchdog(Sim(ranks=2), Actions(), tmp_path)
+    assert wd3._pacer._send_s == 0.0  # the default
 
 
 def _promise(sim, within=2.0, ranks=None):
@@ -252,9 +252,9 @@ def test_the_step_send_period_comes_from_the_environment_within_its_bounds(monke
 
     with pytest.raises(ValueError, match="quiet_step_send_s"):
         WatchdogConfig(quiet_step_send_s=11.0, hang=HangConfig())
+    assert watchdog_config().quiet_step_send_s == 0.0  # off by default (WatchdogConfig.quiet_step_send_s says why)
+    monkeypatch.setenv(QUIET_STEP_SEND_ENV, "2")
     assert watchdog_config().quiet_step_send_s == 2.0
-    monkeypatch.setenv(QUIET_STEP_SEND_ENV, "0")
-    assert watchdog_config().quiet_step_send_s == 0.0
     for bad in ("later", "-1", "11"):
         monkeypatch.setenv(QUIET_STEP_SEND_ENV, bad)
         with pytest.raises(ValueError, match="TRAINWARDEN_QUIET_STEP_SEND_S.*between 0 .never ask.* and 10"):
