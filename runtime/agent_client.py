@@ -304,9 +304,9 @@ class TelemetryClient:
                 self._wake.clear()
                 if stream_done.is_set():  # the call failed while we waited: keep the records queued
                     return
-            pace.look(self._queue, time.time())
-            now = time.monotonic()
-            if not woken and time.time() < self._next_fr_read and pace.may_hold(now, len(self._queue)):
+            wall, now = time.time(), time.monotonic()
+            pace.look(self._queue, wall)
+            if not woken and wall < self._next_fr_read and pace.may_hold(now, len(self._queue)):
                 continue  # steps keep ending and the agent was promised the next batch later (send_pace.py)
             within, withdraw = pace.sending(now, final=closing)
             try:
@@ -369,7 +369,7 @@ class TelemetryClient:
                     steps = pb.Steps()
                 messages.append(pb.WorkerMessage(numeric=pb.Numeric(
                     kind=what, step=step, first_rank=first_rank, action=action, detail=detail)))
-        if steps.steps or withdraw or (promise_s > 0 and not any(m.WhichOneof("record") == "steps" for m in messages)):
+        if steps.steps or withdraw or promise_s > 0:
             messages.append(pb.WorkerMessage(steps=steps))  # even empty: it renews or withdraws the promise
         if promise_s > 0:
             for message in messages:
