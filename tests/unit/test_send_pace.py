@@ -160,16 +160,22 @@ def _promise(sim, within=2.0, ranks=None):
         sim.js.record_steps_promise("j", r, within)
 
 
-def test_a_job_whose_ranks_keep_their_promises_is_not_hung_and_one_whose_ranks_stop_is_on_its_usual_deadline(
-        tmp_path):
-    """The deadline is 5 s here (the test's floor); the ranks hold their steps for up to 8 s (an ask of 4 s, late)."""
-    sim = Sim(ranks=2)
-    actions = Actions(answer={0, 1})
+def _holding(sim, actions, tmp_path):
+    """A watchdog that has seen the job at work, every batch promising the next within 4 s."""
     wd = _watchdog(sim, actions, tmp_path)
     for _ in range(5):
         sim.run(2)
         _promise(sim, 4.0)
         wd.check_once()
+    return wd
+
+
+def test_a_job_whose_ranks_keep_their_promises_is_not_hung_and_one_whose_ranks_stop_is_on_its_usual_deadline(
+        tmp_path):
+    """The deadline is 5 s here (the test's floor); the ranks hold their steps for up to 8 s (an ask of 4 s, late)."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    wd = _holding(sim, actions, tmp_path)
     # steps go on but their batch comes 7 s after the last one: not a hang, though the newest step heard of is
     # older than the deadline
     for _ in range(7):
@@ -196,11 +202,7 @@ def test_a_stopped_rank_that_cannot_withdraw_its_promise_is_caught_when_the_othe
     collective say their steps stopped, and the job is judged on its newest step as before."""
     sim = Sim(ranks=2)
     actions = Actions(answer={0})
-    wd = _watchdog(sim, actions, tmp_path)
-    for _ in range(5):
-        sim.run(2)
-        _promise(sim, 4.0)
-        wd.check_once()
+    wd = _holding(sim, actions, tmp_path)
     sim.clock.now += 0.5
     _promise(sim, 0.0, ranks=[0])  # rank 1 is stopped: it says nothing
     wd.check_once()
@@ -214,11 +216,7 @@ def test_every_rank_silent_past_its_promise_is_judged_on_the_newest_step(tmp_pat
     their time, and the newest step is then older than the deadline: a hang, later by the promises' time."""
     sim = Sim(ranks=2)
     actions = Actions(answer={0, 1})
-    wd = _watchdog(sim, actions, tmp_path)
-    for _ in range(5):
-        sim.run(2)
-        _promise(sim, 4.0)
-        wd.check_once()
+    wd = _holding(sim, actions, tmp_path)
     for _ in range(7):
         sim.clock.now += 1.1  # past the 5 s deadline, within the 8 s the promises hold
         wd.check_once()
