@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from trainwarden.agent.shared.contract import MAX_STEP_SEND_S
+from trainwarden.agent.shared.contract import MAX_STEP_SEND_S, STEPS_STOPPED_AFTER_S
 
 __all__ = ["STALL_AFTER_S", "SendPace"]
 
-STALL_AFTER_S = 0.75
+STALL_AFTER_S = STEPS_STOPPED_AFTER_S
 """Steps have stopped once none ended for this long, or 1.5 of their recent intervals if longer: with a look every
 0.5 s the agent hears of it within 1.25 s of the last step at the floor (its hang deadline is 1.5 s at least)."""
 _HOLD_AT_MOST = 256

@@ -64,6 +64,10 @@ collective reaches the agent up to this late."""
 MAX_STEP_SEND_S = 10.0
 """The longest a worker holds its steps back while they keep ending (``ReadPace.step_send_seconds``, capped here by
 the worker; a batch promising more is invalid to the agent): runtime/send_pace.py."""
+STEPS_STOPPED_AFTER_S = 0.75
+"""A worker holding its steps back (runtime/send_pace.py) counts them stopped once none ended for this long, or
+1.5 of their recent intervals if longer, and then sends what it held at its next look: the newest step reaches the
+agent up to that long plus a flush after it ended (agent/watchdog/read_pace.py ``step_report_s``)."""
 FR_READ_INTERVAL_S = 1.5
 """The longest period between a worker's Flight Recorder reads until the agent asks for another
 (``ClientConfig.fr_interval_s``): collectives are reported only by those reads, so a job whose only heartbeat is

@@ -67,9 +67,13 @@ __all__ = ["STALL_S", "Watchdog", "WatchdogActions", "WatchdogConfig"]
 log = logging.getLogger(__name__)
 _POLL_S = 0.05
 REPORT_AGE_CAP_S = 1.0
-"""The longest a step's report counts as late: the runtime sends its steps every 0.5 s, so progress counts from
-the step's own end, up to this long before its batch arrived. Under the hang deadline's floor (1.5 s), so
-that a wall clock stepped forward (which would make every step look old) cannot make a hang of one report."""
+"""The least a report may count as late: progress counts from a step's end or a collective's entry, up to the
+longest its report can take (``ReadPacer.step_report_s`` and ``collective_report_s``: a flush, 0.5 s, for steps sent
+at the worker's own pace; a read period and a flush for collectives, 6.5 s at the quiet pace), and never less than
+this, before its batch arrived. No more than that: a wall clock stepped forward (which would make every event look
+old) cannot make a hang of a report that came as soon as it could. Until session 39 this was the cap on every
+report: a quiet read reporting a waiting rank's collectives 5 s after it entered them counted them 1 s old, and the
+node judged a SIGSTOP 5.9 s after the other (the soak)."""
 ACTIVITY_AFTER_S = 0.75
 """A job stalled this long has its ranks' CPU and I/O read each check (is some rank working, not hung?); a job
 that progresses is not read at all. Half the shortest deadline: the first reading is a baseline, the next,
@@ -214,20 +218,22 @@ class Watchdog:
         newest_collective = max((r.last_collective_unix for r in snap.ranks), default=0.0)
         round_id = tuple(sorted((r.rank, r.pid) for r in snap.ranks))
         stood_down = self._stand_downs.why(snap.job, round_id) is not None  # its clock pauses as for no ranks
+        step_p99 = _steady_step_p99(connected)
+        collective_report_s = self._pacer.collective_report_s(snap.job)
         check = self._hang.observe(
             snap.job, round_id=round_id,
             step_counts={r.rank: r.step_count for r in snap.ranks},
-            step_p99_s=_steady_step_p99(connected),
+            step_p99_s=step_p99,
             in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
             checkpoint_io=checkpoint_io,
-            progress_age_s=self._report_age(newest),
+            progress_age_s=self._report_age(newest, self._pacer.step_report_s(snap.job, step_p99)),
             # some rank keeps its promise of the next batch of steps and none said its steps stopped: they go on,
             # though the newest one heard of may be a few seconds old (runtime/send_pace.py)
             steps_flowing=any(r.steps_promised for r in connected) and not any(r.steps_stopped for r in connected),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
-            collective_age_s=self._report_age(newest_collective),
-            collective_report_s=self._pacer.collective_report_s(snap.job),
+            collective_age_s=self._report_age(newest_collective, collective_report_s),
+            collective_report_s=collective_report_s,
             **(self._activity.read(connected) if self._hang.stalled_s(snap.job) >= ACTIVITY_AFTER_S else {}))
         if self._cluster is not None:
             check = self._cluster.with_other_nodes(snap.job, check)
@@ -267,9 +273,10 @@ class Watchdog:
                          or self._comm.detector.near_decision(snap.job))
         return check
 
-    def _report_age(self, unix: float) -> float:
-        """How long before now a reported event happened (0 when unknown; capped: clocks may disagree)."""
-        return min(REPORT_AGE_CAP_S, max(0.0, self._wall() - unix)) if unix else 0.0
+    def _report_age(self, unix: float, report_s: float) -> float:
+        """How long before now a reported event happened (0 when unknown), at most the longest its report can take
+        (`report_s`, ``REPORT_AGE_CAP_S`` at least): clocks may disagree."""
+        return min(max(REPORT_AGE_CAP_S, report_s), max(0.0, self._wall() - unix)) if unix else 0.0
 
     # ---- hang ----------------------------------------------------------------------------------------
 

@@ -3,15 +3,16 @@ whole ring, so while no detector (straggler, comm regression) is near a decision
 asked to read at most every ``period_s`` (``WatchdogActions.set_read_pace``), and at their own pace again as soon
 as one is. At the same times, a job whose every connected rank reports steps is asked to send them at most every
 ``send_s`` while they keep ending (runtime/send_pace.py: each batch then promises the next, and the hang detector
-counts a job whose ranks all keep their promises as progressing, loop.py). Also how long a rank's collectives may
-go unreported at that pace, which the hang detector allows for."""
+counts a job whose ranks all keep their promises as progressing, loop.py). Also how long a rank's collectives and
+its newest step may go unreported at that pace, which the hang detector allows for: a late report counts from when
+its event happened, up to that long before it arrived."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
-from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S
+from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S, FR_READ_INTERVAL_S, STEPS_STOPPED_AFTER_S
 from trainwarden.agent.telemetry.job_telemetry import JobSnapshot
 from trainwarden.agent.watchdog.interface import WatchdogActions
 
@@ -35,9 +36,11 @@ class ReadPacer:
         self.send_pace: dict[str, float] = {}
         """job -> how long its workers are asked to hold back steps that keep ending (0: not at all)."""
         self._slow_until: dict[str, float] = {}  # job -> until when a read at the slow pace may be pending
+        self._held_until: dict[str, float] = {}  # job -> until when a worker may still hold steps as once asked
 
     def forget(self, job: str) -> None:
-        for table in (self._attended, self._paced, self.read_pace, self.send_pace, self._slow_until):
+        for table in (self._attended, self._paced, self.read_pace, self.send_pace, self._slow_until,
+                      self._held_until):
             table.pop(job, None)
 
     def collective_report_s(self, job: str) -> float:
@@ -48,6 +51,17 @@ class ReadPacer:
         if self._clock() < self._slow_until.get(job, 0.0):
             period = max(period, self._period_s)
         return period + FLUSH_INTERVAL_S
+
+    def step_report_s(self, job: str, step_s: float) -> float:
+        """The longest a rank's newest step may go unreported: a flush, or while its steps may be held back (asked,
+        or asked until less than a hold ago), until the worker counts them stopped (1.5 of their intervals, taken
+        here as `step_s`, or ``STEPS_STOPPED_AFTER_S``) or the hold ends, plus its next look."""
+        send = self.send_pace.get(job, 0.0)
+        if send <= 0 and self._clock() < self._held_until.get(job, 0.0):
+            send = self._send_s
+        if send <= 0:
+            return FLUSH_INTERVAL_S
+        return max(send, STEPS_STOPPED_AFTER_S, 1.5 * step_s) + FLUSH_INTERVAL_S
 
     def pace(self, snap: JobSnapshot, *, near_decision: bool) -> None:
         """Ask the job's workers to read their Flight Recorders slowly while the straggler detector is not near
@@ -67,6 +81,8 @@ class ReadPacer:
         connected = [r for r in snap.ranks if r.connected]
         # the job's progress is its newest step: a rank with none must not leave the others' steps unheard
         send = self._send_s if quiet and connected and all(r.step_count > 0 for r in connected) else 0.0
+        if self.send_pace.get(snap.job, 0.0) > send:
+            self._held_until[snap.job] = now + self._send_s
         self.send_pace[snap.job] = send
         told = self._paced.setdefault(snap.job, {})
         streams = {r.rank: (r.pid, r.streams) for r in snap.ranks}

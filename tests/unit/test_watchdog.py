@@ -204,6 +204,60 @@ def test_a_hang_is_timed_from_the_last_steps_end_when_its_report_arrives_late(tm
     assert actions2.records == []
 
 
+def test_collectives_a_slow_read_reports_late_count_from_when_they_were_entered(tmp_path):
+    """A quiet job's ranks read their Flight Recorders every 6 s. After the hang, the ranks waiting for the stuck one
+    had entered one more collective, and the next read reported it 4 s later. It is progress from when it was
+    entered, not from 1 s before the read (the soak's SIGSTOP that one node judged 5.9 s after the other)."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0)
+    _steady(sim, wd, checks=25)
+    assert actions.paces[-1][2] == 6.0  # read slowly
+    sim.run(2)
+    wd.check_once()
+    last_step_end = sim.clock.now
+    entered = int((last_step_end + 0.1) * 1e9)
+    sim.clock.now += 4.0  # the slow read, 3.9 s after they entered
+    for r in range(2):
+        sim.js.record_arrivals("j", r, [Arrival("0", sim.seq, entered)], continues=True, members={"0": range(2)})
+    wd.check_once()
+    sim.clock.now = last_step_end + 5.0
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now = last_step_end + 5.2
+    wd.check_once()
+    assert [i.kind for i in actions.records][:1] == [IncidentKind.HANG]  # 5.1 s after they entered, not 8.2 s
+
+
+def test_held_steps_reported_when_they_stop_count_from_their_end(tmp_path):
+    """Held steps (runtime/send_pace.py): a rank whose steps stop says so at its first look 1.5 step intervals
+    later, 2.3 s after its last step for steps of 1.25 s. The hang is timed from that step's end, not from 1 s
+    before the batch arrived."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer={0, 1})
+    wd = _watchdog(sim, actions, tmp_path, quiet_read_period_s=6.0, quiet_after_s=10.0, quiet_step_send_s=2.0)
+    slow = {0: 1.2, 1: 1.2}
+    for _ in range(12):
+        sim.run(2, compute=slow)
+        for r in range(2):
+            sim.js.record_steps_promise("j", r, 2.0)
+        wd.check_once()
+    assert actions.sends[-1] == 2.0
+    deadline = HangConfig(startup_s=30, warmup_steps=3, floor_s=5.0).steady_timeout(1.25)
+    sim.run(1, compute=slow)  # the last step: held, its batch comes with the withdrawal
+    last_step_end = sim.clock.now
+    sim.clock.now += 2.3  # the first check that hears of it
+    for r in range(2):
+        sim.js.record_steps_promise("j", r, 0.0)
+    wd.check_once()
+    sim.clock.now = last_step_end + deadline - 0.2
+    wd.check_once()
+    assert actions.records == []
+    sim.clock.now = last_step_end + deadline + 0.1
+    wd.check_once()
+    assert [i.kind for i in actions.records][:1] == [IncidentKind.HANG]
+
+
 def test_failed_abort_marks_the_incident_failed(tmp_path):
     sim = Sim(ranks=2)
     actions = Actions(answer={0, 1}, abort_ok=False)
