@@ -24,7 +24,9 @@ Design:
   ranks (agent/telemetry/arrivals.py); where the recorder measures durations (NCCL with timing), one interval per
   collectives record, from the step and wait counters. Only the watchdog takes them.
 - A rank's identity is (job, rank). Jobs whose ranks have all been disconnected for a while are dropped by
-  `prune()`, which keeps the label sets of the exported metrics bounded.
+  `prune()`, which keeps the label sets of the exported metrics bounded. A disconnected rank whose local rank a
+  rank of another global rank took after it ended is dropped: a node that rejoins a job that changed size may hold
+  other ranks now, and the old ones are not its to watch or name.
 - A job belongs to a uid: the kernel's uid (``WorkerInfo.uid``, peer credentials) of its first verified stream.
   ``connect`` refuses a stream of another uid for any rank of the job, and an unverified stream once the job has
   a verified owner, until ``prune()`` forgets the job: a rank between two streams (a restart, a reconnect) is not
@@ -141,18 +143,20 @@ class JobTelemetry:
                     job.matcher.reset()  # sequence ids start again in the new round
                     rank.new_process()
                     job.restarts_seen = max(job.restarts_seen, rank.restarts)  # torchrun restarts all ranks
-                rank.info, rank.connected, rank.last_seen = info, True, now
+                rank.info, rank.connected, rank.last_seen, rank.stream_since = info, True, now, now
                 rank.streams += 1
                 rank.new_stream()
             job.restarts_seen = max(job.restarts_seen, info.restart_count)
+            _retire_earlier_rounds(job)
 
     def disconnect(self, job: str, rank: int, pid: int) -> None:
         """The stream of worker `pid` ended (ignored when a newer process already holds the rank)."""
         with self._lock:
             state = self._rank(job, rank)
             if state is not None and state.info.pid == pid:
-                state.connected = False
+                state.connected, state.ended_at = False, self._clock()
                 self._ended.setdefault(job, deque(maxlen=4096)).append((self._wall(), rank, pid, state.goodbye))
+                _retire_earlier_rounds(self._jobs[job])
 
     def goodbye(self, job: str, rank: int, pid: int, reason: str) -> None:
         """The worker says it is leaving (an orderly exit, unlike a stream that just breaks)."""
@@ -474,3 +478,23 @@ class JobTelemetry:
     def _rank(self, job: str, rank: int) -> RankState | None:
         owner = self._jobs.get(job)
         return owner.ranks.get(rank) if owner is not None else None
+
+
+
+
+def _retire_earlier_rounds(job: JobRanks) -> None:
+    """Forget the ranks this node held in an earlier worker round and holds no more (module docstring): a
+    disconnected rank whose local rank a connected rank of another global rank took after it ended. A node that
+    rejoined a grown job as ranks 4-7 named its old ranks 0-3 in its next hang ("rank 0 is dead"), the probe of their
+    old pids. (torchrun's restart count does not tell the rounds apart: a membership restart leaves it as it was.)
+    A rank whose stream dropped in the current round stays (it is probed), and so does one not restarted yet."""
+    taken = {}
+    for r in job.ranks.values():
+        if r.connected:
+            taken.setdefault(r.info.local_rank, []).append(r)
+    if not taken:
+        return
+    for rank in [n for n, r in job.ranks.items() if not r.connected
+                 and any(c.info.rank != n and c.stream_since >= r.ended_at for c in taken.get(r.info.local_rank, ()))]:
+        del job.ranks[rank]
+        job.intervals.pop(rank, None)

@@ -50,6 +50,8 @@ class RankState:
         self.streams = 1  # streams opened for this rank (Hellos), reconnects of the same process included
         self.connected = True
         self.last_seen = now
+        self.stream_since = now  # (clock) when its current stream said Hello
+        self.ended_at = 0.0  # (clock) when its last stream ended; 0 while connected
         self.last_step = -1
         self.step_count = 0
         self.step_seconds_total = 0.0

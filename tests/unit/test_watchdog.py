@@ -258,6 +258,53 @@ def test_held_steps_reported_when_they_stop_count_from_their_end(tmp_path):
     assert [i.kind for i in actions.records][:1] == [IncidentKind.HANG]
 
 
+def test_a_node_whose_ranks_changed_with_the_world_names_only_its_ranks_of_now(tmp_path):
+    """The soak: n0 ran ranks 0-3, waited out a round, and joined the grown job as ranks 4-7. Its next hang named
+    ranks 0-3 too ("rank 0 is dead (its process is gone)"): the store still held them, and the probe of their old
+    pids said dead. Ranks this node held in an earlier worker round and holds no more are not its now."""
+    clock = Clock()
+    js = JobTelemetry(clock=clock)
+    actions = Actions(answer={4, 5, 6, 7})
+    wd = Watchdog(js, actions, node="n0", config=WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3,
+                                                                                floor_s=5.0)),
+                  clock=clock, wall=clock, sleep=clock.sleep, probe=lambda pid: "dead",
+                  diagnostics_dir=lambda job: tmp_path / job)
+
+    def round_of(ranks, restart_count, pid_base, steps):
+        for r in ranks:
+            js.connect(WorkerInfo(job="j", rank=r, local_rank=r % 4, world_size=8, mesh={"dp": 8},
+                                  pid=pid_base + r, hostname="n0", restart_count=restart_count))
+        for i in range(steps):
+            start = clock.now
+            clock.now += 0.25
+            for r in ranks:
+                js.record_step("j", r, index=i + 1, start_unix=start, duration_seconds=0.25)
+            wd.check_once()
+
+    round_of(range(4), 0, 100, 20)
+    for r in range(4):
+        js.disconnect("j", r, 100 + r)
+    clock.now += 10
+    wd.check_once()
+    round_of(range(4, 8), 0, 200, 20)
+    assert sorted(r.rank for r in js.snapshot("j")[0].ranks) == [4, 5, 6, 7]
+    clock.now += 6
+    wd.check_once()
+    hang = actions.records[0]
+    assert hang.kind is IncidentKind.HANG
+    assert set(hang.evidence["verdict"].get("unresponsive", {})) <= {"4", "5", "6", "7"}
+    assert "rank 0" not in hang.evidence["verdict"]["summary"]
+    (_, aborted, _), = actions.aborts
+    assert aborted == [4, 5, 6, 7]
+    # a rank of this round whose stream dropped (a SIGSTOPped rank's may) is still probed: it is the job's; so is one
+    # of a group that restarts in place, until its new process connects
+    js.disconnect("j", 5, 205)
+    assert 5 in [r.rank for r in js.snapshot("j")[0].ranks]
+    js.disconnect("j", 4, 204)
+    js.connect(WorkerInfo(job="j", rank=4, local_rank=0, world_size=8, mesh={"dp": 8}, pid=304, hostname="n0"))
+    assert sorted(r.rank for r in js.snapshot("j")[0].ranks) == [4, 5, 6, 7]
+
+
 def test_failed_abort_marks_the_incident_failed(tmp_path):
     sim = Sim(ranks=2)
     actions = Actions(answer={0, 1}, abort_ok=False)
