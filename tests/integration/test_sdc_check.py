@@ -6,7 +6,8 @@ inverted (finite: the numeric guard cannot see it). The replicas disagree, rank 
 and rank 1 is named: one `numeric` incident of kind `sdc` on its node, and no other incident; the checks of the
 other steps agree and the job trains to the end. In a pipeline (dp 2 x pp 2) each stage's replicas check their stage on
 their own: rank 1 (stage 0, whose check has no loss of its own) is named, and the last stage's replicas (ranks 2
-and 3, whose check takes drawn hidden states) agree.
+and 3, whose check takes drawn hidden states) agree. With tensor parallelism inside the pipeline too (dp 2 x tp 2 x
+pp 2), each rank's plain replica gathers its stage's full weights over its tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("mesh, reporter_sees", [
     (["--dp", "2"], "rank(s) 1 differ"),  # rank 0 reports, in rank 1's group
     (["--dp", "2", "--pp", "2"], "the replicas agree"),  # rank 2 reports: the last stage's group, ranks 2 and 3
-], ids=["dp2", "dp2-pp2"])
+    # tensor parallelism inside the pipeline: each rank's replica gathers its stage's full weights (a collective over
+    # its tensor-parallel group); rank 1 is stage 0's second tensor-parallel rank
+    (["--dp", "2", "--tp", "2", "--pp", "2"], "the replicas agree"),
+], ids=["dp2", "dp2-pp2", "dp2-tp2-pp2"])
 def test_a_flipped_gradient_bit_is_named_to_its_rank_and_node(procs, tmp_path, mesh, reporter_sees):
     env = gpt_env()
     env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_FAULTS="gradflip:rank=1,step=4")
     log = tmp_path / "run.log"
-    ranks = 2 if "--pp" not in mesh else 4
+    ranks = 2 * (2 if "--pp" in mesh else 1) * (2 if "--tp" in mesh else 1)
     proc = procs.spawn(
         [sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0", "--nproc-per-node",
          str(ranks), "--max-restarts", "0", "--job", "sdc", "--",
