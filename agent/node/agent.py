@@ -122,7 +122,7 @@ QUIET_READ_PERIOD_ENV = "TRAINWARDEN_QUIET_READ_PERIOD_S"
 (`WatchdogConfig.quiet_read_period_s`; 0: never ask)."""
 QUIET_STEP_SEND_ENV = "TRAINWARDEN_QUIET_STEP_SEND_S"
 """How long the agent lets its workers hold back steps that keep ending, at the same quiet times
-(`WatchdogConfig.quiet_step_send_s`; 0, the default: never ask; nothing is asked while read pacing is off)."""
+(`WatchdogConfig.quiet_step_send_s`, 2 s by default; 0: never ask; nothing is asked while read pacing is off)."""
 
 
 def _seconds_env(name: str, default: float, high: float, zero_means: str) -> float:

@@ -69,13 +69,14 @@ class WatchdogConfig:
     brings the reads back to their own pace for the windows that judge it. 3 s until session 35."""
     quiet_after_s: float = 10.0
     """How long nothing may have been near a decision before the workers are asked to read slowly."""
-    quiet_step_send_s: float = 0.0
-    """At the same quiet times, how long the workers may hold back steps that keep ending (0, the default: never
-    ask; they send every flush interval; 2 s halves watching's messages, BENCHMARKS.md issue 48 item 6). Each send
-    costs the worker's Python time and gRPC's threads; a batch promises the next, and one comes at a look soon after
-    the steps stop, so hangs are heard of as before (runtime/send_pace.py). Off by default until a soak with it on
-    passes: session 38's broke two invariants where the same soak with it off broke none (cause not found).
-    Asked only of a job whose every connected rank reports steps: a job's progress is its newest step."""
+    quiet_step_send_s: float = 2.0
+    """At the same quiet times, how long the workers may hold back steps that keep ending (0: never ask; they send
+    every flush interval). 2 s halves watching's messages (BENCHMARKS.md issue 48 item 6): each send costs the
+    worker's Python time and gRPC's threads. A batch promises the next, and one comes at a look soon after the steps
+    stop, so hangs are heard of as before (runtime/send_pace.py). Off in session 38 after a soak broke two invariants
+    with it on; the cause was the hang clock's 1 s cap on a late report's age, in both modes (loop.py
+    ``REPORT_AGE_CAP_S``), and two soaks with it on after the fix broke none (session 39). Asked only of a job whose
+    every connected rank reports steps: a job's progress is its newest step."""
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:

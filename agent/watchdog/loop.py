@@ -68,9 +68,9 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 REPORT_AGE_CAP_S = 1.0
 """The least a report may count as late: progress counts from a step's end or a collective's entry, up to the
-longest its report can take (``ReadPacer.step_report_s`` and ``collective_report_s``: a flush, 0.5 s, for steps sent
-at the worker's own pace; a read period and a flush for collectives, 6.5 s at the quiet pace), and never less than
-this, before its batch arrived. No more than that: a wall clock stepped forward (which would make every event look
+longest its report can take (``ReadPacer.step_report_s`` while some rank holds its steps, 2.5 s or more; a read
+period and a flush for collectives, ``collective_report_s``, 6.5 s at the quiet pace), and never less than this,
+before its batch arrived. No more than that: a wall clock stepped forward (which would make every event look
 old) cannot make a hang of a report that came as soon as it could. Until session 39 this was the cap on every
 report: a quiet read reporting a waiting rank's collectives 5 s after it entered them counted them 1 s old, and the
 node judged a SIGSTOP 5.9 s after the other (the soak)."""
@@ -219,6 +219,9 @@ class Watchdog:
         round_id = tuple(sorted((r.rank, r.pid) for r in snap.ranks))
         stood_down = self._stand_downs.why(snap.job, round_id) is not None  # its clock pauses as for no ranks
         step_p99 = _steady_step_p99(connected)
+        # a rank's steps come late only when it holds them (its batches promise the next, or it said they stopped)
+        holding = any(r.steps_promised or r.steps_stopped for r in connected)
+        step_report_s = self._pacer.step_report_s(snap.job, step_p99) if holding else 0.0
         collective_report_s = self._pacer.collective_report_s(snap.job)
         check = self._hang.observe(
             snap.job, round_id=round_id,
@@ -226,7 +229,7 @@ class Watchdog:
             step_p99_s=step_p99,
             in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
             checkpoint_io=checkpoint_io,
-            progress_age_s=self._report_age(newest, self._pacer.step_report_s(snap.job, step_p99)),
+            progress_age_s=self._report_age(newest, step_report_s),
             # some rank keeps its promise of the next batch of steps and none said its steps stopped: they go on,
             # though the newest one heard of may be a few seconds old (runtime/send_pace.py)
             steps_flowing=any(r.steps_promised for r in connected) and not any(r.steps_stopped for r in connected),

@@ -415,6 +415,26 @@ session 31 one `trainwarden run` against a 3-member etcd whose members were kill
 34-36 threads and 21-23 fds all along."""
 
 
+STORE_HOST_THREAD = "thread pt_tcpstore_uv"
+"""The thread of the rendezvous round's TCPStore server (torch's libuv store), held by the launcher of the node
+that hosts it: with it come its listening socket, a socket to each worker, pipes, an epoll, an eventfd and an
+io_uring (19 fds on the bed). When the world changes the role may move to another node (session 38: n1's launcher
+went from 16 fds to 35 as n0's went from 35 to 18), which is no growth of either."""
+
+
+def _since_role_change(rows: list[tuple[float, dict]]) -> list[tuple[float, dict]]:
+    """The samples since the process last took up or gave up hosting the rendezvous store (all of them if it
+    never did): its level and its end are compared in the same role."""
+    def hosts(values: dict) -> bool:
+        return values.get("held", {}).get(STORE_HOST_THREAD, 0) > 0
+
+    role = hosts(rows[-1][1])
+    start = len(rows)
+    while start > 0 and hosts(rows[start - 1][1]) == role:
+        start -= 1
+    return rows[start:]
+
+
 def _median_row(rows: list[tuple[float, dict]]) -> dict:
     return {m: statistics.median_low(values[m] for _, values in rows) for m in ("rss", "threads", "fds")}
 
@@ -438,14 +458,18 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
     ``baseline_after`` (the first restart's recovery; a process started later: its first sample) is its level;
     its last sample must be within ``slack`` of it on each measure, threads and fds within ``allowance`` more where
     that is more. A process's level is taken no earlier than ``settle`` seconds after its first sample (a launcher
-    started late is sampled while it starts up). The level and the end are each the median of ``window`` samples
-    (the first and the last ones), each measure on its own."""
+    started late is sampled while it starts up), and in the role it ends in (``STORE_HOST_THREAD``: a launcher that
+    took up hosting the rendezvous store is levelled from then). The level and the end are each the median of
+    ``window`` samples (the first and the last ones), each measure on its own."""
     by: dict[str, list[tuple[float, dict]]] = {}
     for t, label, values in samples:
         by.setdefault(label, []).append((t, values))
     problems, checked = [], []
     for label, rows in sorted(by.items()):
         after = [r for r in rows if r[0] >= max(baseline_after, rows[0][0] + settle)]
+        role = _since_role_change(after) if after else after
+        moved = len(role) < len(after)
+        after = role if len(role) >= 2 else after
         if len(after) < 2:
             continue
         base, last = _median_row(after[:window]), _median_row(after[-window:])
@@ -458,7 +482,8 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
                 problems.append(f"{label} {measure} {base[measure]} -> {last[measure]}"
                                 + (f" ({grown})" if grown else ""))
         checked.append(f"{label} rss {base['rss'] / 2**20:.0f}->{last['rss'] / 2**20:.0f} MiB threads "
-                       f"{base['threads']}->{last['threads']} fds {base['fds']}->{last['fds']}")
+                       f"{base['threads']}->{last['threads']} fds {base['fds']}->{last['fds']}"
+                       + (" (since its rendezvous store role changed)" if moved else ""))
     if not checked:
         return Verdict("flat_resources", False, "no process was sampled twice after the first restart")
     return Verdict("flat_resources", not problems, "; ".join(problems or checked))

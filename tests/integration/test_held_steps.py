@@ -130,7 +130,7 @@ def test_a_rank_that_stops_while_the_ranks_hold_their_steps_is_named_a_hang_and_
     script = tmp_path / "held.py"
     script.write_text(HANG_AFTER_HOLDING)
     env = gpt_env()
-    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_QUIET_STEP_SEND_S="2")  # off by default
+    env.update(TRAINWARDEN_STATE_HOME=str(tmp_path / "state"), TRAINWARDEN_QUIET_STEP_SEND_S="2")  # the default, said
     log = tmp_path / "run.log"
     proc = procs.spawn([sys.executable, "-m", "trainwarden.agent.cli", "run", "--metrics-port", "0",
                         "--nproc-per-node", "2", "--max-restarts", "1", "--job", "held", "--", str(script)],

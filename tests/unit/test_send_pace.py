@@ -152,7 +152,7 @@ def test_quiet_jobs_whose_ranks_all_report_steps_are_asked_to_hold_them(tmp_path
         wd2.check_once()
     assert actions2.paces == [("j", [0, 1], 6.0)] and actions2.sends == [0.0]
     wd3 = _watchdog(Sim(ranks=2), Actions(), tmp_path)
-    assert wd3._pacer._send_s == 0.0  # the default
+    assert wd3._pacer._send_s == 2.0  # the default
 
 
 def _promise(sim, within=2.0, ranks=None):
@@ -250,9 +250,9 @@ def test_the_step_send_period_comes_from_the_environment_within_its_bounds(monke
 
     with pytest.raises(ValueError, match="quiet_step_send_s"):
         WatchdogConfig(quiet_step_send_s=11.0, hang=HangConfig())
-    assert watchdog_config().quiet_step_send_s == 0.0  # off by default (WatchdogConfig.quiet_step_send_s says why)
-    monkeypatch.setenv(QUIET_STEP_SEND_ENV, "2")
-    assert watchdog_config().quiet_step_send_s == 2.0
+    assert watchdog_config().quiet_step_send_s == 2.0  # the default
+    monkeypatch.setenv(QUIET_STEP_SEND_ENV, "0")
+    assert watchdog_config().quiet_step_send_s == 0.0  # never ask
     for bad in ("later", "-1", "11"):
         monkeypatch.setenv(QUIET_STEP_SEND_ENV, bad)
         with pytest.raises(ValueError, match="TRAINWARDEN_QUIET_STEP_SEND_S.*between 0 .never ask.* and 10"):

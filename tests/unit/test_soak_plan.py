@@ -189,6 +189,24 @@ def test_a_failed_flat_resources_names_what_the_process_holds_more_of():
     assert verdict.detail == "n1 agent 7 fds 16 -> 23 (+5 socket, +2 anon_inode:[eventpoll])"
 
 
+def test_a_launcher_that_took_up_hosting_the_rendezvous_store_is_levelled_in_that_role():
+    """Session 38: after the world changed, n1's launcher hosted the round's TCPStore (16 fds -> 35) and n0's no
+    longer did (35 -> 18). The role moved; neither leaked. A launcher that grows within one role still fails."""
+    def row(fds, store):
+        return {"rss": 60, "threads": 12 + store, "fds": fds, "held": {"thread pt_tcpstore_uv": store}}
+
+    n1 = [(float(i), "n1 launcher 5", row(16, 0)) for i in range(5)] + \
+        [(10.0 + i, "n1 launcher 5", row(35, 1)) for i in range(5)]
+    n0 = [(float(i), "n0 launcher 4", row(35, 1)) for i in range(5)] + \
+        [(10.0 + i, "n0 launcher 4", row(18, 0)) for i in range(5)]
+    verdict = flat(n1 + n0, 0.0, settle=0, window=3)
+    assert verdict.ok, verdict.detail
+    assert "n1 launcher 5 rss 0->0 MiB threads 13->13 fds 35->35 (since its rendezvous store role changed)" in \
+        verdict.detail
+    leak = n1 + [(20.0 + i, "n1 launcher 5", row(45, 1)) for i in range(5)]
+    assert not flat(leak, 0.0, settle=0, window=3).ok
+
+
 def test_a_kind_a_fault_may_also_cause_is_allowed_once_per_node():
     corrupt = PlannedFault(index=0, kind="ckpt_corrupt", step=40, variant="flip", at=100.0)
     seen = [_inc("checkpoint_set_aside", 110, "n0", [0]), _inc("node_lost", 105, "n1", [4, 5, 6, 7])]
