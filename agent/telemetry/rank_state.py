@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from trainwarden.agent.shared.contract import FLUSH_INTERVAL_S
 from trainwarden.agent.telemetry.arrivals import ArrivalMatcher, Interval
 from trainwarden.agent.telemetry.snapshots import CollectiveTotals, JobSnapshot, RankSnapshot, WorkerInfo
 
@@ -88,6 +89,7 @@ class RankState:
         self.still_since = None  # (clock) since when the training thread has not moved; None: it moves
         self.pending_since = None  # (clock) since when its oldest collective has been in flight, while still
         self.promise_until = 0.0  # (clock) until when its last batch's promise of the next holds (0: none)
+        self.promised_by = 0.0  # (clock) when the batch it promised is due
         self.steps_stopped = False  # a batch promising nothing came after one that promised
 
     def update_compute(self) -> None:
@@ -121,7 +123,7 @@ class RankState:
         """A batch of steps arrived promising the next within `within_s` (0: nothing). The promise is held for
         twice that: a sender late by a scheduling hiccup must not look like a stall."""
         if within_s > 0:
-            self.promise_until, self.steps_stopped = now + 2 * within_s, False
+            self.promise_until, self.promised_by, self.steps_stopped = now + 2 * within_s, now + within_s, False
         elif self.promise_until > 0:
             self.promise_until, self.steps_stopped = 0.0, True
 
@@ -208,4 +210,5 @@ def rank_snapshot(r: RankState, now: float, job: JobRanks) -> RankSnapshot:
         still_seconds=0.0 if r.still_since is None else max(0.0, now - r.still_since),
         collective_pending_seconds=0.0 if r.pending_since is None else max(0.0, now - r.pending_since),
         steps_promised=r.promise_until > now, steps_stopped=r.steps_stopped,
+        steps_overdue=r.promised_by + FLUSH_INTERVAL_S < now < r.promise_until,
     )

@@ -139,6 +139,9 @@ class RankSnapshot:
     steps_stopped: bool = False
     """The rank said its steps stopped (a batch promising nothing after one that promised) and has promised
     nothing since: what it reported is all there is."""
+    steps_overdue: bool = False
+    """Its promise still holds, but the batch it promised is later than promised and a look: a late sender, or a
+    frozen one (SIGSTOP) that can never withdraw its promise; the watchdog asks its process which."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -230,9 +230,7 @@ class Watchdog:
             in_checkpoint=bool(in_stage), running=bool(connected) and not held and not stood_down,
             checkpoint_io=checkpoint_io,
             progress_age_s=self._report_age(newest, step_report_s),
-            # some rank keeps its promise of the next batch of steps and none said its steps stopped: they go on,
-            # though the newest one heard of may be a few seconds old (runtime/send_pace.py)
-            steps_flowing=any(r.steps_promised for r in connected) and not any(r.steps_stopped for r in connected),
+            steps_flowing=self._steps_flowing(connected),
             collective_counts={r.rank: r.collectives_seen for r in snap.ranks},
             collective_gap_s=max((r.collective_gap_max_seconds for r in connected), default=0.0),
             collective_age_s=self._report_age(newest_collective, collective_report_s),
@@ -275,6 +273,17 @@ class Watchdog:
         self._pacer.pace(snap, near_decision=self._straggler.near_decision(snap.job)
                          or self._comm.detector.near_decision(snap.job))
         return check
+
+    def _steps_flowing(self, connected: Sequence[RankSnapshot]) -> bool:
+        """Some rank keeps its promise of the next batch of steps and none said its steps stopped: they go on, though
+        the newest one heard of may be a few seconds old (runtime/send_pace.py). A rank whose promised batch is
+        overdue may be frozen, and a frozen sender cannot withdraw its promise: when its process is stopped
+        (SIGSTOP, a debugger) the steps do not go on. Asked only then, so a job that progresses costs nothing; without
+        it a job whose every rank is stopped (one rank, or each node's all) was judged only when the promises lapsed,
+        twice their time after the last batch."""
+        if not any(r.steps_promised for r in connected) or any(r.steps_stopped for r in connected):
+            return False
+        return not any(r.steps_overdue and r.pid > 0 and self._probe(r.pid) == "stopped" for r in connected)
 
     def _report_age(self, unix: float, report_s: float) -> float:
         """How long before now a reported event happened (0 when unknown), at most the longest its report can take

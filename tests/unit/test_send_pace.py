@@ -160,9 +160,10 @@ def _promise(sim, within=2.0, ranks=None):
         sim.js.record_steps_promise("j", r, within)
 
 
-def _holding(sim, actions, tmp_path):
-    """A watchdog that has seen the job at work, every batch promising the next within 4 s."""
-    wd = _watchdog(sim, actions, tmp_path)
+def _holding(sim, actions, tmp_path, probe="running"):
+    """A watchdog that has seen the job at work, every batch promising the next within 4 s; `probe`: what every
+    rank's process is when asked."""
+    wd = _watchdog(sim, actions, tmp_path, probe=lambda pid: probe)
     for _ in range(5):
         sim.run(2)
         _promise(sim, 4.0)
@@ -209,6 +210,26 @@ def test_a_stopped_rank_that_cannot_withdraw_its_promise_is_caught_when_the_othe
     sim.clock.now += 4.9
     wd.check_once()
     assert [i.kind for i in actions.records][:1] == [IncidentKind.HANG]  # 5.4 s after the last step, not 8 s
+
+
+def test_a_job_whose_every_rank_is_stopped_is_judged_once_a_promised_batch_is_overdue(tmp_path):
+    """One rank (or every rank of a node) SIGSTOPped while holding its steps: no sender is left to say the steps
+    stopped. Once the batch it promised is overdue (4 s and a look here), the watchdog asks the process: stopped, so
+    the job is judged on its newest step (on the 5 s deadline), not when the promise lapses at 8 s."""
+    sim = Sim(ranks=2)
+    actions = Actions(answer=set())
+    wd = _holding(sim, actions, tmp_path, probe="stopped")
+    sim.clock.now += 4.4
+    wd.check_once()
+    assert actions.records == [] and wd._hang.stalled_s("j") == 0.0  # promised, not yet overdue: not asked
+    sim.clock.now += 0.2
+    wd.check_once()
+    assert actions.records == [] and wd._hang.stalled_s("j") > 4.5  # overdue and stopped: the stall shows
+    sim.clock.now += 0.5
+    wd.check_once()
+    hang = actions.records[0]
+    assert hang.kind is IncidentKind.HANG and hang.evidence["stalled_seconds"] < 5.5  # 5.1 s, not 8 s
+    assert hang.evidence["verdict"]["unresponsive"] == {"0": "stopped", "1": "stopped"}
 
 
 def test_every_rank_silent_past_its_promise_is_judged_on_the_newest_step(tmp_path):

@@ -116,10 +116,10 @@ class Sim:
             self.js.record_arrivals("j", r, arrivals[r], continues=True, members={"0": range(self.ranks)})
 
 
-def _watchdog(sim, actions, tmp_path, **config):
+def _watchdog(sim, actions, tmp_path, probe=lambda pid: "stopped", **config):
     cfg = WatchdogConfig(hang=HangConfig(startup_s=30, warmup_steps=3, floor_s=5.0), **config)
     return Watchdog(sim.js, actions, node="n1", config=cfg, clock=sim.clock, wall=sim.clock,
-                    sleep=sim.clock.sleep, probe=lambda pid: "stopped", diagnostics_dir=lambda job: tmp_path / job)
+                    sleep=sim.clock.sleep, probe=probe, diagnostics_dir=lambda job: tmp_path / job)
 
 
 def _steady(sim, wd, checks=10):
