@@ -40,7 +40,8 @@ record to the agent: one ``numeric`` incident per event, counted in ``trainwarde
 ``EXIT_NUMERIC_STOP``, which the launcher does not restart.
 
 Cost: a norm per gradient tensor (``torch._foreach_norm``, in place on their device), the spike test and one
-collective of four integers per step; ``tests/bench/bench_numeric.py`` measures it against the same loop
+collective of four integers per step (a step that computes its gradients' norm anyway, to clip them, passes it as
+``grad_norm`` and saves the norms); ``tests/bench/bench_numeric.py`` measures it against the same loop
 without the guard. On a GPU the check's read of its flags is a synchronization: the host waits for the backward
 pass before it launches the optimizer's kernels (+0.55 % of a 129 ms H200 step). With a fused optimizer
 (``check(..., optimizer=opt)``, torch's Adam, AdamW or SGD with ``fused=True``) the check is deferred instead
@@ -210,20 +211,30 @@ class NumericGuard:
             self._answers = (finite, not_finite)
         return self._answers
 
-    def check(self, step: int, *, loss: torch.Tensor | None, parameters: Iterable[torch.nn.Parameter],
-              optimizer: torch.optim.Optimizer | None = None) -> bool:
+    def check(self, step: int, *, loss: torch.Tensor | None, parameters: Iterable[torch.nn.Parameter] = (),
+              optimizer: torch.optim.Optimizer | None = None, grad_norm: torch.Tensor | None = None) -> bool:
         """True: apply the step's update. False: skip it (``rollback``). Raises ``NumericStop``. Collective: every
         rank of the group calls it at every step.
 
         ``optimizer``: the optimizer whose step follows. A fused Adam, AdamW or SGD on a GPU (or on the CPU with
         ``defer=True``) makes the check deferred (runtime/numeric_defer.py): the skip is decided on the device, the
         call returns True (call ``optimizer.step()``: it applies nothing when the step is skipped) without waiting for
-        the GPU, and this step's events, incident and stop come at the next check or ``flush()``."""
+        the GPU, and this step's events, incident and stop come at the next check or ``flush()``.
+
+        ``grad_norm``: a norm of the step's gradients that it computes anyway (``clip_grad_norm_``'s return value,
+        before it clips: any NaN or Inf element makes it so). The guard then reads that one value instead of a norm per
+        gradient tensor, which is all it adds to the step: on an H200 one read of 537 MB of gradients is 0.14 % of a
+        126 ms step (BENCHMARKS.md), more than the 0.1 % asked of the whole check. ``parameters`` are not read. Where
+        the norm is reduced across ranks (FSDP, tensor parallelism) every rank sees a NaN, and the event says every
+        rank's gradients were not finite rather than name one; a rank's own loss still names it."""
         self._settle()  # a deferred step before this one: its events first (they decide this step's spike rules)
-        grads = [_local(p.grad) for p in parameters if p.grad is not None]
-        device = self._device or (grads[0].device if grads else
+        if grad_norm is not None:
+            grads, norms = [], [grad_norm.detach()]
+        else:
+            grads, norms = [_local(p.grad) for p in parameters if p.grad is not None], None
+        device = self._device or (grads[0].device if grads else grad_norm.device if grad_norm is not None else
                                   loss.device if loss is not None else torch.device("cpu"))
-        flags, value, limit = self._agree(grads, loss, device)
+        flags, value, limit = self._agree(grads, loss, device, norms)
         if self._deferred(optimizer, device):
             return self._skip_on_device(step, flags, value, limit, optimizer)
         return self._decide(step, [int(v) for v in flags.tolist()], value, limit)
@@ -233,9 +244,14 @@ class NumericGuard:
         reading ``events``. Nothing to do after a synchronous check."""
         self._settle()
 
-    def _agree(self, grads: list[torch.Tensor], loss: torch.Tensor | None, device: torch.device):
-        """The four flags every rank agreed on (on the device, not read), this rank's loss, and its spike limit."""
-        if grads:  # a norm per tensor, in place on its device; any NaN or Inf element makes its norm so
+    def _agree(self, grads: list[torch.Tensor], loss: torch.Tensor | None, device: torch.device,
+               norms: list[torch.Tensor] | None = None):
+        """The four flags every rank agreed on (on the device, not read), this rank's loss, and its spike limit.
+        ``norms``: the step's own norm of its gradients (``check``'s ``grad_norm``), else one per tensor of `grads`."""
+        if norms is not None:
+            self._norms = norms
+            grad_ok = torch.isfinite(norms[0]).all().to(device)
+        elif grads:  # a norm per tensor, in place on its device; any NaN or Inf element makes its norm so
             self._norms = torch._foreach_norm(grads)
             grad_ok = torch.isfinite(torch.stack(self._norms)).all()
         else:

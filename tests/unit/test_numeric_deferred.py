@@ -220,3 +220,31 @@ def test_the_rank_named_reports_a_deferred_nan_at_the_next_check(monkeypatch):
         other.step = step
         _train(guard, model, optimizer, step, loss_scale=math.nan if step == 2 else 1.0)
         assert [e[:4] for e in session.events] == ([] if step < 3 else [("nan", 2, 1, "rolled_back")])
+
+
+def test_a_deferred_check_given_the_clipping_norm_skips_a_nan_on_the_device():
+    """``grad_norm=``: the norm ``clip_grad_norm_`` returns decides the skip on the device, as the guard's own norms
+    would (clipping a NaN norm makes every gradient NaN; the fused optimizer then applies nothing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    optimizer = _fused(model)
+    guard = NumericGuard(None, policy="rollback", spikes=None, defer=True)
+    data = torch.randn(8, 16)
+    for step in (1, 2):
+        optimizer.zero_grad()
+        model(data).square().mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+        assert guard.check(step, loss=None, grad_norm=norm, optimizer=optimizer)
+        optimizer.step()
+    optimizer.zero_grad()
+    model(data).square().mean().backward()
+    next(model.parameters()).grad.view(-1)[3] = math.nan
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+    weights, moments = _state(model, optimizer)
+    assert guard.check(3, loss=None, grad_norm=norm, optimizer=optimizer) is True
+    optimizer.step()
+    after, moments_after = _state(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(after, weights))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(moments_after, moments) for k in a)
+    guard.flush()
+    assert [(e.step, e.where, e.action) for e in guard.events] == [(3, "gradients", "rolled_back")]
