@@ -33,6 +33,26 @@ def _model(width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())]).cuda()
 
 
+def _alternating(step, kinds, *, warm_up=5, rounds=4, steps=15):
+    """`warm_up` steps of each kind in turn, then `rounds` rounds of `steps` steps of each kind in turn:
+    ({kind: [[step's result, ...] per round]}, the last index). `step(kind, index)`, with a running index (the
+    guard's step number)."""
+    index = 0
+    for _ in range(warm_up):  # kernels, the allocator, the optimizer's state, the pinned buffer
+        for kind in kinds:
+            index += 1
+            step(kind, index)
+    results = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            one = []
+            for _ in range(steps):
+                index += 1
+                one.append(step(kind, index))
+            results[kind].append(one)
+    return results, index
+
+
 def test_the_guards_cost_on_a_60_ms_gpu_step_and_a_nan_on_the_gpu_is_rolled_back():
     width, batch = 4096, 8192
     model = _model(width)
@@ -108,21 +128,10 @@ def test_the_deferred_checks_cost_on_a_60_ms_gpu_step_and_a_nan_is_skipped_on_th
         return time.perf_counter() - began, spent
 
     kinds = ("deferred", "plain", "synchronous")
-    index = 0
-    for _ in range(5):  # warm-up: kernels, the allocator, the optimizer's state, the pinned buffer
-        for kind in kinds:
-            index += 1
-            step(kind, index)
-    rounds = {kind: [] for kind in kinds} | {"deferred_call": [], "synchronous_call": []}
-    for _ in range(4):
-        for kind in kinds:
-            times = []
-            for _ in range(15):
-                index += 1
-                times.append(step(kind, index))
-            rounds[kind].append(statistics.median(t for t, _ in times))
-            if kind != "plain":
-                rounds[f"{kind}_call"].append(statistics.median(g for _, g in times))
+    runs, index = _alternating(step, kinds)
+    rounds = {kind: [statistics.median(t for t, _ in times) for times in runs[kind]] for kind in kinds}
+    rounds |= {f"{kind}_call": [statistics.median(g for _, g in times) for times in runs[kind]]
+               for kind in kinds if kind != "plain"}
     deferred.flush()
     median = {k: statistics.median(v) for k, v in rounds.items()}
     figures = {"step_ms_deferred": median["deferred"] * 1e3, "step_ms_plain": median["plain"] * 1e3,
@@ -172,19 +181,8 @@ def test_a_step_that_clips_gives_the_deferred_check_its_norm_and_pays_for_no_rea
         torch.cuda.synchronize()
         return time.perf_counter() - began
 
-    kinds, index = ("guarded", "plain"), 0
-    for _ in range(5):
-        for kind in kinds:
-            index += 1
-            step(kind, index)
-    rounds = {kind: [] for kind in kinds}
-    for _ in range(4):
-        for kind in kinds:
-            times = []
-            for _ in range(15):
-                index += 1
-                times.append(step(kind, index))
-            rounds[kind].append(statistics.median(times))
+    runs, index = _alternating(step, ("guarded", "plain"))
+    rounds = {kind: [statistics.median(times) for times in runs[kind]] for kind in runs}
     guard.flush()
     median = {k: statistics.median(v) for k, v in rounds.items()}
     figures = {"step_ms_guarded": median["guarded"] * 1e3, "step_ms_plain": median["plain"] * 1e3,
