@@ -101,7 +101,9 @@ HANG_AFTER_HOLDING = textwrap.dedent("""
         flag = torch.tensor([float(rt.stats["held"] > 0)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         holding = holding + 1 if flag.item() else 0
-        if holding == 10 or (restarted and step == 100):
+        # (after the restart the job may be asked to hold at once: the agent's quiet outlives a worker round, so
+        # only the step count ends the second round; CI once saw it holding by its step 89)
+        if (holding == 10 and not restarted) or (restarted and step == 100):
             break
         with rt.step(step):
             time.sleep(0.02)
