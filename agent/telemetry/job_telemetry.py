@@ -480,8 +480,6 @@ class JobTelemetry:
         return owner.ranks.get(rank) if owner is not None else None
 
 
-
-
 def _retire_earlier_rounds(job: JobRanks) -> None:
     """Forget the ranks this node held in an earlier worker round and holds no more (module docstring): a
     disconnected rank whose local rank a connected rank of another global rank took after it ended. A node that

@@ -428,6 +428,8 @@ def _since_role_change(rows: list[tuple[float, dict]]) -> list[tuple[float, dict
     def hosts(values: dict) -> bool:
         return values.get("held", {}).get(STORE_HOST_THREAD, 0) > 0
 
+    if not rows:
+        return rows
     role = hosts(rows[-1][1])
     start = len(rows)
     while start > 0 and hosts(rows[start - 1][1]) == role:
@@ -467,9 +469,10 @@ def flat(samples: list[tuple[float, str, dict]], baseline_after: float, *, slack
     problems, checked = [], []
     for label, rows in sorted(by.items()):
         after = [r for r in rows if r[0] >= max(baseline_after, rows[0][0] + settle)]
-        role = _since_role_change(after) if after else after
-        moved = len(role) < len(after)
-        after = role if len(role) >= 2 else after
+        same_role = _since_role_change(after)
+        moved = len(same_role) < len(after)
+        if len(same_role) >= 2:
+            after = same_role
         if len(after) < 2:
             continue
         base, last = _median_row(after[:window]), _median_row(after[-window:])

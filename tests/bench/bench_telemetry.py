@@ -46,8 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
-AGENT = """  # argv: socket, state directory, quiet read period ("": WatchdogConfig's); TRAINWARDEN_QUIET_STEP_SEND_S=2 in the
-# environment: held steps (off by default)
+AGENT = """  # argv: socket, state directory, quiet read period ("": WatchdogConfig's); TRAINWARDEN_QUIET_STEP_SEND_S in the
+# environment: the held steps' period (WatchdogConfig's 2 s when unset; 0: off)
 import os, sys, time
 from pathlib import Path
 from trainwarden.agent.incidents.store import IncidentStore
